@@ -1,0 +1,34 @@
+"""VeloxQuant-MLX: truly compressed KV caches for mlx-lm."""
+
+from .cache import CacheFormatError, CompressedKVCache
+from .config import KVCacheConfig
+from .integration import (
+    KVCacheBuilder,
+    SingleHeadCache,
+    UnsupportedModelError,
+    load_prompt_cache,
+    make_prompt_cache,
+    patch_model,
+    save_prompt_cache,
+    unpatch_model,
+)
+from .methods import available_methods, get_method, register_method
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheFormatError",
+    "CompressedKVCache",
+    "KVCacheBuilder",
+    "KVCacheConfig",
+    "SingleHeadCache",
+    "UnsupportedModelError",
+    "available_methods",
+    "get_method",
+    "load_prompt_cache",
+    "make_prompt_cache",
+    "patch_model",
+    "register_method",
+    "save_prompt_cache",
+    "unpatch_model",
+]

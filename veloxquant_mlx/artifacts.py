@@ -1,0 +1,160 @@
+"""Codecs shared by a model's layers, built fresh or loaded from an artifact dir.
+
+`veloxquant precompute` writes every codebook and rotation a model's caches
+need to `codecs.safetensors` + `artifacts.json`; a config with
+`artifact_dir=` loads them instead of recomputing, bit for bit the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .methods import get_method
+
+ARTIFACT_FORMAT = 1
+ARTIFACT_JSON = "artifacts.json"
+ARTIFACT_ARRAYS = "codecs.safetensors"
+
+
+class ArtifactError(ValueError):
+    """An artifact dir that does not fit the model or config it is used with."""
+
+
+class CodecSet:
+    """The key and value codecs of one config, one per head dim, shared by all layers."""
+
+    def __init__(self, config, params: Optional[Dict[Tuple[str, int], dict]] = None, source: str = ""):
+        self.config = config
+        self._params = params
+        self._source = source
+        self._codecs = {}
+
+    @classmethod
+    def for_config(cls, config, fingerprint: Optional[dict] = None) -> "CodecSet":
+        if config.artifact_dir is None:
+            return _fresh_codec_set(config.to_json())
+        return load_artifacts(config, fingerprint)
+
+    def get(self, role: str, dim: int):
+        key = (role, dim)
+        if key not in self._codecs:
+            params = None
+            if self._params is not None:
+                if key not in self._params:
+                    have = ", ".join(f"{r} d={d}" for r, d in sorted(self._params))
+                    raise ArtifactError(
+                        f"artifact dir {self._source} has no {role} codec for head dim {dim} "
+                        f"(it has: {have}); rerun `veloxquant precompute` for this model"
+                    )
+                params = self._params[key]
+            method = get_method(self.config.method)
+            make = method.key_codec if role == "keys" else method.value_codec
+            self._codecs[key] = make(self.config, dim, params)
+        return self._codecs[key]
+
+    def overhead_bytes(self) -> int:
+        """Bytes of the constant arrays (codebooks, rotations) shared by all layers."""
+        return sum(a.nbytes for c in self._codecs.values() for a in c.params().values())
+
+
+@functools.lru_cache(maxsize=64)
+def _fresh_codec_set(config_json: str) -> CodecSet:
+    from .config import KVCacheConfig
+
+    return CodecSet(KVCacheConfig.from_json(config_json))
+
+
+def layer_shapes(model) -> List[Tuple[int, int, int]]:
+    """(kv_heads, key_dim, value_dim) of each attention layer, read off a one-token forward."""
+    from mlx_lm.models.cache import KVCache
+
+    from .integration import base_caches
+
+    caches = base_caches(model)
+    model(mx.array([[0]]), cache=caches)
+    shapes = []
+    for cache in caches:
+        if isinstance(cache, KVCache) and cache.keys is not None:
+            shapes.append((cache.keys.shape[1], cache.keys.shape[-1], cache.values.shape[-1]))
+        else:
+            shapes.append(None)
+    return shapes
+
+
+def model_fingerprint(model) -> dict:
+    args = getattr(model, "args", None)
+    described = json.dumps(vars(args) if args is not None else {}, sort_keys=True, default=str)
+    return {
+        "model_type": getattr(args, "model_type", type(model).__module__),
+        "num_layers": len(model.layers),
+        "layer_shapes": layer_shapes(model),
+        "args_sha256": hashlib.sha256(described.encode()).hexdigest(),
+    }
+
+
+def precompute(model, config, out_dir) -> Path:
+    """Write the codebooks and rotations `model`'s caches need under `config`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fingerprint = model_fingerprint(model)
+    codecs = CodecSet(config.replace(artifact_dir=None))
+    arrays, entries = {}, []
+    dims = {("keys", s[1]) for s in fingerprint["layer_shapes"] if s} | {
+        ("values", s[2]) for s in fingerprint["layer_shapes"] if s
+    }
+    for role, dim in sorted(dims):
+        entries.append({"role": role, "dim": dim})
+        for name, value in codecs.get(role, dim).params().items():
+            arrays[f"{role}.{dim}.{name}"] = value
+    mx.save_safetensors(str(out / ARTIFACT_ARRAYS), arrays)
+    meta = {
+        "format": ARTIFACT_FORMAT,
+        "config": json.loads(config.replace(artifact_dir=None).to_json()),
+        "fingerprint": fingerprint,
+        "codecs": entries,
+    }
+    (out / ARTIFACT_JSON).write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def load_artifacts(config, fingerprint: Optional[dict] = None) -> CodecSet:
+    from .config import KVCacheConfig
+
+    root = Path(config.artifact_dir)
+    try:
+        meta = json.loads((root / ARTIFACT_JSON).read_text())
+        arrays = mx.load(str(root / ARTIFACT_ARRAYS))
+    except FileNotFoundError as error:
+        raise ArtifactError(f"artifact dir {root} is incomplete: {error.filename} is missing") from None
+    except (ValueError, RuntimeError) as error:
+        raise ArtifactError(f"artifact dir {root} is unreadable: {error}") from None
+    if meta.get("format") != ARTIFACT_FORMAT:
+        raise ArtifactError(f"artifact dir {root} has format {meta.get('format')}, expected {ARTIFACT_FORMAT}")
+    made_for = KVCacheConfig(**meta["config"])
+    if not made_for.same_encoding(config):
+        raise ArtifactError(
+            f"artifact dir {root} was made for {made_for.describe()} (seed {made_for.seed}), "
+            f"not {config.describe()} (seed {config.seed})"
+        )
+    if fingerprint is not None:
+        stored = meta["fingerprint"]
+        stored["layer_shapes"] = [tuple(s) if s else None for s in stored["layer_shapes"]]
+        if stored != fingerprint:
+            diffs = [k for k in fingerprint if stored.get(k) != fingerprint[k]]
+            raise ArtifactError(
+                f"artifact dir {root} was made for another model ({stored['model_type']}, "
+                f"{stored['num_layers']} layers); differs in: {', '.join(diffs)}"
+            )
+    params = {}
+    for entry in meta["codecs"]:
+        prefix = f"{entry['role']}.{entry['dim']}."
+        params[(entry["role"], entry["dim"])] = {
+            k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)
+        }
+    return CodecSet(config, params, source=str(root))

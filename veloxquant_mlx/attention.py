@@ -1,0 +1,108 @@
+"""Attention over a compressed history, one segment at a time.
+
+The history is a sequence of segments (fp16 sinks, blocks of decoded codes, the
+fp16 recent window). Each block is decoded into its codec's domain, scored and
+folded into an online softmax (Milakov & Gimelshein 2018; flash-decoding), so
+the whole history never exists in fp16 at once. Encoded blocks are scored with
+the query mapped into the key codec's domain once (q.k = Rq.Rk), and their
+value sum is mapped back from the value codec's domain once at the end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import mlx.core as mx
+
+
+@dataclass
+class Segment:
+    keys: mx.array  # (B, H, T, Dk) or, when encoded, (B, H, T, key domain dim)
+    values: mx.array  # (B, H, T, Dv) or, when encoded, (B, H, T, value domain dim)
+    start: int  # absolute position of the first token
+    encoded: bool
+
+
+def _block_mask(mask, start: int, stop: int, total: int, L: int, heads: int, repeats: int):
+    """The mask restricted to key positions [start, stop), shaped for (B, H, rep, L, T) scores."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"unsupported attention mask {mask!r}")
+        first_query = total - L
+        if stop - 1 <= first_query:
+            return None
+        query_pos = mx.arange(first_query, total)[:, None]
+        return query_pos >= mx.arange(start, stop)[None]
+    block = mask[..., start:stop]
+    if block.ndim == 4:
+        if block.shape[1] == heads * repeats and heads * repeats > 1:
+            block = block.reshape(block.shape[0], heads, repeats, *block.shape[2:])
+        else:
+            block = mx.expand_dims(block, 2)
+    return block
+
+
+def attend(
+    queries: mx.array,
+    segments: Iterable[Segment],
+    *,
+    scale: float,
+    mask: Optional[Union[str, mx.array]],
+    key_codec,
+    value_codec,
+    kv_heads: int,
+    total: int,
+) -> mx.array:
+    B, n_q_heads, L, _ = queries.shape
+    repeats = n_q_heads // kv_heads
+    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, repeats, L, -1)
+    q_domain = None
+    running_max = running_sum = plain_acc = domain_acc = None
+
+    for seg in segments:
+        if seg.encoded:
+            if q_domain is None:
+                q_domain = key_codec.to_domain(q)
+            q_seg = q_domain
+        else:
+            q_seg = q
+        keys = mx.expand_dims(seg.keys.astype(mx.float32), 2)
+        values = mx.expand_dims(seg.values.astype(mx.float32), 2)
+        scores = q_seg @ keys.swapaxes(-1, -2)
+        block = _block_mask(mask, seg.start, seg.start + keys.shape[-2], total, L, kv_heads, repeats)
+        if block is not None:
+            if block.dtype == mx.bool_:
+                scores = mx.where(block, scores, -mx.inf)
+            else:
+                scores = scores + block.astype(mx.float32)
+
+        block_max = mx.max(scores, axis=-1, keepdims=True)
+        new_max = block_max if running_max is None else mx.maximum(running_max, block_max)
+        # A row that has seen only masked keys keeps max -inf; shift by 0 so exp gives 0, not nan.
+        shift = mx.where(new_max == -mx.inf, 0.0, new_max)
+        probs = mx.exp(scores - shift)
+        weighted = probs @ values
+        block_sum = mx.sum(probs, axis=-1, keepdims=True)
+        if running_max is None:
+            running_sum = block_sum
+        else:
+            correction = mx.exp(running_max - shift)
+            running_sum = running_sum * correction + block_sum
+            plain_acc = None if plain_acc is None else plain_acc * correction
+            domain_acc = None if domain_acc is None else domain_acc * correction
+        if seg.encoded:
+            domain_acc = weighted if domain_acc is None else domain_acc + weighted
+        else:
+            plain_acc = weighted if plain_acc is None else plain_acc + weighted
+        running_max = new_max
+
+    if running_max is None:
+        raise ValueError("attention over an empty cache")
+    out = value_codec.from_domain(domain_acc) if domain_acc is not None else 0.0
+    if plain_acc is not None:
+        out = out + plain_acc
+    out = out / mx.maximum(running_sum, 1e-30)
+    return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)

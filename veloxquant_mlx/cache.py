@@ -1,0 +1,325 @@
+"""The compressed KV cache: packed codes only, in buffers that grow in steps.
+
+Token positions of one layer are laid out as
+
+    [0, sinks)                      fp16 attention sinks (config.sink_tokens)
+    [sinks, sinks + encoded)        packed codes, the only copy of these tokens
+    [sinks + encoded, offset)       fp16 recent window (config.residual_length)
+
+Tokens leave the window in multiples of the codecs' `token_block` once more
+than `residual_length` of them wait there. `nbytes` is the sum of the live
+buffers, unused capacity included.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Dict, Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_attention_mask
+
+from .artifacts import CodecSet
+from .attention import Segment, attend
+from .config import KVCacheConfig
+
+FORMAT_VERSION = 1
+
+
+class CacheFormatError(ValueError):
+    """A saved cache that cannot be restored (corrupted, truncated or foreign)."""
+
+
+class CompressedHistory:
+    """Returned by `update_and_fetch` in place of fp16 keys/values.
+
+    mlx-lm passes it on to `scaled_dot_product_attention`, which VeloxQuant
+    routes to `CompressedKVCache.attend`. It holds no data.
+    """
+
+    def __init__(self, cache: "CompressedKVCache", role: str):
+        self.cache, self.role = cache, role
+
+    @property
+    def shape(self):
+        c = self.cache
+        dim = c.key_dim if self.role == "keys" else c.value_dim
+        return (c.batch, c.kv_heads, c.offset, dim)
+
+    def __repr__(self):
+        return f"CompressedHistory({self.role}, shape={self.shape}, {self.cache.config.describe()})"
+
+
+def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: int) -> mx.array:
+    capacity = 0 if buffer is None else buffer.shape[2]
+    if rows_needed <= capacity:
+        return buffer
+    new_capacity = math.ceil(rows_needed / step) * step
+    shape = (*like.shape[:2], new_capacity - capacity, like.shape[3])
+    extra = mx.zeros(shape, dtype=like.dtype)
+    return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
+
+
+class CompressedKVCache(_BaseCache):
+    step = 256
+    attention_block = 2048
+
+    def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None):
+        self.config = config
+        self.codecs = codecs or CodecSet.for_config(config)
+        self.offset = 0
+        self.encoded = 0
+        self.key_codec = self.value_codec = None
+        self.sink_keys = self.sink_values = None
+        self.window_keys = self.window_values = None
+        self.key_fields: Dict[str, mx.array] = {}
+        self.value_fields: Dict[str, mx.array] = {}
+        self.tokens_per_row: Dict[str, int] = {}
+
+    # ---- shapes -------------------------------------------------------------
+    def _setup(self, keys: mx.array, values: mx.array):
+        self.batch, self.kv_heads, _, self.key_dim = keys.shape
+        self.value_dim = values.shape[-1]
+        self.window_dtype = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16) else mx.float16
+        self.key_codec = self.codecs.get("keys", self.key_dim)
+        self.value_codec = self.codecs.get("values", self.value_dim)
+        self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
+
+    @property
+    def sinks(self) -> int:
+        return 0 if self.sink_keys is None else self.sink_keys.shape[2]
+
+    @property
+    def window(self) -> int:
+        return 0 if self.window_keys is None else self.window_keys.shape[2]
+
+    # ---- mlx-lm cache protocol ---------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.key_codec is None:
+            self._setup(keys, values)
+        keys = keys.astype(self.window_dtype)
+        values = values.astype(self.window_dtype)
+        self.offset += keys.shape[2]
+
+        to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
+        if to_sinks > 0:
+            self.sink_keys = _concat(self.sink_keys, keys[..., :to_sinks, :])
+            self.sink_values = _concat(self.sink_values, values[..., :to_sinks, :])
+            keys, values = keys[..., to_sinks:, :], values[..., to_sinks:, :]
+        if keys.shape[2] == 0:
+            return self.history()
+
+        self.window_keys = _concat(self.window_keys, keys)
+        self.window_values = _concat(self.window_values, values)
+        waiting = self.window - self.config.residual_length
+        flush = (waiting // self.block) * self.block
+        if flush > 0:
+            self._append_codes(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
+            self.window_keys = self.window_keys[..., flush:, :]
+            self.window_values = self.window_values[..., flush:, :]
+        return self.history()
+
+    def history(self):
+        return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
+
+    def _append_codes(self, keys: mx.array, values: mx.array):
+        start = self.encoded
+        for codec, buffers, x in (
+            (self.key_codec, self.key_fields, keys),
+            (self.value_codec, self.value_fields, values),
+        ):
+            for name, field in codec.encode(x).items():
+                per_row = self.tokens_per_row.setdefault(name, x.shape[2] // field.shape[2])
+                row = start // per_row
+                buffers[name] = _grow(
+                    buffers.get(name), row + field.shape[2], field, max(1, self.step // per_row)
+                )
+                buffers[name][..., row : row + field.shape[2], :] = field
+        self.encoded += keys.shape[2]
+
+    def _field_rows(self, fields: Dict[str, mx.array], start: int, stop: int):
+        return {
+            name: buf[..., start // self.tokens_per_row[name] : -(-stop // self.tokens_per_row[name]), :]
+            for name, buf in fields.items()
+        }
+
+    def segments(self):
+        if self.sinks:
+            yield Segment(self.sink_keys, self.sink_values, 0, encoded=False)
+        block = math.ceil(self.attention_block / self.block) * self.block
+        for start in range(0, self.encoded, block):
+            stop = min(start + block, self.encoded)
+            yield Segment(
+                self.key_codec.decode(self._field_rows(self.key_fields, start, stop)),
+                self.value_codec.decode(self._field_rows(self.value_fields, start, stop)),
+                self.sinks + start,
+                encoded=True,
+            )
+        if self.window:
+            yield Segment(self.window_keys, self.window_values, self.sinks + self.encoded, encoded=False)
+
+    def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
+        """Attention of `queries` (B, n_heads, L, D) over everything this cache holds."""
+        return attend(
+            queries,
+            self.segments(),
+            scale=scale,
+            mask=mask,
+            key_codec=self.key_codec,
+            value_codec=self.value_codec,
+            kv_heads=self.kv_heads,
+            total=self.offset,
+        )
+
+    def dequantized(self):
+        """(keys, values) as the attention sees them, in fp32. For tests and debugging:
+        this materialises the whole history, which attention itself never does."""
+        parts_k, parts_v = [], []
+        for seg in self.segments():
+            if seg.encoded:
+                parts_k.append(self.key_codec.from_domain(seg.keys))
+                parts_v.append(self.value_codec.from_domain(seg.values))
+            else:
+                parts_k.append(seg.keys.astype(mx.float32))
+                parts_v.append(seg.values.astype(mx.float32))
+        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+
+    def size(self):
+        return self.offset
+
+    def empty(self):
+        return self.offset == 0
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens. Tokens still in the fp16 window go exactly. If the
+        trim reaches into the codes of a multi-token block (KIVI key groups), the
+        block's surviving tokens move back to the window in decoded form."""
+        n = min(n, self.offset)
+        left = n
+        cut = min(left, self.window)
+        if cut:
+            self.window_keys = self.window_keys[..., : self.window - cut, :]
+            self.window_values = self.window_values[..., : self.window - cut, :]
+            left -= cut
+        if left and self.encoded:
+            cut = min(left, self.encoded)
+            left -= cut
+            kept = self.encoded - cut
+            whole = (kept // self.block) * self.block
+            if whole < kept:
+                self.window_keys = self._restore("keys", whole, kept)
+                self.window_values = self._restore("values", whole, kept)
+            self.encoded = whole
+        if left:
+            self.sink_keys = self.sink_keys[..., : self.sinks - left, :]
+            self.sink_values = self.sink_values[..., : self.sinks - left, :]
+        self.offset -= n
+        return n
+
+    def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
+        """Decode the first tokens of a block back into fp16 (their originals are gone)."""
+        codec, fields = (
+            (self.key_codec, self.key_fields) if role == "keys" else (self.value_codec, self.value_fields)
+        )
+        rows = self._field_rows(fields, block_start, block_start + self.block)
+        return codec.reconstruct(rows)[..., : stop - block_start, :].astype(self.window_dtype)
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @property
+    def nbytes(self) -> int:
+        arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
+        arrays += list(self.key_fields.values()) + list(self.value_fields.values())
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    # ---- save / load --------------------------------------------------------
+    @property
+    def state(self):
+        header = {
+            "format": FORMAT_VERSION,
+            "config": self.config.to_json(),
+            "offset": self.offset,
+            "encoded": self.encoded,
+        }
+        arrays = {}
+        if self.key_codec is not None:
+            header.update(
+                shape=[self.batch, self.kv_heads, self.key_dim, self.value_dim],
+                window_dtype=str(self.window_dtype),
+                tokens_per_row=self.tokens_per_row,
+            )
+            for group, fields in (("keys", self.key_fields), ("values", self.value_fields)):
+                if self.encoded:
+                    arrays[group] = self._field_rows(fields, 0, self.encoded)
+            for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+                if getattr(self, name) is not None and getattr(self, name).shape[2]:
+                    arrays[name] = getattr(self, name)
+        return [json.dumps(header), arrays]
+
+    @state.setter
+    def state(self, state):
+        try:
+            header_text, arrays = state
+            header = json.loads(header_text)
+            version = header["format"]
+            config = KVCacheConfig.from_json(header["config"])
+        except Exception as error:
+            raise CacheFormatError(f"not a VeloxQuant cache layer (unreadable header: {error})") from None
+        if version != FORMAT_VERSION:
+            raise CacheFormatError(f"cache format {version} is not supported (expected {FORMAT_VERSION})")
+        self.__init__(config.replace(artifact_dir=None))
+        arrays = arrays or {}
+        if "shape" not in header:
+            return
+        self.batch, self.kv_heads, self.key_dim, self.value_dim = header["shape"]
+        probe_k = mx.zeros((self.batch, self.kv_heads, 0, self.key_dim), dtype=getattr(mx, header["window_dtype"].split(".")[-1]))
+        probe_v = mx.zeros((self.batch, self.kv_heads, 0, self.value_dim), dtype=probe_k.dtype)
+        self._setup(probe_k, probe_v)
+        self.offset, self.encoded = header["offset"], header["encoded"]
+        self.tokens_per_row = {k: int(v) for k, v in header.get("tokens_per_row", {}).items()}
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+            if name in arrays:
+                setattr(self, name, arrays[name])
+        for group, target in (("keys", self.key_fields), ("values", self.value_fields)):
+            for name, field in (arrays.get(group) or {}).items():
+                target[name] = field
+        self._check_restored()
+
+    def _check_restored(self):
+        expected_fields = {
+            "keys": set(self.key_codec.encode(mx.zeros((1, 1, self.block, self.key_dim))).keys()),
+            "values": set(self.value_codec.encode(mx.zeros((1, 1, self.block, self.value_dim))).keys()),
+        }
+        problems = []
+        for group, fields in (("keys", self.key_fields), ("values", self.value_fields)):
+            if self.encoded and set(fields) != expected_fields[group]:
+                problems.append(f"{group} fields {sorted(fields)} != {sorted(expected_fields[group])}")
+            for name, buf in fields.items():
+                rows = -(-self.encoded // self.tokens_per_row.get(name, 1))
+                if buf.shape[:2] != (self.batch, self.kv_heads) or buf.shape[2] != rows:
+                    problems.append(f"{group}.{name} has shape {buf.shape}, expected {rows} rows")
+        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+            arr = getattr(self, name)
+            if arr is not None and arr.shape[:2] != (self.batch, self.kv_heads):
+                problems.append(f"{name} has shape {arr.shape}")
+        if self.sinks + self.encoded + self.window != self.offset:
+            problems.append(
+                f"sinks {self.sinks} + codes {self.encoded} + window {self.window} != offset {self.offset}"
+            )
+        if problems:
+            raise CacheFormatError("corrupted cache layer: " + "; ".join(problems))
+
+    @classmethod
+    def from_state(cls, state):
+        cache = cls.__new__(cls)
+        cache.state = state
+        return cache
+
+
+def _concat(a: Optional[mx.array], b: mx.array) -> mx.array:
+    return b if a is None else mx.concatenate([a, b], axis=2)

@@ -1,0 +1,94 @@
+"""Validated configuration of a compressed KV cache."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Mapping, Optional
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """What to compress the KV cache with.
+
+    `bits` is the key width, `value_bits` the value width (defaults to `bits`).
+    `sink_tokens` (the first tokens) and `residual_length` (the most recent
+    tokens) are kept in fp16; they are counted in `nbytes` like everything else.
+    Method-specific settings go in `options` and are checked by the method.
+
+    `algorithm=` and `bit_width_inlier=` are accepted as aliases of `method=` and
+    `bits=`, as used in published examples.
+    """
+
+    method: str = "turboquant_mse"
+    bits: int = 4
+    value_bits: Optional[int] = None
+    group_size: int = 64
+    residual_length: int = 0
+    sink_tokens: int = 0
+    seed: int = 0
+    artifact_dir: Optional[str] = None
+    options: Mapping[str, Any] = field(default_factory=dict)
+    algorithm: InitVar[Optional[str]] = None
+    bit_width_inlier: InitVar[Optional[int]] = None
+
+    def __post_init__(self, algorithm, bit_width_inlier):
+        if algorithm is not None:
+            if self.method not in (KVCacheConfig.method, algorithm):
+                raise ValueError(
+                    f"method={self.method!r} and algorithm={algorithm!r} disagree; give one of them"
+                )
+            object.__setattr__(self, "method", algorithm)
+        if bit_width_inlier is not None:
+            if self.bits not in (KVCacheConfig.bits, bit_width_inlier):
+                raise ValueError(
+                    f"bits={self.bits} and bit_width_inlier={bit_width_inlier} disagree; give one of them"
+                )
+            object.__setattr__(self, "bits", bit_width_inlier)
+        if self.value_bits is None:
+            object.__setattr__(self, "value_bits", self.bits)
+        object.__setattr__(self, "options", dict(self.options))
+        if self.artifact_dir is not None:
+            object.__setattr__(self, "artifact_dir", str(self.artifact_dir))
+        for name in ("bits", "value_bits", "group_size", "residual_length", "sink_tokens", "seed"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        for name in ("residual_length", "sink_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+        from .methods import get_method
+
+        get_method(self.method).validate(self)
+
+    def replace(self, **changes) -> "KVCacheConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self) -> str:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.dumps(fields, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVCacheConfig":
+        return cls(**json.loads(text))
+
+    def same_encoding(self, other: "KVCacheConfig") -> bool:
+        """True when caches built from both configs store identical codes."""
+        ignore = {"artifact_dir"}
+        mine = {k: v for k, v in json.loads(self.to_json()).items() if k not in ignore}
+        theirs = {k: v for k, v in json.loads(other.to_json()).items() if k not in ignore}
+        return mine == theirs
+
+    def describe(self) -> str:
+        text = f"{self.method} K{self.bits}/V{self.value_bits}"
+        if self.sink_tokens:
+            text += f" sinks={self.sink_tokens}"
+        if self.residual_length:
+            text += f" window={self.residual_length}"
+        for key, value in sorted(self.options.items()):
+            text += f" {key}={value}"
+        return text

@@ -1,0 +1,227 @@
+"""Plugging compressed caches into mlx-lm.
+
+mlx-lm models call `update_and_fetch` on their cache, then the shared
+`mlx_lm.models.base.scaled_dot_product_attention`. We route that function to
+`CompressedKVCache.attend` when the cache is ours and leave every other cache
+untouched. Model modules import the function by name, so the hook is installed
+in each loaded `mlx_lm.models.*` module; a model whose module does not use the
+shared function is refused with a clear error instead of crashing inside.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import List, Optional
+
+import mlx.core as mx
+import mlx_lm.models.base as mlx_base
+import mlx_lm.models.cache as mlx_cache
+
+from .artifacts import CodecSet, model_fingerprint
+from .cache import CacheFormatError, CompressedKVCache
+from .config import KVCacheConfig
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+_original_sdpa = mlx_base.scaled_dot_product_attention
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    if isinstance(cache, CompressedKVCache):
+        if sinks is not None:
+            raise UnsupportedModelError(
+                "this model uses learned attention sinks, which VeloxQuant caches do not support"
+            )
+        return cache.attend(queries, scale=scale, mask=mask)
+    return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+
+def install_attention_hook(model=None) -> None:
+    """Route mlx-lm's shared attention to compressed caches (idempotent)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) is _original_sdpa:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+    # mlx-lm's load_prompt_cache finds cache classes by name in its own module.
+    mlx_cache.CompressedKVCache = CompressedKVCache
+    if model is not None:
+        module = sys.modules.get(type(model).__module__)
+        if getattr(module, "scaled_dot_product_attention", None) is not scaled_dot_product_attention:
+            raise UnsupportedModelError(
+                f"{type(model).__module__} computes attention without mlx-lm's shared "
+                "scaled_dot_product_attention, so a compressed cache cannot attach to it"
+            )
+
+
+def base_caches(model) -> list:
+    """The caches the model would make for itself (ignoring any VeloxQuant patch)."""
+    if hasattr(type(model), "make_cache"):
+        return type(model).make_cache(model)
+    return [mlx_cache.KVCache() for _ in model.layers]
+
+
+def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None) -> list:
+    install_attention_hook(model)
+    codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
+    caches, kept = [], []
+    for i, cache in enumerate(base_caches(model)):
+        if type(cache) is mlx_cache.KVCache:
+            caches.append(CompressedKVCache(config, codecs))
+        elif isinstance(cache, (mlx_cache.RotatingKVCache,)) or not hasattr(cache, "update_and_fetch"):
+            caches.append(cache)
+            kept.append(f"{i}:{type(cache).__name__}")
+        else:
+            raise UnsupportedModelError(
+                f"layer {i} uses {type(cache).__name__}, which VeloxQuant cannot replace"
+            )
+    if kept:
+        warnings.warn(
+            f"{len(kept)} layer(s) keep their own bounded or non-attention cache uncompressed: "
+            + ", ".join(kept[:8])
+            + (" ..." if len(kept) > 8 else ""),
+            stacklevel=3,
+        )
+    return caches
+
+
+def patch_model(model, config: KVCacheConfig):
+    """Make `model.make_cache()` (and so plain `mlx_lm.generate`) return fresh compressed caches."""
+    codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
+    compressed_caches(model, config, codecs)  # fail now, not at the first generate
+    model.make_cache = lambda: compressed_caches(model, config, codecs)
+    return model
+
+
+def unpatch_model(model):
+    if "make_cache" in vars(model):
+        del model.make_cache
+    return model
+
+
+class SingleHeadCache:
+    """One head's compressed cache: `append(k, v)`, `attend(q)`, `memory_bytes()`, `len()`."""
+
+    def __init__(self, config: KVCacheConfig, head_dim: int):
+        self.head_dim = head_dim
+        self.cache = CompressedKVCache(config)
+        install_attention_hook()
+
+    @staticmethod
+    def _as_4d(x: mx.array) -> mx.array:
+        x = mx.array(x)
+        return x.reshape(1, 1, -1, x.shape[-1])
+
+    def append(self, keys, values) -> None:
+        keys, values = self._as_4d(keys), self._as_4d(values)
+        if keys.shape[-1] != self.head_dim:
+            raise ValueError(f"expected head dim {self.head_dim}, got {keys.shape[-1]}")
+        self.cache.update_and_fetch(keys, values)
+
+    def attend(self, queries, scale: Optional[float] = None, causal: bool = False) -> mx.array:
+        """Softmax attention of queries (D,) or (L, D) over every appended token."""
+        q = mx.array(queries)
+        single = q.ndim == 1
+        q4 = self._as_4d(q)
+        scale = self.head_dim**-0.5 if scale is None else scale
+        out = self.cache.attend(q4, scale=scale, mask="causal" if causal else None)
+        out = out.reshape(-1, out.shape[-1])
+        return out[0] if single else out
+
+    def memory_bytes(self) -> int:
+        return self.cache.nbytes
+
+    def __len__(self) -> int:
+        return self.cache.offset
+
+
+class KVCacheBuilder:
+    """Builds caches from a config, for a whole model or for a single head.
+
+        KVCacheBuilder(config).for_model(model).build()       # list for prompt_cache=
+        KVCacheBuilder().with_method("turboquant_prod").with_head_dim(128) \\
+            .with_bit_width(inlier=4).with_seed(42).build()   # SingleHeadCache
+    """
+
+    def __init__(self, config: Optional[KVCacheConfig] = None, **changes):
+        self._fields = dict(vars(config)) if config is not None else {}
+        self._fields.update(changes)
+        self._model = None
+        self._head_dim = None
+
+    def _with(self, **changes) -> "KVCacheBuilder":
+        builder = KVCacheBuilder(**{**self._fields, **changes})
+        builder._model, builder._head_dim = self._model, self._head_dim
+        return builder
+
+    def with_method(self, method: str):
+        return self._with(method=method)
+
+    def with_bit_width(self, inlier: Optional[int] = None, values: Optional[int] = None):
+        changes = {}
+        if inlier is not None:
+            changes["bits"] = inlier
+        if values is not None:
+            changes["value_bits"] = values
+        return self._with(**changes)
+
+    def with_seed(self, seed: int):
+        return self._with(seed=seed)
+
+    def with_options(self, **options):
+        return self._with(options={**self._fields.get("options", {}), **options})
+
+    def with_head_dim(self, head_dim: int):
+        builder = self._with()
+        builder._head_dim = head_dim
+        return builder
+
+    def for_model(self, model):
+        builder = self._with()
+        builder._model = model
+        return builder
+
+    def config(self) -> KVCacheConfig:
+        return KVCacheConfig(**self._fields)
+
+    def build(self):
+        config = self.config()
+        if self._model is not None:
+            return compressed_caches(self._model, config)
+        if self._head_dim is not None:
+            return SingleHeadCache(config, self._head_dim)
+        raise ValueError("call for_model(model) or with_head_dim(d) before build()")
+
+
+def make_prompt_cache(model, config: KVCacheConfig) -> List[CompressedKVCache]:
+    return KVCacheBuilder(config).for_model(model).build()
+
+
+def save_prompt_cache(path, caches: list, metadata: Optional[dict] = None) -> None:
+    """mlx-lm's `save_prompt_cache`; the file records each layer's method and config."""
+    mlx_cache.save_prompt_cache(str(path), caches, metadata)
+
+
+def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metadata: bool = False):
+    """Load a prompt cache, refusing truncated or corrupted files and, when `config` is
+    given, files written by another method or settings."""
+    install_attention_hook()
+    try:
+        caches, metadata = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
+    except CacheFormatError:
+        raise
+    except Exception as error:
+        raise CacheFormatError(f"cannot read prompt cache {path}: {error}") from None
+    if config is not None:
+        for i, cache in enumerate(caches):
+            if not isinstance(cache, CompressedKVCache):
+                raise CacheFormatError(
+                    f"{path} layer {i} holds a {type(cache).__name__}, not a cache made with {config.describe()}"
+                )
+            if not cache.config.same_encoding(config.replace(artifact_dir=None)):
+                raise CacheFormatError(
+                    f"{path} was written with {cache.config.describe()}, not {config.describe()}"
+                )
+    return (caches, metadata) if return_metadata else caches

@@ -1,0 +1,7 @@
+"""Compression methods, one file each, registered by name."""
+
+from .base import Codec, Method, available_methods, get_method, register_method
+
+from . import fp16, turboquant_mse  # noqa: E402,F401  (registration)
+
+__all__ = ["Codec", "Method", "available_methods", "get_method", "register_method"]

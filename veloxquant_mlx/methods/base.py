@@ -1,0 +1,125 @@
+"""The method protocol and its registry.
+
+A method compresses two streams of head vectors, keys and values, each with a
+`Codec`. A codec turns a chunk of vectors into packed *fields* (the only thing
+the cache stores) and decodes fields back into a *domain* where attention is
+computed:
+
+    scores  = to_domain(q) . decode(key_fields)          (q.k = Rq.Rk for a rotation R)
+    output  = from_domain(sum_i p_i decode(value_fields)_i)
+
+`to_domain` is a linear map A and `from_domain` its adjoint A^T, so a method
+that reconstructs x ~ A^T u only ever needs u, never the fp16 vector. Fields
+are arrays shaped (B, H, rows, width); per-token fields have one row per token,
+per-group fields (KIVI's per-channel key groups) one row per `token_block`
+tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, Dict, Optional
+
+import mlx.core as mx
+
+Fields = Dict[str, mx.array]
+Params = Dict[str, mx.array]
+
+
+class Codec:
+    """Compresses one stream (keys or values) of vectors of size `dim`."""
+
+    dim: int
+    domain_dim: int
+    token_block: int = 1
+
+    def encode(self, x: mx.array) -> Fields:
+        raise NotImplementedError
+
+    def decode(self, fields: Fields) -> mx.array:
+        """Decoded vectors in the codec's domain, float32 (..., T, domain_dim)."""
+        raise NotImplementedError
+
+    def to_domain(self, x: mx.array) -> mx.array:
+        return x
+
+    def from_domain(self, y: mx.array) -> mx.array:
+        return y
+
+    def params(self) -> Params:
+        """Constant arrays (codebooks, rotations) that rebuild this codec exactly."""
+        return {}
+
+    def bits_per_token(self) -> float:
+        """Storage budget of one token of one head, in bits."""
+        raise NotImplementedError
+
+    def reconstruct(self, fields: Fields) -> mx.array:
+        return self.from_domain(self.decode(fields))
+
+
+class Method:
+    """A registered compression method: a key codec and a value codec."""
+
+    name: ClassVar[str]
+    key_bits: ClassVar[range] = range(1, 9)
+    value_bits: ClassVar[range] = range(1, 9)
+    options: ClassVar[Dict[str, type]] = {}
+    calibrated: ClassVar[bool] = False
+    status: ClassVar[str] = "stable"
+    summary: ClassVar[str] = ""
+    values_summary: ClassVar[str] = ""
+
+    @classmethod
+    def validate(cls, config) -> None:
+        if config.bits not in cls.key_bits:
+            raise ValueError(
+                f"{cls.name} supports key bits {cls.key_bits.start}..{cls.key_bits.stop - 1}, "
+                f"got bits={config.bits}"
+            )
+        if config.value_bits not in cls.value_bits:
+            raise ValueError(
+                f"{cls.name} supports value bits {cls.value_bits.start}..{cls.value_bits.stop - 1}, "
+                f"got value_bits={config.value_bits}"
+            )
+        for key, value in config.options.items():
+            if key not in cls.options:
+                known = ", ".join(sorted(cls.options)) or "none"
+                raise ValueError(f"{cls.name} has no option {key!r} (options: {known})")
+            if not isinstance(value, cls.options[key]):
+                raise TypeError(
+                    f"{cls.name} option {key!r} must be {cls.options[key].__name__}, got {value!r}"
+                )
+
+    @classmethod
+    def key_codec(cls, config, dim: int, params: Optional[Params] = None) -> Codec:
+        raise NotImplementedError
+
+    @classmethod
+    def value_codec(cls, config, dim: int, params: Optional[Params] = None) -> Codec:
+        raise NotImplementedError
+
+
+_REGISTRY: Dict[str, type] = {}
+
+
+def register_method(name: str) -> Callable[[type], type]:
+    def register(cls):
+        if name in _REGISTRY:
+            raise ValueError(f"method {name!r} is already registered")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return register
+
+
+def get_method(name: str) -> type:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(sorted(_REGISTRY))
+        raise ValueError(f"unknown KV cache method {name!r}; known methods: {known}") from None
+
+
+def available_methods() -> Dict[str, type]:
+    return dict(sorted(_REGISTRY.items()))

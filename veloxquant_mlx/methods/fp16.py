@@ -1,0 +1,33 @@
+"""fp16 passthrough: the baseline every code path can be compared against."""
+
+import mlx.core as mx
+
+from .base import Codec, Method, register_method
+
+
+class Fp16Codec(Codec):
+    def __init__(self, dim: int):
+        self.dim = self.domain_dim = dim
+
+    def encode(self, x):
+        return {"x": x.astype(mx.float16)}
+
+    def decode(self, fields):
+        return fields["x"].astype(mx.float32)
+
+    def bits_per_token(self):
+        return 16.0 * self.dim
+
+
+@register_method("fp16")
+class Fp16(Method):
+    key_bits = range(16, 17)
+    value_bits = range(16, 17)
+    summary = "no compression (baseline)"
+    values_summary = "fp16"
+
+    @classmethod
+    def key_codec(cls, config, dim, params=None):
+        return Fp16Codec(dim)
+
+    value_codec = key_codec
