@@ -63,7 +63,8 @@ def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: in
 
 class CompressedKVCache(_BaseCache):
     step = 256
-    attention_block = 2048
+    attention_block = 4096  # most tokens decoded per attention block
+    score_tile = 1 << 21  # most query-by-key scores per block: bounds prefill memory
 
     def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None):
         self.config = config
@@ -144,10 +145,13 @@ class CompressedKVCache(_BaseCache):
             for name, buf in fields.items()
         }
 
-    def segments(self):
+    def segments(self, query_rows: int = 1):
+        """The history as attention consumes it; encoded blocks are decoded lazily and
+        sized so that `query_rows` (queries x query heads) x block scores fit a tile."""
         if self.sinks:
             yield Segment(self.sink_keys, self.sink_values, 0, encoded=False)
-        block = math.ceil(self.attention_block / self.block) * self.block
+        block = min(self.attention_block, max(256, self.score_tile // max(query_rows, 1)))
+        block = math.ceil(block / self.block) * self.block
         for start in range(0, self.encoded, block):
             stop = min(start + block, self.encoded)
             yield Segment(
@@ -163,7 +167,7 @@ class CompressedKVCache(_BaseCache):
         """Attention of `queries` (B, n_heads, L, D) over everything this cache holds."""
         return attend(
             queries,
-            self.segments(),
+            self.segments(queries.shape[1] * queries.shape[2]),
             scale=scale,
             mask=mask,
             key_codec=self.key_codec,
@@ -195,15 +199,20 @@ class CompressedKVCache(_BaseCache):
         return True
 
     def trim(self, n: int) -> int:
-        """Drop the last `n` tokens. Tokens still in the fp16 window go exactly. If the
-        trim reaches into the codes of a multi-token block (KIVI key groups), the
-        block's surviving tokens move back to the window in decoded form."""
+        """Drop the last `n` tokens.
+
+        Without an fp16 window this equals never having seen them. With one, tokens
+        that already left the window stay encoded (their fp16 originals are gone), so
+        the window refills from new tokens only. If the trim cuts into a multi-token
+        block of codes (KIVI key groups), the block's surviving tokens move back to
+        the window in decoded form, which leaves attention unchanged."""
         n = min(n, self.offset)
         left = n
-        cut = min(left, self.window)
+        window = self.window
+        cut = min(left, window)
         if cut:
-            self.window_keys = self.window_keys[..., : self.window - cut, :]
-            self.window_values = self.window_values[..., : self.window - cut, :]
+            self.window_keys = self.window_keys[..., : window - cut, :]
+            self.window_values = self.window_values[..., : window - cut, :]
             left -= cut
         if left and self.encoded:
             cut = min(left, self.encoded)
@@ -215,8 +224,9 @@ class CompressedKVCache(_BaseCache):
                 self.window_values = self._restore("values", whole, kept)
             self.encoded = whole
         if left:
-            self.sink_keys = self.sink_keys[..., : self.sinks - left, :]
-            self.sink_values = self.sink_values[..., : self.sinks - left, :]
+            sinks = self.sinks
+            self.sink_keys = self.sink_keys[..., : sinks - left, :]
+            self.sink_values = self.sink_values[..., : sinks - left, :]
         self.offset -= n
         return n
 

@@ -13,7 +13,7 @@ Keys and values both use this codec, at `bits` and `value_bits`.
 import mlx.core as mx
 
 from ..codebooks import dequantize, lloyd_max, quantize
-from ..packing import pack, unpack
+from ..packing import pack, packed_words, unpack
 from ..rotations import random_rotation, rotation_from_state
 from .base import Codec, Method, register_method
 
@@ -54,7 +54,7 @@ class MSECodec(Codec):
         return {**state, "centroids": self.centroids}
 
     def bits_per_token(self):
-        return self.dim * self.bits + 16.0
+        return 32.0 * packed_words(self.dim, self.bits) + 16
 
 
 @register_method("turboquant_mse")

@@ -1,0 +1,48 @@
+import mlx.core as mx
+import pytest
+from mlx_lm.models import llama
+
+from veloxquant_mlx import KVCacheConfig, available_methods
+
+
+def tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=512, seed=0):
+    """A random-weight llama of real structure (GQA, RoPE) for fast tests."""
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        intermediate_size=2 * hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        rms_norm_eps=1e-5,
+        vocab_size=vocab,
+        rope_traditional=True,
+    )
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def config_for(method: str, bits: int = 4, **changes) -> KVCacheConfig:
+    """A valid config of `method` at `bits` (fp16 has one width; KIVI needs small groups)."""
+    if method == "fp16":
+        bits = 16
+        changes.pop("value_bits", None)
+    changes.setdefault("group_size", 32)
+    return KVCacheConfig(method=method, bits=bits, **changes)
+
+
+ALL_METHODS = sorted(available_methods())
+
+
+@pytest.fixture(scope="session")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from veloxquant_mlx.models import load_model
+
+    return load_model("smollm2")

@@ -1,0 +1,138 @@
+"""QJL: 1-bit quantized Johnson-Lindenstrauss keys (Zandieh et al., arXiv 2406.03482).
+
+encode:  keys -> sign(S k) with S a seeded (m, d) N(0, 1) matrix (Def. 3.1), and ||k||;
+store:   `signs` (m bits, packed) and `norm` (fp16) per token and head;
+attend:  domain = the sketch space R^m, to_domain(q) = S q (the query is projected but
+         not quantized: the asymmetric estimator), decode = ||k|| sqrt(pi/2)/m sign(S k), so
+             score = ||k|| sqrt(pi/2)/m <S q, sign(S k)>,
+         unbiased for <q, k> with Var = (pi/2 ||q||^2 ||k||^2 - <q, k>^2) / m (Lemma 3.2);
+         from_domain(u) = S^T u.
+
+Bits: m = bits * d signs (option `sketch_dim` overrides), so a key costs bits*d + 16 bits,
+i.e. `bits` bits per coordinate plus the fp16 norm, comparable with the other methods'
+`bits`. bits = 2 is the paper's main setting (m = 256 for d = 128); the paper needs
+m >= d for useful scores, which bits >= 1 guarantees. Reconstructions S^T u are poor by
+nature (E||k~ - k||^2 = ||k||^2 (pi d/2 - 1)/m); only the scores are accurate.
+
+Values: per-token asymmetric integer groups at `value_bits` (min/max affine over groups of
+min(group_size, d) channels, fp16 scale and minimum per group), as the QJL reference
+implementation quantizes values per token.
+"""
+
+import math
+
+import mlx.core as mx
+
+from ..packing import pack, packed_words, unpack
+from ..rotations import gaussian_projection
+from .base import Codec, Method, register_method
+
+
+class QJLCodec(Codec):
+    def __init__(self, dim: int, sketch_dim: int, seed: int, params=None):
+        self.dim = dim
+        if params:
+            self.sketch = params["sketch"].astype(mx.float32)
+            if self.sketch.shape != (sketch_dim, dim):
+                raise ValueError(
+                    f"stored sketch has shape {self.sketch.shape}, expected ({sketch_dim}, {dim})"
+                )
+        else:
+            self.sketch = gaussian_projection(sketch_dim, dim, seed)
+        self.sketch_dim = self.domain_dim = sketch_dim
+        self.scale = math.sqrt(math.pi / 2) / sketch_dim  # QJL Def. 3.1 / Lemma 3.2
+
+    def encode(self, x):
+        x = x.astype(mx.float32)
+        norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+        signs = (x @ self.sketch.T >= 0).astype(mx.uint8)
+        return {"signs": pack(signs, 1), "norm": norm.astype(mx.float16)}
+
+    def decode(self, fields):
+        signs = unpack(fields["signs"], 1, self.sketch_dim).astype(mx.float32) * 2 - 1
+        return signs * (fields["norm"].astype(mx.float32) * self.scale)
+
+    def to_domain(self, x):
+        return x @ self.sketch.T
+
+    def from_domain(self, y):
+        return y @ self.sketch
+
+    def params(self):
+        return {"sketch": self.sketch}
+
+    def bits_per_token(self):
+        return 32.0 * packed_words(self.sketch_dim, 1) + 16.0
+
+
+class GroupAffineCodec(Codec):
+    """Per-token asymmetric b-bit integers over groups of `group` consecutive channels.
+
+    x ~ min + code * scale with scale = (max - min) / (2^b - 1) per group (KIVI/QJL value
+    quantization). A last, shorter group covers d % group channels. Codes are chosen against
+    the fp16-rounded min and scale, i.e. against exactly what decode uses.
+    """
+
+    def __init__(self, dim: int, bits: int, group: int):
+        self.dim = self.domain_dim = dim
+        self.bits = bits
+        self.group = max(1, min(group, dim))
+        self.groups = -(-dim // self.group)
+        self.padded = self.groups * self.group
+        self.levels = (1 << bits) - 1
+
+    def _grouped(self, x):
+        if self.padded != self.dim:
+            # Repeat the last channel: padding never changes a group's min/max.
+            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.padded - self.dim)], mode="edge")
+        return x.reshape(*x.shape[:-1], self.groups, self.group)
+
+    def encode(self, x):
+        g = self._grouped(x.astype(mx.float32))
+        low = mx.min(g, axis=-1, keepdims=True)
+        high = mx.max(g, axis=-1, keepdims=True)
+        low16 = low.astype(mx.float16)
+        scale16 = ((high - low) / self.levels).astype(mx.float16)
+        low_f, scale_f = low16.astype(mx.float32), scale16.astype(mx.float32)
+        codes = mx.round((g - low_f) / mx.maximum(scale_f, 1e-30))
+        codes = mx.clip(codes, 0, self.levels).astype(mx.uint8)
+        codes = codes.reshape(*x.shape[:-1], self.padded)[..., : self.dim]
+        return {"codes": pack(codes, self.bits), "scale": scale16[..., 0], "zero": low16[..., 0]}
+
+    def decode(self, fields):
+        codes = unpack(fields["codes"], self.bits, self.dim).astype(mx.float32)
+        if self.padded != self.dim:
+            codes = mx.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, self.padded - self.dim)])
+        codes = codes.reshape(*codes.shape[:-1], self.groups, self.group)
+        scale = fields["scale"].astype(mx.float32)[..., None]
+        zero = fields["zero"].astype(mx.float32)[..., None]
+        x = codes * scale + zero
+        return x.reshape(*x.shape[:-2], self.padded)[..., : self.dim]
+
+    def bits_per_token(self):
+        return 32.0 * packed_words(self.dim, self.bits) + 32.0 * self.groups
+
+
+@register_method("qjl")
+class QJL(Method):
+    key_bits = range(1, 9)
+    value_bits = range(1, 9)
+    options = {"sketch_dim": int}
+    summary = "1-bit JL sign sketch of keys (m = bits*d signs) + fp16 norm, unbiased scores"
+    values_summary = "per-token min/max integer groups at value_bits (group_size channels)"
+
+    @classmethod
+    def validate(cls, config):
+        super().validate(config)
+        m = config.options.get("sketch_dim")
+        if m is not None and (isinstance(m, bool) or m < 1):
+            raise ValueError(f"qjl option 'sketch_dim' must be a positive int, got {m!r}")
+
+    @classmethod
+    def key_codec(cls, config, dim, params=None):
+        m = config.options.get("sketch_dim") or config.bits * dim
+        return QJLCodec(dim, m, config.seed, params)
+
+    @classmethod
+    def value_codec(cls, config, dim, params=None):
+        return GroupAffineCodec(dim, config.value_bits, config.group_size)
