@@ -66,12 +66,15 @@ def test_no_attribute_escapes_nbytes():
     assert cache.sinks == 4 and cache.encoded == 180
 
 
+@pytest.mark.parametrize("center", [False, True])
 @pytest.mark.parametrize("method", ALL_METHODS)
-def test_blockwise_attention_equals_attention_on_decoded_history(method):
-    """Prefill (causal), then decode steps, GQA 8:2, sinks and window, several blocks."""
-    cache = CompressedKVCache(config_for(method, 4, sink_tokens=3, residual_length=32))
+def test_blockwise_attention_equals_attention_on_decoded_history(method, center):
+    """Without a window, prefill (causal) and decode steps with GQA 8:2 over several
+    blocks equal plain attention over the decoded history."""
+    cache = CompressedKVCache(config_for(method, 4, sink_tokens=3, center=center))
     cache.attention_block = 64
     k, v = random_kv(400, heads=2, dim=64, seed=1)
+    k = k + 3.0 * mx.sin(mx.arange(64))  # a shared offset, as real keys have
     mx.random.seed(2)
     q = mx.random.normal((1, 8, 400, 64))
     scale = 64**-0.5
@@ -82,8 +85,40 @@ def test_blockwise_attention_equals_attention_on_decoded_history(method):
         out = cache.attend(q[..., start:stop, :], scale=scale, mask=mask)
         dk, dv = cache.dequantized()
         assert dk.shape[2] == stop
+        if cache.block > 1 and L > 1:
+            continue  # tokens of a partial group are fp16 for earlier queries (next test)
         ref = reference_attention(q[..., start:stop, :], dk, dv, scale, mask)
         assert mx.allclose(out, ref, atol=2e-4, rtol=1e-3).item(), method
+
+
+@pytest.mark.parametrize("center", [False, True])
+@pytest.mark.parametrize("method", ALL_METHODS)
+def test_chunked_prefill_equals_token_by_token_decoding(method, center):
+    """With sinks and an fp16 window, each query of a prefill chunk sees exactly what it
+    would see if the tokens had been decoded one at a time."""
+    config = config_for(method, 3, sink_tokens=2, residual_length=24, center=center)
+    k, v = random_kv(150, heads=2, dim=64, seed=3)
+    mx.random.seed(4)
+    q = mx.random.normal((1, 4, 150, 64))
+    stepped = CompressedKVCache(config)
+    first = CompressedKVCache(config)
+    # The first update encodes a whole block for every method, so both caches estimate
+    # the same centering means (they come from the first chunk that gets encoded).
+    first.update_and_fetch(k[..., :70, :], v[..., :70, :])
+    stepped.update_and_fetch(k[..., :70, :], v[..., :70, :])
+    assert first.encoded > 0
+    expected = []
+    for t in range(70, 150):
+        stepped.update_and_fetch(k[..., t : t + 1, :], v[..., t : t + 1, :])
+        expected.append(stepped.attend(q[..., t : t + 1, :], scale=0.125))
+    expected = mx.concatenate(expected, axis=2)
+    got = []
+    for start, stop in [(70, 97), (97, 98), (98, 150)]:
+        first.update_and_fetch(k[..., start:stop, :], v[..., start:stop, :])
+        got.append(first.attend(q[..., start:stop, :], scale=0.125, mask="causal"))
+    got = mx.concatenate(got, axis=2)
+    assert (first.encoded, first.window) == (stepped.encoded, stepped.window)
+    assert mx.allclose(got, expected, atol=1e-4).item()
 
 
 def test_array_mask_and_batch():
@@ -166,22 +201,42 @@ def test_trim_with_window_keeps_encoded_tokens_encoded():
     assert mx.array_equal(fk[..., 63:, :], tk[..., 63:, :]).item()
 
 
-@pytest.mark.parametrize("method", [m for m in ALL_METHODS])
+@pytest.mark.parametrize("method", ALL_METHODS)
 def test_trim_of_encoded_tokens(method):
-    """Without a window, trimming encoded tokens equals never having seen them (per-token
-    codecs); for block codecs the partial block comes back decoded, attention unchanged."""
+    """Without a window, trimming encoded tokens of a per-token codec equals never having
+    seen them. A block codec (KIVI key groups) returns the surviving tokens of a cut block
+    to the window decoded, so attention equals that over the untrimmed cache's first tokens."""
     config = config_for(method, 4)
     k, v = random_kv(160)
     fresh, trimmed = CompressedKVCache(config), CompressedKVCache(config)
     fresh.update_and_fetch(k[..., :70, :], v[..., :70, :])
     trimmed.update_and_fetch(k[..., :70, :], v[..., :70, :])
     q = mx.random.normal((1, 2, 1, 64))
-    before = trimmed.attend(q, scale=0.1)
     trimmed.update_and_fetch(k[..., 70:160, :], v[..., 70:160, :])
+    full_k, full_v = trimmed.dequantized()
     assert trimmed.trim(90) == 90 and trimmed.offset == 70
     after = trimmed.attend(q, scale=0.1)
-    assert mx.allclose(before, after, atol=1e-5).item()
-    assert mx.allclose(fresh.attend(q, scale=0.1), after, atol=1e-5).item()
+    if trimmed.block == 1:
+        assert mx.allclose(fresh.attend(q, scale=0.1), after, atol=1e-5).item()
+    else:
+        assert trimmed.encoded == 64 and trimmed.window == 6
+        ref = reference_attention(q, full_k[..., :70, :], full_v[..., :70, :], 0.1, None)
+        assert mx.allclose(ref, after, atol=1e-3).item()
+
+
+def test_centering_helps_offset_keys_and_is_saved(tmp_path):
+    k, v = random_kv(300, dim=64)
+    k, v = k + 4.0, v - 2.0
+    q = mx.random.normal((1, 2, 1, 64))
+    exact = reference_attention(q, k, v, 0.125, None)
+    errors = {}
+    for center in (False, True):
+        cache = CompressedKVCache(config_for("turboquant_mse", 3, center=center))
+        cache.update_and_fetch(k, v)
+        errors[center] = mx.abs(cache.attend(q, scale=0.125) - exact).max().item()
+        restored = CompressedKVCache.from_state(cache.state)
+        assert mx.array_equal(restored.attend(q, scale=0.125), cache.attend(q, scale=0.125)).item()
+    assert errors[True] < 0.5 * errors[False]
 
 
 def test_trim_everything_and_sinks():

@@ -22,6 +22,7 @@ class Segment:
     values: mx.array  # (B, H, T, Dv) or, when encoded, (B, H, T, value domain dim)
     start: int  # absolute position of the first token
     encoded: bool
+    extra_mask: Optional[mx.array] = None  # bool (L, T): which of these keys each query may use
 
 
 def _block_mask(mask, start: int, stop: int, total: int, L: int, heads: int, repeats: int):
@@ -73,6 +74,13 @@ def attend(
         values = mx.expand_dims(seg.values.astype(mx.float32), 2)
         scores = q_seg @ keys.swapaxes(-1, -2)
         block = _block_mask(mask, seg.start, seg.start + keys.shape[-2], total, L, kv_heads, repeats)
+        if seg.extra_mask is not None:
+            if block is None:
+                block = seg.extra_mask
+            elif block.dtype == mx.bool_:
+                block = block & seg.extra_mask
+            else:
+                block = mx.where(seg.extra_mask, block, -mx.inf)
         if block is not None:
             if block.dtype == mx.bool_:
                 scores = mx.where(block, scores, -mx.inf)

@@ -6,6 +6,18 @@ Token positions of one layer are laid out as
     [sinks, sinks + encoded)        packed codes, the only copy of these tokens
     [sinks + encoded, offset)       fp16 recent window (config.residual_length)
 
+A prefill chunk attends the way decoding would: a query at position p sees a
+key in fp16 exactly when that key would still be in the sinks or the window
+when p was the newest token. Tokens the chunk itself pushes out of the window
+are therefore also scored from their fp16 values (held only for this call) by
+queries for which they were still recent, so results do not depend on the
+chunk size.
+
+With `config.center`, codes hold k - mean_k and v - mean_v (one fp16 vector per
+head, from the first encoded chunk). Attention scores fp16 keys as k - mean_k
+too, a shift of every score of a query by the same q.mean_k, which softmax
+ignores; encoded values get mean_v back before they are summed.
+
 Tokens leave the window in multiples of the codecs' `token_block` once more
 than `residual_length` of them wait there. `nbytes` is the sum of the live
 buffers, unused capacity included.
@@ -25,6 +37,7 @@ from .attention import Segment, attend
 from .config import KVCacheConfig
 
 FORMAT_VERSION = 1
+_DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
 
 
 class CacheFormatError(ValueError):
@@ -74,6 +87,8 @@ class CompressedKVCache(_BaseCache):
         self.key_codec = self.value_codec = None
         self.sink_keys = self.sink_values = None
         self.window_keys = self.window_values = None
+        self.key_mean = self.value_mean = None
+        self.just_encoded = None  # (keys, values, first position) flushed by the last update
         self.key_fields: Dict[str, mx.array] = {}
         self.value_fields: Dict[str, mx.array] = {}
         self.tokens_per_row: Dict[str, int] = {}
@@ -102,6 +117,7 @@ class CompressedKVCache(_BaseCache):
         keys = keys.astype(self.window_dtype)
         values = values.astype(self.window_dtype)
         self.offset += keys.shape[2]
+        self.just_encoded = None
 
         to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
         if to_sinks > 0:
@@ -116,6 +132,12 @@ class CompressedKVCache(_BaseCache):
         waiting = self.window - self.config.residual_length
         flush = (waiting // self.block) * self.block
         if flush > 0:
+            if self.config.residual_length or self.block > 1:
+                self.just_encoded = (
+                    self.window_keys[..., :flush, :],
+                    self.window_values[..., :flush, :],
+                    self.sinks + self.encoded,
+                )
             self._append_codes(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
             self.window_keys = self.window_keys[..., flush:, :]
             self.window_values = self.window_values[..., flush:, :]
@@ -126,6 +148,12 @@ class CompressedKVCache(_BaseCache):
 
     def _append_codes(self, keys: mx.array, values: mx.array):
         start = self.encoded
+        if self.config.center:
+            if self.key_mean is None:
+                self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
+                self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
+            keys = keys.astype(mx.float32) - self.key_mean
+            values = values.astype(mx.float32) - self.value_mean
         for codec, buffers, x in (
             (self.key_codec, self.key_fields, keys),
             (self.value_codec, self.value_fields, values),
@@ -145,29 +173,59 @@ class CompressedKVCache(_BaseCache):
             for name, buf in fields.items()
         }
 
-    def segments(self, query_rows: int = 1):
+    def _fp16_from(self, query_pos: mx.array) -> mx.array:
+        """First non-sink position still in fp16 when `query_pos` was the newest token."""
+        sinks, window = self.config.sink_tokens, self.config.residual_length
+        flushed = mx.maximum(0, (query_pos + 1 - sinks - window) // self.block) * self.block
+        return sinks + flushed
+
+    def segments(self, query_rows: int = 1, query_len: int = 0):
         """The history as attention consumes it; encoded blocks are decoded lazily and
-        sized so that `query_rows` (queries x query heads) x block scores fit a tile."""
+        sized so that `query_rows` (queries x query heads) x block scores fit a tile.
+        With `query_len`, tokens this update encoded are scored in fp16 by the queries
+        that would still have seen them in the window."""
+        if query_len and self.just_encoded is not None:
+            keys, values, first = self.just_encoded
+            last = first + keys.shape[2]
+            query_pos = mx.arange(self.offset - query_len, self.offset)
+            fp16_from = mx.clip(self._fp16_from(query_pos), first, last)[:, None]
         if self.sinks:
-            yield Segment(self.sink_keys, self.sink_values, 0, encoded=False)
+            yield Segment(self._centered(self.sink_keys), self.sink_values, 0, encoded=False)
+        value_shift = 0.0
+        if self.value_mean is not None:
+            value_shift = self.value_codec.to_domain(self.value_mean.astype(mx.float32))
         block = min(self.attention_block, max(256, self.score_tile // max(query_rows, 1)))
         block = math.ceil(block / self.block) * self.block
         for start in range(0, self.encoded, block):
             stop = min(start + block, self.encoded)
+            only_codes = None
+            if query_len and self.just_encoded is not None and self.sinks + stop > first:
+                only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
             yield Segment(
                 self.key_codec.decode(self._field_rows(self.key_fields, start, stop)),
-                self.value_codec.decode(self._field_rows(self.value_fields, start, stop)),
+                self.value_codec.decode(self._field_rows(self.value_fields, start, stop)) + value_shift,
                 self.sinks + start,
                 encoded=True,
+                extra_mask=only_codes,
+            )
+        if query_len and self.just_encoded is not None:
+            yield Segment(
+                self._centered(keys), values, first, encoded=False,
+                extra_mask=mx.arange(first, last)[None] >= fp16_from,
             )
         if self.window:
-            yield Segment(self.window_keys, self.window_values, self.sinks + self.encoded, encoded=False)
+            yield Segment(
+                self._centered(self.window_keys), self.window_values, self.sinks + self.encoded, encoded=False
+            )
+
+    def _centered(self, keys: mx.array) -> mx.array:
+        return keys if self.key_mean is None else keys.astype(mx.float32) - self.key_mean
 
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
         """Attention of `queries` (B, n_heads, L, D) over everything this cache holds."""
         return attend(
             queries,
-            self.segments(queries.shape[1] * queries.shape[2]),
+            self.segments(queries.shape[1] * queries.shape[2], queries.shape[2]),
             scale=scale,
             mask=mask,
             key_codec=self.key_codec,
@@ -187,7 +245,10 @@ class CompressedKVCache(_BaseCache):
             else:
                 parts_k.append(seg.keys.astype(mx.float32))
                 parts_v.append(seg.values.astype(mx.float32))
-        return mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        keys = mx.concatenate(parts_k, axis=2)
+        if self.key_mean is not None:
+            keys = keys + self.key_mean
+        return keys, mx.concatenate(parts_v, axis=2)
 
     def size(self):
         return self.offset
@@ -207,6 +268,7 @@ class CompressedKVCache(_BaseCache):
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
         n = min(n, self.offset)
+        self.just_encoded = None
         left = n
         window = self.window
         cut = min(left, window)
@@ -232,11 +294,16 @@ class CompressedKVCache(_BaseCache):
 
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
         """Decode the first tokens of a block back into fp16 (their originals are gone)."""
-        codec, fields = (
-            (self.key_codec, self.key_fields) if role == "keys" else (self.value_codec, self.value_fields)
+        codec, fields, mean = (
+            (self.key_codec, self.key_fields, self.key_mean)
+            if role == "keys"
+            else (self.value_codec, self.value_fields, self.value_mean)
         )
         rows = self._field_rows(fields, block_start, block_start + self.block)
-        return codec.reconstruct(rows)[..., : stop - block_start, :].astype(self.window_dtype)
+        decoded = codec.reconstruct(rows)[..., : stop - block_start, :]
+        if mean is not None:
+            decoded = decoded + mean
+        return decoded.astype(self.window_dtype)
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
@@ -244,6 +311,7 @@ class CompressedKVCache(_BaseCache):
     @property
     def nbytes(self) -> int:
         arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
+        arrays += [self.key_mean, self.value_mean]
         arrays += list(self.key_fields.values()) + list(self.value_fields.values())
         return sum(a.nbytes for a in arrays if a is not None)
 
@@ -266,7 +334,7 @@ class CompressedKVCache(_BaseCache):
             for group, fields in (("keys", self.key_fields), ("values", self.value_fields)):
                 if self.encoded:
                     arrays[group] = self._field_rows(fields, 0, self.encoded)
-            for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+            for name in _DENSE_STATE:
                 if getattr(self, name) is not None and getattr(self, name).shape[2]:
                     arrays[name] = getattr(self, name)
         return [json.dumps(header), arrays]
@@ -292,7 +360,7 @@ class CompressedKVCache(_BaseCache):
         self._setup(probe_k, probe_v)
         self.offset, self.encoded = header["offset"], header["encoded"]
         self.tokens_per_row = {k: int(v) for k, v in header.get("tokens_per_row", {}).items()}
-        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+        for name in _DENSE_STATE:
             if name in arrays:
                 setattr(self, name, arrays[name])
         for group, target in (("keys", self.key_fields), ("values", self.value_fields)):
@@ -313,7 +381,9 @@ class CompressedKVCache(_BaseCache):
                 rows = -(-self.encoded // self.tokens_per_row.get(name, 1))
                 if buf.shape[:2] != (self.batch, self.kv_heads) or buf.shape[2] != rows:
                     problems.append(f"{group}.{name} has shape {buf.shape}, expected {rows} rows")
-        for name in ("sink_keys", "sink_values", "window_keys", "window_values"):
+        if self.config.center and self.encoded and self.key_mean is None:
+            problems.append("centered codes without their means")
+        for name in _DENSE_STATE:
             arr = getattr(self, name)
             if arr is not None and arr.shape[:2] != (self.batch, self.kv_heads):
                 problems.append(f"{name} has shape {arr.shape}")

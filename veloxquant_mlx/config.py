@@ -15,6 +15,10 @@ class KVCacheConfig:
     `bits` is the key width, `value_bits` the value width (defaults to `bits`).
     `sink_tokens` (the first tokens) and `residual_length` (the most recent
     tokens) are kept in fp16; they are counted in `nbytes` like everything else.
+    `center` subtracts each head's mean key and value (estimated on the first
+    tokens that get encoded) before encoding; attention is unchanged by it in
+    exact arithmetic, since softmax ignores a per-query shift of all scores and
+    the probabilities sum to one, but the codes spend their range on what varies.
     Method-specific settings go in `options` and are checked by the method.
 
     `algorithm=` and `bit_width_inlier=` are accepted as aliases of `method=` and
@@ -27,6 +31,7 @@ class KVCacheConfig:
     group_size: int = 64
     residual_length: int = 0
     sink_tokens: int = 0
+    center: bool = False
     seed: int = 0
     artifact_dir: Optional[str] = None
     options: Mapping[str, Any] = field(default_factory=dict)
@@ -55,6 +60,8 @@ class KVCacheConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{name} must be an int, got {value!r}")
+        if not isinstance(self.center, bool):
+            raise TypeError(f"center must be a bool, got {self.center!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         for name in ("residual_length", "sink_tokens"):
@@ -89,6 +96,8 @@ class KVCacheConfig:
             text += f" sinks={self.sink_tokens}"
         if self.residual_length:
             text += f" window={self.residual_length}"
+        if self.center:
+            text += " centered"
         for key, value in sorted(self.options.items()):
             text += f" {key}={value}"
         return text

@@ -40,6 +40,8 @@ class Codec:
         raise NotImplementedError
 
     def to_domain(self, x: mx.array) -> mx.array:
+        """The linear map A into the domain. Value codecs need A^T A = I (an
+        orthogonal or identity domain): the cache adds A mean_v to decoded values."""
         return x
 
     def from_domain(self, y: mx.array) -> mx.array:
