@@ -91,7 +91,7 @@ class CompressedKVCache(_BaseCache):
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
         self.key_fields: Dict[str, mx.array] = {}
         self.value_fields: Dict[str, mx.array] = {}
-        self.tokens_per_row: Dict[str, int] = {}
+        self.tokens_per_row: Dict[str, Dict[str, int]] = {"keys": {}, "values": {}}
 
     # ---- shapes -------------------------------------------------------------
     def _setup(self, keys: mx.array, values: mx.array):
@@ -154,12 +154,12 @@ class CompressedKVCache(_BaseCache):
                 self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
             keys = keys.astype(mx.float32) - self.key_mean
             values = values.astype(mx.float32) - self.value_mean
-        for codec, buffers, x in (
-            (self.key_codec, self.key_fields, keys),
-            (self.value_codec, self.value_fields, values),
+        for role, codec, buffers, x in (
+            ("keys", self.key_codec, self.key_fields, keys),
+            ("values", self.value_codec, self.value_fields, values),
         ):
             for name, field in codec.encode(x).items():
-                per_row = self.tokens_per_row.setdefault(name, x.shape[2] // field.shape[2])
+                per_row = self.tokens_per_row[role].setdefault(name, x.shape[2] // field.shape[2])
                 row = start // per_row
                 buffers[name] = _grow(
                     buffers.get(name), row + field.shape[2], field, max(1, self.step // per_row)
@@ -167,9 +167,12 @@ class CompressedKVCache(_BaseCache):
                 buffers[name][..., row : row + field.shape[2], :] = field
         self.encoded += keys.shape[2]
 
-    def _field_rows(self, fields: Dict[str, mx.array], start: int, stop: int):
+    def _field_rows(self, role: str, start: int, stop: int):
+        """The rows of the `role` fields ("keys" or "values") that hold tokens [start, stop)."""
+        fields = self.key_fields if role == "keys" else self.value_fields
+        per_row = self.tokens_per_row[role]
         return {
-            name: buf[..., start // self.tokens_per_row[name] : -(-stop // self.tokens_per_row[name]), :]
+            name: buf[..., start // per_row[name] : -(-stop // per_row[name]), :]
             for name, buf in fields.items()
         }
 
@@ -202,8 +205,8 @@ class CompressedKVCache(_BaseCache):
             if query_len and self.just_encoded is not None and self.sinks + stop > first:
                 only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
             yield Segment(
-                self.key_codec.decode(self._field_rows(self.key_fields, start, stop)),
-                self.value_codec.decode(self._field_rows(self.value_fields, start, stop)) + value_shift,
+                self.key_codec.decode(self._field_rows("keys", start, stop)),
+                self.value_codec.decode(self._field_rows("values", start, stop)) + value_shift,
                 self.sinks + start,
                 encoded=True,
                 extra_mask=only_codes,
@@ -294,12 +297,8 @@ class CompressedKVCache(_BaseCache):
 
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
         """Decode the first tokens of a block back into fp16 (their originals are gone)."""
-        codec, fields, mean = (
-            (self.key_codec, self.key_fields, self.key_mean)
-            if role == "keys"
-            else (self.value_codec, self.value_fields, self.value_mean)
-        )
-        rows = self._field_rows(fields, block_start, block_start + self.block)
+        codec, mean = (self.key_codec, self.key_mean) if role == "keys" else (self.value_codec, self.value_mean)
+        rows = self._field_rows(role, block_start, block_start + self.block)
         decoded = codec.reconstruct(rows)[..., : stop - block_start, :]
         if mean is not None:
             decoded = decoded + mean
@@ -331,9 +330,9 @@ class CompressedKVCache(_BaseCache):
                 window_dtype=str(self.window_dtype),
                 tokens_per_row=self.tokens_per_row,
             )
-            for group, fields in (("keys", self.key_fields), ("values", self.value_fields)):
+            for group in ("keys", "values"):
                 if self.encoded:
-                    arrays[group] = self._field_rows(fields, 0, self.encoded)
+                    arrays[group] = self._field_rows(group, 0, self.encoded)
             for name in _DENSE_STATE:
                 if getattr(self, name) is not None and getattr(self, name).shape[2]:
                     arrays[name] = getattr(self, name)
@@ -359,7 +358,10 @@ class CompressedKVCache(_BaseCache):
         probe_v = mx.zeros((self.batch, self.kv_heads, 0, self.value_dim), dtype=probe_k.dtype)
         self._setup(probe_k, probe_v)
         self.offset, self.encoded = header["offset"], header["encoded"]
-        self.tokens_per_row = {k: int(v) for k, v in header.get("tokens_per_row", {}).items()}
+        stored = header.get("tokens_per_row", {})
+        self.tokens_per_row = {
+            role: {k: int(v) for k, v in stored.get(role, {}).items()} for role in ("keys", "values")
+        }
         for name in _DENSE_STATE:
             if name in arrays:
                 setattr(self, name, arrays[name])
@@ -378,7 +380,11 @@ class CompressedKVCache(_BaseCache):
             if self.encoded and set(fields) != expected_fields[group]:
                 problems.append(f"{group} fields {sorted(fields)} != {sorted(expected_fields[group])}")
             for name, buf in fields.items():
-                rows = -(-self.encoded // self.tokens_per_row.get(name, 1))
+                per_row = self.tokens_per_row[group].get(name)
+                if per_row is None:
+                    problems.append(f"{group}.{name} has no row layout in the header")
+                    continue
+                rows = -(-self.encoded // per_row)
                 if buf.shape[:2] != (self.batch, self.kv_heads) or buf.shape[2] != rows:
                     problems.append(f"{group}.{name} has shape {buf.shape}, expected {rows} rows")
         if self.config.center and self.encoded and self.key_mean is None:

@@ -1,0 +1,144 @@
+"""KIVI (Liu et al., arXiv 2402.02750): asymmetric min/max integer codes, keys per channel.
+
+encode:  keys PER CHANNEL: each channel's values over a group of G = config.group_size
+         consecutive tokens share one zero point m = min and scale s = (max - min)/(2^b - 1)
+         (Sec. 3.2: key outliers live in fixed channels, so grouping along tokens keeps
+         them from inflating other channels' scales); code = round((x - m)/s), clipped.
+         Values PER TOKEN: each token's groups of G channels (G clipped to the head dim,
+         which it must divide) share m and s (Sec. 3.2, values have no channel outliers);
+store:   keys: `codes` (d*b bits, packed, one row per token) and `channel_scale`,
+         `channel_min` (fp16, one row of d per group of G tokens: 32 d / G bits per
+         token amortised);
+         values: `codes` (d*b bits, packed) and `scale`, `min` (fp16, d/G each) per token;
+attend:  domain = identity: decode returns m + s * code in float32, scores are q . k^.
+
+KIVI's fp16 residual of the R most recent tokens is the cache's generic window
+(config.residual_length); the codec keeps no window of its own. A key group can only be
+encoded once all G of its tokens exist, so the key codec has token_block = G: during
+decoding, tokens stay in fp16 until a whole group of G has aged out of the window, and
+are then quantized together (CompressedKVCache does this). The paper's defaults are
+G = 32, R = 128; here G is config.group_size (default 64) for both keys and values.
+"""
+
+import mlx.core as mx
+
+from ..packing import pack, packed_words, unpack
+from .base import Codec, Method, register_method
+
+
+def _fp16_round_down(x: mx.array) -> mx.array:
+    """fp16(x) rounded toward -inf, so that every element of a group is >= its stored min
+    (rounding to nearest could put the min above the smallest element by an fp16 ulp,
+    which exceeds scale / 2 for a narrow group far from 0)."""
+    y = x.astype(mx.float16)
+    word = mx.view(y, mx.uint16)
+    # One fp16 step down: |y| - ulp for y > 0, |y| + ulp for y < 0, and -min_subnormal at 0.
+    lower = mx.where(word == 0, 0x8001, mx.where(word >= 0x8000, word + 1, word - 1)).astype(mx.uint16)
+    return mx.where(y.astype(mx.float32) > x, mx.view(lower, mx.float16), y)
+
+
+def affine_quantize(x: mx.array, bits: int, axis: int):
+    """Min/max asymmetric quantization of x along `axis` (the group axis).
+
+    Returns (codes uint8 of x's shape, scale fp16, min fp16), scale/min with `axis` kept
+    as size 1. Codes are computed against the stored fp16 scale and min (the min rounded
+    down), so decoding min + scale * code errs by at most scale / 2 per element, up to
+    float32 rounding.
+    """
+    levels = (1 << bits) - 1
+    lo = _fp16_round_down(mx.min(x, axis=axis, keepdims=True))
+    hi = mx.max(x, axis=axis, keepdims=True)
+    scale = ((hi - lo.astype(mx.float32)) / levels).astype(mx.float16)
+    lo32, scale32 = lo.astype(mx.float32), scale.astype(mx.float32)
+    # A constant group has scale 0: every element is `min` itself, code 0.
+    q = mx.round((x - lo32) / mx.where(scale32 > 0, scale32, 1.0))
+    codes = mx.clip(q, 0, levels).astype(mx.uint8)
+    return codes, scale, lo
+
+
+class GroupAffineCodec(Codec):
+    """Per-token codec: each token's groups of `group_size` consecutive channels share
+    an fp16 scale and min (KIVI's value quantization). Reusable for any per-token stream."""
+
+    def __init__(self, dim: int, bits: int, group_size: int):
+        group_size = min(group_size, dim)
+        if dim % group_size:
+            raise ValueError(
+                f"group_size {group_size} must divide the head dim {dim} "
+                f"(per-token groups of channels); choose a divisor of {dim}"
+            )
+        self.dim = self.domain_dim = dim
+        self.bits, self.group_size = bits, group_size
+        self.groups = dim // group_size
+
+    def encode(self, x):
+        *lead, dim = x.shape
+        grouped = x.astype(mx.float32).reshape(*lead, self.groups, self.group_size)
+        codes, scale, lo = affine_quantize(grouped, self.bits, axis=-1)
+        return {
+            "codes": pack(codes.reshape(*lead, dim), self.bits),
+            "scale": scale.squeeze(-1),
+            "min": lo.squeeze(-1),
+        }
+
+    def decode(self, fields):
+        codes = unpack(fields["codes"], self.bits, self.dim).astype(mx.float32)
+        *lead, _ = codes.shape
+        codes = codes.reshape(*lead, self.groups, self.group_size)
+        scale = fields["scale"].astype(mx.float32)[..., None]
+        lo = fields["min"].astype(mx.float32)[..., None]
+        return (lo + scale * codes).reshape(*lead, self.dim)
+
+    def bits_per_token(self):
+        return 32.0 * packed_words(self.dim, self.bits) + 2 * 16.0 * self.groups
+
+
+class ChannelGroupAffineCodec(Codec):
+    """Per-channel codec over groups of `group_size` tokens (KIVI's key quantization):
+    per-token packed `codes` plus per-group fp16 `channel_scale` and `channel_min` of
+    shape (..., T/G, dim). (Their names differ from the value codec's per-token `scale`
+    and `min`: the cache records tokens-per-row by field name.)"""
+
+    def __init__(self, dim: int, bits: int, group_size: int):
+        self.dim = self.domain_dim = dim
+        self.bits = bits
+        self.token_block = group_size
+
+    def encode(self, x):
+        *lead, tokens, dim = x.shape
+        if tokens % self.token_block:
+            raise ValueError(f"KIVI keys are encoded in whole groups of {self.token_block} tokens, got {tokens}")
+        grouped = x.astype(mx.float32).reshape(*lead, tokens // self.token_block, self.token_block, dim)
+        codes, scale, lo = affine_quantize(grouped, self.bits, axis=-2)
+        return {
+            "codes": pack(codes.reshape(*lead, tokens, dim), self.bits),
+            "channel_scale": scale.squeeze(-2),
+            "channel_min": lo.squeeze(-2),
+        }
+
+    def decode(self, fields):
+        codes = unpack(fields["codes"], self.bits, self.dim).astype(mx.float32)
+        *lead, tokens, dim = codes.shape
+        codes = codes.reshape(*lead, tokens // self.token_block, self.token_block, dim)
+        scale = fields["channel_scale"].astype(mx.float32)[..., None, :]
+        lo = fields["channel_min"].astype(mx.float32)[..., None, :]
+        return (lo + scale * codes).reshape(*lead, tokens, dim)
+
+    def bits_per_token(self):
+        return 32.0 * packed_words(self.dim, self.bits) + 2 * 16.0 * self.dim / self.token_block
+
+
+@register_method("kivi")
+class KIVI(Method):
+    key_bits = range(1, 9)
+    value_bits = range(1, 9)
+    summary = "min/max integer codes, keys per channel over groups of group_size tokens"
+    values_summary = "min/max integer codes per token, groups of group_size channels"
+
+    @classmethod
+    def key_codec(cls, config, dim, params=None):
+        return ChannelGroupAffineCodec(dim, config.bits, config.group_size)
+
+    @classmethod
+    def value_codec(cls, config, dim, params=None):
+        return GroupAffineCodec(dim, config.value_bits, config.group_size)
