@@ -8,6 +8,11 @@ attend:  domain = the rotated space, so scores are (R q) . (norm * c[codes]) and
          value sum is un-rotated once per query: R^T sum_i p_i norm_i c[codes_i].
 
 Keys and values both use this codec, at `bits` and `value_bits`.
+
+Option `renorm=True` stores ||x|| / ||c[codes]|| instead of ||x||, so decoded
+vectors keep their exact length: Lloyd-Max reconstructions are shorter than the
+input (E||x_hat||^2 = (1 - MSE)||x||^2), which shrinks every attention score
+towards zero; same storage.
 """
 
 import mlx.core as mx
@@ -19,9 +24,10 @@ from .base import Codec, Method, register_method
 
 
 class MSECodec(Codec):
-    def __init__(self, dim: int, bits: int, seed: int, params=None):
+    def __init__(self, dim: int, bits: int, seed: int, params=None, renorm: bool = False):
         self.dim = self.domain_dim = dim
         self.bits = bits
+        self.renorm = renorm
         if params:
             self.rotation = rotation_from_state(
                 {k[len("rotation.") :]: v for k, v in params.items() if k.startswith("rotation.")}
@@ -37,6 +43,9 @@ class MSECodec(Codec):
         norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
         unit = self.rotation.apply(x) / mx.maximum(norm, 1e-30)
         codes = quantize(unit, self.boundaries)
+        if self.renorm:
+            decoded = dequantize(codes, self.centroids)
+            norm = norm / mx.maximum(mx.sqrt(mx.sum(decoded * decoded, axis=-1, keepdims=True)), 1e-30)
         return {"codes": pack(codes, self.bits), "norm": norm.astype(mx.float16)}
 
     def decode(self, fields):
@@ -61,13 +70,14 @@ class MSECodec(Codec):
 class TurboQuantMSE(Method):
     key_bits = range(1, 9)
     value_bits = range(1, 9)
+    options = {"renorm": bool}
     summary = "random rotation + Lloyd-Max codes + fp16 norm"
     values_summary = "same codec at value_bits"
 
     @classmethod
     def key_codec(cls, config, dim, params=None):
-        return MSECodec(dim, config.bits, config.seed, params)
+        return MSECodec(dim, config.bits, config.seed, params, config.options.get("renorm", False))
 
     @classmethod
     def value_codec(cls, config, dim, params=None):
-        return MSECodec(dim, config.value_bits, config.seed + 1, params)
+        return MSECodec(dim, config.value_bits, config.seed + 1, params, config.options.get("renorm", False))
