@@ -1,0 +1,187 @@
+"""Markdown from results.json, and README sections rewritten from it, so that no
+number in the README is typed by hand."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Dict, List, Optional
+
+MIB = 2**20
+
+
+def _num(value, digits: int = 2, suffix: str = "") -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        if value != 0 and (abs(value) < 10 ** -digits or abs(value) >= 1e6):
+            return f"{value:.{digits}e}{suffix}"
+        return f"{value:.{digits}f}{suffix}"
+    return f"{value}{suffix}"
+
+
+def _mib(nbytes) -> str:
+    return "—" if nbytes is None else f"{nbytes / MIB:.2f}"
+
+
+def _status(record: Dict) -> str:
+    status = record.get("status", "?")
+    if status == "ok":
+        return "ok"
+    error = (record.get("error") or "").replace("|", "\\|").replace("\n", " ")
+    return f"{status}: {error[:120]}" if error else status
+
+
+def _table(header: List[str], rows: List[List[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _context_line(results: Dict) -> str:
+    env = results.get("environment", {})
+    model = results.get("model", {})
+    device = env.get("device_info", {}).get("device_name") or env.get("device", "")
+    parts = [
+        f"model `{model.get('name', '?')}`",
+        f"backend {env.get('backend', '?')} ({device})".replace(" ()", ""),
+        f"mlx {env.get('mlx', '?')}, mlx-lm {env.get('mlx_lm', '?')}",
+        results.get("timestamp", ""),
+    ]
+    if not results.get("complete", True):
+        parts.append("**incomplete run**")
+    return "_" + "; ".join(p for p in parts if p) + "_"
+
+
+def _ppl(results: Dict) -> str:
+    s = results.get("settings", {})
+    fp16 = next((r for r in results["records"] if r["label"] == "fp16" and r.get("perplexity")), None)
+    rows = []
+    for r in results["records"]:
+        ppl = r.get("perplexity")
+        delta = (f"{100 * (ppl / fp16['perplexity'] - 1):+.2f}%" if ppl is not None and fp16 else "—")
+        rows.append([
+            f"`{r['label']}`" + (" (mlx-lm)" if r.get("kind") == "baseline" else ""),
+            _num(r.get("bits_per_coord")),
+            _mib(r.get("kv_bytes")),
+            _num(r.get("compression_vs_fp16"), 2, "x"),
+            _num(ppl, 2),
+            delta,
+            _num(r.get("kl_mean"), 4),
+            _num(r.get("kl_p99"), 4),
+            _num(None if r.get("top1_agreement") is None else 100 * r["top1_agreement"], 1, "%"),
+            _status(r),
+        ])
+    text = (
+        f"Perplexity on `{s.get('text_source', '?')}`: {s.get('windows')} window(s) of {s.get('ctx')} tokens, "
+        f"fed in chunks of {s.get('chunk')}, second half of each window scored "
+        f"({s.get('scored_tokens', '?')} tokens). KL and top-1 are against the fp16 run; "
+        "bits/coord and MiB are the caches' live buffers at the end of a window; "
+        "compression is against fp16 (2 bytes per element)."
+    )
+    table = _table(["method", "bits/coord", "KV MiB", "vs fp16", "PPL", "ΔPPL", "KL mean", "KL p99",
+                    "top-1", "status"], rows)
+    return f"{text}\n\n{table}"
+
+
+def _needle(results: Dict) -> str:
+    s = results.get("settings", {})
+    lengths = s.get("lengths", [])
+    rows = []
+    for r in results["records"]:
+        by_length = []
+        grid = r.get("grid", {})
+        for j, _ in enumerate(grid.get("lengths", [])):
+            column = [row[j] for row in grid.get("accuracy", []) if row[j] is not None]
+            by_length.append(_num(sum(column) / len(column), 2) if column else "—")
+        rows.append([f"`{r['label']}`" + (" (mlx-lm)" if r.get("kind") == "baseline" else ""),
+                     _num(r.get("accuracy"), 2), *by_length, _num(r.get("bits_per_coord")), _status(r)])
+    text = (
+        f"Needle in a haystack: depths {', '.join(f'{d:g}' for d in s.get('depths', []))}, "
+        f"{s.get('trials', 1)} trial(s) per cell, greedy decoding; score = share of answers "
+        "containing the passcode."
+    )
+    table = _table(["method", "accuracy", *[f"{n} tok" for n in lengths], "bits/coord", "status"], rows)
+    return f"{text}\n\n{table}"
+
+
+def _benchmark(results: Dict) -> str:
+    s = results.get("settings", {})
+    rows = []
+    for r in results["records"]:
+        rows.append([
+            f"`{r['label']}`" + (" (mlx-lm)" if r.get("kind") == "baseline" else ""),
+            str(r.get("context")),
+            _num(r.get("prefill_tokens_per_s"), 1),
+            _num(r.get("decode_tokens_per_s"), 1),
+            _mib(r.get("kv_bytes")),
+            _num(r.get("bits_per_coord")),
+            _mib(r.get("peak_memory_bytes")),
+            str(r.get("repeats_done", 0)),
+            _status(r),
+        ])
+    text = (
+        f"Speed and memory, {s.get('model_source', '?')}, activations {s.get('dtype', '?')}, "
+        f"weights {s.get('weights', '?')}; median of up to {s.get('repeats')} runs after "
+        f"{s.get('warmup', 1)} untimed warm-up run(s) of the same shapes; "
+        f"decode = {s.get('decode_tokens')} tokens after the prompt; peak memory includes the weights."
+    )
+    table = _table(["method", "context", "prefill tok/s", "decode tok/s", "KV MiB", "bits/coord",
+                    "peak MiB", "runs", "status"], rows)
+    return f"{text}\n\n{table}"
+
+
+RENDERERS = {"eval ppl": _ppl, "eval needle": _needle, "benchmark": _benchmark}
+
+
+def render_markdown(results: Dict, results_dir=None, link_dir=None) -> str:
+    """Markdown table(s) and figure links for one results document. Figure paths are
+    written relative to `link_dir` (where the Markdown will live)."""
+    renderer = RENDERERS.get(results.get("command"))
+    if renderer is None:
+        raise ValueError(f"no report for command {results.get('command')!r}")
+    parts = [renderer(results), _context_line(results)]
+    if results_dir is not None:
+        for name in results.get("figures", []):
+            path = Path(results_dir) / name
+            link = os.path.relpath(path, link_dir) if link_dir is not None else str(path)
+            parts.append(f"![{Path(name).stem}]({Path(link).as_posix()})")
+    return "\n\n".join(parts)
+
+
+def markers(name: str):
+    return f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->"
+
+
+def replace_section(document: str, name: str, content: str) -> str:
+    start, end = markers(name)
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
+    if not pattern.search(document):
+        raise ValueError(f"markers {start} ... {end} not found")
+    return pattern.sub(lambda _: f"{start}\n{content.strip()}\n{end}", document, count=1)
+
+
+def update_readme(readme, name: str, content: str) -> None:
+    readme = Path(readme)
+    if not readme.is_file():
+        raise FileNotFoundError(f"README not found: {readme}")
+    readme.write_text(replace_section(readme.read_text(), name, content))
+
+
+def report(results_dirs: List[str], readme: Optional[str] = None, name: Optional[str] = None) -> str:
+    """Markdown for one or more results folders; with `readme`, also written between the
+    `<!-- results:NAME:start/end -->` markers there (NAME defaults to the command, e.g. ppl)."""
+    from .results import load_results
+
+    link_dir = Path(readme).resolve().parent if readme else Path.cwd()
+    sections, commands = [], []
+    for directory in results_dirs:
+        results = load_results(directory)
+        results_dir = Path(directory) if Path(directory).is_dir() else Path(directory).parent
+        sections.append(render_markdown(results, results_dir.resolve(), link_dir))
+        commands.append(results["command"].split()[-1])
+    markdown = "\n\n".join(sections)
+    if readme:
+        update_readme(readme, name or "-".join(dict.fromkeys(commands)), markdown)
+    return markdown

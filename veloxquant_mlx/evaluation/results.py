@@ -1,0 +1,148 @@
+"""results.json: what was run, where, and the per-method records (docs/results-schema.md)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+import mlx.core as mx
+
+SCHEMA_VERSION = 1
+RESULTS_JSON = "results.json"
+RESULTS_MD = "results.md"
+
+
+def backend_name() -> str:
+    if mx.default_device() == mx.cpu:
+        return "cpu"
+    if mx.metal.is_available():
+        return "metal"
+    cuda = getattr(mx, "cuda", None)
+    if cuda is not None and cuda.is_available():
+        return "cuda"
+    return "gpu"
+
+
+def _total_memory_bytes() -> Optional[int]:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device_info() -> Dict[str, Any]:
+    try:
+        info = mx.device_info()
+    except Exception:
+        return {}
+    return {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in info.items()}
+
+
+def environment() -> Dict[str, Any]:
+    import mlx_lm
+
+    from .. import __version__
+
+    return {
+        "veloxquant_mlx": __version__,
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "memory_total_bytes": _total_memory_bytes(),
+        "device": str(mx.default_device()),
+        "backend": backend_name(),
+        "device_info": _device_info(),
+        "argv": sys.argv,
+    }
+
+
+def _jsonable(value):
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return str(value)
+
+
+def args_record(args) -> Dict[str, Any]:
+    return {k: _jsonable(v) for k, v in vars(args).items() if not callable(v)}
+
+
+def new_results(command: str, args, model_info: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "command": command,
+        "args": args_record(args) if args is not None else {},
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment(),
+        "model": model_info or {},
+        "settings": {},
+        "records": [],
+        "figures": [],
+        "complete": False,
+    }
+
+
+def save_results(out_dir, results: Dict[str, Any]) -> Path:
+    """Write results.json (atomically) and results.md; safe to call after every record."""
+    from .report import render_markdown
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS_JSON
+    staging = path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps(_jsonable(results), indent=2, allow_nan=False) + "\n")
+    staging.replace(path)
+    (out_dir / RESULTS_MD).write_text(render_markdown(results, out_dir, out_dir) + "\n")
+    return path
+
+
+def load_results(path) -> Dict[str, Any]:
+    path = Path(path)
+    if path.is_dir():
+        path = path / RESULTS_JSON
+    if not path.is_file():
+        raise FileNotFoundError(f"no results file at {path}")
+    return json.loads(path.read_text())
+
+
+def finite(value: Optional[float]) -> Optional[float]:
+    """JSON has no NaN/inf: record them as null."""
+    if value is None:
+        return None
+    value = float(value)
+    return value if value == value and abs(value) != float("inf") else None
+
+
+def error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}".strip()
+
+
+def model_record(model, name: str, layout=None, **extra) -> Dict[str, Any]:
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    dtypes = sorted({str(p.dtype).split(".")[-1] for _, p in params})
+    args = getattr(model, "args", None)
+    record = {
+        "name": name,
+        "model_type": getattr(args, "model_type", type(model).__module__.split(".")[-1]),
+        "parameter_bytes": sum(p.nbytes for _, p in params),
+        "parameter_dtypes": dtypes,
+    }
+    if layout is not None:
+        record.update(layout.describe())
+    record.update(extra)
+    return record

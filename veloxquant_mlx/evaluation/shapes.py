@@ -1,0 +1,147 @@
+"""Random-weight models of real architectures, built from their published config.json
+values with mlx-lm's own model classes (nothing is downloaded). Speed and memory
+depend on shapes, not on weight values, so these stand in for the real models in
+benchmarks."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+SHAPES: Dict[str, Dict[str, Any]] = {
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    },
+    # mistralai/Mistral-7B-v0.3 (mlx-lm runs "mistral" with its llama module)
+    "mistral-7b": {
+        "model_type": "mistral",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+    },
+    # Qwen/Qwen3-4B
+    "qwen3-4b": {
+        "model_type": "qwen3",
+        "hidden_size": 2560,
+        "num_hidden_layers": 36,
+        "intermediate_size": 9728,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "tie_word_embeddings": True,
+    },
+    # Qwen/Qwen2.5-7B (head_dim 3584 / 28 = 128; q/k/v projections have biases)
+    "qwen2.5-7b": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "intermediate_size": 18944,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": False,
+    },
+    # for CI: the same code paths in milliseconds
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 256,
+        "num_hidden_layers": 2,
+        "intermediate_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "vocab_size": 1024,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 131072,
+        "tie_word_embeddings": True,
+    },
+}
+
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+def default_dtype_name() -> str:
+    """fp16 activations on a GPU; float32 on the CPU, where half precision is slow."""
+    return "float32" if mx.default_device() == mx.cpu else "float16"
+
+
+def resolve_dtype(name: Optional[str]):
+    name = default_dtype_name() if name in (None, "auto") else name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of auto, {', '.join(DTYPES)}")
+    return name, DTYPES[name]
+
+
+def shape_config(name: str) -> Dict[str, Any]:
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; known shapes: {', '.join(SHAPES)}")
+    return dict(SHAPES[name])
+
+
+def materialize(model: nn.Module) -> None:
+    # one parameter at a time keeps random-init temporaries small for 8B shapes
+    for _, parameter in tree_flatten(model.parameters()):
+        mx.eval(parameter)
+
+
+def quantize_weights(model: nn.Module, bits: Optional[int], group_size: int = 64) -> None:
+    if bits is None or bits >= 16:
+        return
+    nn.quantize(model, group_size=group_size, bits=bits)
+    materialize(model)
+
+
+def build_shape_model(name: str, dtype: Optional[str] = None, weights_bits: Optional[int] = None,
+                      seed: int = 0) -> nn.Module:
+    """A random-weight model of the named architecture, activations in `dtype`,
+    weights quantized to `weights_bits` (None/16 = float weights)."""
+    from mlx_lm.utils import _get_classes
+
+    config = shape_config(name)
+    model_class, args_class = _get_classes(config)
+    _, mx_dtype = resolve_dtype(dtype)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    model.set_dtype(mx_dtype)
+    materialize(model)
+    quantize_weights(model, weights_bits)
+    model.eval()
+    return model
