@@ -12,7 +12,7 @@ the same seed are independent, and results do not depend on MLX's RNG state.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Dict, Protocol, runtime_checkable
 
 import mlx.core as mx
 import numpy as np
@@ -146,3 +146,17 @@ def gaussian_projection(rows: int, dim: int, seed: int = 0) -> mx.array:
     """A seeded (rows, dim) matrix of i.i.d. N(0, 1) entries, float32 (QJL sketches)."""
     rows, dim = _check_dim(rows), _check_dim(dim)
     return mx.array(_rng(seed, _GAUSSIAN_STREAM).standard_normal((rows, dim)).astype(np.float32))
+
+
+ROTATION_PREFIX = "rotation."
+
+
+def rotation_params(rotation) -> Dict[str, mx.array]:
+    """A rotation's state under the `rotation.` prefix, for a codec's `params()`."""
+    return {ROTATION_PREFIX + k: v for k, v in rotation.state().items()}
+
+
+def rotation_from_params(params: Dict[str, mx.array]):
+    """Rebuild the rotation stored by `rotation_params` among a codec's params."""
+    n = len(ROTATION_PREFIX)
+    return rotation_from_state({k[n:]: v for k, v in params.items() if k.startswith(ROTATION_PREFIX)})

@@ -52,7 +52,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..packing import pack, packed_words, unpack
-from ..rotations import random_rotation, rotation_from_state
+from ..rotations import random_rotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
 from .turboquant_mse import MSECodec
 
@@ -142,9 +142,7 @@ class PolarCodec(Codec):
     def __init__(self, dim: int, bits: int, seed: int, levels: int = DEFAULT_LEVELS, params=None):
         self.dim = self.domain_dim = dim
         if params:
-            self.rotation = rotation_from_state(
-                {k[len("rotation.") :]: v for k, v in params.items() if k.startswith("rotation.")}
-            )
+            self.rotation = rotation_from_params(params)
             levels = sum(1 for k in params if k.startswith("angles"))
             self.centroids = [params[f"angles{l}"] for l in range(1, levels + 1)]
         else:
@@ -233,7 +231,7 @@ class PolarCodec(Codec):
         return self.rotation.invert(y)
 
     def params(self):
-        state = {f"rotation.{k}": v for k, v in self.rotation.state().items()}
+        state = rotation_params(self.rotation)
         return {**state, **{f"angles{l}": c for l, c in enumerate(self.centroids, start=1)}}
 
     def bits_per_token(self):

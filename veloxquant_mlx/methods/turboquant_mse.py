@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..codebooks import dequantize, lloyd_max, quantize
 from ..packing import pack, packed_words, unpack
-from ..rotations import random_rotation, rotation_from_state
+from ..rotations import random_rotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
 
 
@@ -29,9 +29,7 @@ class MSECodec(Codec):
         self.bits = bits
         self.renorm = renorm
         if params:
-            self.rotation = rotation_from_state(
-                {k[len("rotation.") :]: v for k, v in params.items() if k.startswith("rotation.")}
-            )
+            self.rotation = rotation_from_params(params)
             self.centroids = params["centroids"]
         else:
             self.rotation = random_rotation(dim, seed)
@@ -59,7 +57,7 @@ class MSECodec(Codec):
         return self.rotation.invert(y)
 
     def params(self):
-        state = {f"rotation.{k}": v for k, v in self.rotation.state().items()}
+        state = rotation_params(self.rotation)
         return {**state, "centroids": self.centroids}
 
     def bits_per_token(self):

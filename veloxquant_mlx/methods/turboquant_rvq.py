@@ -29,7 +29,7 @@ import mlx.core as mx
 
 from ..codebooks import dequantize, lloyd_max, quantize
 from ..packing import pack, packed_words, unpack
-from ..rotations import random_rotation, rotation_from_state
+from ..rotations import random_rotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
 
 DEFAULT_SECOND_PASS_BITS = 1
@@ -41,9 +41,7 @@ class RVQCodec(Codec):
     def __init__(self, dim: int, bits: int, seed: int, second_pass_bits: int = DEFAULT_SECOND_PASS_BITS, params=None):
         self.dim = self.domain_dim = dim
         if params:
-            self.rotation = rotation_from_state(
-                {k[len("rotation.") :]: v for k, v in params.items() if k.startswith("rotation.")}
-            )
+            self.rotation = rotation_from_params(params)
             self.centroids1 = params["centroids1"]
             self.centroids2 = params["centroids2"]
         else:
@@ -92,7 +90,7 @@ class RVQCodec(Codec):
         return self.rotation.invert(y)
 
     def params(self):
-        state = {f"rotation.{k}": v for k, v in self.rotation.state().items()}
+        state = rotation_params(self.rotation)
         return {**state, "centroids1": self.centroids1, "centroids2": self.centroids2}
 
     def bits_per_token(self):
