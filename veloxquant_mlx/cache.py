@@ -33,6 +33,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .artifacts import CodecSet
+from . import kernels
 from .attention import Segment, attend
 from .config import KVCacheConfig
 
@@ -78,6 +79,7 @@ class CompressedKVCache(_BaseCache):
     step = 256
     attention_block = 4096  # most tokens decoded per attention block
     score_tile = 1 << 21  # most query-by-key scores per block: bounds prefill memory
+    kernels_enabled = True  # decode through veloxquant_mlx.kernels where it applies
 
     def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None):
         self.config = config
@@ -101,6 +103,7 @@ class CompressedKVCache(_BaseCache):
         self.key_codec = self.codecs.get("keys", self.key_dim)
         self.value_codec = self.codecs.get("values", self.value_dim)
         self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
+        self._immediate = (self.block == 1 and self.config.sink_tokens == 0 and self.config.residual_length == 0)
 
     @property
     def sinks(self) -> int:
@@ -118,6 +121,11 @@ class CompressedKVCache(_BaseCache):
         values = values.astype(self.window_dtype)
         self.offset += keys.shape[2]
         self.just_encoded = None
+        if self._immediate and keys.shape[2]:
+            # No sinks, no window, one token per block: every token is encoded at once
+            # (what the general path below does in that case, with less per-step work).
+            self._append_codes(keys, values)
+            return self.history()
 
         to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
         if to_sinks > 0:
@@ -138,9 +146,13 @@ class CompressedKVCache(_BaseCache):
                     self.window_values[..., :flush, :],
                     self.sinks + self.encoded,
                 )
-            self._append_codes(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
-            self.window_keys = self.window_keys[..., flush:, :]
-            self.window_values = self.window_values[..., flush:, :]
+            if flush == self.window:  # all of it (the usual decode step without a window): no slicing
+                self._append_codes(self.window_keys, self.window_values)
+                self.window_keys = self.window_values = None
+            else:
+                self._append_codes(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
+                self.window_keys = self.window_keys[..., flush:, :]
+                self.window_values = self.window_values[..., flush:, :]
         return self.history()
 
     def history(self):
@@ -154,11 +166,12 @@ class CompressedKVCache(_BaseCache):
                 self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
             keys = keys.astype(mx.float32) - self.key_mean
             values = values.astype(mx.float32) - self.value_mean
-        for role, codec, buffers, x in (
-            ("keys", self.key_codec, self.key_fields, keys),
-            ("values", self.value_codec, self.value_fields, values),
+        key_fields, value_fields = kernels.encode_kv(self.key_codec, self.value_codec, keys, values)
+        for role, encoded, buffers, x in (
+            ("keys", key_fields, self.key_fields, keys),
+            ("values", value_fields, self.value_fields, values),
         ):
-            for name, field in codec.encode(x).items():
+            for name, field in encoded.items():
                 per_row = self.tokens_per_row[role].setdefault(name, x.shape[2] // field.shape[2])
                 row = start // per_row
                 buffers[name] = _grow(
@@ -225,7 +238,16 @@ class CompressedKVCache(_BaseCache):
         return keys if self.key_mean is None else keys.astype(mx.float32) - self.key_mean
 
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
-        """Attention of `queries` (B, n_heads, L, D) over everything this cache holds."""
+        """Attention of `queries` (B, n_heads, L, D) over everything this cache holds.
+
+        One query per head (decoding) goes to `kernels.decode_attention`, which reads
+        the packed codes directly (CUDA / Metal kernels or the compiled portable path);
+        on a GPU back end, prefill chunks over codes only go to `kernels.prefill_attention`;
+        everything else (masks, windows during prefill, other methods) to the generic path."""
+        if self.kernels_enabled:
+            out = kernels.attention(self, queries, scale, mask)
+            if out is not None:
+                return out
         return attend(
             queries,
             self.segments(queries.shape[1] * queries.shape[2], queries.shape[2]),

@@ -1,0 +1,205 @@
+"""Decode-attention kernels: source generation, the C++ emulation of the kernel
+text, the portable path, and dispatch. CI has no GPU: the CUDA kernels run on the
+GPU machine (`python -m veloxquant_mlx.kernels.selftest --backend cuda`, results in
+benchmarks/results/gpu/); here the same kernel bodies run in the emulator.
+
+Tolerances (max |out - ref| / max |ref|): 1e-4 for float32 inputs, 4e-3 for fp16
+(rounding of the output / of decoded codes); see kernels.selftest.
+"""
+
+import os
+import shutil
+import subprocess
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant_mlx import KVCacheConfig, kernels
+from veloxquant_mlx.cache import CompressedKVCache
+from veloxquant_mlx.kernels import emulator, launch, portable, selftest, templates
+from veloxquant_mlx.methods.turboquant_mse import MSECodec
+
+needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
+
+IN_DTYPES = {
+    "mse_partial": {"q": "float16", "kcodes": "uint32", "knorm": "float16", "vcodes": "uint32", "vnorm": "float16",
+                    "kcent": "float32", "vcent": "float32", "ksigns": "float32", "meta": "int32", "qscale": "float32"},
+    "merge": {"o": "float32", "ml": "float32", "vsigns": "float32", "meta": "int32", "po": "float32",
+              "pml": "float32", "vmean": "float32"},
+    "mse_dequant": {"codes": "uint32", "norm": "float16", "cent": "float32", "meta": "int32"},
+    "mse_encode": {n: "float32" for n in templates.KERNELS["mse_encode"]["inputs"]},
+}
+
+
+def _plans():
+    """A plan of every kernel for each supported bit width and a spread of dims."""
+    for dim in (64, 96, 128, 256):
+        for bits in range(1, 9):
+            vbits = 9 - bits
+            pow2 = dim & (dim - 1) == 0
+            yield launch.encode_plan(4, (dim, bits, pow2, bits in (2, 3)), (dim, vbits, pow2, False), "float16")
+            yield launch.partial_plan(2, 4, dim, bits, vbits, 1000, 1024, 1024, rotate_query=pow2, q_dtype="float16")
+            yield launch.dequant_plan(2, dim, bits, 1000, 1024, out_dtype="float16")
+        if dim & (dim - 1) == 0:
+            yield launch.merge_plan(2, 4, dim, 7, unrotate=True, plain=True, value_mean=True, out_dtype="float16")
+
+
+def _dtypes(plan):
+    ins = dict(IN_DTYPES[plan.kernel])
+    if plan.kernel == "mse_encode":
+        ins["kx"] = ins["vx"] = "float16"
+    return ins, dict(zip(templates.KERNELS[plan.kernel]["outputs"], plan.output_dtypes))
+
+
+@pytest.mark.parametrize("dialect", ["cuda", "metal", "cpp"])
+def test_sources_render_for_every_width_and_dim(dialect):
+    plans = list(_plans())
+    assert len(plans) > 90
+    for plan in plans:
+        body = templates.source(plan.kernel, dialect)
+        header = templates.header(dialect)
+        assert "vq_tid" in body and body.count("{") == body.count("}")
+        if dialect == "metal":  # MLX finds Metal attributes by scanning the body
+            assert "thread_position_in_threadgroup" in body and "threadgroup_position_in_grid" in body
+            assert "threadgroup_barrier" in header
+        if dialect == "cuda":
+            assert "threadIdx" in body and "__syncthreads" in header
+            ins, outs = _dtypes(plan)
+            unit = templates.render_cuda(plan.kernel, plan.template, ins, outs, mlx_header=False)
+            for name, value in plan.template:
+                assert f" {name} = " in unit
+        if dialect == "cpp":
+            ins, outs = _dtypes(plan)
+            text = templates.render_cpp(plan.kernel, plan.template, ins, outs, "k")
+            assert "vq_emu::ctx.tid" in text
+
+
+def test_templates_have_one_body_per_kernel():
+    # The dialects differ only in header and prologue: the maths is one text.
+    for kernel in templates.KERNELS:
+        bodies = {templates.source(kernel, d).split("\n", 4)[-1] for d in templates.DIALECTS}
+        assert len(bodies) == 1
+
+
+def test_plans_fit_and_split_sensibly():
+    plan = launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, 32768, rotate_query=True, q_dtype="float16")
+    splits = plan.meta["splits"]
+    assert splits * plan.meta["chunk"] >= 32768 and plan.meta["chunk"] % launch.PARTIAL_THREADS == 0
+    assert 8 * splits >= 400  # enough blocks to fill a large GPU
+    assert launch.partial_shared_bytes(128, 4, 3, 4) < 48 * 1024
+    assert launch.choose_chunk(10, 8) == launch.PARTIAL_THREADS
+    with pytest.raises(ValueError):
+        launch.partial_plan(1, 1, 80, 3, 3, 10, 16, 16, rotate_query=False, q_dtype="float16")  # dim % 32
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_sources_compile_with_nvcc(tmp_path):
+    """The generated translation units compile for sm_90 without spills (a stand-in
+    for MLX's own NVRTC build on the GPU machine)."""
+    picks = [p for p in _plans() if p.kernel != "mse_partial"][:3]
+    picks.append(launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, 32768, rotate_query=True, q_dtype="float16"))
+    picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=True, plain=True, value_mean=True, out_dtype="float16"))
+    for i, plan in enumerate(picks):
+        ins, outs = _dtypes(plan)
+        src = tmp_path / f"k{i}.cu"
+        src.write_text(templates.render_cuda(plan.kernel, plan.template, ins, outs, name=f"k{i}", mlx_header=False))
+        result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
+                                 str(tmp_path / f"k{i}.o"), str(src)], capture_output=True, text=True)
+        if result.returncode != 0 and "cannot find" in (result.stderr + result.stdout).lower():
+            pytest.skip("nvcc without a usable CUDA toolkit")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
+
+
+# ---- the kernel text, run in the C++ emulator -----------------------------------------
+
+QUICK = [c for c in selftest.CASES if c.name in (
+    "d128_k3v4_gqa4_fp16", "d128_k3v3_window_sinks_center", "d64_k4v2_gqa3_batch2", "d96_k3v4_prerotated",
+    "prefill_d64_k3v3_center")]
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", QUICK, ids=lambda c: c.name)
+def test_emulated_kernels_match_portable_generic_and_fp64(case):
+    record = selftest.run_case(case, "emulator")
+    assert record["status"] == "ok", {k: v for k, v in record.items() if k != "output"}
+    assert record["vs_dequant_fp64"] <= selftest.TOLERANCES[case.dtype]
+
+
+@needs_cxx
+@pytest.mark.parametrize("spec", [(128, 3, 128, 4, False), (64, 4, 64, 2, True), (96, 3, 96, 4, False),
+                                  (128, 3, 64, 4, False)], ids=str)
+def test_emulated_encode_matches_codec(spec):
+    record = selftest.run_encode("emulator", *spec)
+    assert record["status"] == "ok", record
+
+
+@needs_cxx
+def test_emulated_long_sequence_many_splits():
+    # Several splits of several tiles, a ragged last tile, B = 2.
+    case = selftest.Case("long", 64, 3, 4, 2, batch=2, tokens=1100, seed=11)
+    keys, values, queries = selftest._inputs(case)
+    cache = selftest._cache(case, keys, values)
+    q = mx.array(queries)
+    out = kernels.decode_attention(cache, q, 0.125, using="emulator", chunk=256)
+    ref = kernels.decode_attention(cache, q, 0.125, using="portable")
+    assert selftest._rel(np.array(out), np.array(ref)) < 1e-5
+
+
+# ---- the portable path and dispatch ---------------------------------------------------
+
+@pytest.mark.parametrize("dim,bits", [(d, b) for d in (64, 128, 96, 80) for b in range(1, 9)])
+def test_portable_group_decode_equals_codec_decode(dim, bits):
+    codec = MSECodec(dim, bits, seed=1)
+    fields = codec.encode(mx.random.normal((1, 2, 17, dim), key=mx.random.key(dim * bits)))
+    unit = portable.decode_unit(codec, fields["codes"])
+    ref = codec.decode(fields) / fields["norm"].astype(mx.float32)
+    assert mx.allclose(unit, ref, atol=1e-6).item()
+
+
+@pytest.mark.parametrize("case", [c for c in selftest.CASES if c.queries == 1], ids=lambda c: c.name)
+def test_portable_decode_matches_generic_and_fp64(case):
+    record = selftest.run_case(case, "portable")
+    assert record["status"] == "ok", {k: v for k, v in record.items() if k != "output"}
+
+
+def test_cache_decode_goes_through_the_kernel_path_and_matches_generic():
+    cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4))
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(1))
+    cache.update_and_fetch(k, k * 0.5)
+    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(2))
+    fast = cache.attend(q, scale=0.125)
+    cache.kernels_enabled = False
+    slow = cache.attend(q, scale=0.125)
+    assert mx.allclose(fast, slow, rtol=1e-4, atol=1e-5).item()
+    assert kernels.decode_attention(cache, q, 0.125) is not None  # the path was taken
+
+
+def test_other_methods_and_masks_use_the_generic_path():
+    cache = CompressedKVCache(KVCacheConfig(method="turboquant_prod", bits=3))
+    k = mx.random.normal((1, 2, 40, 64))
+    cache.update_and_fetch(k, k)
+    assert kernels.decode_attention(cache, mx.zeros((1, 4, 1, 64)), 0.1) is None
+    mse = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3))
+    mse.update_and_fetch(k, k)
+    assert kernels.decode_attention(mse, mx.zeros((1, 4, 1, 64)), 0.1, mask=mx.ones((1, 40), mx.bool_)) is None
+    assert kernels.prefill_attention(mse, mx.zeros((1, 4, 3, 64)), 0.1, "causal") is None  # CPU: generic
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("VELOXQUANT_KERNELS", raising=False)
+    monkeypatch.delenv("VELOXQUANT_METAL_KERNELS", raising=False)
+    assert kernels.backend() == "portable"  # CI: CPU only
+    monkeypatch.setenv("VELOXQUANT_KERNELS", "emulator")
+    assert kernels.backend() == "emulator"
+    monkeypatch.setenv("VELOXQUANT_KERNELS", "off")
+    assert kernels.backend() == "portable"
+    cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3))
+    cache.update_and_fetch(mx.ones((1, 1, 4, 64)), mx.ones((1, 1, 4, 64)))
+    assert kernels.attention(cache, mx.ones((1, 1, 1, 64)), 0.1) is None  # off: generic path
+
+
+def test_selftest_cli_runs_portable(capsys):
+    assert selftest.main(["--backend", "portable"]) == 0
+    assert "0 failed" in capsys.readouterr().out

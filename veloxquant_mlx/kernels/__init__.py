@@ -1,0 +1,223 @@
+"""Attention and encoding on packed codes, with kernels chosen at run time.
+
+Back ends (`backend()`):
+
+* ``cuda``: `mx.fast.cuda_kernel`, when MLX's CUDA back end is available and
+  the default device is the GPU;
+* ``metal``: `mx.fast.metal_kernel`, generated from the same templates, only
+  with ``VELOXQUANT_METAL_KERNELS=1`` (not yet run on a Mac; see docs/kernels.md);
+* ``portable``: MLX ops compiled with `mx.compile`, everywhere else (the CPU).
+
+``VELOXQUANT_KERNELS=portable`` forces the portable path; ``VELOXQUANT_KERNELS=off``
+sends all attention to the generic blockwise path of `veloxquant_mlx.attention`. Kernels exist for
+turboquant_mse keys and values (1-8 bits, head dims that are multiples of 32;
+seeded Hadamard rotations of power-of-two dims are applied inside the kernels,
+other rotations by MLX ops around them); other methods use the generic
+attention in `veloxquant_mlx.attention`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional
+
+import mlx.core as mx
+
+from . import launch, ops, portable, templates
+
+__all__ = ["attention", "backend", "decode_attention", "prefill_attention", "encode", "encode_kv", "kernel_supported", "launch", "ops", "portable", "templates"]
+
+
+SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
+
+
+def backend() -> str:
+    """The active back end (see the module docstring); cheap enough to call per layer."""
+    key = (os.environ.get("VELOXQUANT_KERNELS"), os.environ.get("VELOXQUANT_METAL_KERNELS"),
+           mx.default_device())
+    return _backend(key)
+
+
+@functools.lru_cache(maxsize=32)
+def _backend(key) -> str:
+    forced = (key[0] or "auto").strip().lower()
+    if forced in ("portable", "off", "generic", "0", "none"):
+        return "portable"
+    if forced == "emulator":  # the kernels' C++ emulation on the CPU: slow, for tests
+        return "emulator"
+    try:
+        on_gpu = key[2].type == mx.DeviceType.gpu
+    except Exception:  # pragma: no cover
+        on_gpu = False
+    if not on_gpu:
+        return "portable"
+    if forced in ("auto", "cuda") and _cuda_available():
+        return "cuda"
+    metal_flag = (key[1] or "0").strip().lower() in ("1", "true", "yes", "on")
+    if (forced == "metal" or metal_flag) and mx.metal.is_available():
+        return "metal"
+    return "portable"
+
+
+def _cuda_available() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _is_mse(codec) -> bool:
+    global _MSECodec
+    if _MSECodec is None:
+        from ..methods.turboquant_mse import MSECodec
+
+        _MSECodec = MSECodec
+    return type(codec) is _MSECodec
+
+
+_MSECodec = None
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_kernel_ok(key_codec, value_codec, rep: int) -> bool:
+    return kernel_supported(key_codec, value_codec) and launch.partial_shared_bytes(
+        key_codec.dim, rep, key_codec.bits, value_codec.bits) <= SHARED_LIMIT
+
+
+def kernel_supported(key_codec, value_codec=None) -> bool:
+    """Whether the decode kernels take these codecs."""
+    codecs = [key_codec] + ([value_codec] if value_codec is not None else [])
+    if not all(_is_mse(c) for c in codecs):
+        return False
+    if value_codec is not None and key_codec.dim != value_codec.dim:
+        return False
+    if key_codec.dim % 32 or key_codec.dim > 1024:
+        return False
+    try:
+        launch.value_group(key_codec.dim, launch.PARTIAL_THREADS, (value_codec or key_codec).bits)
+    except ValueError:
+        return False
+    return True
+
+
+def encode(codec, x: mx.array):
+    """codec.encode(x) (the MLX-ops codec; see `encode_kv` for the kernel)."""
+    return codec.encode(x)
+
+
+def encode_kv(key_codec, value_codec, keys: mx.array, values: mx.array, *, using: Optional[str] = None):
+    """(key fields, value fields): keys and values encoded in one kernel launch where
+    the back end has kernels and both codecs are turboquant_mse, else by the codecs."""
+    name = using or backend()
+    if (name != "portable" and _is_mse(key_codec) and _is_mse(value_codec) and keys.shape[-2] > 0
+            and max(key_codec.dim, value_codec.dim) <= 1024):
+        return ops.mse_encode_kv(ops.runner(name), key_codec, value_codec, keys, values)
+    return key_codec.encode(keys), value_codec.encode(values)
+
+
+def _kernel_layout(cache) -> bool:
+    """Both codecs turboquant_mse with one row per token (fixed once the cache has codes)."""
+    known = cache.__dict__.get("_vq_layout")
+    if known is not None and known[0] is cache.key_codec and known[1] is cache.value_codec:
+        return known[2]
+    ok = _check_layout(cache)
+    if cache.encoded:
+        cache._vq_layout = (cache.key_codec, cache.value_codec, ok)
+    return ok
+
+
+def _check_layout(cache) -> bool:
+    kc, vc = cache.key_codec, cache.value_codec
+    if not (_is_mse(kc) and _is_mse(vc)):
+        return False
+    if set(cache.key_fields) != {"codes", "norm"} or set(cache.value_fields) != {"codes", "norm"}:
+        return False
+    return all(cache.tokens_per_row[role].get(name, 1) == 1 for role in ("keys", "values") for name in ("codes", "norm"))
+
+
+@functools.lru_cache(maxsize=8)
+def _off(value) -> bool:
+    return (value or "").strip().lower() in ("off", "generic")
+
+
+def attention(cache, queries: mx.array, scale: float, mask=None) -> Optional[mx.array]:
+    """`decode_attention` or `prefill_attention`, whichever applies, else None
+    (also with VELOXQUANT_KERNELS=off: everything then takes the generic path)."""
+    if _off(os.environ.get("VELOXQUANT_KERNELS")):
+        return None
+    out = decode_attention(cache, queries, scale, mask)
+    if out is None:
+        out = prefill_attention(cache, queries, scale, mask)
+    return out
+
+
+def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
+                      using: Optional[str] = None) -> Optional[mx.array]:
+    """Prefill chunks on a GPU back end: the codes are decoded once per chunk into
+    the codecs' domains (one kernel each, fp16) and attended with MLX's fused SDPA
+    (q rotated in, output un-rotated once). Only where every history token is
+    scored from its codes (no sinks, no fp16 window); None otherwise."""
+    name = using or backend()
+    if name == "portable" or queries.shape[2] < 2 or cache.encoded == 0:
+        return None
+    if cache.sinks or cache.window or cache.just_encoded is not None or cache.encoded != cache.offset:
+        return None
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return None
+    if not _kernel_layout(cache):
+        return None
+    kc, vc = cache.key_codec, cache.value_codec
+    run = ops.runner(name)
+    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+    keys = ops.mse_dequant(run, kc, cache.key_fields, cache.encoded, dtype)
+    values = ops.mse_dequant(run, vc, cache.value_fields, cache.encoded, dtype)
+    q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    out = vc.from_domain(out.astype(mx.float32))
+    if cache.value_mean is not None:
+        B, n_heads, L, dv = out.shape
+        kv_heads = cache.kv_heads
+        out = out.reshape(B, kv_heads, n_heads // kv_heads, L, dv) + cache.value_mean.astype(mx.float32)[:, :, None]
+        out = out.reshape(B, n_heads, L, dv)
+    return out.astype(queries.dtype)
+
+
+def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using: Optional[str] = None,
+                     chunk: Optional[int] = None) -> Optional[mx.array]:
+    """Attention of one new query per head over `cache`, reading only packed codes
+    (plus the fp16 sinks / window), or None where the generic path must run.
+    `using` overrides `backend()` ("cuda", "metal", "emulator", "portable")."""
+    if queries.shape[2] != 1 or cache.encoded == 0:
+        return None
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return None  # an explicit mask array: the generic path applies it
+    if not _kernel_layout(cache):
+        return None
+    kc, vc = cache.key_codec, cache.value_codec
+
+    plain = None
+    parts_k, parts_v = [], []
+    if cache.sinks:
+        parts_k.append(cache._centered(cache.sink_keys))
+        parts_v.append(cache.sink_values)
+    if cache.window:
+        parts_k.append(cache._centered(cache.window_keys))
+        parts_v.append(cache.window_values)
+    if parts_k:
+        keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate([p.astype(mx.float32) for p in parts_k], axis=2)
+        values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
+        plain = portable.plain_partial(queries, keys, values, scale)
+    value_mean = cache.value_mean
+
+    name = using or backend()
+    if name != "portable" and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
+        run = ops.runner(name)
+        o, ml, _ = ops.mse_partials(run, queries, kc, vc, cache.key_fields, cache.value_fields,
+                                    cache.encoded, scale, chunk=chunk)
+        return ops.merge(run, o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)
+    key_fields = {k: v[..., : cache.encoded, :] for k, v in cache.key_fields.items()}
+    value_fields = {k: v[..., : cache.encoded, :] for k, v in cache.value_fields.items()}
+    o, ml = portable.mse_partials(queries, kc, vc, key_fields, value_fields, cache.encoded, scale)
+    return portable.merge_partials(o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)

@@ -1,0 +1,204 @@
+"""Launch plans (template constants, grid, outputs) and the back ends that run them.
+
+A plan is computed once from shapes and settings and used unchanged by every
+runner: `mx.fast.cuda_kernel`, `mx.fast.metal_kernel` and the C++ emulator,
+so all of them run the same kernel with the same constants.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import mlx.core as mx
+
+from . import templates
+
+PARTIAL_THREADS = 128
+TARGET_BLOCKS = 792  # ~6 resident blocks of PARTIAL_THREADS on each of an H200's 132 SMs
+MAX_CHUNK = 4096
+
+
+@dataclass
+class Plan:
+    kernel: str
+    template: List[Tuple[str, object]]
+    grid: Tuple[int, int, int]
+    threadgroup: Tuple[int, int, int]
+    output_shapes: List[Tuple[int, ...]]
+    output_dtypes: List[str]
+    meta: Dict[str, object] = field(default_factory=dict)
+
+
+def is_power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _words(dim: int, bits: int) -> int:
+    return -(-dim * bits // 32)
+
+
+# ---- plans ------------------------------------------------------------------
+
+def _role_constants(prefix: str, dim: int, bits: int, rotate: bool, renorm: bool):
+    if rotate and not is_power_of_two(dim):
+        raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
+    return [
+        (f"{prefix}D", dim), (f"{prefix}BITS", bits), (f"{prefix}W", _words(dim, bits)),
+        (f"{prefix}NB", (1 << bits) - 1), (f"{prefix}P2", _pow2(dim)),
+        (f"{prefix}ROTATE", bool(rotate)), (f"{prefix}RENORM", bool(renorm)),
+    ]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@lru_cache(maxsize=256)
+def encode_plan(n: int, key: tuple, value: tuple, x_dtype: str) -> Plan:
+    """`key` / `value`: (dim, bits, rotate, renorm). Keys and values of n vectors, one launch."""
+    (kd, kb, kr, kn), (vd, vb, vr, vn) = key, value
+    threads = max(kd, vd)
+    if threads > 1024:
+        raise ValueError(f"mse_encode runs one thread per coordinate; dim {threads} > 1024")
+    template = _role_constants("K", kd, kb, kr, kn) + _role_constants("V", vd, vb, vr, vn)
+    template += [("NTH", threads), ("P2M", max(_pow2(kd), _pow2(vd))), ("TX", x_dtype)]
+    return Plan("mse_encode", template, (n * threads, 2, 1), (threads, 1, 1),
+                [(n, _words(kd, kb)), (n,), (n, _words(vd, vb)), (n,)],
+                ["uint32", "float16", "uint32", "float16"])
+
+
+def choose_chunk(tokens: int, kv_rows: int, threads: int = PARTIAL_THREADS, chunk: Optional[int] = None) -> int:
+    """Tokens per split: enough splits to fill the GPU, whole tiles of `threads`."""
+    if chunk is None:
+        env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
+        chunk = int(env) if env else None
+    if chunk is None:
+        chunk = -(-max(tokens, 1) * kv_rows // TARGET_BLOCKS)
+        chunk = min(MAX_CHUNK, chunk)
+    return max(threads, -(-chunk // threads) * threads)
+
+
+def value_group(dim: int, threads: int, value_bits: int = 8) -> int:
+    """Value dims per thread in the value phase: G with D % G == 0, D / G dividing
+    `threads` and G * bits <= 32 (one 64-bit window holds a thread's codes)."""
+    for g in (4, 2, 8, 3, 1, 6, 5, 7):
+        if dim % g == 0 and threads % (dim // g) == 0 and g * value_bits <= 32:
+            return g
+    raise ValueError(f"no value grouping for dim {dim}, {value_bits} bits, {threads} threads")
+
+
+def partial_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, threads: int = PARTIAL_THREADS) -> int:
+    """Static shared memory of mse_partial (CUDA allows 48 KB of it)."""
+    g = value_group(dim, threads, value_bits)
+    r4 = -(-rep // 4) * 4
+    floats = rep * dim + dim * r4 + (1 << key_bits) + (1 << value_bits) + threads * r4
+    floats += rep * (threads // 32) + (threads // (dim // g)) * rep * dim
+    return 4 * floats
+
+
+@lru_cache(maxsize=4096)
+def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, tokens: int,
+                 key_capacity: int, value_capacity: int, *, rotate_query: bool, q_dtype: str,
+                 chunk: Optional[int] = None, threads: int = PARTIAL_THREADS) -> Plan:
+    if dim % 32:
+        raise ValueError(f"mse_partial needs dim % 32 == 0, got {dim}")
+    if rotate_query and not is_power_of_two(dim):
+        raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
+    chunk = choose_chunk(tokens, kv_rows, threads, chunk)
+    splits = max(1, -(-tokens // chunk))
+    kw, vw = _words(dim, key_bits), _words(dim, value_bits)
+    g = value_group(dim, threads, value_bits)
+    kload = 4 if kw % 4 == 0 else (2 if kw % 2 == 0 else 1)
+    template = [
+        ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
+        ("NT", threads), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)), ("KLOAD", kload),
+        ("ROTQ", bool(rotate_query)), ("TQ", q_dtype),
+    ]
+    return Plan(
+        "mse_partial", template, (splits * threads, kv_rows, 1), (threads, 1, 1),
+        [(kv_rows, splits, rep, dim), (kv_rows, splits, rep, 2)], ["float32", "float32"],
+        meta={"meta": [tokens, chunk, key_capacity, value_capacity, splits], "splits": splits, "chunk": chunk},
+    )
+
+
+@lru_cache(maxsize=4096)
+def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool, plain: bool,
+               value_mean: bool, out_dtype: str) -> Plan:
+    if unrotate and not is_power_of_two(dim):
+        raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
+    template = [
+        ("D", dim), ("REP", rep), ("UNROT", bool(unrotate)), ("HAS_PLAIN", bool(plain)),
+        ("HAS_VMEAN", bool(value_mean)), ("TO", out_dtype),
+    ]
+    return Plan("merge", template, (dim, kv_rows * rep, 1), (dim, 1, 1), [(kv_rows * rep, dim)], [out_dtype],
+                meta={"meta": [splits]})
+
+
+@lru_cache(maxsize=4096)
+def dequant_plan(kv_rows: int, dim: int, bits: int, tokens: int, capacity: int, *, out_dtype: str,
+                 threads: int = 256) -> Plan:
+    template = [("D", dim), ("BITS", bits), ("W", _words(dim, bits)), ("NT", threads), ("TO", out_dtype)]
+    return Plan("mse_dequant", template, (max(1, tokens * dim), kv_rows, 1), (threads, 1, 1),
+                [(kv_rows, tokens, dim)], [out_dtype], meta={"meta": [tokens, capacity]})
+
+
+# ---- runners ------------------------------------------------------------------
+
+_DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16,
+           "uint32": mx.uint32, "int32": mx.int32}
+
+
+def dtype_name(dtype) -> str:
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+@lru_cache(maxsize=None)
+def _mlx_kernel(dialect: str, kernel: str):
+    spec = templates.KERNELS[kernel]
+    make = mx.fast.cuda_kernel if dialect == "cuda" else mx.fast.metal_kernel
+    return make(
+        name=f"vq_{kernel}",
+        input_names=list(spec["inputs"]),
+        output_names=list(spec["outputs"]),
+        source=templates.source(kernel, dialect),
+        header=templates.header(dialect),
+        ensure_row_contiguous=True,
+    )
+
+
+_MLX_ARGS: Dict[int, tuple] = {}
+
+
+def run_mlx(dialect: str, plan: Plan, inputs: Sequence[mx.array], shapes=None) -> List[mx.array]:
+    """Run a plan with `mx.fast.cuda_kernel` (dialect "cuda") or `mx.fast.metal_kernel`;
+    `shapes` overrides the plan's output shapes (same sizes, e.g. the caller's final shape)."""
+    kernel = _mlx_kernel(dialect, plan.kernel)
+    args = _MLX_ARGS.get(id(plan))
+    if args is None or args[0] is not plan:
+        template = [(k, _DTYPES[v] if isinstance(v, str) else v) for k, v in plan.template]
+        args = (plan, template, [_DTYPES[d] for d in plan.output_dtypes])
+        _MLX_ARGS[id(plan)] = args
+    return kernel(
+        inputs=list(inputs),
+        template=args[1],
+        grid=plan.grid,
+        threadgroup=plan.threadgroup,
+        output_shapes=shapes or plan.output_shapes,
+        output_dtypes=args[2],
+    )
+
+
+def run_emulator(plan: Plan, inputs) -> list:
+    from . import emulator
+    import numpy as np
+
+    arrays = [np.asarray(a) for a in inputs]
+    return emulator.run(plan.kernel, arrays, plan.template, plan.grid, plan.threadgroup,
+                        plan.output_shapes, plan.output_dtypes)

@@ -1,0 +1,161 @@
+"""The portable path: the kernels' maths in MLX ops (any device, the CPU included).
+
+Same contract as the kernels in `ops.py`: `mse_partials` returns per-split
+(o, m, l) in the value codec's domain, `merge_partials` merges them with an
+optional plain (fp16) partial, un-rotates once and divides. The per-split
+softmax step is compiled with `mx.compile`; codes are decoded one split at a
+time, so at most `chunk` tokens exist in float at once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from ..packing import unpack
+
+PORTABLE_CHUNK = 4096
+
+
+@mx.compile
+def _split_step(q: mx.array, keys: mx.array, values: mx.array):
+    """q (B, H, R, D), keys / values (B, H, n, D) float32 -> o (B, H, R, Dv), m, l (B, H, R, 1)."""
+    scores = q @ keys.swapaxes(-1, -2)
+    m = mx.max(scores, axis=-1, keepdims=True)
+    p = mx.exp(scores - m)
+    return p @ values, m, mx.sum(p, axis=-1, keepdims=True)
+
+
+@mx.compile
+def _codes_step(q: mx.array, keys: mx.array, knorm: mx.array, values: mx.array, vnorm: mx.array):
+    """Like `_split_step` with unit-norm decoded codes and their norms (B, H, n, 1):
+    the norms scale the n scores and the n weights instead of n x D coordinates."""
+    scores = (q @ keys.swapaxes(-1, -2)) * knorm.astype(mx.float32).swapaxes(-1, -2)
+    m = mx.max(scores, axis=-1, keepdims=True)
+    p = mx.exp(scores - m)
+    weights = p * vnorm.astype(mx.float32).swapaxes(-1, -2)
+    return weights @ values, m, mx.sum(p, axis=-1, keepdims=True)
+
+
+# ---- decoding codes with a lookup table of code groups -----------------------------
+
+_LUT_BYTES = 4 << 20
+
+
+def _group(dim: int, bits: int):
+    """Codes per table row g (g * bits <= 16, dim % g == 0, table <= 4 MB) and the
+    repeating pattern of g*bits-bit fields over whole uint32 words, or None."""
+    if dim * bits % 32:
+        return None
+    for g in range(16 // bits, 0, -1):
+        field = g * bits
+        if dim % g or (1 << field) * g * 4 > _LUT_BYTES:
+            continue
+        period = math.lcm(field, 32)
+        words = period // 32
+        if (dim * bits // 32) % words == 0:
+            return g, field, words, period // field
+    return None
+
+
+def _codebook_table(codec, g: int):
+    """(2^(g*b), g) float32: the centroids of the g codes packed in each g*b-bit value."""
+    table = getattr(codec, "_vq_group_table", None)
+    if table is None or table.shape[1] != g:
+        cent = np.array(codec.centroids, dtype=np.float32)
+        idx = np.arange(1 << (g * codec.bits))
+        mask = (1 << codec.bits) - 1
+        table = mx.array(np.stack([cent[(idx >> (codec.bits * k)) & mask] for k in range(g)], axis=1))
+        codec._vq_group_table = table
+    return table
+
+
+def decode_unit(codec, codes: mx.array) -> mx.array:
+    """centroids[codes] without the norm, (..., T, D) float32. One gather per g codes
+    (a g*b-bit field of the packed stream indexes a table of centroid g-tuples):
+    gathers cost per index on the CPU."""
+    plan = _group(codec.dim, codec.bits)
+    if plan is None:
+        return mx.take(codec.centroids.astype(mx.float32), unpack(codes, codec.bits, codec.dim))
+    g, field, nw, nf = plan
+    *lead, w = codes.shape
+    blocks = codes.reshape(*lead, w // nw, nw)
+    words = [blocks[..., i] for i in range(nw)]
+    mask = (1 << field) - 1
+    fields = []
+    for f in range(nf):
+        start = f * field
+        w0, s = start >> 5, start & 31
+        v = words[w0] >> s if s else words[w0]
+        if s + field > 32:
+            v = v | (words[w0 + 1] << (32 - s))
+        fields.append(v & mask if field < 32 else v)
+    index = mx.stack(fields, axis=-1).reshape(-1)
+    return mx.take(_codebook_table(codec, g), index, axis=0).reshape(*lead, codec.dim)
+
+
+def _rows(fields, start: int, stop: int):
+    return {name: buf[..., start:stop, :] for name, buf in fields.items()}
+
+
+def mse_partials(queries: mx.array, key_codec, value_codec, key_fields, value_fields, tokens: int,
+                 scale: float, chunk: Optional[int] = None):
+    """(o (BH, S, REP, Dv) value domain, ml (BH, S, REP, 2)) over rows [0, tokens) of the buffers."""
+    B, n_heads, L, dim = queries.shape
+    kv_heads = key_fields["codes"].shape[1]
+    rep = n_heads // kv_heads
+    q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, dim))
+    chunk = chunk or PORTABLE_CHUNK
+    outs, stats = [], []
+    for start in range(0, tokens, chunk):
+        stop = min(start + chunk, tokens)
+        k = _rows(key_fields, start, stop)
+        v = _rows(value_fields, start, stop)
+        o, m, l = _codes_step(q, decode_unit(key_codec, k["codes"]), k["norm"],
+                              decode_unit(value_codec, v["codes"]), v["norm"])
+        outs.append(o)
+        stats.append(mx.concatenate([m, l], axis=-1))
+    o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep * L, -1)
+    ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep * L, 2)
+    return o, ml
+
+
+def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+    """A partial over fp16 tokens (sinks + window): (o (B*Hq, Dv), ml (B*Hq, 2)), fp32."""
+    B, n_heads, L, dim = queries.shape
+    kv_heads = keys.shape[1]
+    rep = n_heads // kv_heads
+    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, dim)
+    o, m, l = _split_step(q, keys.astype(mx.float32), values.astype(mx.float32))
+    return o.reshape(B * n_heads * L, -1), mx.concatenate([m, l], axis=-1).reshape(B * n_heads * L, 2)
+
+
+def merge_partials(o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int, ...], out_dtype,
+                   plain: Optional[Tuple[mx.array, mx.array]] = None,
+                   value_mean: Optional[mx.array] = None) -> mx.array:
+    bh, splits, rep, dim = o.shape
+    m, l = ml[..., 0:1], ml[..., 1:2]
+    big = mx.max(m, axis=1, keepdims=True)
+    safe = mx.where(big == -mx.inf, 0.0, big)
+    e = mx.where(m == -mx.inf, 0.0, mx.exp(m - safe))
+    total = mx.sum(e * l, axis=1)  # (BH, REP, 1)
+    acc = value_codec.from_domain(mx.sum(e * o, axis=1))  # (BH, REP, Dv)
+    if value_mean is not None:
+        acc = acc + total * value_mean.astype(mx.float32).reshape(bh, 1, -1)
+    if plain is not None:
+        po, pml = plain
+        po = po.reshape(bh, rep, -1)
+        pm, pl = pml[:, 0:1].reshape(bh, rep, 1), pml[:, 1:2].reshape(bh, rep, 1)
+        big = big.reshape(bh, rep, 1)
+        top = mx.maximum(big, pm)
+        top = mx.where(top == -mx.inf, 0.0, top)
+        ec = mx.where(big == -mx.inf, 0.0, mx.exp(big - top))
+        ep = mx.where(pm == -mx.inf, 0.0, mx.exp(pm - top))
+        acc = acc * ec + po * ep
+        total = total * ec + pl * ep
+    out = acc / mx.maximum(total, 1e-30)
+    return out.reshape(out_shape).astype(out_dtype)

@@ -1,0 +1,269 @@
+"""Deterministic test vectors for the kernels, and a one-command check of a back end.
+
+    python -m veloxquant_mlx.kernels.selftest --backend cuda
+    VELOXQUANT_METAL_KERNELS=1 python -m veloxquant_mlx.kernels.selftest --backend metal
+    python -m veloxquant_mlx.kernels.selftest --backend emulator      # the C++ emulation, CPU
+
+Every case draws its inputs from `numpy.random.default_rng(case seed)`, so the
+vectors are the same on every machine. Each case builds a turboquant_mse cache,
+then compares the back end's output with
+
+* ``portable``: the same maths in MLX ops (`kernels.portable`),
+* ``generic``:  the generic blockwise attention of `veloxquant_mlx.attention`,
+* ``dequant``:  plain softmax attention over the cache's dequantized keys and
+                values (`cache.dequantized()`), in float64 numpy,
+
+as max |out - ref| / max |ref|. Tolerances (`TOLERANCES`): 1e-4 for float32
+queries (float32 arithmetic in a different order), 4e-3 for float16 queries
+(the output is rounded to fp16; prefill also rounds the decoded codes to fp16).
+On a GPU, MLX runs float32 matmuls and SDPA at TF32 precision unless
+MLX_ENABLE_TF32=0, so comparisons that go through them (the portable and
+generic references, prefill, the fp16-window partial) allow 2e-3 there; run
+with MLX_ENABLE_TF32=0 for the strict check.
+Encoding: at least 99.9% of codes equal (a coordinate within float rounding of a
+boundary may round either way) and norms equal to an fp16 ulp.
+
+`--write FILE` saves inputs, outputs and errors (npz); `--check FILE` also
+compares this back end's outputs with a file written elsewhere (e.g. on CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import mlx.core as mx
+import numpy as np
+
+TOLERANCES = {"float32": 1e-4, "float16": 4e-3}
+TF32_TOLERANCE = 2e-3
+ENCODE_MIN_EQUAL = 0.999
+
+
+@dataclass
+class Case:
+    name: str
+    dim: int
+    bits: int
+    value_bits: int
+    rep: int
+    kv_heads: int = 2
+    batch: int = 1
+    tokens: int = 600
+    queries: int = 1  # > 1: a prefill chunk of this many new tokens
+    dtype: str = "float32"
+    options: Dict = field(default_factory=dict)
+    seed: int = 0
+
+
+CASES: List[Case] = [
+    Case("d128_k3v4_gqa4_fp16", 128, 3, 4, 4, tokens=1000, dtype="float16", seed=1),
+    Case("d128_k3v3_gqa4", 128, 3, 3, 4, tokens=777, seed=2),
+    Case("d128_k3v3_window_sinks_center", 128, 3, 3, 4, tokens=500, seed=3,
+         options={"residual_length": 16, "sink_tokens": 4, "center": True}),
+    Case("d64_k4v2_gqa3_batch2", 64, 4, 2, 3, batch=2, tokens=333, seed=4),
+    Case("d128_k1v8_mha", 128, 1, 8, 1, kv_heads=3, tokens=300, seed=5),
+    Case("d256_k2v4_gqa8", 256, 2, 4, 8, kv_heads=1, tokens=260, seed=6),
+    Case("d96_k3v4_prerotated", 96, 3, 4, 2, tokens=200, seed=7),
+    Case("d128_k3v4_renorm", 128, 3, 4, 4, tokens=400, seed=8, options={"renorm": True}),
+    Case("prefill_d128_k3v4_fp16", 128, 3, 4, 4, tokens=300, queries=16, dtype="float16", seed=9),
+    Case("prefill_d64_k3v3_center", 64, 3, 3, 2, tokens=200, queries=8, seed=10, options={"center": True}),
+]
+
+
+def _config(case: Case):
+    from ..config import KVCacheConfig
+
+    opts = dict(case.options)
+    fields = {k: opts.pop(k) for k in ("residual_length", "sink_tokens", "center") if k in opts}
+    return KVCacheConfig(method="turboquant_mse", bits=case.bits, value_bits=case.value_bits,
+                         options=opts, **fields)
+
+
+def _inputs(case: Case):
+    rng = np.random.default_rng([case.seed, 2024])
+    shape = (case.batch, case.kv_heads, case.tokens, case.dim)
+    keys = rng.standard_normal(shape).astype(np.float32)
+    keys[..., : case.dim // 8] *= 4.0  # a few large channels, like real keys
+    values = rng.standard_normal(shape).astype(np.float32)
+    queries = rng.standard_normal((case.batch, case.kv_heads * case.rep, case.queries, case.dim)).astype(np.float32)
+    return keys, values, queries
+
+
+def _cache(case: Case, keys, values):
+    from ..cache import CompressedKVCache
+
+    dtype = getattr(mx, case.dtype)
+    cache = CompressedKVCache(_config(case))
+    n = case.tokens - case.queries
+    k, v = mx.array(keys).astype(dtype), mx.array(values).astype(dtype)
+    cache.update_and_fetch(k[..., :n, :], v[..., :n, :])
+    if case.queries > 1:  # the chunk itself is encoded before it attends
+        cache.update_and_fetch(k[..., n:, :], v[..., n:, :])
+    else:
+        for i in range(n, case.tokens):
+            cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
+    mx.eval(cache.key_fields, cache.value_fields)
+    return cache
+
+
+def _attend_dequantized(cache, queries: np.ndarray, scale: float) -> np.ndarray:
+    keys, values = (np.array(a, dtype=np.float64) for a in cache.dequantized())
+    B, n_heads, L, D = queries.shape
+    kv = keys.shape[1]
+    q = queries.astype(np.float64).reshape(B, kv, n_heads // kv, L, D) * scale
+    s = np.einsum("bhrld,bhtd->bhrlt", q, keys)
+    T = keys.shape[2]
+    if L > 1:  # causal: query i sits at position T - L + i
+        pos = np.arange(T - L, T)[:, None]
+        s = np.where(np.arange(T)[None] <= pos, s, -np.inf)
+    s = s - s.max(-1, keepdims=True)
+    p = np.exp(s)
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhrlt,bhtd->bhrld", p, values).reshape(B, n_heads, L, -1)
+
+
+def _rel(out: np.ndarray, ref: np.ndarray) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(out)):
+        return float("inf")
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
+def run_case(case: Case, backend: str) -> Dict:
+    from .. import kernels
+
+    keys, values, queries = _inputs(case)
+    cache = _cache(case, keys, values)
+    q = mx.array(queries).astype(getattr(mx, case.dtype))
+    scale = case.dim ** -0.5
+    mask = "causal" if case.queries > 1 else None
+    strict = TOLERANCES[case.dtype]
+    # MLX's own float32 matmuls / SDPA run at TF32 precision on GPUs unless MLX_ENABLE_TF32=0.
+    mlx_ops = strict
+    if backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
+        mlx_ops = max(strict, TF32_TOLERANCE)
+    record = {"case": case.name, "backend": backend, "dtype": case.dtype, "tolerance": strict,
+              "tolerance_mlx_ops": mlx_ops}
+    if case.queries > 1:
+        out = kernels.prefill_attention(cache, q, scale, mask, using=backend)
+    else:
+        out = kernels.decode_attention(cache, q, scale, mask, using=backend)
+    if out is None:
+        record.update(status="not applicable")
+        return record
+    out = np.array(out.astype(mx.float32))
+    if case.queries == 1:
+        portable = np.array(kernels.decode_attention(cache, q, scale, mask, using="portable").astype(mx.float32))
+        record["vs_portable"] = _rel(out, portable)
+    cache.kernels_enabled = False
+    generic = np.array(cache.attend(q, scale=scale, mask=mask).astype(mx.float32))
+    record["vs_generic"] = _rel(out, generic)
+    record["vs_dequant_fp64"] = _rel(out, _attend_dequantized(cache, queries if case.dtype == "float32"
+                                                              else np.array(q.astype(mx.float32)), scale))
+    # The decode kernels never use MLX matmuls (strict); prefill runs MLX's SDPA (mlx_ops), and the
+    # plain fp16-window partial of a decode step is an MLX matmul too.
+    own = mlx_ops if (case.queries > 1 or case.options.get("residual_length") or case.options.get("sink_tokens")) \
+        else strict
+    limits = {"vs_portable": mlx_ops, "vs_generic": mlx_ops, "vs_dequant_fp64": own}
+    record["max_error"] = max(record[k] for k in limits if k in record)
+    ok = all(record[k] <= limit for k, limit in limits.items() if k in record)
+    record["status"] = "ok" if ok else "FAIL"
+    record["output"] = out
+    return record
+
+
+# (key dim, key bits, value dim, value bits, renorm): keys and values go through one launch.
+ENCODE_CASES = [
+    (128, 3, 128, 4, False), (128, 3, 128, 4, True), (128, 1, 128, 8, False), (128, 2, 128, 3, True),
+    (64, 4, 64, 2, False), (64, 3, 64, 3, True), (96, 3, 96, 4, False), (96, 2, 96, 2, True),
+    (256, 3, 256, 4, False), (128, 3, 64, 4, False), (64, 4, 128, 2, True),
+]
+
+
+def _encode_name(kd, kb, vd, vb, renorm):
+    return f"encode_k{kd}x{kb}_v{vd}x{vb}{'_renorm' if renorm else ''}"
+
+
+def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, renorm: bool, tokens: int = 40) -> Dict:
+    from ..methods.turboquant_mse import MSECodec
+    from . import encode_kv
+
+    extra = {"renorm": True} if renorm else {}
+    kc, vc = MSECodec(kd, kb, seed=3, **extra), MSECodec(vd, vb, seed=4, **extra)
+    rng = np.random.default_rng([kd, kb, vd, vb, int(renorm)])
+    k = mx.array(rng.standard_normal((2, 3, tokens, kd)).astype(np.float32)).astype(mx.float16)
+    v = mx.array(rng.standard_normal((2, 3, tokens, vd)).astype(np.float32)).astype(mx.float16)
+    got = encode_kv(kc, vc, k, v, using=backend)
+    refs = (kc.encode(k), vc.encode(v))
+    equal, norm_err, shapes = 1.0, 0.0, True
+    for g, r in zip(got, refs):
+        equal = min(equal, float(np.mean(np.array(g["codes"]) == np.array(r["codes"]))))
+        n_got, n_ref = np.array(g["norm"], np.float32), np.array(r["norm"], np.float32)
+        norm_err = max(norm_err, float(np.max(np.abs(n_got - n_ref) / np.maximum(np.abs(n_ref), 1e-30))))
+        shapes &= g["codes"].shape == r["codes"].shape and g["norm"].shape == r["norm"].shape
+    ok = equal >= ENCODE_MIN_EQUAL and norm_err <= 2 ** -10 and shapes
+    return {"case": _encode_name(kd, kb, vd, vb, renorm), "backend": backend,
+            "codes_equal": equal, "norm_rel_error": norm_err, "status": "ok" if ok else "FAIL"}
+
+
+def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = True, safe: bool = False) -> List[Dict]:
+    """All records; with `safe`, a case that raises is recorded as an error, not raised."""
+    jobs = []
+    if encode:
+        jobs += [(_encode_name(*c), lambda c=c: run_encode(backend, *c)) for c in ENCODE_CASES]
+    jobs += [(case.name, lambda case=case: run_case(case, backend)) for case in cases or CASES]
+    records = []
+    for name, job in jobs:
+        try:
+            records.append(job())
+        except Exception as error:
+            if not safe:
+                raise
+            records.append({"case": name, "backend": backend, "status": "FAIL", "error": repr(error)[:2000]})
+    return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.kernels.selftest", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backend", default=None, help="cuda, metal, emulator or portable (default: the active one)")
+    parser.add_argument("--write", default=None, help="save inputs / outputs / errors to this .npz")
+    parser.add_argument("--check", default=None, help="also compare outputs with a .npz written elsewhere")
+    parser.add_argument("--json", default=None, help="write the records as JSON")
+    args = parser.parse_args(argv)
+    from .. import kernels
+
+    backend = args.backend or kernels.backend()
+    if backend == "metal" and kernels.backend() != "metal":
+        print("note: metal kernels are off by default; set VELOXQUANT_METAL_KERNELS=1", file=sys.stderr)
+    records = run_all(backend)
+    stored = dict(np.load(args.check)) if args.check else {}
+    failed = 0
+    arrays = {}
+    for r in records:
+        out = r.pop("output", None)
+        if out is not None:
+            arrays[r["case"]] = out
+            if r["case"] in stored:
+                r["vs_stored"] = _rel(out, stored[r["case"]])
+                if r["vs_stored"] > r["tolerance"]:
+                    r["status"] = "FAIL"
+        failed += r["status"] == "FAIL"
+        errs = " ".join(f"{k}={v:.2e}" for k, v in r.items() if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error"))
+        print(f"{r['status']:>14}  {r['case']:<36} {errs}")
+    if args.write:
+        np.savez_compressed(args.write, **arrays)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1)
+    print(f"{len(records) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

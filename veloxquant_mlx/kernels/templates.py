@@ -1,0 +1,678 @@
+"""Kernel sources: one body per kernel, rendered for CUDA, Metal and a C++ emulator.
+
+Each kernel body below is written once, in the common subset of CUDA C++, the
+Metal Shading Language and C++20, against a few macros (`VQ_SHARED`,
+`VQ_SYNC()`, `VQ_GLOBAL`, `VQ_F`, `vq_warp_max`, ...). A dialect supplies
+
+* a *header*: the macro definitions and helpers (`mx.fast.cuda_kernel` and
+  `mx.fast.metal_kernel` take it as `header=`), and
+* a *prologue*: the first lines of the body, which name the thread and block
+  indices (`threadIdx` in CUDA, `thread_position_in_threadgroup` in Metal;
+  MLX's Metal front end finds those attribute names by scanning the body, so
+  they must appear there, not in the header).
+
+The C++ dialect runs every thread of a block as a `std::thread` with a
+`std::barrier`, so the exact kernel text can be tested on a CPU without a GPU
+(`veloxquant_mlx.kernels.emulator`).
+
+Kernels (all float32 arithmetic):
+
+``mse_encode``   one vector per block, D threads: ||x||, seeded-sign Hadamard
+                 rotation (in-register FWHT, optional), Lloyd-Max boundary
+                 count, dense little-endian bit packing (code i at bits
+                 [i*b, (i+1)*b)), fp16 norm.
+``mse_partial``  flash-decoding split: block (s, bh) reads the packed key and
+                 value codes of tokens [s*CH, min((s+1)*CH, T)) of kv head bh,
+                 scores the REP query heads of that kv head (GQA, no repeat)
+                 with on-the-fly dequantisation against the rotated query, and
+                 keeps an online softmax; writes (o, m, l) per split.
+``merge``        combines the splits (and an optional plain fp16 partial),
+                 un-rotates the value sum once (FWHT), adds REP-free value mean.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, Tuple, Union
+
+DIALECTS = ("cuda", "metal", "cpp")
+
+# ----------------------------------------------------------------------------
+# Dialect headers
+# ----------------------------------------------------------------------------
+
+_CUDA_HEADER = r"""
+#ifndef VQ_DIALECT_CUDA
+#define VQ_DIALECT_CUDA 1
+#define VQ_GLOBAL
+#define VQ_SHARED __shared__
+#define VQ_SYNC() __syncthreads()
+#define VQ_INLINE __device__ __forceinline__
+#define VQ_NEG_INF (-__int_as_float(0x7f800000))
+#define VQ_F(x) static_cast<float>(x)
+#define VQ_CAST(T, x) static_cast<T>(x)
+#define VQ_EXP(x) expf(x)
+#define VQ_SQRT(x) sqrtf(x)
+#define VQ_MAXF(a, b) fmaxf((a), (b))
+#define VQ_MINI(a, b) min((a), (b))
+#define VQ_UNROLL _Pragma("unroll")
+#define VQ_LOAD_U4(ptr, i) (reinterpret_cast<const uint4*>(ptr)[(i)])
+#define VQ_LOAD_U2(ptr, i) (reinterpret_cast<const uint2*>(ptr)[(i)])
+typedef uint4 vq_u4;
+typedef uint2 vq_u2;
+typedef float4 vq_f4;
+#define VQ_FPTR(arr) reinterpret_cast<float*>(arr)
+typedef __half vq_half;
+typedef unsigned long long vq_u64;
+VQ_INLINE float vq_warp_max(float x) {
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+VQ_INLINE float vq_warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+#endif
+"""
+
+_METAL_HEADER = r"""
+#ifndef VQ_DIALECT_METAL
+#define VQ_DIALECT_METAL 1
+#define VQ_GLOBAL device
+#define VQ_SHARED threadgroup
+#define VQ_SYNC() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define VQ_INLINE inline
+#define VQ_NEG_INF (-INFINITY)
+#define VQ_F(x) static_cast<float>(x)
+#define VQ_CAST(T, x) static_cast<T>(x)
+#define VQ_EXP(x) metal::precise::exp(x)
+#define VQ_SQRT(x) metal::precise::sqrt(x)
+#define VQ_MAXF(a, b) metal::max((a), (b))
+#define VQ_MINI(a, b) metal::min((a), (b))
+#define VQ_UNROLL _Pragma("unroll")
+#define VQ_LOAD_U4(ptr, i) (((const device uint4*)(ptr))[(i)])
+#define VQ_LOAD_U2(ptr, i) (((const device uint2*)(ptr))[(i)])
+typedef uint4 vq_u4;
+typedef uint2 vq_u2;
+typedef float4 vq_f4;
+#define VQ_FPTR(arr) ((threadgroup float*)(arr))
+typedef half vq_half;
+typedef ulong vq_u64;
+VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
+VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
+#endif
+"""
+
+# The emulator's header: threads of one block are std::threads sharing the
+# function-static `VQ_SHARED` arrays; blocks run one after another.
+_CPP_HEADER = r"""
+#ifndef VQ_DIALECT_CPP
+#define VQ_DIALECT_CPP 1
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#define VQ_GLOBAL
+#define VQ_SHARED static
+#define VQ_SYNC() vq_emu::sync()
+#define VQ_INLINE inline
+#define VQ_NEG_INF (-std::numeric_limits<float>::infinity())
+#define VQ_F(x) static_cast<float>(x)
+#define VQ_CAST(T, x) static_cast<T>(x)
+#define VQ_EXP(x) std::exp(x)
+#define VQ_SQRT(x) std::sqrt(x)
+#define VQ_MAXF(a, b) std::max<float>((a), (b))
+#define VQ_MINI(a, b) std::min<int>((a), (b))
+#define VQ_UNROLL
+struct vq_u4 { uint32_t x, y, z, w; };
+struct vq_u2 { uint32_t x, y; };
+struct vq_f4 { float x, y, z, w; };
+#define VQ_FPTR(arr) reinterpret_cast<float*>(arr)
+#define VQ_LOAD_U4(ptr, i) (reinterpret_cast<const vq_u4*>(ptr)[(i)])
+#define VQ_LOAD_U2(ptr, i) (reinterpret_cast<const vq_u2*>(ptr)[(i)])
+typedef _Float16 vq_half;
+typedef uint64_t vq_u64;
+namespace vq_emu {
+struct Ctx { std::barrier<>* bar; float* scratch; int tid, bx, by; };
+inline thread_local Ctx ctx;
+inline void sync() { ctx.bar->arrive_and_wait(); }
+inline float warp_reduce(float x, bool is_max) {
+  ctx.scratch[ctx.tid] = x;
+  sync();
+  const int base = ctx.tid & ~31;
+  float r = is_max ? -std::numeric_limits<float>::infinity() : 0.0f;
+  for (int i = 0; i < 32; ++i) r = is_max ? std::max(r, ctx.scratch[base + i]) : r + ctx.scratch[base + i];
+  sync();
+  return r;
+}
+}  // namespace vq_emu
+inline float vq_warp_max(float x) { return vq_emu::warp_reduce(x, true); }
+inline float vq_warp_sum(float x) { return vq_emu::warp_reduce(x, false); }
+#endif
+"""
+
+HEADERS = {"cuda": _CUDA_HEADER, "metal": _METAL_HEADER, "cpp": _CPP_HEADER}
+
+# Thread / block indices: (x thread in block, x block, y block).
+_PROLOGUES = {
+    "cuda": "  const int vq_tid = (int)threadIdx.x;\n"
+            "  const int vq_bx = (int)blockIdx.x;\n"
+            "  const int vq_by = (int)blockIdx.y;\n"
+            "  (void)vq_tid; (void)vq_bx; (void)vq_by;\n",
+    "metal": "  const int vq_tid = (int)thread_position_in_threadgroup.x;\n"
+             "  const int vq_bx = (int)threadgroup_position_in_grid.x;\n"
+             "  const int vq_by = (int)threadgroup_position_in_grid.y;\n"
+             "  (void)vq_tid; (void)vq_bx; (void)vq_by;\n",
+    "cpp": "  const int vq_tid = vq_emu::ctx.tid;\n"
+           "  const int vq_bx = vq_emu::ctx.bx;\n"
+           "  const int vq_by = vq_emu::ctx.by;\n"
+           "  (void)vq_tid; (void)vq_bx; (void)vq_by;\n",
+}
+
+# ----------------------------------------------------------------------------
+# Kernel bodies
+# ----------------------------------------------------------------------------
+
+# One role (keys or values) of `mse_encode_kv`; `@` names are substituted with
+# the role's constants / arrays by `_encode_role`. D (dim), BITS, W (=
+# ceil(D*BITS/32)), NB (= 2^BITS - 1 boundaries), P2 (next power of two >= D),
+# ROTATE (apply the seeded-sign Hadamard rotation here; D a power of two),
+# RENORM (store ||x|| / ||c[codes]||). Threads t >= D idle but keep the barriers.
+_ENCODE_ROLE = r"""
+  if (vq_by == @ROLE) {
+    constexpr int D = @D;
+    constexpr int BITS = @BITS;
+    constexpr int W = @W;
+    constexpr int NB = @NB;
+    constexpr int P2 = @P2;
+    constexpr bool ROTATE = @ROTATE;
+    constexpr bool RENORM = @RENORM;
+    const VQ_GLOBAL TX* x = @x;
+    const VQ_GLOBAL float* signs = @signs;
+    const VQ_GLOBAL float* bnd = @bnd;
+    const VQ_GLOBAL float* cent = @cent;
+    VQ_GLOBAL uint32_t* codes = @codes;
+    VQ_GLOBAL vq_half* norm = @norm;
+    const bool act = t < D;
+    const float v = act ? VQ_F(x[(size_t)n * D + t]) : 0.0f;
+    if (t < P2) vq_red[t] = v * v;
+    for (int i = t + NTH; i < P2; i += NTH) vq_red[i] = 0.0f;
+    if (ROTATE && act) vq_buf[t] = v * signs[t];
+    VQ_SYNC();
+    for (int s = P2 / 2; s > 0; s >>= 1) {
+      if (t < s) vq_red[t] += vq_red[t + s];
+      VQ_SYNC();
+    }
+    const float nrm = VQ_SQRT(vq_red[0]);
+    float y = v;
+    if (ROTATE) {
+      for (int h = 1; h < D; h <<= 1) {
+        if (act && (t & h) == 0) {
+          const float a = vq_buf[t];
+          const float b = vq_buf[t + h];
+          vq_buf[t] = a + b;
+          vq_buf[t + h] = a - b;
+        }
+        VQ_SYNC();
+      }
+      y = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)) : 0.0f;
+    }
+    y = y / VQ_MAXF(nrm, 1e-30f);
+    uint32_t code = 0u;
+    for (int k = 0; k < NB; ++k) code += (y > bnd[k]) ? 1u : 0u;
+    if (act) vq_codes[t] = code;
+    float out_norm = nrm;
+    VQ_SYNC();
+    if (RENORM) {
+      const float c = act ? cent[code] : 0.0f;
+      if (t < P2) vq_red[t] = c * c;
+      for (int i = t + NTH; i < P2; i += NTH) vq_red[i] = 0.0f;
+      VQ_SYNC();
+      for (int s = P2 / 2; s > 0; s >>= 1) {
+        if (t < s) vq_red[t] += vq_red[t + s];
+        VQ_SYNC();
+      }
+      out_norm = nrm / VQ_MAXF(VQ_SQRT(vq_red[0]), 1e-30f);
+    }
+    if (t < W) {
+      uint32_t word = 0u;
+      const int first = (32 * t) / BITS;
+      const int last = VQ_MINI(D - 1, (32 * t + 31) / BITS);
+      for (int i = first; i <= last; ++i) {
+        const int sh = i * BITS - 32 * t;
+        const uint32_t c = vq_codes[i];
+        word |= (sh >= 0) ? (c << sh) : (c >> (-sh));
+      }
+      codes[(size_t)n * W + t] = word;
+    }
+    if (t == 0) norm[n] = VQ_CAST(vq_half, out_norm);
+  }
+"""
+
+
+def _encode_role(role: int, prefix: str, arrays: str) -> str:
+    text = _ENCODE_ROLE.replace("@ROLE", str(role))
+    for name in ("D", "BITS", "W", "NB", "P2", "ROTATE", "RENORM"):
+        text = text.replace(f"@{name}", f"{prefix}{name}")
+    for name in ("x", "signs", "bnd", "cent", "codes", "norm"):
+        text = text.replace(f"@{name}", f"{arrays}{name}")
+    return text
+
+
+# Keys (block row 0) and values (block row 1) of N vectors in one launch.
+# Template constants: K*/V* as in `_ENCODE_ROLE`, NTH (= max(KD, VD) threads),
+# P2M (= max(KP2, VP2)), TX (input dtype, keys and values alike).
+# Inputs: kx (N, KD), vx (N, VD) TX; ksigns, vsigns (D) f32; kbnd, vbnd f32;
+# kcent, vcent f32.  Outputs: kcodes (N, KW), vcodes (N, VW) uint32; knorm,
+# vnorm (N) fp16.  Grid: (N * NTH, 2) threads in blocks of NTH.
+MSE_ENCODE = r"""
+  const int n = vq_bx;
+  const int t = vq_tid;
+  VQ_SHARED float vq_buf[NTH];
+  VQ_SHARED float vq_red[P2M];
+  VQ_SHARED uint32_t vq_codes[NTH];
+""" + _encode_role(0, "K", "k") + _encode_role(1, "V", "v")
+
+# Template constants: D (dim, a multiple of 32), KB / VB (key / value bits),
+# KW / VW (words per key / value row = D*KB/32, D*VB/32), REP (query heads per
+# kv head), NT (threads = tokens per tile, a multiple of 32), G (value dims per
+# thread), NDG (= D / G), TL (= NT / NDG token lanes in the value phase), KLOAD
+# (4, 2 or 1: words per key load), ROTQ (rotate the query here with the key
+# codec's seeded-sign FWHT; else q is already in the key domain), TQ (q dtype).
+# Inputs: q (BH*REP, D) TQ, kcodes (BH, KCAP, KW) u32, knorm (BH, KCAP) fp16,
+#   vcodes (BH, VCAP, VW) u32, vnorm (BH, VCAP) fp16, kcent (2^KB) f32,
+#   vcent (2^VB) f32, ksigns (D) f32, meta int32 [T, CH, KCAP, VCAP, S],
+#   qscale f32 [scale].
+# Outputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32 (max, sum).
+# Grid: (S * NT, BH) threads in blocks of NT.
+MSE_PARTIAL = r"""
+  constexpr int NW = NT / 32;
+  constexpr uint32_t KMASK = (1u << KB) - 1u;
+  constexpr uint32_t VMASK = (1u << VB) - 1u;
+  const int t = vq_tid;
+  const int s = vq_bx;
+  const int bh = vq_by;
+  const int T = meta[0];
+  const int CH = meta[1];
+  const int KCAP = meta[2];
+  const int VCAP = meta[3];
+  const int S = meta[4];
+  const int start = s * CH;
+  const int end = VQ_MINI(start + CH, T);
+
+  VQ_SHARED float vq_qt[REP * D];
+  // Query (per dim) and weights (per token) of the REP heads, padded to float4s.
+  constexpr int R4 = (REP + 3) / 4;
+  VQ_SHARED vq_f4 vq_q4[D * R4];
+  VQ_SHARED float vq_kc[1 << KB];
+  VQ_SHARED float vq_vc[1 << VB];
+  VQ_SHARED vq_f4 vq_w4[NT * R4];
+  VQ_SHARED float vq_wred[REP * NW];
+  VQ_SHARED float vq_red[TL * REP * D];
+
+  const float scale = qscale[0];
+  for (int i = t; i < REP * D; i += NT) {
+    float v = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
+    if (ROTQ) v *= ksigns[i % D];
+    vq_qt[i] = v;
+  }
+  for (int i = t; i < (1 << KB); i += NT) vq_kc[i] = kcent[i];
+  for (int i = t; i < (1 << VB); i += NT) vq_vc[i] = vcent[i];
+  VQ_SYNC();
+  if (ROTQ) {
+    for (int h = 1; h < D; h <<= 1) {
+      for (int p = t; p < REP * (D / 2); p += NT) {
+        const int r = p / (D / 2);
+        const int j = p % (D / 2);
+        const int i = (j / h) * (2 * h) + (j % h) + r * D;
+        const float a = vq_qt[i];
+        const float b = vq_qt[i + h];
+        vq_qt[i] = a + b;
+        vq_qt[i + h] = a - b;
+      }
+      VQ_SYNC();
+    }
+  }
+  const float qnorm = ROTQ ? (1.0f / VQ_SQRT((float)D)) : 1.0f;
+  for (int i = t; i < R4 * 4 * D; i += NT) {
+    const int r = i / D;
+    VQ_FPTR(vq_q4)[(i % D) * (R4 * 4) + r] = (r < REP) ? vq_qt[i] * qnorm : 0.0f;
+  }
+  VQ_SYNC();
+
+  float m_run[REP];
+  float l_part[REP];
+  float alpha[REP];
+  float acc[G * REP];
+  VQ_UNROLL
+  for (int r = 0; r < REP; ++r) {
+    m_run[r] = VQ_NEG_INF;
+    l_part[r] = 0.0f;
+  }
+  VQ_UNROLL
+  for (int i = 0; i < G * REP; ++i) acc[i] = 0.0f;
+  const int g = t % NDG;
+  const int tl = t / NDG;
+  const size_t kbase = (size_t)bh * KCAP;
+  const size_t vbase = (size_t)bh * VCAP;
+  const int vbit0 = g * G * VB;
+  const int vwi = vbit0 >> 5;
+  const int vsh = vbit0 & 31;
+
+  for (int tile = start; tile < end; tile += NT) {
+    // ---- scores: thread t scores token tile + t for the REP query heads
+    const int j = tile + t;
+    const bool valid = j < end;
+    float sc[R4 * 4];
+    VQ_UNROLL
+    for (int r = 0; r < R4 * 4; ++r) sc[r] = 0.0f;
+    float vn = 0.0f;
+    if (valid) {
+      uint32_t kw[KW];
+      const VQ_GLOBAL uint32_t* krow = kcodes + (kbase + (size_t)j) * KW;
+      if (KLOAD == 4) {
+        VQ_UNROLL
+        for (int i = 0; i < KW / 4; ++i) {
+          const vq_u4 u = VQ_LOAD_U4(krow, i);
+          kw[4 * i] = u.x; kw[4 * i + 1] = u.y; kw[4 * i + 2] = u.z; kw[4 * i + 3] = u.w;
+        }
+      } else if (KLOAD == 2) {
+        VQ_UNROLL
+        for (int i = 0; i < KW / 2; ++i) {
+          const vq_u2 u = VQ_LOAD_U2(krow, i);
+          kw[2 * i] = u.x; kw[2 * i + 1] = u.y;
+        }
+      } else {
+        VQ_UNROLL
+        for (int i = 0; i < KW; ++i) kw[i] = krow[i];
+      }
+      VQ_UNROLL
+      for (int d = 0; d < D; ++d) {
+        const int bit = d * KB;
+        const int wi = bit >> 5;
+        const int sh = bit & 31;
+        uint32_t c = kw[wi] >> sh;
+        if (sh + KB > 32) c |= kw[wi + 1] << (32 - sh);
+        const float cv = vq_kc[c & KMASK];
+        VQ_UNROLL
+        for (int r4 = 0; r4 < R4; ++r4) {
+          const vq_f4 qv = vq_q4[d * R4 + r4];
+          sc[4 * r4] += qv.x * cv;
+          if (4 * r4 + 1 < REP) sc[4 * r4 + 1] += qv.y * cv;
+          if (4 * r4 + 2 < REP) sc[4 * r4 + 2] += qv.z * cv;
+          if (4 * r4 + 3 < REP) sc[4 * r4 + 3] += qv.w * cv;
+        }
+      }
+      const float kn = VQ_F(knorm[kbase + (size_t)j]);
+      VQ_UNROLL
+      for (int r = 0; r < REP; ++r) sc[r] *= kn;
+      vn = VQ_F(vnorm[vbase + (size_t)j]);
+    }
+    // ---- online softmax: the tile's max per head, then weights p * ||v||
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) {
+      const float wm = vq_warp_max(valid ? sc[r] : VQ_NEG_INF);
+      if ((t & 31) == 0) vq_wred[r * NW + (t >> 5)] = wm;
+    }
+    VQ_SYNC();
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) {
+      float mm = VQ_NEG_INF;
+      for (int w = 0; w < NW; ++w) mm = VQ_MAXF(mm, vq_wred[r * NW + w]);
+      const float m_new = VQ_MAXF(m_run[r], mm);
+      alpha[r] = (m_run[r] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[r] - m_new);
+      const float p = valid ? VQ_EXP(sc[r] - m_new) : 0.0f;
+      l_part[r] = l_part[r] * alpha[r] + p;
+      VQ_FPTR(vq_w4)[t * (R4 * 4) + r] = p * vn;
+      m_run[r] = m_new;
+    }
+    VQ_SYNC();
+    // ---- values: thread (tl, g) adds dims [g*G, g*G+G) of tokens tl, tl+TL, ...
+    VQ_UNROLL
+    for (int k = 0; k < G; ++k) {
+      VQ_UNROLL
+      for (int r = 0; r < REP; ++r) acc[k * REP + r] *= alpha[r];
+    }
+    const int ntok = VQ_MINI(NT, end - tile);
+    for (int jj = tl; jj < ntok; jj += TL) {
+      const VQ_GLOBAL uint32_t* vrow = vcodes + (vbase + (size_t)(tile + jj)) * VW;
+      vq_u64 bits = (vq_u64)vrow[vwi];
+      if (vwi + 1 < VW) bits |= ((vq_u64)vrow[vwi + 1]) << 32;
+      bits >>= vsh;
+      float wv[R4 * 4];
+      VQ_UNROLL
+      for (int r4 = 0; r4 < R4; ++r4) {
+        const vq_f4 u = vq_w4[jj * R4 + r4];
+        wv[4 * r4] = u.x; wv[4 * r4 + 1] = u.y; wv[4 * r4 + 2] = u.z; wv[4 * r4 + 3] = u.w;
+      }
+      VQ_UNROLL
+      for (int k = 0; k < G; ++k) {
+        const float cv = vq_vc[(uint32_t)(bits >> (k * VB)) & VMASK];
+        VQ_UNROLL
+        for (int r = 0; r < REP; ++r) acc[k * REP + r] += wv[r] * cv;
+      }
+    }
+    VQ_SYNC();
+  }
+
+  // ---- this split's (o, m, l)
+  VQ_UNROLL
+  for (int r = 0; r < REP; ++r) {
+    const float ls = vq_warp_sum(l_part[r]);
+    if ((t & 31) == 0) vq_wred[r * NW + (t >> 5)] = ls;
+  }
+  VQ_UNROLL
+  for (int k = 0; k < G; ++k) {
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) vq_red[(tl * REP + r) * D + g * G + k] = acc[k * REP + r];
+  }
+  VQ_SYNC();
+  const size_t obase = ((size_t)bh * S + s) * REP;
+  for (int i = t; i < REP * D; i += NT) {
+    const int r = i / D;
+    const int d = i % D;
+    float sum = 0.0f;
+    for (int u = 0; u < TL; ++u) sum += vq_red[(u * REP + r) * D + d];
+    o[obase * D + i] = sum;
+  }
+  VQ_UNROLL
+  for (int r = 0; r < REP; ++r) {
+    if (t == r) {
+      float lt = 0.0f;
+      for (int w = 0; w < NW; ++w) lt += vq_wred[r * NW + w];
+      ml[(obase + r) * 2] = m_run[r];
+      ml[(obase + r) * 2 + 1] = lt;
+    }
+  }
+"""
+
+# Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
+# value sum with the value codec's seeded-sign FWHT; needs D a power of two),
+# HAS_PLAIN (merge a partial over fp16 tokens, already in the output domain),
+# HAS_VMEAN (centered values: add l * mean_v), TO (output dtype).
+# Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, vsigns (D) f32,
+#   meta int32 [S], po (BH*REP, D) f32, pml (BH*REP, 2) f32, vmean (BH, D) f32.
+# Output: out (BH*REP, D) TO.  Grid: (D, BH*REP) threads in blocks of D.
+MERGE = r"""
+  const int d = vq_tid;
+  const int row = vq_by;
+  const int bh = row / REP;
+  const int r = row % REP;
+  const int S = meta[0];
+  VQ_SHARED float vq_buf[D];
+  float M = VQ_NEG_INF;
+  for (int s = 0; s < S; ++s) M = VQ_MAXF(M, ml[(((size_t)bh * S + s) * REP + r) * 2]);
+  float L = 0.0f;
+  float acc = 0.0f;
+  if (M != VQ_NEG_INF) {
+    for (int s = 0; s < S; ++s) {
+      const size_t idx = ((size_t)bh * S + s) * REP + r;
+      const float m = ml[idx * 2];
+      if (m == VQ_NEG_INF) continue;
+      const float e = VQ_EXP(m - M);
+      L += e * ml[idx * 2 + 1];
+      acc += e * o[idx * D + d];
+    }
+  }
+  if (UNROT) {
+    vq_buf[d] = acc;
+    VQ_SYNC();
+    for (int h = 1; h < D; h <<= 1) {
+      if ((d & h) == 0) {
+        const float a = vq_buf[d];
+        const float b = vq_buf[d + h];
+        vq_buf[d] = a + b;
+        vq_buf[d + h] = a - b;
+      }
+      VQ_SYNC();
+    }
+    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
+  }
+  if (HAS_VMEAN) acc += L * vmean[(size_t)bh * D + d];
+  if (HAS_PLAIN) {
+    const float mp = pml[(size_t)row * 2];
+    const float lp = pml[(size_t)row * 2 + 1];
+    const float M2 = VQ_MAXF(M, mp);
+    const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - M2);
+    const float ep = (mp == VQ_NEG_INF) ? 0.0f : VQ_EXP(mp - M2);
+    acc = acc * ec + po[(size_t)row * D + d] * ep;
+    L = L * ec + lp * ep;
+  }
+  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+"""
+
+# Template constants: D, BITS, W (= ceil(D*BITS/32)), NT (threads per block),
+# TO (output dtype). Inputs: codes (BH, CAP, W) u32, norm (BH, CAP) fp16,
+# cent (2^BITS) f32, meta int32 [T, CAP]. Output: out (BH, T, D) TO, the
+# decoded vectors in the codec's (rotated) domain, centroid * norm.
+# Grid: (T * D, BH) threads in blocks of NT.
+MSE_DEQUANT = r"""
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int T = meta[0];
+  const int CAP = meta[1];
+  const int bh = vq_by;
+  const int x = vq_bx * NT + vq_tid;
+  const int j = x / D;
+  const int d = x % D;
+  if (j < T) {
+    const VQ_GLOBAL uint32_t* row = codes + ((size_t)bh * CAP + j) * W;
+    const int bit = d * BITS;
+    const int wi = bit >> 5;
+    const int sh = bit & 31;
+    uint32_t c = row[wi] >> sh;
+    if (sh + BITS > 32) c |= row[wi + 1] << (32 - sh);
+    const float v = cent[c & MASK] * VQ_F(norm[(size_t)bh * CAP + j]);
+    out[((size_t)bh * T + j) * D + d] = VQ_CAST(TO, v);
+  }
+"""
+
+KERNELS: Dict[str, dict] = {
+    "mse_dequant": {
+        "body": MSE_DEQUANT,
+        "inputs": ("codes", "norm", "cent", "meta"),
+        "outputs": ("out",),
+    },
+    "mse_encode": {
+        "body": MSE_ENCODE,
+        "inputs": ("kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent"),
+        "outputs": ("kcodes", "knorm", "vcodes", "vnorm"),
+    },
+    "mse_partial": {
+        "body": MSE_PARTIAL,
+        "inputs": ("q", "kcodes", "knorm", "vcodes", "vnorm", "kcent", "vcent", "ksigns", "meta", "qscale"),
+        "outputs": ("o", "ml"),
+    },
+    "merge": {
+        "body": MERGE,
+        "inputs": ("o", "ml", "vsigns", "meta", "po", "pml", "vmean"),
+        "outputs": ("out",),
+    },
+}
+
+TemplateValue = Union[int, bool, str]
+
+
+def header(dialect: str) -> str:
+    if dialect not in HEADERS:
+        raise ValueError(f"unknown dialect {dialect!r}; known: {', '.join(DIALECTS)}")
+    return HEADERS[dialect]
+
+
+def source(kernel: str, dialect: str) -> str:
+    """The kernel body for `dialect` (what `mx.fast.*_kernel(source=...)` takes)."""
+    header(dialect)
+    return _PROLOGUES[dialect] + KERNELS[kernel]["body"]
+
+
+def _constant_lines(template: Iterable[Tuple[str, TemplateValue]], dialect: str) -> str:
+    lines = []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"  constexpr bool {name} = {'true' if value else 'false'};")
+        elif isinstance(value, int):
+            lines.append(f"  constexpr int {name} = {value};")
+        else:  # a type name
+            lines.append(f"  using {name} = {value};")
+    return "\n".join(lines) + "\n"
+
+
+# C type names of MLX dtypes, per dialect (what MLX writes in the signature).
+C_TYPES = {
+    "cuda": {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16",
+             "uint32": "uint32_t", "int32": "int32_t"},
+    "metal": {"float32": "float", "float16": "half", "bfloat16": "bfloat16_t",
+              "uint32": "uint32_t", "int32": "int32_t"},
+    "cpp": {"float32": "float", "float16": "_Float16", "uint32": "uint32_t", "int32": "int32_t"},
+}
+
+
+def render_cuda(kernel: str, template, input_dtypes: Dict[str, str], output_dtypes: Dict[str, str],
+                name: str = "vq_kernel", mlx_header: bool = True) -> str:
+    """The whole translation unit MLX's CUDA back end builds for this kernel
+    (mirrors `build_kernel` in mlx/backend/cuda/custom_kernel.cpp), so that it
+    can be compiled with nvcc ahead of a GPU run."""
+    spec = KERNELS[kernel]
+    ctype = C_TYPES["cuda"]
+    text = ""
+    if mlx_header:
+        text += ('#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+                 "#define inf cuda::std::numeric_limits<float>::infinity()\n\n")
+    else:
+        text += "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n#include <cstdint>\n"
+    text += header("cuda")
+    text += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n" if mlx_header else ""
+    args = [f"    const {ctype[input_dtypes[n]]}* {n}" for n in spec["inputs"]]
+    args += [f"    {ctype[output_dtypes[n]]}* {n}" for n in spec["outputs"]]
+    text += f'extern "C" __global__ void {name}(\n' + ",\n".join(args) + ") {\n"
+    text += _constant_lines(_typed(template, "cuda"), "cuda") + "\n"
+    text += source(kernel, "cuda")
+    text += "\n}\n"
+    if mlx_header:
+        text += "\n} // namespace mlx::core::cu\n"
+    return text
+
+
+def _typed(template, dialect):
+    """Template entries with dtype names ('float16') turned into C type names."""
+    out = []
+    for name, value in template:
+        if isinstance(value, str):
+            value = C_TYPES[dialect][value]
+        out.append((name, value))
+    return out
+
+
+def render_cpp(kernel: str, template, input_dtypes: Dict[str, str], output_dtypes: Dict[str, str],
+               name: str) -> str:
+    """A C++ function `void name(ptrs...)` running one thread of the kernel (the
+    emulator calls it from every thread of every block)."""
+    spec = KERNELS[kernel]
+    ctype = C_TYPES["cpp"]
+    args = [f"const {ctype[input_dtypes[n]]}* {n}" for n in spec["inputs"]]
+    args += [f"{ctype[output_dtypes[n]]}* {n}" for n in spec["outputs"]]
+    text = f"static void {name}(" + ", ".join(args) + ") {\n"
+    text += _constant_lines(_typed(template, "cpp"), "cpp") + "\n"
+    text += source(kernel, "cpp")
+    text += "\n}\n"
+    return text
