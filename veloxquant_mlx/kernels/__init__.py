@@ -148,7 +148,9 @@ def attention(cache, queries: mx.array, scale: float, mask=None) -> Optional[mx.
     if _off(os.environ.get("VELOXQUANT_KERNELS")):
         return None
     out = decode_attention(cache, queries, scale, mask)
-    if out is None:
+    if out is None and os.environ.get("VELOXQUANT_PREFILL_DEQUANT") == "1":
+        # Opt-in: faster GPU prefill, but one layer's whole history exists in fp16
+        # for the duration of the call, so peak memory can exceed an fp16 cache's.
         out = prefill_attention(cache, queries, scale, mask)
     return out
 
