@@ -15,6 +15,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "
     group.add_argument("--group-size", type=int, default=64)
     group.add_argument("--residual-length", type=int, default=0, help="recent tokens kept in fp16")
     group.add_argument("--sink-tokens", type=int, default=0, help="first tokens kept in fp16")
+    group.add_argument("--center", action="store_true", help="subtract each head's mean key/value first")
     group.add_argument("--kv-seed", type=int, default=0, help="seed of rotations and sketches")
     group.add_argument("--artifact-dir", default=None, help="precomputed codebooks/rotations")
     group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="method option")
@@ -45,6 +46,7 @@ def config_from_args(args):
         group_size=args.group_size,
         residual_length=args.residual_length,
         sink_tokens=args.sink_tokens,
+        center=args.center,
         seed=args.kv_seed,
         artifact_dir=args.artifact_dir,
         options=options,
@@ -179,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--text", default=None, help="text file for quality (default: WikiText-2 test)")
     demo.add_argument("--ctx", type=int, default=2048)
     add_cache_arguments(demo)
-    demo.set_defaults(func=run_demo, sink_tokens=4, residual_length=64)
+    # The recommended protections (the demo also turns on `renorm` where the method has it).
+    demo.set_defaults(func=run_demo, sink_tokens=4, residual_length=64, center=True)
 
     from . import gguf
     from .evaluation import register_cli as register_evaluation

@@ -32,9 +32,12 @@ def run_demo(args) -> None:
     from .evaluation.perplexity import evaluate_perplexity, make_windows
     from .evaluation.specs import VELOXQUANT, MethodSpec, parse_method_spec
     from .integration import KVCacheBuilder
+    from .methods import get_method
     from .models import load_model
 
     config = config_from_args(args)
+    if "renorm" in get_method(config.method).options and "renorm" not in config.options:
+        config = config.replace(options={**config.options, "renorm": True})
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
     layout = kv_layout(model)
@@ -57,7 +60,7 @@ def run_demo(args) -> None:
     )
     print(f"text: {text_path or 'WikiText-2 (datasets)'}, {args.ctx} tokens, second half scored, 512-token chunks")
     print()
-    header = f"{'cache':44s} {'perplexity':>10s} {'KL mean':>9s} {'KL p99':>8s} {'top-1':>7s} {'KV bytes':>12s} {'bits/coord':>10s}"
+    header = f"{'cache':58s} {'perplexity':>10s} {'KL mean':>9s} {'KL p99':>8s} {'top-1':>7s} {'KV bytes':>12s} {'bits/coord':>10s}"
     print(header)
     print("-" * len(header))
     for label, record in (("fp16 (mlx-lm KVCache)", fp16), (config.describe(), ours_record)):
@@ -65,7 +68,7 @@ def run_demo(args) -> None:
         kl_p99 = record.get("kl_p99") or 0.0
         agree = record.get("top1_agreement") or 1.0
         print(
-            f"{label:44s} {record['perplexity']:10.3f} {kl_mean:9.4f} {kl_p99:8.4f} {agree:7.1%} "
+            f"{label:58s} {record['perplexity']:10.3f} {kl_mean:9.4f} {kl_p99:8.4f} {agree:7.1%} "
             f"{record['kv_bytes']:12,d} {record['bits_per_coord']:10.2f}"
         )
     fp16_bytes = ours_record["fp16_kv_bytes"]
