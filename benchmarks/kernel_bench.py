@@ -213,6 +213,19 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
     add("host: graph build of packed append + attend (per layer)", build_time(vq_step, L, args.rounds), 0)
     add("host: graph build of packed attend only (per layer)",
         build_time(lambda i: caches[i].attend(qs[i], scale=scale), L, args.rounds), 0)
+    # The same with the compiled decode step off (kernels/step.py): the op-by-op path.
+    previous = os.environ.get("VELOXQUANT_COMPILE_STEP")
+    os.environ["VELOXQUANT_COMPILE_STEP"] = "0"
+    try:
+        add(f"decode step, {L} layers: packed append + attend, op by op (per layer)",
+            timed(vq_step, L, args.rounds), code_bytes)
+        add("host: graph build of packed append + attend, op by op (per layer)",
+            build_time(vq_step, L, args.rounds), 0)
+    finally:
+        if previous is None:
+            os.environ.pop("VELOXQUANT_COMPILE_STEP")
+        else:
+            os.environ["VELOXQUANT_COMPILE_STEP"] = previous
     del fp16
     return rows, caches
 

@@ -147,6 +147,25 @@ def test_emulated_long_sequence_many_splits():
     assert selftest._rel(np.array(out), np.array(ref)) < 1e-5
 
 
+@needs_cxx
+@pytest.mark.parametrize("center", [False, True])
+def test_capacity_planned_step_attend_matches_portable(center):
+    # The compiled step plans its grid from the buffer capacity (512 rows for 300 tokens):
+    # the splits past the last token must contribute nothing.
+    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, center=center)
+    cache = CompressedKVCache(cfg)
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(5)).astype(mx.float16)
+    cache.update_and_fetch(k, mx.sin(k))
+    assert cache.key_fields["codes"].shape[2] == 512
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(6)).astype(mx.float16)
+    plan, _ = kernels.step._attend_fn("emulator", cache.key_codec, cache.value_codec, tuple(q.shape), q.dtype,
+                                      "float16", 0.125, 2, 512, 512, center)
+    assert plan.meta["splits"] > 1 and plan.meta["chunk"] * (plan.meta["splits"] - 1) >= 300  # empty splits
+    out = kernels.step.attend("emulator", cache, q, 0.125)
+    ref = kernels.decode_attention(cache, q, 0.125, using="portable")
+    assert selftest._rel(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32))) < 2e-3
+
+
 # ---- the portable path and dispatch ---------------------------------------------------
 
 @pytest.mark.parametrize("dim,bits", [(d, b) for d in (64, 128, 96, 80) for b in range(1, 9)])
@@ -203,3 +222,28 @@ def test_backend_selection(monkeypatch):
 def test_selftest_cli_runs_portable(capsys):
     assert selftest.main(["--backend", "portable"]) == 0
     assert "0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("center", [False, True])
+@pytest.mark.parametrize("bits,value_bits", [(3, 4), (2, 2), (4, 3)])
+def test_compiled_append_stores_what_the_op_by_op_path_stores(monkeypatch, center, bits, value_bits):
+    # 250-token prefill, then 50 decode tokens across the 256-row growth step.
+    cfg = KVCacheConfig(method="turboquant_mse", bits=bits, value_bits=value_bits, center=center)
+    k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(bits)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 300, 64), key=mx.random.key(9)).astype(mx.float16)
+    caches = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("VELOXQUANT_COMPILE_STEP", flag)
+        cache = CompressedKVCache(cfg)
+        cache.update_and_fetch(k[..., :250, :], v[..., :250, :])
+        assert kernels.compiled_append_applies(cache) == (flag == "1")
+        for i in range(250, 300):
+            cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
+        caches[flag] = cache
+    fast, slow = caches["1"], caches["0"]
+    assert fast.encoded == slow.encoded == 300
+    for role in ("key_fields", "value_fields"):
+        for name in ("codes", "norm"):
+            a, b = getattr(fast, role)[name], getattr(slow, role)[name]
+            assert a.shape == b.shape and a.shape[2] == 512
+            assert mx.array_equal(a[..., :300, :], b[..., :300, :]).item(), (role, name)

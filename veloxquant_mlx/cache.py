@@ -160,6 +160,16 @@ class CompressedKVCache(_BaseCache):
 
     def _append_codes(self, keys: mx.array, values: mx.array):
         start = self.encoded
+        if keys.shape[2] == 1 and kernels.compiled_append_applies(self):
+            # One decode token: encode + store replayed from one compiled graph.
+            for fields in (self.key_fields, self.value_fields):
+                for name, buf in fields.items():
+                    fields[name] = _grow(buf, start + 1, buf, self.step)
+            kf, vf = self.key_fields, self.value_fields
+            kf["codes"], kf["norm"], vf["codes"], vf["norm"] = kernels.step.append(
+                kernels.backend(), self, keys, values, start)
+            self.encoded += 1
+            return
         if self.config.center:
             if self.key_mean is None:
                 self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)

@@ -24,9 +24,9 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import launch, ops, portable, templates
+from . import launch, ops, portable, step, templates
 
-__all__ = ["attention", "backend", "decode_attention", "prefill_attention", "encode", "encode_kv", "kernel_supported", "launch", "ops", "portable", "templates"]
+__all__ = ["attention", "backend", "decode_attention", "prefill_attention", "encode", "encode_kv", "kernel_supported", "launch", "ops", "portable", "step", "templates"]
 
 
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
@@ -115,6 +115,17 @@ def encode_kv(key_codec, value_codec, keys: mx.array, values: mx.array, *, using
             and max(key_codec.dim, value_codec.dim) <= 1024):
         return ops.mse_encode_kv(ops.runner(name), key_codec, value_codec, keys, values)
     return key_codec.encode(keys), value_codec.encode(values)
+
+
+def compiled_append_applies(cache) -> bool:
+    """Whether a one-token append can take the compiled step (`step.append`): turboquant_mse
+    buffers already exist, centering means (if any) are fixed, and the back end's encoder
+    can be traced (MLX ops or mx.fast kernels, not the emulator)."""
+    if not (cache.encoded and step.enabled() and backend() in ("cuda", "metal", "portable")):
+        return False
+    if cache.config.center and cache.key_mean is None:
+        return False
+    return _kernel_layout(cache)
 
 
 def _kernel_layout(cache) -> bool:
@@ -214,6 +225,9 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
     value_mean = cache.value_mean
 
     name = using or backend()
+    if name in ("cuda", "metal") and plain is None and chunk is None and step.enabled() \
+            and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
+        return step.attend(name, cache, queries, scale)
     if name != "portable" and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
         run = ops.runner(name)
         o, ml, _ = ops.mse_partials(run, queries, kc, vc, cache.key_fields, cache.value_fields,

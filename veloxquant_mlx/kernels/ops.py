@@ -142,30 +142,32 @@ def mse_partials(run: Runner, queries: mx.array, key_codec, value_codec, key_fie
     B, n_heads, L, dim = queries.shape
     if L != 1:
         raise ValueError("the decode kernels take one query per head")
-    kcodes, knorm = key_fields["codes"], key_fields["norm"]
-    vcodes, vnorm = value_fields["codes"], value_fields["norm"]
+    kcodes, vcodes = key_fields["codes"], value_fields["codes"]
     kv_heads, kcap = kcodes.shape[1], kcodes.shape[2]
-    vcap = vcodes.shape[2]
-    rep = n_heads // kv_heads
-    bh = B * kv_heads
+    rotate_query = constants(key_codec)["signs"] is not None
+    q_dtype = queries.dtype if rotate_query and queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
+    plan = launch.partial_plan(B * kv_heads, n_heads // kv_heads, dim, key_codec.bits, value_codec.bits, tokens,
+                               kcap, vcodes.shape[2], rotate_query=rotate_query,
+                               q_dtype=launch.dtype_name(q_dtype), chunk=chunk)
+    o, ml = run_partials(run, plan, queries, key_codec, value_codec, kcodes, key_fields["norm"], vcodes,
+                         value_fields["norm"], scale, small_array(tuple(plan.meta["meta"])))
+    return o, ml, plan
+
+
+def run_partials(run: Runner, plan, queries, key_codec, value_codec, kcodes, knorm, vcodes, vnorm,
+                 scale: float, meta: mx.array):
+    """The partial kernel of `plan`; `meta` = int32 [tokens, chunk, kcap, vcap, splits]."""
     kc, vc = constants(key_codec), constants(value_codec)
     if kc["signs"] is None:
         q = key_codec.to_domain(queries.astype(mx.float32) * scale)
         qscale = small_array((1.0,), mx.float32)
     else:
-        q = queries
+        q = queries if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else queries.astype(mx.float32)
         qscale = small_array((float(scale),), mx.float32)
-    if q.dtype not in (mx.float16, mx.float32, mx.bfloat16):
-        q = q.astype(mx.float32)
-    plan = launch.partial_plan(bh, rep, dim, key_codec.bits, value_codec.bits, tokens, kcap, vcap,
-                               rotate_query=kc["signs"] is not None, q_dtype=launch.dtype_name(q.dtype),
-                               chunk=chunk)
-    o, ml = run(plan, [
+    return run(plan, [
         q, kcodes, knorm, vcodes, vnorm, kc["centroids"], vc["centroids"],
-        kc["signs"] if kc["signs"] is not None else _dummy(),
-        small_array(tuple(plan.meta["meta"])), qscale,
+        kc["signs"] if kc["signs"] is not None else _dummy(), meta, qscale,
     ])
-    return o, ml, plan
 
 
 def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int, ...], out_dtype,
