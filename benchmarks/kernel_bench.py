@@ -110,7 +110,7 @@ def build_layers(n_layers: int, T: int, cfg: KVCacheConfig, B=1, kv=8, D=128):
         c = CompressedKVCache(cfg)
         for start in range(0, T, 4096):
             c.update_and_fetch(k[..., start : start + 4096, :], v[..., start : start + 4096, :])
-            mx.eval(c.key_fields, c.value_fields)
+            mx.eval(c.rows)
         caches.append(c)
         fp16.append((k, v))
         mx.eval(k, v)
@@ -118,12 +118,8 @@ def build_layers(n_layers: int, T: int, cfg: KVCacheConfig, B=1, kv=8, D=128):
 
 
 def packed_bytes(c: CompressedKVCache) -> int:
-    T = c.encoded
-    total = 0
-    for fields in (c.key_fields, c.value_fields):
-        for buf in fields.values():
-            total += buf.shape[0] * buf.shape[1] * T * buf.shape[3] * buf.itemsize
-    return total
+    """Bytes of the rows holding the first `encoded` tokens (what decoding must read)."""
+    return c.rows.shape[0] * c.rows.shape[1] * c.encoded * c.rows.shape[3] * c.rows.itemsize
 
 
 def microbench(T: int, args, vbits: int, copy_bw: float):
@@ -154,8 +150,8 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
 
     def dequant_sdpa(i):
         c = caches[i]
-        keys = ops.mse_dequant(run, c.key_codec, c.key_fields, c.encoded, mx.float16)
-        values = ops.mse_dequant(run, c.value_codec, c.value_fields, c.encoded, mx.float16)
+        keys = ops.mse_dequant(run, c.layout, "keys", c.rows, c.encoded, mx.float16)
+        values = ops.mse_dequant(run, c.layout, "values", c.rows, c.encoded, mx.float16)
         q = c.key_codec.to_domain(qs[i].astype(mx.float32)).astype(mx.float16)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
         return c.value_codec.from_domain(out.astype(mx.float32))
@@ -179,15 +175,14 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
         add(name, timed(lambda i: kernels.decode_attention(caches[i], qs[i], scale, chunk=chunk), L, args.rounds,
                         passes=P), code_bytes, chunk=plan_chunk, auto=chunk is None)
         o_only = lambda i: ops.mse_partials(run, qs[i], caches[i].key_codec, caches[i].value_codec,  # noqa: E731
-                                            caches[i].key_fields, caches[i].value_fields, caches[i].encoded,
-                                            scale, chunk=chunk)[:2]
+                                            caches[i].rows, caches[i].encoded, scale, chunk=chunk)[:2]
         add("partial kernel alone", timed(o_only, L, args.rounds, passes=P), code_bytes, chunk=plan_chunk,
             auto=chunk is None)
     new = [(mx.random.normal((B, kv, 1, D), key=mx.random.key(99 + i)).astype(mx.float16),) * 2 for i in range(L)]
 
     def append(i):
         caches[i].update_and_fetch(*new[i])
-        return list(caches[i].key_fields.values()) + list(caches[i].value_fields.values())
+        return caches[i].rows
 
     add("update_and_fetch (encode 1 token + store)", timed(append, L, args.rounds), 0)
 
@@ -242,7 +237,7 @@ def encode_bench(args):
     for tokens in (1, 2048):
         xs = [mx.random.normal((1, 8, tokens, 128), key=mx.random.key(i)).astype(mx.float16) for i in range(8)]
         mx.eval(xs)
-        kern = timed(lambda i: ops.mse_encode_kv(run, kc, vc, xs[i], xs[i]), 8, args.rounds, passes=8)
+        kern = timed(lambda i: ops.mse_encode_rows(run, kc, vc, xs[i], xs[i]), 8, args.rounds, passes=8)
         base = timed(lambda i: (kc.encode(xs[i]), vc.encode(xs[i])), 8, args.rounds, passes=8)
         rows.append({"tokens": tokens, "kernel_us": kern * 1e6, "mlx_ops_us": base * 1e6})
     return rows

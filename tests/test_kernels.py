@@ -23,11 +23,11 @@ from veloxquant_mlx.methods.turboquant_mse import MSECodec
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
 
 IN_DTYPES = {
-    "mse_partial": {"q": "float16", "kcodes": "uint32", "knorm": "float16", "vcodes": "uint32", "vnorm": "float16",
-                    "kcent": "float32", "vcent": "float32", "ksigns": "float32", "meta": "int32", "qscale": "float32"},
+    "mse_partial": {"q": "float16", "rows": "uint32", "kcent": "float32", "vcent": "float32", "ksigns": "float32",
+                    "meta": "int32", "qscale": "float32"},
     "merge": {"o": "float32", "ml": "float32", "vsigns": "float32", "meta": "int32", "po": "float32",
               "pml": "float32", "vmean": "float32"},
-    "mse_dequant": {"codes": "uint32", "norm": "float16", "cent": "float32", "meta": "int32"},
+    "mse_dequant": {"rows": "uint32", "cent": "float32", "meta": "int32"},
     "mse_encode": {n: "float32" for n in templates.KERNELS["mse_encode"]["inputs"]},
 }
 
@@ -39,8 +39,10 @@ def _plans():
             vbits = 9 - bits
             pow2 = dim & (dim - 1) == 0
             yield launch.encode_plan(4, (dim, bits, pow2, bits in (2, 3)), (dim, vbits, pow2, False), "float16")
-            yield launch.partial_plan(2, 4, dim, bits, vbits, 1000, 1024, 1024, rotate_query=pow2, q_dtype="float16")
-            yield launch.dequant_plan(2, dim, bits, 1000, 1024, out_dtype="float16")
+            yield launch.partial_plan(2, 4, dim, bits, vbits, 1000, 1024, rotate_query=pow2, q_dtype="float16")
+            words = -(-dim * bits // 32) + -(-dim * vbits // 32) + 1
+            yield launch.dequant_plan(2, dim, bits, 1000, 1024, out_dtype="float16", row_words=words, offset=0,
+                                      norm_half=2 * (words - 1))
         if dim & (dim - 1) == 0:
             yield launch.merge_plan(2, 4, dim, 7, unrotate=True, plain=True, value_mean=True, out_dtype="float16")
 
@@ -83,14 +85,14 @@ def test_templates_have_one_body_per_kernel():
 
 
 def test_plans_fit_and_split_sensibly():
-    plan = launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, 32768, rotate_query=True, q_dtype="float16")
+    plan = launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16")
     splits = plan.meta["splits"]
     assert splits * plan.meta["chunk"] >= 32768 and plan.meta["chunk"] % launch.PARTIAL_THREADS == 0
     assert 8 * splits >= 400  # enough blocks to fill a large GPU
     assert launch.partial_shared_bytes(128, 4, 3, 4) < 48 * 1024
     assert launch.choose_chunk(10, 8) == launch.PARTIAL_THREADS
     with pytest.raises(ValueError):
-        launch.partial_plan(1, 1, 80, 3, 3, 10, 16, 16, rotate_query=False, q_dtype="float16")  # dim % 32
+        launch.partial_plan(1, 1, 80, 3, 3, 10, 16, rotate_query=False, q_dtype="float16")  # dim % 32
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
@@ -98,7 +100,7 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     """The generated translation units compile for sm_90 without spills (a stand-in
     for MLX's own NVRTC build on the GPU machine)."""
     picks = [p for p in _plans() if p.kernel != "mse_partial"][:3]
-    picks.append(launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, 32768, rotate_query=True, q_dtype="float16"))
+    picks.append(launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16"))
     picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=True, plain=True, value_mean=True, out_dtype="float16"))
     for i, plan in enumerate(picks):
         ins, outs = _dtypes(plan)
@@ -156,10 +158,10 @@ def test_capacity_planned_step_attend_matches_portable(center):
     cache = CompressedKVCache(cfg)
     k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(5)).astype(mx.float16)
     cache.update_and_fetch(k, mx.sin(k))
-    assert cache.key_fields["codes"].shape[2] == 512
+    assert cache.rows.shape[2] == 512
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(6)).astype(mx.float16)
     plan, _ = kernels.step._attend_fn("emulator", cache.key_codec, cache.value_codec, tuple(q.shape), q.dtype,
-                                      "float16", 0.125, 2, 512, 512, center)
+                                      "float16", 0.125, 2, 512, center)
     assert plan.meta["splits"] > 1 and plan.meta["chunk"] * (plan.meta["splits"] - 1) >= 300  # empty splits
     out = kernels.step.attend("emulator", cache, q, 0.125)
     ref = kernels.decode_attention(cache, q, 0.125, using="portable")
@@ -247,3 +249,63 @@ def test_compiled_append_stores_what_the_op_by_op_path_stores(monkeypatch, cente
             a, b = getattr(fast, role)[name], getattr(slow, role)[name]
             assert a.shape == b.shape and a.shape[2] == 512
             assert mx.array_equal(a[..., :300, :], b[..., :300, :]).item(), (role, name)
+
+
+# ---- the fused decode step (partial + merge_encode + one store), in the emulator ---------
+
+@needs_cxx
+@pytest.mark.parametrize("center", [False, True])
+@pytest.mark.parametrize("bits,value_bits,renorm", [(3, 4, False), (2, 2, True)])
+def test_fused_step_equals_store_then_attend(center, bits, value_bits, renorm):
+    cfg = KVCacheConfig(method="turboquant_mse", bits=bits, value_bits=value_bits, center=center,
+                        options={"renorm": renorm})
+    k = mx.random.normal((1, 2, 301, 64), key=mx.random.key(bits)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 301, 64), key=mx.random.key(7)).astype(mx.float16)
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(8)).astype(mx.float16)
+    ref, fused = CompressedKVCache(cfg), CompressedKVCache(cfg)
+    for cache in (ref, fused):
+        cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
+    ref.update_and_fetch(k[..., 300:, :], v[..., 300:, :])
+    expected = kernels.decode_attention(ref, q, 0.125, using="portable")
+    out, rows = kernels.step.fused("emulator", fused, q, k[..., 300:, :], v[..., 300:, :], 0.125)
+    assert rows.shape == ref.rows.shape
+    assert selftest._rel(np.array(out.astype(mx.float32)), np.array(expected.astype(mx.float32))) < 2e-3
+    assert mx.array_equal(rows[..., :301, :], ref.rows[..., :301, :]).item()  # the new row, stored in place
+
+
+@needs_cxx
+def test_deferred_tokens_decode_like_the_op_by_op_path(monkeypatch, model):
+    # On a GPU a decode token waits in `cache.pending` for the attention call, which stores it
+    # (step.fused); here the same protocol runs with the emulated kernels.
+    from mlx_lm.generate import generate_step
+
+    def greedy(model, prompt, n, caches):
+        return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches)]
+
+    cfg = KVCacheConfig(method="turboquant_mse", bits=4, value_bits=4)
+    prompt = list(range(1, 30))
+    from veloxquant_mlx import KVCacheBuilder
+
+    plain = KVCacheBuilder(cfg).for_model(model).build()
+    expected = greedy(model, prompt, 4, plain)
+
+    fused_steps = []
+
+    def fused_attention(cache, queries, scale, mask=None):
+        if not kernels.step.fused_applies(cache, queries, mask):
+            return None
+        fused_steps.append(cache.encoded)
+        return kernels._fused("emulator", cache, queries, scale)
+
+    monkeypatch.setattr(kernels, "defers_tokens", kernels.compiled_append_applies)
+    monkeypatch.setattr(kernels, "fused_attention", fused_attention)
+    caches = KVCacheBuilder(cfg).for_model(model).build()
+    assert greedy(model, prompt, 4, caches) == expected
+    assert len(fused_steps) >= 3 * len(model.layers)  # every decode step after the prompt
+    cache = caches[0]
+    assert cache.offset == len(prompt) + 4
+    encoded = cache.encoded
+    cache.update_and_fetch(mx.ones((1, 2, 1, 32)), mx.ones((1, 2, 1, 32)))
+    assert cache.pending is not None and cache.encoded == encoded  # stored by the next attention call...
+    assert cache.nbytes == cache.rows.nbytes and cache.pending is None  # ...or by anything reading the codes
+    assert cache.encoded == encoded + 1 == cache.offset

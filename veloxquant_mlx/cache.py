@@ -21,6 +21,11 @@ ignores; encoded values get mean_v back before they are summed.
 Tokens leave the window in multiples of the codecs' `token_block` once more
 than `residual_length` of them wait there. `nbytes` is the sum of the live
 buffers, unused capacity included.
+
+Codes live in one buffer per codec field (`key_fields`, `value_fields`), except
+for turboquant_mse keys and values, whose fields share one row per token
+(`kernels/rows.py`: same bits, one store per decode step instead of four);
+`key_fields` / `value_fields` are then views of those rows.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from .artifacts import CodecSet
 from . import kernels
+from .kernels.rows import RowLayout, supports as rows_supported
 from .attention import Segment, attend
 from .config import KVCacheConfig
 
@@ -91,8 +97,10 @@ class CompressedKVCache(_BaseCache):
         self.window_keys = self.window_values = None
         self.key_mean = self.value_mean = None
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
-        self.key_fields: Dict[str, mx.array] = {}
-        self.value_fields: Dict[str, mx.array] = {}
+        self.pending = None  # a decode token stored by the attention call that follows (`_flush`)
+        self.layout: Optional[RowLayout] = None  # turboquant_mse keys and values: codes in `rows`
+        self.rows: Optional[mx.array] = None
+        self._fields: Dict[str, Dict[str, mx.array]] = {"keys": {}, "values": {}}
         self.tokens_per_row: Dict[str, Dict[str, int]] = {"keys": {}, "values": {}}
 
     # ---- shapes -------------------------------------------------------------
@@ -104,6 +112,33 @@ class CompressedKVCache(_BaseCache):
         self.value_codec = self.codecs.get("values", self.value_dim)
         self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
         self._immediate = (self.block == 1 and self.config.sink_tokens == 0 and self.config.residual_length == 0)
+        if rows_supported(self.key_codec, self.value_codec):
+            self.layout = RowLayout(self.key_codec, self.value_codec)
+            self.tokens_per_row = {role: {"codes": 1, "norm": 1} for role in ("keys", "values")}
+
+    @property
+    def key_fields(self) -> Dict[str, mx.array]:
+        """The key codec's fields over the whole capacity (views of `rows` for turboquant_mse)."""
+        return self._role_fields("keys")
+
+    @property
+    def value_fields(self) -> Dict[str, mx.array]:
+        return self._role_fields("values")
+
+    def _flush(self):
+        """Store a token that `update_and_fetch` left for the attention call."""
+        if self.pending is not None:
+            keys, values = self.pending
+            self.pending = None
+            self._append_codes(keys, values)
+
+    def _role_fields(self, role: str) -> Dict[str, mx.array]:
+        self._flush()
+        if self.layout is None:
+            return self._fields[role]
+        if self.rows is None:
+            return {}
+        return self.layout.views(self.rows)[0 if role == "keys" else 1]
 
     @property
     def sinks(self) -> int:
@@ -117,6 +152,7 @@ class CompressedKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.key_codec is None:
             self._setup(keys, values)
+        self._flush()
         keys = keys.astype(self.window_dtype)
         values = values.astype(self.window_dtype)
         self.offset += keys.shape[2]
@@ -124,6 +160,11 @@ class CompressedKVCache(_BaseCache):
         if self._immediate and keys.shape[2]:
             # No sinks, no window, one token per block: every token is encoded at once
             # (what the general path below does in that case, with less per-step work).
+            if keys.shape[2] == 1 and kernels.defers_tokens(self):
+                # The attention call that follows encodes and stores it (kernels.step.fused):
+                # one GPU op less per layer. Anything else that reads the codes flushes it first.
+                self.pending = (keys, values)
+                return self.history()
             self._append_codes(keys, values)
             return self.history()
 
@@ -159,15 +200,11 @@ class CompressedKVCache(_BaseCache):
         return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
 
     def _append_codes(self, keys: mx.array, values: mx.array):
-        start = self.encoded
-        if keys.shape[2] == 1 and kernels.compiled_append_applies(self):
+        start, count = self.encoded, keys.shape[2]
+        if count == 1 and kernels.compiled_append_applies(self):
             # One decode token: encode + store replayed from one compiled graph.
-            for fields in (self.key_fields, self.value_fields):
-                for name, buf in fields.items():
-                    fields[name] = _grow(buf, start + 1, buf, self.step)
-            kf, vf = self.key_fields, self.value_fields
-            kf["codes"], kf["norm"], vf["codes"], vf["norm"] = kernels.step.append(
-                kernels.backend(), self, keys, values, start)
+            self.rows = _grow(self.rows, start + 1, self.rows, self.step)
+            self.rows = kernels.step.append(kernels.backend(), self, keys, values, start)
             self.encoded += 1
             return
         if self.config.center:
@@ -176,19 +213,21 @@ class CompressedKVCache(_BaseCache):
                 self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
             keys = keys.astype(mx.float32) - self.key_mean
             values = values.astype(mx.float32) - self.value_mean
-        key_fields, value_fields = kernels.encode_kv(self.key_codec, self.value_codec, keys, values)
-        for role, encoded, buffers, x in (
-            ("keys", key_fields, self.key_fields, keys),
-            ("values", value_fields, self.value_fields, values),
-        ):
-            for name, field in encoded.items():
-                per_row = self.tokens_per_row[role].setdefault(name, x.shape[2] // field.shape[2])
-                row = start // per_row
-                buffers[name] = _grow(
-                    buffers.get(name), row + field.shape[2], field, max(1, self.step // per_row)
-                )
-                buffers[name][..., row : row + field.shape[2], :] = field
-        self.encoded += keys.shape[2]
+        if self.layout is not None:
+            rows = kernels.encode_rows(self.layout, keys, values)
+            self.rows = _grow(self.rows, start + count, rows, self.step)
+            self.rows[..., start : start + count, :] = rows
+        else:
+            for role, encoded in (("keys", self.key_codec.encode(keys)), ("values", self.value_codec.encode(values))):
+                buffers = self._fields[role]
+                for name, field in encoded.items():
+                    per_row = self.tokens_per_row[role].setdefault(name, count // field.shape[2])
+                    row = start // per_row
+                    buffers[name] = _grow(
+                        buffers.get(name), row + field.shape[2], field, max(1, self.step // per_row)
+                    )
+                    buffers[name][..., row : row + field.shape[2], :] = field
+        self.encoded += count
 
     def _field_rows(self, role: str, start: int, stop: int):
         """The rows of the `role` fields ("keys" or "values") that hold tokens [start, stop)."""
@@ -210,6 +249,7 @@ class CompressedKVCache(_BaseCache):
         sized so that `query_rows` (queries x query heads) x block scores fit a tile.
         With `query_len`, tokens this update encoded are scored in fp16 by the queries
         that would still have seen them in the window."""
+        self._flush()
         if query_len and self.just_encoded is not None:
             keys, values, first = self.just_encoded
             last = first + keys.shape[2]
@@ -254,6 +294,11 @@ class CompressedKVCache(_BaseCache):
         the packed codes directly (CUDA / Metal kernels or the compiled portable path);
         on a GPU back end, prefill chunks over codes only go to `kernels.prefill_attention`;
         everything else (masks, windows during prefill, other methods) to the generic path."""
+        if self.pending is not None:
+            out = kernels.fused_attention(self, queries, scale, mask) if self.kernels_enabled else None
+            if out is not None:
+                return out
+            self._flush()
         if self.kernels_enabled:
             out = kernels.attention(self, queries, scale, mask)
             if out is not None:
@@ -302,6 +347,7 @@ class CompressedKVCache(_BaseCache):
         the window refills from new tokens only. If the trim cuts into a multi-token
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
+        self._flush()
         n = min(n, self.offset)
         self.just_encoded = None
         left = n
@@ -341,14 +387,16 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
+        self._flush()
         arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
-        arrays += [self.key_mean, self.value_mean]
-        arrays += list(self.key_fields.values()) + list(self.value_fields.values())
+        arrays += [self.key_mean, self.value_mean, self.rows]
+        arrays += list(self._fields["keys"].values()) + list(self._fields["values"].values())
         return sum(a.nbytes for a in arrays if a is not None)
 
     # ---- save / load --------------------------------------------------------
     @property
     def state(self):
+        self._flush()
         header = {
             "format": FORMAT_VERSION,
             "config": self.config.to_json(),
@@ -397,9 +445,18 @@ class CompressedKVCache(_BaseCache):
         for name in _DENSE_STATE:
             if name in arrays:
                 setattr(self, name, arrays[name])
-        for group, target in (("keys", self.key_fields), ("values", self.value_fields)):
-            for name, field in (arrays.get(group) or {}).items():
-                target[name] = field
+        saved = {group: dict(arrays.get(group) or {}) for group in ("keys", "values")}
+        if self.layout is None:
+            self._fields = saved
+        elif self.encoded:
+            for group in ("keys", "values"):
+                if set(saved[group]) != {"codes", "norm"}:
+                    raise CacheFormatError(f"corrupted cache layer: {group} fields {sorted(saved[group])} "
+                                           "!= ['codes', 'norm']")
+            try:
+                self.rows = self.layout.pack(saved["keys"], saved["values"])
+            except (KeyError, ValueError) as error:
+                raise CacheFormatError(f"corrupted cache layer: codes do not fit together ({error})") from None
         self._check_restored()
 
     def _check_restored(self):

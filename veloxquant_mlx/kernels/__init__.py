@@ -24,9 +24,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import launch, ops, portable, step, templates
+from . import launch, ops, portable, rows, step, templates
 
-__all__ = ["attention", "backend", "decode_attention", "prefill_attention", "encode", "encode_kv", "kernel_supported", "launch", "ops", "portable", "step", "templates"]
+__all__ = ["attention", "backend", "decode_attention", "prefill_attention", "encode_rows", "kernel_supported",
+           "launch", "ops", "portable", "rows", "step", "templates"]
 
 
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
@@ -102,19 +103,13 @@ def kernel_supported(key_codec, value_codec=None) -> bool:
     return True
 
 
-def encode(codec, x: mx.array):
-    """codec.encode(x) (the MLX-ops codec; see `encode_kv` for the kernel)."""
-    return codec.encode(x)
-
-
-def encode_kv(key_codec, value_codec, keys: mx.array, values: mx.array, *, using: Optional[str] = None):
-    """(key fields, value fields): keys and values encoded in one kernel launch where
-    the back end has kernels and both codecs are turboquant_mse, else by the codecs."""
+def encode_rows(layout, keys: mx.array, values: mx.array, *, using: Optional[str] = None) -> mx.array:
+    """Rows (`rows.py`) of new keys and values: one kernel launch where the back end has
+    kernels, else the codecs' MLX ops."""
     name = using or backend()
-    if (name != "portable" and _is_mse(key_codec) and _is_mse(value_codec) and keys.shape[-2] > 0
-            and max(key_codec.dim, value_codec.dim) <= 1024):
-        return ops.mse_encode_kv(ops.runner(name), key_codec, value_codec, keys, values)
-    return key_codec.encode(keys), value_codec.encode(values)
+    if name != "portable" and keys.shape[-2] > 0 and max(layout.key_codec.dim, layout.value_codec.dim) <= 1024:
+        return ops.mse_encode_rows(ops.runner(name), layout.key_codec, layout.value_codec, keys, values)
+    return layout.encode(keys, values)
 
 
 def compiled_append_applies(cache) -> bool:
@@ -128,24 +123,37 @@ def compiled_append_applies(cache) -> bool:
     return _kernel_layout(cache)
 
 
+def defers_tokens(cache) -> bool:
+    """Whether a one-token update may be left for the attention call (`step.fused`, GPU
+    kernel back ends only)."""
+    return (backend() in ("cuda", "metal") and not _off(os.environ.get("VELOXQUANT_KERNELS"))
+            and compiled_append_applies(cache))
+
+
+def fused_attention(cache, queries: mx.array, scale: float, mask=None) -> Optional[mx.array]:
+    """Attention that also stores the cache's pending token (`step.fused`), or None."""
+    name = backend()
+    if name not in ("cuda", "metal") or _off(os.environ.get("VELOXQUANT_KERNELS")):
+        return None
+    if not step.fused_applies(cache, queries, mask):
+        return None
+    return _fused(name, cache, queries, scale)
+
+
+def _fused(name: str, cache, queries: mx.array, scale: float) -> mx.array:
+    from ..cache import _grow
+
+    keys, values = cache.pending
+    cache.pending = None
+    cache.rows = _grow(cache.rows, cache.encoded + 1, cache.rows, cache.step)
+    out, cache.rows = step.fused(name, cache, queries, keys, values, scale)
+    cache.encoded += 1
+    return out
+
+
 def _kernel_layout(cache) -> bool:
-    """Both codecs turboquant_mse with one row per token (fixed once the cache has codes)."""
-    known = cache.__dict__.get("_vq_layout")
-    if known is not None and known[0] is cache.key_codec and known[1] is cache.value_codec:
-        return known[2]
-    ok = _check_layout(cache)
-    if cache.encoded:
-        cache._vq_layout = (cache.key_codec, cache.value_codec, ok)
-    return ok
-
-
-def _check_layout(cache) -> bool:
-    kc, vc = cache.key_codec, cache.value_codec
-    if not (_is_mse(kc) and _is_mse(vc)):
-        return False
-    if set(cache.key_fields) != {"codes", "norm"} or set(cache.value_fields) != {"codes", "norm"}:
-        return False
-    return all(cache.tokens_per_row[role].get(name, 1) == 1 for role in ("keys", "values") for name in ("codes", "norm"))
+    """Codes stored as turboquant_mse rows (`rows.py`), which the kernels read."""
+    return cache.layout is not None and cache.rows is not None
 
 
 @functools.lru_cache(maxsize=8)
@@ -184,8 +192,8 @@ def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
     kc, vc = cache.key_codec, cache.value_codec
     run = ops.runner(name)
     dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
-    keys = ops.mse_dequant(run, kc, cache.key_fields, cache.encoded, dtype)
-    values = ops.mse_dequant(run, vc, cache.value_fields, cache.encoded, dtype)
+    keys = ops.mse_dequant(run, cache.layout, "keys", cache.rows, cache.encoded, dtype)
+    values = ops.mse_dequant(run, cache.layout, "values", cache.rows, cache.encoded, dtype)
     q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
     out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
     out = vc.from_domain(out.astype(mx.float32))
@@ -230,8 +238,7 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
         return step.attend(name, cache, queries, scale)
     if name != "portable" and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
         run = ops.runner(name)
-        o, ml, _ = ops.mse_partials(run, queries, kc, vc, cache.key_fields, cache.value_fields,
-                                    cache.encoded, scale, chunk=chunk)
+        o, ml, _ = ops.mse_partials(run, queries, kc, vc, cache.rows, cache.encoded, scale, chunk=chunk)
         return ops.merge(run, o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)
     key_fields = {k: v[..., : cache.encoded, :] for k, v in cache.key_fields.items()}
     value_fields = {k: v[..., : cache.encoded, :] for k, v in cache.value_fields.items()}

@@ -65,10 +65,9 @@ def encode_plan(n: int, key: tuple, value: tuple, x_dtype: str) -> Plan:
     if threads > 1024:
         raise ValueError(f"mse_encode runs one thread per coordinate; dim {threads} > 1024")
     template = _role_constants("K", kd, kb, kr, kn) + _role_constants("V", vd, vb, vr, vn)
-    template += [("NTH", threads), ("P2M", max(_pow2(kd), _pow2(vd))), ("TX", x_dtype)]
-    return Plan("mse_encode", template, (n * threads, 2, 1), (threads, 1, 1),
-                [(n, _words(kd, kb)), (n,), (n, _words(vd, vb)), (n,)],
-                ["uint32", "float16", "uint32", "float16"])
+    row_words = _words(kd, kb) + _words(vd, vb) + 1
+    template += [("NTH", threads), ("P2M", max(_pow2(kd), _pow2(vd))), ("TX", x_dtype), ("RW", row_words)]
+    return Plan("mse_encode", template, (n * threads, 2, 1), (threads, 1, 1), [(n, row_words)], ["uint32"])
 
 
 def choose_chunk(tokens: int, kv_rows: int, threads: int = PARTIAL_THREADS, chunk: Optional[int] = None) -> int:
@@ -102,7 +101,7 @@ def partial_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, thr
 
 @lru_cache(maxsize=4096)
 def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, tokens: int,
-                 key_capacity: int, value_capacity: int, *, rotate_query: bool, q_dtype: str,
+                 capacity: int, *, rotate_query: bool, q_dtype: str,
                  chunk: Optional[int] = None, threads: int = PARTIAL_THREADS) -> Plan:
     if dim % 32:
         raise ValueError(f"mse_partial needs dim % 32 == 0, got {dim}")
@@ -112,16 +111,18 @@ def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: in
     splits = max(1, -(-tokens // chunk))
     kw, vw = _words(dim, key_bits), _words(dim, value_bits)
     g = value_group(dim, threads, value_bits)
-    kload = 4 if kw % 4 == 0 else (2 if kw % 2 == 0 else 1)
+    row_words = kw + vw + 1
+    # Wide loads of a key row need it aligned: a row starts at a multiple of row_words words.
+    kload = next(n for n in (4, 2, 1) if kw % n == 0 and row_words % n == 0)
     template = [
         ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
         ("NT", threads), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)), ("KLOAD", kload),
-        ("ROTQ", bool(rotate_query)), ("TQ", q_dtype),
+        ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", row_words),
     ]
     return Plan(
         "mse_partial", template, (splits * threads, kv_rows, 1), (threads, 1, 1),
         [(kv_rows, splits, rep, dim), (kv_rows, splits, rep, 2)], ["float32", "float32"],
-        meta={"meta": [tokens, chunk, key_capacity, value_capacity, splits], "splits": splits, "chunk": chunk},
+        meta={"meta": [tokens, chunk, capacity, splits], "splits": splits, "chunk": chunk},
     )
 
 
@@ -139,9 +140,27 @@ def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool,
 
 
 @lru_cache(maxsize=4096)
+def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple, value: tuple, *, center: bool,
+                      x_dtype: str, out_dtype: str) -> Plan:
+    """`key` / `value`: (bits, renorm). Both roles rotate in-kernel, so dim is a power of two."""
+    if not is_power_of_two(dim) or dim > 1024:
+        raise ValueError(f"merge_encode needs a power-of-two dim <= 1024, got {dim}")
+    (kb, kn), (vb, vn) = key, value
+    row_words = _words(dim, kb) + _words(dim, vb) + 1
+    template = _role_constants("K", dim, kb, True, kn) + _role_constants("V", dim, vb, True, vn)
+    template += [("D", dim), ("REP", rep), ("NTH", dim), ("RW", row_words), ("HAS_CENTER", bool(center)),
+                 ("TX", x_dtype), ("TO", out_dtype)]
+    return Plan("merge_encode", template, (dim, kv_rows * rep, 1), (dim, 1, 1),
+                [(kv_rows * rep, dim), (kv_rows, row_words)], [out_dtype, "uint32"], meta={"meta": [splits]})
+
+
+@lru_cache(maxsize=4096)
 def dequant_plan(kv_rows: int, dim: int, bits: int, tokens: int, capacity: int, *, out_dtype: str,
-                 threads: int = 256) -> Plan:
-    template = [("D", dim), ("BITS", bits), ("W", _words(dim, bits)), ("NT", threads), ("TO", out_dtype)]
+                 row_words: int, offset: int, norm_half: int, threads: int = 256) -> Plan:
+    """Decode one role of rows (`rows.py`): its codes start at word `offset`, its norm is
+    half `norm_half` of the row."""
+    template = [("D", dim), ("BITS", bits), ("W", _words(dim, bits)), ("NT", threads), ("TO", out_dtype),
+                ("RW", row_words), ("OFF", offset), ("NORMH", norm_half)]
     return Plan("mse_dequant", template, (max(1, tokens * dim), kv_rows, 1), (threads, 1, 1),
                 [(kv_rows, tokens, dim)], [out_dtype], meta={"meta": [tokens, capacity]})
 

@@ -110,8 +110,9 @@ def _role(codec, x):
     return x, spec, consts
 
 
-def mse_encode_kv(run: Runner, key_codec, value_codec, keys: mx.array, values: mx.array):
-    """(key fields, value fields) of MSECodec.encode, keys and values in one launch."""
+def mse_encode_rows(run: Runner, key_codec, value_codec, keys: mx.array, values: mx.array) -> mx.array:
+    """Rows (..., n, KW + VW + 1) of `rows.py` for keys and values (..., n, D), one launch:
+    what `RowLayout.encode` computes with the codecs' MLX ops."""
     *lead, _ = keys.shape
     if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
         keys, values = keys.astype(mx.float32), values.astype(mx.float32)
@@ -123,40 +124,37 @@ def mse_encode_kv(run: Runner, key_codec, value_codec, keys: mx.array, values: m
     for s in lead:
         n *= s
     plan = launch.encode_plan(n, kspec, vspec, launch.dtype_name(keys.dtype))
-    kw, vw = plan.output_shapes[0][1], plan.output_shapes[2][1]
-    kcodes, knorm, vcodes, vnorm = run(plan, [
+    (rows,) = run(plan, [
         keys, values, kc["signs"] if kc["signs"] is not None else _dummy(),
         vc["signs"] if vc["signs"] is not None else _dummy(),
         kc["boundaries"], vc["boundaries"], kc["centroids"], vc["centroids"],
-    ], [(*lead, kw), (*lead, 1), (*lead, vw), (*lead, 1)])
-    return {"codes": kcodes, "norm": knorm}, {"codes": vcodes, "norm": vnorm}
+    ], [(*lead, plan.output_shapes[0][1])])
+    return rows
 
 
 # ---- decoding attention ---------------------------------------------------------
 
-def mse_partials(run: Runner, queries: mx.array, key_codec, value_codec, key_fields, value_fields,
+def mse_partials(run: Runner, queries: mx.array, key_codec, value_codec, rows: mx.array,
                  tokens: int, scale: float, chunk: Optional[int] = None):
     """Flash-decoding partials of single-token queries (B, Hq, 1, D) over the first
-    `tokens` rows of the packed buffers: (o (BH, S, REP, Dv) in the value domain,
-    ml (BH, S, REP, 2)), and the plan used."""
+    `tokens` of `rows` (B, H, capacity, RW; `rows.py`): (o (BH, S, REP, Dv) in the
+    value domain, ml (BH, S, REP, 2)), and the plan used."""
     B, n_heads, L, dim = queries.shape
     if L != 1:
         raise ValueError("the decode kernels take one query per head")
-    kcodes, vcodes = key_fields["codes"], value_fields["codes"]
-    kv_heads, kcap = kcodes.shape[1], kcodes.shape[2]
+    kv_heads, capacity = rows.shape[1], rows.shape[2]
     rotate_query = constants(key_codec)["signs"] is not None
     q_dtype = queries.dtype if rotate_query and queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
     plan = launch.partial_plan(B * kv_heads, n_heads // kv_heads, dim, key_codec.bits, value_codec.bits, tokens,
-                               kcap, vcodes.shape[2], rotate_query=rotate_query,
-                               q_dtype=launch.dtype_name(q_dtype), chunk=chunk)
-    o, ml = run_partials(run, plan, queries, key_codec, value_codec, kcodes, key_fields["norm"], vcodes,
-                         value_fields["norm"], scale, small_array(tuple(plan.meta["meta"])))
+                               capacity, rotate_query=rotate_query, q_dtype=launch.dtype_name(q_dtype),
+                               chunk=chunk)
+    o, ml = run_partials(run, plan, queries, key_codec, value_codec, rows, scale,
+                         small_array(tuple(plan.meta["meta"])))
     return o, ml, plan
 
 
-def run_partials(run: Runner, plan, queries, key_codec, value_codec, kcodes, knorm, vcodes, vnorm,
-                 scale: float, meta: mx.array):
-    """The partial kernel of `plan`; `meta` = int32 [tokens, chunk, kcap, vcap, splits]."""
+def run_partials(run: Runner, plan, queries, key_codec, value_codec, rows, scale: float, meta: mx.array):
+    """The partial kernel of `plan`; `meta` = int32 [tokens, chunk, capacity, splits]."""
     kc, vc = constants(key_codec), constants(value_codec)
     if kc["signs"] is None:
         q = key_codec.to_domain(queries.astype(mx.float32) * scale)
@@ -165,7 +163,7 @@ def run_partials(run: Runner, plan, queries, key_codec, value_codec, kcodes, kno
         q = queries if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else queries.astype(mx.float32)
         qscale = small_array((float(scale),), mx.float32)
     return run(plan, [
-        q, kcodes, knorm, vcodes, vnorm, kc["centroids"], vc["centroids"],
+        q, rows, kc["centroids"], vc["centroids"],
         kc["signs"] if kc["signs"] is not None else _dummy(), meta, qscale,
     ])
 
@@ -192,11 +190,35 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
     return out
 
 
-def mse_dequant(run: Runner, codec, fields, tokens: int, out_dtype=mx.float16) -> mx.array:
-    """codec.decode of rows [0, tokens) of the buffers, (B, H, tokens, D) in the codec's domain."""
-    codes, norm = fields["codes"], fields["norm"]
-    B, H, cap, _ = codes.shape
-    plan = launch.dequant_plan(B * H, codec.dim, codec.bits, tokens, cap, out_dtype=launch.dtype_name(out_dtype))
-    (out,) = run(plan, [codes, norm, constants(codec)["centroids"], small_array(tuple(plan.meta["meta"]))],
+def mse_dequant(run: Runner, layout, role: str, rows: mx.array, tokens: int, out_dtype=mx.float16) -> mx.array:
+    """codec.decode of the first `tokens` of `rows` for `role` ("keys" or "values"):
+    (B, H, tokens, D) in the codec's domain."""
+    codec = layout.key_codec if role == "keys" else layout.value_codec
+    B, H, cap, _ = rows.shape
+    plan = launch.dequant_plan(B * H, codec.dim, codec.bits, tokens, cap, out_dtype=launch.dtype_name(out_dtype),
+                               row_words=layout.words, offset=0 if role == "keys" else layout.key_words,
+                               norm_half=2 * layout.norm_word + (0 if role == "keys" else 1))
+    (out,) = run(plan, [rows, constants(codec)["centroids"], small_array(tuple(plan.meta["meta"]))],
                  [(B, H, tokens, codec.dim)])
     return out
+
+
+def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
+                 key_codec, value_codec, scale: float, out_dtype, key_mean=None, value_mean=None):
+    """`merge` that also encodes the new token (keys / values (B, H, 1, D)) and attends to
+    it from its codes: (out (B, Hq, 1, D), its row (B, H, 1, RW) for `rows.py`)."""
+    bh, splits, rep, dim = o.shape
+    kc, vc = constants(key_codec), constants(value_codec)
+    if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    centered = key_mean is not None
+    plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, bool(key_codec.renorm)),
+                                    (value_codec.bits, bool(value_codec.renorm)), center=centered,
+                                    x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype))
+    B, H = keys.shape[:2]
+    out, rec = run(plan, [
+        o, ml, queries, keys, values, kc["signs"], vc["signs"], kc["boundaries"], vc["boundaries"],
+        kc["centroids"], vc["centroids"], small_array((splits,)), small_array((float(scale),), mx.float32),
+        key_mean if centered else _dummy(), value_mean if centered else _dummy(),
+    ], [tuple(queries.shape), (B, H, 1, plan.output_shapes[1][1])])
+    return out, rec

@@ -107,7 +107,7 @@ def _cache(case: Case, keys, values):
     else:
         for i in range(n, case.tokens):
             cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
-    mx.eval(cache.key_fields, cache.value_fields)
+    mx.eval(cache.rows)
     return cache
 
 
@@ -191,16 +191,19 @@ def _encode_name(kd, kb, vd, vb, renorm):
 
 def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, renorm: bool, tokens: int = 40) -> Dict:
     from ..methods.turboquant_mse import MSECodec
-    from . import encode_kv
+    from . import encode_rows
+    from .rows import RowLayout
 
     extra = {"renorm": True} if renorm else {}
     kc, vc = MSECodec(kd, kb, seed=3, **extra), MSECodec(vd, vb, seed=4, **extra)
+    layout = RowLayout(kc, vc)
     rng = np.random.default_rng([kd, kb, vd, vb, int(renorm)])
     k = mx.array(rng.standard_normal((2, 3, tokens, kd)).astype(np.float32)).astype(mx.float16)
     v = mx.array(rng.standard_normal((2, 3, tokens, vd)).astype(np.float32)).astype(mx.float16)
-    got = encode_kv(kc, vc, k, v, using=backend)
+    rows = encode_rows(layout, k, v, using=backend)
+    got = layout.views(rows)
     refs = (kc.encode(k), vc.encode(v))
-    equal, norm_err, shapes = 1.0, 0.0, True
+    equal, norm_err, shapes = 1.0, 0.0, rows.shape == (2, 3, tokens, layout.words)
     for g, r in zip(got, refs):
         equal = min(equal, float(np.mean(np.array(g["codes"]) == np.array(r["codes"]))))
         n_got, n_ref = np.array(g["norm"], np.float32), np.array(r["norm"], np.float32)

@@ -15,7 +15,8 @@ shape and constant in it is fixed between steps:
 * the token count reaches the kernels, and the append position reaches
   `mx.slice_update`, through small int32 arrays shared by all layers of a step.
 
-One compiled function per layout (codecs, shapes, capacity) serves every layer.
+One compiled function per layout (codecs, shapes, capacity) serves every layer;
+the codes are stored as rows (`rows.py`), so a token is one `slice_update`.
 Used for single-token steps of caches without sinks or an fp16 window, on the
 kernel back ends (`append` also on the portable one). `VELOXQUANT_COMPILE_STEP=0`
 turns it off (the op-by-op path, for comparison).
@@ -30,6 +31,7 @@ from typing import Optional
 import mlx.core as mx
 
 from . import launch, ops
+from .rows import RowLayout
 
 
 def enabled() -> bool:
@@ -44,42 +46,42 @@ def position(n: int) -> mx.array:
 @functools.lru_cache(maxsize=64)
 def _append_fn(runner_name: str, key_codec, value_codec, centered: bool):
     run = None if runner_name == "portable" else ops.runner(runner_name)
+    layout = RowLayout(key_codec, value_codec)
 
-    def append(kcodes, knorm, vcodes, vnorm, keys, values, start, key_mean, value_mean):
+    def append(rows, keys, values, start, key_mean, value_mean):
         if centered:
             keys = keys.astype(mx.float32) - key_mean
             values = values.astype(mx.float32) - value_mean
         if run is None:
-            kf, vf = key_codec.encode(keys), value_codec.encode(values)
+            new = layout.encode(keys, values)
         else:
-            kf, vf = ops.mse_encode_kv(run, key_codec, value_codec, keys, values)
-        put = lambda buf, new: mx.slice_update(buf, new.astype(buf.dtype), start, axes=(2,))  # noqa: E731
-        return put(kcodes, kf["codes"]), put(knorm, kf["norm"]), put(vcodes, vf["codes"]), put(vnorm, vf["norm"])
+            new = ops.mse_encode_rows(run, layout.key_codec, layout.value_codec, keys, values)
+        return mx.slice_update(rows, new, start, axes=(2,))
 
     return mx.compile(append)
 
 
-def append(runner_name: str, cache, keys: mx.array, values: mx.array, start: int):
-    """Encode `keys`/`values` (B, H, 1, D) into rows [start, start + 1) of the cache's
-    buffers (which must already have room): the new (kcodes, knorm, vcodes, vnorm)."""
-    kf, vf = cache.key_fields, cache.value_fields
+def append(runner_name: str, cache, keys: mx.array, values: mx.array, start: int) -> mx.array:
+    """`cache.rows` with `keys` / `values` (B, H, 1, D) encoded into row `start` (the
+    buffer must already have room): an encode and one slice update."""
     centered = cache.key_mean is not None
     fn = _append_fn(runner_name, cache.key_codec, cache.value_codec, centered)
     none = ops.small_array((0.0,), mx.float32)
-    return fn(kf["codes"], kf["norm"], vf["codes"], vf["norm"], keys, values, position(start),
+    return fn(cache.rows, keys, values, position(start),
               cache.key_mean if centered else none, cache.value_mean if centered else none)
 
 
 @functools.lru_cache(maxsize=64)
 def _attend_fn(runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype, scale: float,
-               kv_rows: int, kcap: int, vcap: int, centered: bool):
+               kv_rows: int, capacity: int, centered: bool):
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
-    plan = _plan(key_codec, value_codec, kv_rows, rep, kcap, vcap, q_dtype)
+    rotate_query = ops.constants(key_codec)["signs"] is not None
+    plan = launch.partial_plan(kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity, capacity,
+                               rotate_query=rotate_query, q_dtype=q_dtype if rotate_query else "float32")
 
-    def attend(queries, kcodes, knorm, vcodes, vnorm, meta, value_mean):
-        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, kcodes, knorm, vcodes, vnorm,
-                                 scale, meta)
+    def attend(queries, rows, meta, value_mean):
+        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
         return ops.merge(run, o, ml, value_codec, out_shape, out_dtype,
                          value_mean=value_mean if centered else None)
 
@@ -87,28 +89,65 @@ def _attend_fn(runner_name: str, key_codec, value_codec, out_shape, out_dtype, q
     return plan, (attend if runner_name == "emulator" else mx.compile(attend))
 
 
-def _plan(key_codec, value_codec, kv_rows, rep, kcap, vcap, q_dtype):
-    rotate_query = ops.constants(key_codec)["signs"] is not None
-    if not rotate_query:
-        q_dtype = "float32"
-    plan = launch.partial_plan(kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, kcap, kcap, vcap,
-                               rotate_query=rotate_query, q_dtype=q_dtype)
-    return plan
-
-
 def attend(runner_name: str, cache, queries: mx.array, scale: float) -> Optional[mx.array]:
     """Decode attention of `queries` (B, Hq, 1, D) over the cache's codes (no sinks or
     window), through one compiled graph planned from the buffers' capacity."""
-    kf, vf = cache.key_fields, cache.value_fields
-    kcodes, vcodes = kf["codes"], vf["codes"]
-    kv_rows = kcodes.shape[0] * kcodes.shape[1]
+    rows = cache.rows
+    kv_rows = rows.shape[0] * rows.shape[1]
     q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
     centered = cache.value_mean is not None
     plan, fn = _attend_fn(runner_name, cache.key_codec, cache.value_codec, tuple(queries.shape), queries.dtype,
-                          launch.dtype_name(q_dtype), float(scale), kv_rows, kcodes.shape[2], vcodes.shape[2],
-                          centered)
-    _, chunk, kcap, vcap, splits = plan.meta["meta"]
-    meta = ops.small_array((cache.encoded, chunk, kcap, vcap, splits))
+                          launch.dtype_name(q_dtype), float(scale), kv_rows, rows.shape[2], centered)
+    _, chunk, capacity, splits = plan.meta["meta"]
+    meta = ops.small_array((cache.encoded, chunk, capacity, splits))
     none = ops.small_array((0.0,), mx.float32)
-    return fn(queries.astype(q_dtype), kcodes, kf["norm"], vcodes, vf["norm"], meta,
-              cache.value_mean if centered else none)
+    return fn(queries.astype(q_dtype), rows, meta, cache.value_mean if centered else none)
+
+
+def fused_applies(cache, queries: mx.array, mask) -> bool:
+    """Whether `fused` can take this decode step: a GPU kernel back end, one query per
+    head, turboquant_mse rows whose roles both rotate in-kernel (power-of-two dim)."""
+    if queries.shape[2] != 1 or cache.rows is None or not enabled():
+        return False
+    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
+        return False
+    kc, vc = cache.key_codec, cache.value_codec
+    if kc.dim != vc.dim or ops.constants(kc)["signs"] is None or ops.constants(vc)["signs"] is None:
+        return False
+    from . import _decode_kernel_ok
+
+    return _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads)
+
+
+@functools.lru_cache(maxsize=64)
+def _fused_fn(runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str, scale: float,
+              kv_rows: int, capacity: int, centered: bool):
+    run = ops.runner(runner_name)
+    rep = out_shape[1] // (kv_rows // out_shape[0])
+    plan = launch.partial_plan(kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity, capacity,
+                               rotate_query=True, q_dtype=q_dtype)
+
+    def step(queries, rows, keys, values, meta, start, key_mean, value_mean):
+        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
+        out, rec = ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
+                                    key_mean if centered else None, value_mean if centered else None)
+        return out, mx.slice_update(rows, rec, start, axes=(2,))
+
+    return plan, (step if runner_name == "emulator" else mx.compile(step))
+
+
+def fused(runner_name: str, cache, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+    """One decode step in three ops: the partial kernel over the stored tokens, a merge that
+    also encodes the new token (`keys` / `values` (B, H, 1, D)) and attends to it from its
+    codes, and one slice update storing its row. (attention output, new rows)."""
+    rows = cache.rows
+    kv_rows = rows.shape[0] * rows.shape[1]
+    q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
+    centered = cache.key_mean is not None
+    plan, fn = _fused_fn(runner_name, cache.key_codec, cache.value_codec, tuple(queries.shape), queries.dtype,
+                         launch.dtype_name(q_dtype), float(scale), kv_rows, rows.shape[2], centered)
+    _, chunk, capacity, splits = plan.meta["meta"]
+    meta = ops.small_array((cache.encoded, chunk, capacity, splits))
+    none = ops.small_array((0.0,), mx.float32)
+    return fn(queries.astype(q_dtype), rows, keys, values, meta, position(cache.encoded),
+              cache.key_mean if centered else none, cache.value_mean if centered else none)

@@ -62,6 +62,8 @@ typedef uint2 vq_u2;
 typedef float4 vq_f4;
 #define VQ_FPTR(arr) reinterpret_cast<float*>(arr)
 typedef __half vq_half;
+#define VQ_HALF_PTR(p) reinterpret_cast<vq_half*>(p)
+#define VQ_HALF_CPTR(p) reinterpret_cast<const vq_half*>(p)
 typedef unsigned long long vq_u64;
 VQ_INLINE float vq_warp_max(float x) {
   for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -96,6 +98,8 @@ typedef uint2 vq_u2;
 typedef float4 vq_f4;
 #define VQ_FPTR(arr) ((threadgroup float*)(arr))
 typedef half vq_half;
+#define VQ_HALF_PTR(p) ((device vq_half*)(p))
+#define VQ_HALF_CPTR(p) ((const device vq_half*)(p))
 typedef ulong vq_u64;
 VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
@@ -129,6 +133,8 @@ struct vq_u4 { uint32_t x, y, z, w; };
 struct vq_u2 { uint32_t x, y; };
 struct vq_f4 { float x, y, z, w; };
 #define VQ_FPTR(arr) reinterpret_cast<float*>(arr)
+#define VQ_HALF_PTR(p) reinterpret_cast<vq_half*>(p)
+#define VQ_HALF_CPTR(p) reinterpret_cast<const vq_half*>(p)
 #define VQ_LOAD_U4(ptr, i) (reinterpret_cast<const vq_u4*>(ptr)[(i)])
 #define VQ_LOAD_U2(ptr, i) (reinterpret_cast<const vq_u2*>(ptr)[(i)])
 typedef _Float16 vq_half;
@@ -180,7 +186,7 @@ _PROLOGUES = {
 # ROTATE (apply the seeded-sign Hadamard rotation here; D a power of two),
 # RENORM (store ||x|| / ||c[codes]||). Threads t >= D idle but keep the barriers.
 _ENCODE_ROLE = r"""
-  if (vq_by == @ROLE) {
+  if (@GUARD) {
     constexpr int D = @D;
     constexpr int BITS = @BITS;
     constexpr int W = @W;
@@ -192,10 +198,8 @@ _ENCODE_ROLE = r"""
     const VQ_GLOBAL float* signs = @signs;
     const VQ_GLOBAL float* bnd = @bnd;
     const VQ_GLOBAL float* cent = @cent;
-    VQ_GLOBAL uint32_t* codes = @codes;
-    VQ_GLOBAL vq_half* norm = @norm;
     const bool act = t < D;
-    const float v = act ? VQ_F(x[(size_t)n * D + t]) : 0.0f;
+    const float v = act ? (@VALUE) : 0.0f;
     if (t < P2) vq_red[t] = v * v;
     for (int i = t + NTH; i < P2; i += NTH) vq_red[i] = 0.0f;
     if (ROTATE && act) vq_buf[t] = v * signs[t];
@@ -244,28 +248,36 @@ _ENCODE_ROLE = r"""
         const uint32_t c = vq_codes[i];
         word |= (sh >= 0) ? (c << sh) : (c >> (-sh));
       }
-      codes[(size_t)n * W + t] = word;
+      if (@STORE) @OUT[(size_t)@ROW * RW + @OFF + t] = word;
     }
-    if (t == 0) norm[n] = VQ_CAST(vq_half, out_norm);
+    if (t == 0 && (@STORE)) VQ_HALF_PTR(@OUT)[((size_t)@ROW * RW + KW + VW) * 2 + @ROLE] = VQ_CAST(vq_half, out_norm);
+    @RESULT
   }
 """
 
 
-def _encode_role(role: int, prefix: str, arrays: str) -> str:
-    text = _ENCODE_ROLE.replace("@ROLE", str(role))
+def _encode_role(role: int, prefix: str, arrays: str, *, guard: str = "", value: str = "VQ_F(x[(size_t)n * D + t])",
+                 row: str = "n", out: str = "rows", store: str = "true", result: str = "") -> str:
+    """One role of an encoder: `guard` selects the threads' block, `value` is thread t's
+    coordinate, the packed row goes to `out[row]` when `store`, `result` may keep the
+    thread's code and the fp16-rounded norm (`code`, `out_norm`)."""
+    text = _ENCODE_ROLE.replace("@GUARD", guard or f"vq_by == {role}").replace("@VALUE", value)
+    text = text.replace("@ROW", row).replace("@OUT", out).replace("@STORE", store).replace("@RESULT", result)
+    text = text.replace("@ROLE", str(role)).replace("@OFF", "0" if role == 0 else "KW")
     for name in ("D", "BITS", "W", "NB", "P2", "ROTATE", "RENORM"):
         text = text.replace(f"@{name}", f"{prefix}{name}")
-    for name in ("x", "signs", "bnd", "cent", "codes", "norm"):
+    for name in ("x", "signs", "bnd", "cent"):
         text = text.replace(f"@{name}", f"{arrays}{name}")
     return text
 
 
 # Keys (block row 0) and values (block row 1) of N vectors in one launch.
 # Template constants: K*/V* as in `_ENCODE_ROLE`, NTH (= max(KD, VD) threads),
-# P2M (= max(KP2, VP2)), TX (input dtype, keys and values alike).
-# Inputs: kx (N, KD), vx (N, VD) TX; ksigns, vsigns (D) f32; kbnd, vbnd f32;
-# kcent, vcent f32.  Outputs: kcodes (N, KW), vcodes (N, VW) uint32; knorm,
-# vnorm (N) fp16.  Grid: (N * NTH, 2) threads in blocks of NTH.
+# P2M (= max(KP2, VP2)), TX (input dtype, keys and values alike), RW (= KW + VW
+# + 1 words per row). Inputs: kx (N, KD), vx (N, VD) TX; ksigns, vsigns (D) f32;
+# kbnd, vbnd f32; kcent, vcent f32.  Output: rows (N, RW) uint32 in the layout
+# of `rows.py`: key codes, value codes, then both fp16 norms in one word.
+# Grid: (N * NTH, 2) threads in blocks of NTH.
 MSE_ENCODE = r"""
   const int n = vq_bx;
   const int t = vq_tid;
@@ -280,10 +292,9 @@ MSE_ENCODE = r"""
 # thread), NDG (= D / G), TL (= NT / NDG token lanes in the value phase), KLOAD
 # (4, 2 or 1: words per key load), ROTQ (rotate the query here with the key
 # codec's seeded-sign FWHT; else q is already in the key domain), TQ (q dtype).
-# Inputs: q (BH*REP, D) TQ, kcodes (BH, KCAP, KW) u32, knorm (BH, KCAP) fp16,
-#   vcodes (BH, VCAP, VW) u32, vnorm (BH, VCAP) fp16, kcent (2^KB) f32,
-#   vcent (2^VB) f32, ksigns (D) f32, meta int32 [T, CH, KCAP, VCAP, S],
-#   qscale f32 [scale].
+# RW (= KW + VW + 1 words per row). Inputs: q (BH*REP, D) TQ, rows (BH, CAP, RW)
+#   u32 (the layout of `rows.py`), kcent (2^KB) f32, vcent (2^VB) f32, ksigns (D)
+#   f32, meta int32 [T, CH, CAP, S], qscale f32 [scale].
 # Outputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32 (max, sum).
 # Grid: (S * NT, BH) threads in blocks of NT.
 MSE_PARTIAL = r"""
@@ -295,9 +306,8 @@ MSE_PARTIAL = r"""
   const int bh = vq_by;
   const int T = meta[0];
   const int CH = meta[1];
-  const int KCAP = meta[2];
-  const int VCAP = meta[3];
-  const int S = meta[4];
+  const int CAP = meta[2];
+  const int S = meta[3];
   const int start = s * CH;
   const int end = VQ_MINI(start + CH, T);
 
@@ -354,8 +364,7 @@ MSE_PARTIAL = r"""
   for (int i = 0; i < G * REP; ++i) acc[i] = 0.0f;
   const int g = t % NDG;
   const int tl = t / NDG;
-  const size_t kbase = (size_t)bh * KCAP;
-  const size_t vbase = (size_t)bh * VCAP;
+  const size_t base = (size_t)bh * CAP;
   const int vbit0 = g * G * VB;
   const int vwi = vbit0 >> 5;
   const int vsh = vbit0 & 31;
@@ -370,7 +379,7 @@ MSE_PARTIAL = r"""
     float vn = 0.0f;
     if (valid) {
       uint32_t kw[KW];
-      const VQ_GLOBAL uint32_t* krow = kcodes + (kbase + (size_t)j) * KW;
+      const VQ_GLOBAL uint32_t* krow = rows + (base + (size_t)j) * RW;
       if (KLOAD == 4) {
         VQ_UNROLL
         for (int i = 0; i < KW / 4; ++i) {
@@ -404,10 +413,11 @@ MSE_PARTIAL = r"""
           if (4 * r4 + 3 < REP) sc[4 * r4 + 3] += qv.w * cv;
         }
       }
-      const float kn = VQ_F(knorm[kbase + (size_t)j]);
+      const VQ_GLOBAL vq_half* norms = VQ_HALF_CPTR(rows) + ((base + (size_t)j) * RW + KW + VW) * 2;
+      const float kn = VQ_F(norms[0]);
       VQ_UNROLL
       for (int r = 0; r < REP; ++r) sc[r] *= kn;
-      vn = VQ_F(vnorm[vbase + (size_t)j]);
+      vn = VQ_F(norms[1]);
     }
     // ---- online softmax: the tile's max per head, then weights p * ||v||
     VQ_UNROLL
@@ -436,7 +446,7 @@ MSE_PARTIAL = r"""
     }
     const int ntok = VQ_MINI(NT, end - tile);
     for (int jj = tl; jj < ntok; jj += TL) {
-      const VQ_GLOBAL uint32_t* vrow = vcodes + (vbase + (size_t)(tile + jj)) * VW;
+      const VQ_GLOBAL uint32_t* vrow = rows + (base + (size_t)(tile + jj)) * RW + KW;
       vq_u64 bits = (vq_u64)vrow[vwi];
       if (vwi + 1 < VW) bits |= ((vq_u64)vrow[vwi + 1]) << 32;
       bits >>= vsh;
@@ -542,9 +552,99 @@ MERGE = r"""
   out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
 
+# One decode step's last kernel when the new token is stored by the step itself:
+# `merge` plus the new token. Block (bh, r) encodes kv head bh's new key and value
+# (as `mse_encode`; every block of bh computes them, block r = 0 stores the row),
+# scores the new key for query row r from its codes (as `mse_partial`), merges it
+# with the splits and un-rotates. Template constants: D (a power of two; both
+# roles rotate in-kernel), REP, K*/V* as in `_ENCODE_ROLE` (KD = VD = KP2 = VP2 =
+# D), NTH (= D), RW, HAS_CENTER (subtract kmean / vmean before encoding, add
+# L * vmean to the output), TX (new key / value dtype), TO (output dtype).
+# Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, q (BH*REP, D), kx, vx
+# (BH, D) TX, ksigns, vsigns (D) f32, kbnd, vbnd, kcent, vcent f32, meta int32
+# [S], qscale f32 [scale], kmean, vmean (BH, D). Outputs: out (BH*REP, D) TO,
+# rec (BH, RW) u32. Grid: (D, BH*REP) threads in blocks of D.
+_KEY_RESULT = "kcode_out = code; knorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
+_VALUE_RESULT = "vcode_out = code; vnorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
+_CENTERED = "VQ_F(x[(size_t)bh * D + t]) - (HAS_CENTER ? VQ_F({mean}[(size_t)bh * D + t]) : 0.0f)"
+MERGE_ENCODE = r"""
+  const int t = vq_tid;
+  const int row = vq_by;
+  const int bh = row / REP;
+  const int r = row % REP;
+  const int S = meta[0];
+  VQ_SHARED float vq_buf[D];
+  VQ_SHARED float vq_red[D];
+  VQ_SHARED uint32_t vq_codes[D];
+  uint32_t kcode_out = 0u;
+  uint32_t vcode_out = 0u;
+  float knorm_out = 0.0f;
+  float vnorm_out = 0.0f;
+""" + _encode_role(0, "K", "k", guard="true", value=_CENTERED.format(mean="kmean"), row="bh", out="rec",
+                   store="r == 0", result=_KEY_RESULT) + "  VQ_SYNC();\n" + _encode_role(
+    1, "V", "v", guard="true", value=_CENTERED.format(mean="vmean"), row="bh", out="rec", store="r == 0",
+    result=_VALUE_RESULT) + r"""
+  // The new key's score for query row r, as mse_partial computes it.
+  VQ_SYNC();
+  vq_buf[t] = VQ_F(q[(size_t)row * D + t]) * qscale[0] * ksigns[t];
+  VQ_SYNC();
+  for (int h = 1; h < D; h <<= 1) {
+    if ((t & h) == 0) {
+      const float a = vq_buf[t];
+      const float b = vq_buf[t + h];
+      vq_buf[t] = a + b;
+      vq_buf[t + h] = a - b;
+    }
+    VQ_SYNC();
+  }
+  vq_red[t] = vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * kcent[kcode_out];
+  VQ_SYNC();
+  for (int s = D / 2; s > 0; s >>= 1) {
+    if (t < s) vq_red[t] += vq_red[t + s];
+    VQ_SYNC();
+  }
+  const float s_new = vq_red[0] * knorm_out;
+  // The splits, then the new token (thread t holds value coordinate t).
+  float M = VQ_NEG_INF;
+  for (int s = 0; s < S; ++s) M = VQ_MAXF(M, ml[(((size_t)bh * S + s) * REP + r) * 2]);
+  float L = 0.0f;
+  float acc = 0.0f;
+  if (M != VQ_NEG_INF) {
+    for (int s = 0; s < S; ++s) {
+      const size_t idx = ((size_t)bh * S + s) * REP + r;
+      const float m = ml[idx * 2];
+      if (m == VQ_NEG_INF) continue;
+      const float e = VQ_EXP(m - M);
+      L += e * ml[idx * 2 + 1];
+      acc += e * o[idx * D + t];
+    }
+  }
+  const float M2 = VQ_MAXF(M, s_new);
+  const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - M2);
+  const float en = VQ_EXP(s_new - M2);
+  acc = acc * ec + en * vnorm_out * vcent[vcode_out];
+  L = L * ec + en;
+  VQ_SYNC();
+  vq_buf[t] = acc;
+  VQ_SYNC();
+  for (int h = 1; h < D; h <<= 1) {
+    if ((t & h) == 0) {
+      const float a = vq_buf[t];
+      const float b = vq_buf[t + h];
+      vq_buf[t] = a + b;
+      vq_buf[t + h] = a - b;
+    }
+    VQ_SYNC();
+  }
+  acc = vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * vsigns[t];
+  if (HAS_CENTER) acc += L * VQ_F(vmean[(size_t)bh * D + t]);
+  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+"""
+
 # Template constants: D, BITS, W (= ceil(D*BITS/32)), NT (threads per block),
-# TO (output dtype). Inputs: codes (BH, CAP, W) u32, norm (BH, CAP) fp16,
-# cent (2^BITS) f32, meta int32 [T, CAP]. Output: out (BH, T, D) TO, the
+# TO (output dtype), RW (words per row), OFF (the role's first code word), NORMH
+# (the role's norm, in halves from the row start). Inputs: rows (BH, CAP, RW)
+# u32 (the layout of `rows.py`), cent (2^BITS) f32, meta int32 [T, CAP]. Output: out (BH, T, D) TO, the
 # decoded vectors in the codec's (rotated) domain, centroid * norm.
 # Grid: (T * D, BH) threads in blocks of NT.
 MSE_DEQUANT = r"""
@@ -556,13 +656,13 @@ MSE_DEQUANT = r"""
   const int j = x / D;
   const int d = x % D;
   if (j < T) {
-    const VQ_GLOBAL uint32_t* row = codes + ((size_t)bh * CAP + j) * W;
+    const VQ_GLOBAL uint32_t* row = rows + ((size_t)bh * CAP + j) * RW + OFF;
     const int bit = d * BITS;
     const int wi = bit >> 5;
     const int sh = bit & 31;
     uint32_t c = row[wi] >> sh;
     if (sh + BITS > 32) c |= row[wi + 1] << (32 - sh);
-    const float v = cent[c & MASK] * VQ_F(norm[(size_t)bh * CAP + j]);
+    const float v = cent[c & MASK] * VQ_F(VQ_HALF_CPTR(rows)[((size_t)bh * CAP + j) * RW * 2 + NORMH]);
     out[((size_t)bh * T + j) * D + d] = VQ_CAST(TO, v);
   }
 """
@@ -570,18 +670,24 @@ MSE_DEQUANT = r"""
 KERNELS: Dict[str, dict] = {
     "mse_dequant": {
         "body": MSE_DEQUANT,
-        "inputs": ("codes", "norm", "cent", "meta"),
+        "inputs": ("rows", "cent", "meta"),
         "outputs": ("out",),
     },
     "mse_encode": {
         "body": MSE_ENCODE,
         "inputs": ("kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent"),
-        "outputs": ("kcodes", "knorm", "vcodes", "vnorm"),
+        "outputs": ("rows",),
     },
     "mse_partial": {
         "body": MSE_PARTIAL,
-        "inputs": ("q", "kcodes", "knorm", "vcodes", "vnorm", "kcent", "vcent", "ksigns", "meta", "qscale"),
+        "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "meta", "qscale"),
         "outputs": ("o", "ml"),
+    },
+    "merge_encode": {
+        "body": MERGE_ENCODE,
+        "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
+                   "qscale", "kmean", "vmean"),
+        "outputs": ("out", "rec"),
     },
     "merge": {
         "body": MERGE,
