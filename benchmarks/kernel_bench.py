@@ -24,6 +24,7 @@ Writes kernels.json and kernels.md under --out; prints the tables.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -209,18 +210,15 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
     add("host: graph build of packed attend only (per layer)",
         build_time(lambda i: caches[i].attend(qs[i], scale=scale), L, args.rounds), 0)
     # The same with the compiled decode step off (kernels/step.py): the op-by-op path.
-    previous = os.environ.get("VELOXQUANT_COMPILE_STEP")
-    os.environ["VELOXQUANT_COMPILE_STEP"] = "0"
-    try:
-        add(f"decode step, {L} layers: packed append + attend, op by op (per layer)",
-            timed(vq_step, L, args.rounds), code_bytes)
-        add("host: graph build of packed append + attend, op by op (per layer)",
-            build_time(vq_step, L, args.rounds), 0)
-    finally:
-        if previous is None:
-            os.environ.pop("VELOXQUANT_COMPILE_STEP")
-        else:
-            os.environ["VELOXQUANT_COMPILE_STEP"] = previous
+    for c in caches:
+        c.flush()
+        c.mode = dataclasses.replace(c.mode, compiled=False)
+    add(f"decode step, {L} layers: packed append + attend, op by op (per layer)",
+        timed(vq_step, L, args.rounds), code_bytes)
+    add("host: graph build of packed append + attend, op by op (per layer)", build_time(vq_step, L, args.rounds), 0)
+    for c in caches:
+        c.flush()
+        c.mode = dataclasses.replace(c.mode, compiled=True)
     del fp16
     return rows, caches
 

@@ -292,7 +292,8 @@ def test_deferred_tokens_decode_like_the_op_by_op_path(monkeypatch, model):
     fused_steps = []
 
     def fused_attention(cache, queries, scale, mask=None):
-        if not kernels.step.fused_applies(cache, queries, mask):
+        if not (kernels.step.fused_applies(cache, queries, mask)
+                and kernels._decode_kernel_ok(cache.key_codec, cache.value_codec, queries.shape[1] // cache.kv_heads)):
             return None
         fused_steps.append(cache.encoded)
         return kernels._fused("emulator", cache, queries, scale)

@@ -97,7 +97,8 @@ class CompressedKVCache(_BaseCache):
         self.window_keys = self.window_values = None
         self.key_mean = self.value_mean = None
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
-        self.pending = None  # a decode token stored by the attention call that follows (`_flush`)
+        self.pending = None  # a decode token stored by the attention call that follows (`flush`)
+        self.mode = None  # kernels.Mode, read when the first tokens arrive
         self.layout: Optional[RowLayout] = None  # turboquant_mse keys and values: codes in `rows`
         self.rows: Optional[mx.array] = None
         self._fields: Dict[str, Dict[str, mx.array]] = {"keys": {}, "values": {}}
@@ -112,6 +113,7 @@ class CompressedKVCache(_BaseCache):
         self.value_codec = self.codecs.get("values", self.value_dim)
         self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
         self._immediate = (self.block == 1 and self.config.sink_tokens == 0 and self.config.residual_length == 0)
+        self.mode = kernels.mode()  # back end and kernel settings, fixed for this cache
         if rows_supported(self.key_codec, self.value_codec):
             self.layout = RowLayout(self.key_codec, self.value_codec)
             self.tokens_per_row = {role: {"codes": 1, "norm": 1} for role in ("keys", "values")}
@@ -125,7 +127,7 @@ class CompressedKVCache(_BaseCache):
     def value_fields(self) -> Dict[str, mx.array]:
         return self._role_fields("values")
 
-    def _flush(self):
+    def flush(self):
         """Store a token that `update_and_fetch` left for the attention call."""
         if self.pending is not None:
             keys, values = self.pending
@@ -133,7 +135,7 @@ class CompressedKVCache(_BaseCache):
             self._append_codes(keys, values)
 
     def _role_fields(self, role: str) -> Dict[str, mx.array]:
-        self._flush()
+        self.flush()
         if self.layout is None:
             return self._fields[role]
         if self.rows is None:
@@ -152,7 +154,7 @@ class CompressedKVCache(_BaseCache):
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.key_codec is None:
             self._setup(keys, values)
-        self._flush()
+        self.flush()
         keys = keys.astype(self.window_dtype)
         values = values.astype(self.window_dtype)
         self.offset += keys.shape[2]
@@ -204,7 +206,7 @@ class CompressedKVCache(_BaseCache):
         if count == 1 and kernels.compiled_append_applies(self):
             # One decode token: encode + store replayed from one compiled graph.
             self.rows = _grow(self.rows, start + 1, self.rows, self.step)
-            self.rows = kernels.step.append(kernels.backend(), self, keys, values, start)
+            self.rows = kernels.step.append(self.mode.backend, self, keys, values, start)
             self.encoded += 1
             return
         if self.config.center:
@@ -249,7 +251,7 @@ class CompressedKVCache(_BaseCache):
         sized so that `query_rows` (queries x query heads) x block scores fit a tile.
         With `query_len`, tokens this update encoded are scored in fp16 by the queries
         that would still have seen them in the window."""
-        self._flush()
+        self.flush()
         if query_len and self.just_encoded is not None:
             keys, values, first = self.just_encoded
             last = first + keys.shape[2]
@@ -298,7 +300,7 @@ class CompressedKVCache(_BaseCache):
             out = kernels.fused_attention(self, queries, scale, mask) if self.kernels_enabled else None
             if out is not None:
                 return out
-            self._flush()
+            self.flush()
         if self.kernels_enabled:
             out = kernels.attention(self, queries, scale, mask)
             if out is not None:
@@ -347,7 +349,7 @@ class CompressedKVCache(_BaseCache):
         the window refills from new tokens only. If the trim cuts into a multi-token
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
-        self._flush()
+        self.flush()
         n = min(n, self.offset)
         self.just_encoded = None
         left = n
@@ -387,7 +389,7 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        self._flush()
+        self.flush()
         arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
         arrays += [self.key_mean, self.value_mean, self.rows]
         arrays += list(self._fields["keys"].values()) + list(self._fields["values"].values())
@@ -396,7 +398,7 @@ class CompressedKVCache(_BaseCache):
     # ---- save / load --------------------------------------------------------
     @property
     def state(self):
-        self._flush()
+        self.flush()
         header = {
             "format": FORMAT_VERSION,
             "config": self.config.to_json(),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 from typing import Optional
 
 import mlx.core as mx
@@ -31,6 +32,25 @@ __all__ = ["attention", "backend", "decode_attention", "prefill_attention", "enc
 
 
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
+
+
+@dataclass(frozen=True)
+class Mode:
+    """The settings a cache decodes with, read once when it first receives tokens (so
+    that a decode step does no environment look-ups): the back end, whether kernels are
+    off (VELOXQUANT_KERNELS=off) and whether the compiled step is on (VELOXQUANT_COMPILE_STEP)."""
+
+    backend: str
+    off: bool
+    compiled: bool
+
+    @property
+    def gpu_kernels(self) -> bool:
+        return self.backend in ("cuda", "metal") and not self.off
+
+
+def mode() -> Mode:
+    return Mode(backend(), _off(os.environ.get("VELOXQUANT_KERNELS")), step.enabled())
 
 
 def backend() -> str:
@@ -116,7 +136,8 @@ def compiled_append_applies(cache) -> bool:
     """Whether a one-token append can take the compiled step (`step.append`): turboquant_mse
     buffers already exist, centering means (if any) are fixed, and the back end's encoder
     can be traced (MLX ops or mx.fast kernels, not the emulator)."""
-    if not (cache.encoded and step.enabled() and backend() in ("cuda", "metal", "portable")):
+    mode = cache.mode
+    if not (cache.encoded and mode.compiled and mode.backend in ("cuda", "metal", "portable")):
         return False
     if cache.config.center and cache.key_mean is None:
         return False
@@ -126,18 +147,15 @@ def compiled_append_applies(cache) -> bool:
 def defers_tokens(cache) -> bool:
     """Whether a one-token update may be left for the attention call (`step.fused`, GPU
     kernel back ends only)."""
-    return (backend() in ("cuda", "metal") and not _off(os.environ.get("VELOXQUANT_KERNELS"))
-            and compiled_append_applies(cache))
+    return cache.mode.gpu_kernels and compiled_append_applies(cache)
 
 
 def fused_attention(cache, queries: mx.array, scale: float, mask=None) -> Optional[mx.array]:
     """Attention that also stores the cache's pending token (`step.fused`), or None."""
-    name = backend()
-    if name not in ("cuda", "metal") or _off(os.environ.get("VELOXQUANT_KERNELS")):
+    if not (cache.mode.gpu_kernels and step.fused_applies(cache, queries, mask)
+            and _decode_kernel_ok(cache.key_codec, cache.value_codec, queries.shape[1] // cache.kv_heads)):
         return None
-    if not step.fused_applies(cache, queries, mask):
-        return None
-    return _fused(name, cache, queries, scale)
+    return _fused(cache.mode.backend, cache, queries, scale)
 
 
 def _fused(name: str, cache, queries: mx.array, scale: float) -> mx.array:
@@ -180,6 +198,7 @@ def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
     the codecs' domains (one kernel each, fp16) and attended with MLX's fused SDPA
     (q rotated in, output un-rotated once). Only where every history token is
     scored from its codes (no sinks, no fp16 window); None otherwise."""
+    cache.flush()
     name = using or backend()
     if name == "portable" or queries.shape[2] < 2 or cache.encoded == 0:
         return None
@@ -210,6 +229,7 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
     """Attention of one new query per head over `cache`, reading only packed codes
     (plus the fp16 sinks / window), or None where the generic path must run.
     `using` overrides `backend()` ("cuda", "metal", "emulator", "portable")."""
+    cache.flush()
     if queries.shape[2] != 1 or cache.encoded == 0:
         return None
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):

@@ -19,7 +19,7 @@ One compiled function per layout (codecs, shapes, capacity) serves every layer;
 the codes are stored as rows (`rows.py`), so a token is one `slice_update`.
 Used for single-token steps of caches without sinks or an fp16 window, on the
 kernel back ends (`append` also on the portable one). `VELOXQUANT_COMPILE_STEP=0`
-turns it off (the op-by-op path, for comparison).
+turns it off (the op-by-op path, for comparison) for caches created after it is set.
 """
 
 from __future__ import annotations
@@ -105,18 +105,15 @@ def attend(runner_name: str, cache, queries: mx.array, scale: float) -> Optional
 
 
 def fused_applies(cache, queries: mx.array, mask) -> bool:
-    """Whether `fused` can take this decode step: a GPU kernel back end, one query per
-    head, turboquant_mse rows whose roles both rotate in-kernel (power-of-two dim)."""
-    if queries.shape[2] != 1 or cache.rows is None or not enabled():
+    """Whether `fused` can take this decode step: one query per head, turboquant_mse rows
+    whose roles both rotate in-kernel (power-of-two dim); the caller checks the back end
+    and the decode kernel's limits."""
+    if queries.shape[2] != 1 or cache.rows is None or not cache.mode.compiled:
         return False
     if mask is not None and not (isinstance(mask, str) and mask == "causal"):
         return False
     kc, vc = cache.key_codec, cache.value_codec
-    if kc.dim != vc.dim or ops.constants(kc)["signs"] is None or ops.constants(vc)["signs"] is None:
-        return False
-    from . import _decode_kernel_ok
-
-    return _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads)
+    return kc.dim == vc.dim and ops.constants(kc)["signs"] is not None and ops.constants(vc)["signs"] is not None
 
 
 @functools.lru_cache(maxsize=64)
