@@ -21,24 +21,15 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "
     group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="method option")
 
 
-def _parse_value(text: str):
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(text.lower(), text)
-
-
 def config_from_args(args):
-    from .config import KVCacheConfig
+    from .config import KVCacheConfig, parse_option_value
 
     options = {}
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
-        options[key] = _parse_value(value)
+        options[key] = parse_option_value(value)
     return KVCacheConfig(
         method=args.method,
         bits=args.bits,

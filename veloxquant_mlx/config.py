@@ -101,3 +101,23 @@ class KVCacheConfig:
         for key, value in sorted(self.options.items()):
             text += f" {key}={value}"
         return text
+
+
+def parse_option_value(text: str, wanted: Optional[type] = None):
+    """A method option's value from the command line: `wanted` (the method's declared type)
+    if given, else a bool ("true"/"false"), an int, a float or the text itself."""
+    lowered = text.strip().lower()
+    if wanted is bool or (wanted is None and lowered in ("true", "false")):
+        if lowered in ("true", "yes", "1", "on"):
+            return True
+        if lowered in ("false", "no", "0", "off"):
+            return False
+        raise ValueError(f"expected a boolean, got {text!r}")
+    if wanted is not None and wanted is not object:
+        return wanted(text)
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional
 
 from mlx_lm.models import cache as mlx_cache
 
-from ..config import KVCacheConfig
+from ..config import KVCacheConfig, parse_option_value
 from ..integration import KVCacheBuilder, base_caches
 from ..methods import available_methods
 
@@ -95,24 +95,6 @@ class MethodSpec:
         return info
 
 
-def _parse_value(text: str, wanted: Optional[type] = None):
-    lowered = text.strip().lower()
-    if wanted is bool or (wanted is None and lowered in ("true", "false")):
-        if lowered in ("true", "yes", "1", "on"):
-            return True
-        if lowered in ("false", "no", "0", "off"):
-            return False
-        raise ValueError(f"expected a boolean, got {text!r}")
-    if wanted is not None and wanted is not object:
-        return wanted(text)
-    for convert in (int, float):
-        try:
-            return convert(text)
-        except ValueError:
-            pass
-    return text
-
-
 def _parse_settings(spec: str, text: str) -> Dict[str, str]:
     settings = {}
     for item in text.split(","):
@@ -190,10 +172,10 @@ def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, s
         if key in CONFIG_KEYS:
             fields[CONFIG_KEYS[key]] = _int(spec, key, value)
         elif key == "center":
-            fields["center"] = _parse_value(value, bool)
+            fields["center"] = parse_option_value(value, bool)
         else:
             try:
-                options[key] = _parse_value(value, method.options.get(key))
+                options[key] = parse_option_value(value, method.options.get(key))
             except ValueError as error:
                 raise MethodSpecError(f"{spec!r}: option {key!r}: {error}") from None
     try:

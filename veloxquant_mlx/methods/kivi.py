@@ -58,25 +58,33 @@ def affine_quantize(x: mx.array, bits: int, axis: int):
 
 class GroupAffineCodec(Codec):
     """Per-token codec: each token's groups of `group_size` consecutive channels share
-    an fp16 scale and min (KIVI's value quantization). Reusable for any per-token stream."""
+    an fp16 scale and min (KIVI's value quantization, also QJL's values). With `ragged`,
+    a last, shorter group covers dim % group_size channels; otherwise group_size must
+    divide the head dim."""
 
-    def __init__(self, dim: int, bits: int, group_size: int):
-        group_size = min(group_size, dim)
-        if dim % group_size:
+    def __init__(self, dim: int, bits: int, group_size: int, ragged: bool = False):
+        group_size = max(1, min(group_size, dim))
+        if dim % group_size and not ragged:
             raise ValueError(
                 f"group_size {group_size} must divide the head dim {dim} "
                 f"(per-token groups of channels); choose a divisor of {dim}"
             )
         self.dim = self.domain_dim = dim
         self.bits, self.group_size = bits, group_size
-        self.groups = dim // group_size
+        self.groups = -(-dim // group_size)
+        self.padded = self.groups * group_size
+
+    def _grouped(self, x):
+        if self.padded != self.dim:
+            # Repeat the last channel: padding never changes a group's min or max.
+            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.padded - self.dim)], mode="edge")
+        return x.reshape(*x.shape[:-1], self.groups, self.group_size)
 
     def encode(self, x):
         *lead, dim = x.shape
-        grouped = x.astype(mx.float32).reshape(*lead, self.groups, self.group_size)
-        codes, scale, lo = affine_quantize(grouped, self.bits, axis=-1)
+        codes, scale, lo = affine_quantize(self._grouped(x.astype(mx.float32)), self.bits, axis=-1)
         return {
-            "codes": pack(codes.reshape(*lead, dim), self.bits),
+            "codes": pack(codes.reshape(*lead, self.padded)[..., :dim], self.bits),
             "scale": scale.squeeze(-1),
             "min": lo.squeeze(-1),
         }
@@ -84,10 +92,12 @@ class GroupAffineCodec(Codec):
     def decode(self, fields):
         codes = unpack(fields["codes"], self.bits, self.dim).astype(mx.float32)
         *lead, _ = codes.shape
+        if self.padded != self.dim:
+            codes = mx.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, self.padded - self.dim)])
         codes = codes.reshape(*lead, self.groups, self.group_size)
         scale = fields["scale"].astype(mx.float32)[..., None]
         lo = fields["min"].astype(mx.float32)[..., None]
-        return (lo + scale * codes).reshape(*lead, self.dim)
+        return (lo + scale * codes).reshape(*lead, self.padded)[..., : self.dim]
 
     def bits_per_token(self):
         return 32.0 * packed_words(self.dim, self.bits) + 2 * 16.0 * self.groups

@@ -14,9 +14,9 @@ i.e. `bits` bits per coordinate plus the fp16 norm, comparable with the other me
 m >= d for useful scores, which bits >= 1 guarantees. Reconstructions S^T u are poor by
 nature (E||k~ - k||^2 = ||k||^2 (pi d/2 - 1)/m); only the scores are accurate.
 
-Values: per-token asymmetric integer groups at `value_bits` (min/max affine over groups of
-min(group_size, d) channels, fp16 scale and minimum per group), as the QJL reference
-implementation quantizes values per token.
+Values: per-token asymmetric integer groups at `value_bits` (KIVI's value codec, min/max
+affine over groups of min(group_size, d) channels, fp16 scale and minimum per group, a
+shorter last group allowed), as the QJL reference implementation quantizes values per token.
 """
 
 import math
@@ -26,6 +26,7 @@ import mlx.core as mx
 from ..packing import pack, packed_words, unpack
 from ..rotations import gaussian_projection
 from .base import Codec, Method, register_method
+from .kivi import GroupAffineCodec
 
 
 class QJLCodec(Codec):
@@ -65,54 +66,6 @@ class QJLCodec(Codec):
         return 32.0 * packed_words(self.sketch_dim, 1) + 16.0
 
 
-class GroupAffineCodec(Codec):
-    """Per-token asymmetric b-bit integers over groups of `group` consecutive channels.
-
-    x ~ min + code * scale with scale = (max - min) / (2^b - 1) per group (KIVI/QJL value
-    quantization). A last, shorter group covers d % group channels. Codes are chosen against
-    the fp16-rounded min and scale, i.e. against exactly what decode uses.
-    """
-
-    def __init__(self, dim: int, bits: int, group: int):
-        self.dim = self.domain_dim = dim
-        self.bits = bits
-        self.group = max(1, min(group, dim))
-        self.groups = -(-dim // self.group)
-        self.padded = self.groups * self.group
-        self.levels = (1 << bits) - 1
-
-    def _grouped(self, x):
-        if self.padded != self.dim:
-            # Repeat the last channel: padding never changes a group's min/max.
-            x = mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, self.padded - self.dim)], mode="edge")
-        return x.reshape(*x.shape[:-1], self.groups, self.group)
-
-    def encode(self, x):
-        g = self._grouped(x.astype(mx.float32))
-        low = mx.min(g, axis=-1, keepdims=True)
-        high = mx.max(g, axis=-1, keepdims=True)
-        low16 = low.astype(mx.float16)
-        scale16 = ((high - low) / self.levels).astype(mx.float16)
-        low_f, scale_f = low16.astype(mx.float32), scale16.astype(mx.float32)
-        codes = mx.round((g - low_f) / mx.maximum(scale_f, 1e-30))
-        codes = mx.clip(codes, 0, self.levels).astype(mx.uint8)
-        codes = codes.reshape(*x.shape[:-1], self.padded)[..., : self.dim]
-        return {"codes": pack(codes, self.bits), "scale": scale16[..., 0], "zero": low16[..., 0]}
-
-    def decode(self, fields):
-        codes = unpack(fields["codes"], self.bits, self.dim).astype(mx.float32)
-        if self.padded != self.dim:
-            codes = mx.pad(codes, [(0, 0)] * (codes.ndim - 1) + [(0, self.padded - self.dim)])
-        codes = codes.reshape(*codes.shape[:-1], self.groups, self.group)
-        scale = fields["scale"].astype(mx.float32)[..., None]
-        zero = fields["zero"].astype(mx.float32)[..., None]
-        x = codes * scale + zero
-        return x.reshape(*x.shape[:-2], self.padded)[..., : self.dim]
-
-    def bits_per_token(self):
-        return 32.0 * packed_words(self.dim, self.bits) + 32.0 * self.groups
-
-
 @register_method("qjl")
 class QJL(Method):
     key_bits = range(1, 9)
@@ -135,4 +88,4 @@ class QJL(Method):
 
     @classmethod
     def value_codec(cls, config, dim, params=None):
-        return GroupAffineCodec(dim, config.value_bits, config.group_size)
+        return GroupAffineCodec(dim, config.value_bits, config.group_size, ragged=True)
