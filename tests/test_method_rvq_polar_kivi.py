@@ -406,3 +406,26 @@ def test_kivi_group_size_must_divide_head_dim():
     x = mx.zeros((1, 1, 48, 128))
     with pytest.raises(ValueError, match="group_size 48 must divide the head dim 128"):
         cache.update_and_fetch(x, x)
+
+
+@pytest.mark.parametrize("bits,group", [(2, 32), (3, 64), (4, 32), (8, 64)])
+def test_kivi_values_are_summed_from_their_codes_with_quantized_matmul(monkeypatch, bits, group):
+    codec = GroupAffineCodec(64, bits, group)
+    fields = codec.encode(mx.random.normal((1, 2, 300, 64), key=mx.random.key(bits)))
+    weights = mx.softmax(mx.random.normal((1, 2, 3, 2, 300), key=mx.random.key(1)), axis=-1)
+    expected = weights @ mx.expand_dims(codec.decode(fields), 2)
+    calls = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(k) or real(*a, **k))
+    got = codec.weighted_sum(weights, fields)
+    assert calls and calls[0]["bits"] == bits and calls[0]["group_size"] == group
+    assert got.shape == expected.shape and mx.allclose(got, expected, atol=1e-5).item()
+
+
+def test_kivi_values_fall_back_to_decoding_where_quantized_matmul_does_not_apply(monkeypatch):
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: pytest.fail("quantized_matmul used"))
+    weights = mx.softmax(mx.random.normal((1, 1, 2, 1, 20)), axis=-1)
+    for codec in (GroupAffineCodec(64, 7, 32), GroupAffineCodec(96, 4, 64, ragged=True), GroupAffineCodec(64, 4, 16)):
+        fields = codec.encode(mx.random.normal((1, 1, 20, codec.dim)))
+        out = codec.weighted_sum(weights, fields)
+        assert mx.allclose(out, weights @ mx.expand_dims(codec.decode(fields), 2), atol=1e-5).item()

@@ -11,7 +11,7 @@ value sum is mapped back from the value codec's domain once at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Union
+from typing import Dict, Iterable, Optional, Union
 
 import mlx.core as mx
 
@@ -19,10 +19,19 @@ import mlx.core as mx
 @dataclass
 class Segment:
     keys: mx.array  # (B, H, T, Dk) or, when encoded, (B, H, T, key domain dim)
-    values: mx.array  # (B, H, T, Dv) or, when encoded, (B, H, T, value domain dim)
+    values: Optional[mx.array]  # (B, H, T, Dv); None when encoded (see value_fields)
     start: int  # absolute position of the first token
     encoded: bool
     extra_mask: Optional[mx.array] = None  # bool (L, T): which of these keys each query may use
+    value_fields: Optional[Dict[str, mx.array]] = None  # encoded values, for value_codec.weighted_sum
+    value_shift: Optional[mx.array] = None  # (B, H, 1, domain dim) added to every decoded value
+
+    def decoded_values(self, value_codec) -> mx.array:
+        """The values in fp32 (in the value codec's domain when encoded)."""
+        if self.value_fields is None:
+            return self.values.astype(mx.float32)
+        values = value_codec.decode(self.value_fields)
+        return values if self.value_shift is None else values + self.value_shift
 
 
 def _block_mask(mask, start: int, stop: int, total: int, L: int, heads: int, repeats: int):
@@ -71,7 +80,6 @@ def attend(
         else:
             q_seg = q
         keys = mx.expand_dims(seg.keys.astype(mx.float32), 2)
-        values = mx.expand_dims(seg.values.astype(mx.float32), 2)
         scores = q_seg @ keys.swapaxes(-1, -2)
         block = _block_mask(mask, seg.start, seg.start + keys.shape[-2], total, L, kv_heads, repeats)
         if seg.extra_mask is not None:
@@ -92,8 +100,13 @@ def attend(
         # A row that has seen only masked keys keeps max -inf; shift by 0 so exp gives 0, not nan.
         shift = mx.where(new_max == -mx.inf, 0.0, new_max)
         probs = mx.exp(scores - shift)
-        weighted = probs @ values
         block_sum = mx.sum(probs, axis=-1, keepdims=True)
+        if seg.value_fields is None:
+            weighted = probs @ mx.expand_dims(seg.values.astype(mx.float32), 2)
+        else:
+            weighted = value_codec.weighted_sum(probs, seg.value_fields)
+            if seg.value_shift is not None:
+                weighted = weighted + block_sum * mx.expand_dims(seg.value_shift, 2)
         if running_max is None:
             running_sum = block_sum
         else:

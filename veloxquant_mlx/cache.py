@@ -259,7 +259,7 @@ class CompressedKVCache(_BaseCache):
             fp16_from = mx.clip(self._fp16_from(query_pos), first, last)[:, None]
         if self.sinks:
             yield Segment(self._centered(self.sink_keys), self.sink_values, 0, encoded=False)
-        value_shift = 0.0
+        value_shift = None
         if self.value_mean is not None:
             value_shift = self.value_codec.to_domain(self.value_mean.astype(mx.float32))
         block = min(self.attention_block, max(256, self.score_tile // max(query_rows, 1)))
@@ -271,10 +271,12 @@ class CompressedKVCache(_BaseCache):
                 only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
             yield Segment(
                 self.key_codec.decode(self._field_rows("keys", start, stop)),
-                self.value_codec.decode(self._field_rows("values", start, stop)) + value_shift,
+                None,
                 self.sinks + start,
                 encoded=True,
                 extra_mask=only_codes,
+                value_fields=self._field_rows("values", start, stop),
+                value_shift=value_shift,
             )
         if query_len and self.just_encoded is not None:
             yield Segment(
@@ -321,12 +323,13 @@ class CompressedKVCache(_BaseCache):
         this materialises the whole history, which attention itself never does."""
         parts_k, parts_v = [], []
         for seg in self.segments():
+            values = seg.decoded_values(self.value_codec)
             if seg.encoded:
                 parts_k.append(self.key_codec.from_domain(seg.keys))
-                parts_v.append(self.value_codec.from_domain(seg.values))
+                parts_v.append(self.value_codec.from_domain(values))
             else:
                 parts_k.append(seg.keys.astype(mx.float32))
-                parts_v.append(seg.values.astype(mx.float32))
+                parts_v.append(values)
         keys = mx.concatenate(parts_k, axis=2)
         if self.key_mean is not None:
             keys = keys + self.key_mean

@@ -58,6 +58,13 @@ class Codec:
     def reconstruct(self, fields: Fields) -> mx.array:
         return self.from_domain(self.decode(fields))
 
+    def weighted_sum(self, weights: mx.array, fields: Fields) -> mx.array:
+        """sum_t weights[..., t] * decode(fields)[t]: attention's value sum in the domain.
+        `weights` (B, H, R, L, T) float32 (R query heads per kv head), fields of (B, H, T)
+        tokens -> (B, H, R, L, domain_dim). Codecs whose codes MLX can multiply without
+        decoding them override this."""
+        return weights @ mx.expand_dims(self.decode(fields).astype(mx.float32), 2)
+
 
 class Method:
     """A registered compression method: a key codec and a value codec."""

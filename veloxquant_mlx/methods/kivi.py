@@ -102,6 +102,25 @@ class GroupAffineCodec(Codec):
     def bits_per_token(self):
         return 32.0 * packed_words(self.dim, self.bits) + 2 * 16.0 * self.groups
 
+    def weighted_sum(self, weights, fields):
+        """p @ V straight from the codes with `mx.quantized_matmul`: the packing and the
+        min + scale * code form are MLX's affine format (as mlx-lm's QuantizedKVCache
+        uses it), so no value is decoded. MLX's CUDA back end has no kernel for these
+        shapes, and it covers only some widths and group sizes: elsewhere, decode."""
+        if not _quantized_matmul_applies(self.bits, self.group_size, self.padded == self.dim):
+            return super().weighted_sum(weights, fields)
+        codes, scale, low = (mx.expand_dims(fields[name], 2) for name in ("codes", "scale", "min"))
+        return mx.quantized_matmul(weights, codes, scale.astype(mx.float32), low.astype(mx.float32),
+                                   transpose=False, group_size=self.group_size, bits=self.bits)
+
+
+def _quantized_matmul_applies(bits: int, group_size: int, whole_groups: bool) -> bool:
+    if not whole_groups or bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
+        return False
+    cuda = getattr(mx, "cuda", None)
+    on_cuda = mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
+    return not on_cuda
+
 
 class ChannelGroupAffineCodec(Codec):
     """Per-channel codec over groups of `group_size` tokens (KIVI's key quantization):
