@@ -17,9 +17,7 @@ import dataclasses
 import io
 import json
 import pstats
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,25 +30,18 @@ from veloxquant_mlx import kernels  # noqa: E402
 from veloxquant_mlx.cache import CompressedKVCache  # noqa: E402
 from veloxquant_mlx.config import KVCacheConfig  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_bench import build_time, timed  # noqa: E402
 
-def build_us(fn, layers: int, rounds: int = 15) -> float:
-    times = []
-    for _ in range(rounds + 2):
-        start = time.perf_counter()
-        outs = [fn(i) for i in range(layers)]
-        times.append((time.perf_counter() - start) / layers)
-        mx.eval(outs)
-    return statistics.median(times[2:]) * 1e6
+ROUNDS = 15
 
 
-def total_us(fn, layers: int, rounds: int = 15) -> float:
-    times = []
-    for _ in range(rounds + 2):
-        start = time.perf_counter()
-        mx.eval([fn(i) for i in range(layers)])
-        mx.synchronize()
-        times.append((time.perf_counter() - start) / layers)
-    return statistics.median(times[2:]) * 1e6
+def build_us(fn, layers: int) -> float:
+    return build_time(fn, layers, ROUNDS) * 1e6
+
+
+def total_us(fn, layers: int) -> float:
+    return timed(fn, layers, ROUNDS) * 1e6
 
 
 def main():
@@ -92,17 +83,18 @@ def main():
         name = kernels.backend()
         c = caches[0]
         c.flush()
-        plan, fn = kernels.step._fused_fn(name, c.key_codec, c.value_codec, tuple(q.shape), q.dtype, "float16",
-                                          0.088, c.rows.shape[0] * c.rows.shape[1], c.rows.shape[2], False)
+        plan, fn = kernels.step._step_fn("fused", name, c.key_codec, c.value_codec, tuple(q.shape), q.dtype,
+                                         "float16", 0.088, c.rows.shape[0] * c.rows.shape[1], c.rows.shape[2],
+                                         False)
         _, chunk, cap, splits = plan.meta["meta"]
         meta = kernels.ops.small_array((c.encoded, chunk, cap, splits))
         start = kernels.step.position(c.encoded)
         none = kernels.ops.small_array((0.0,), mx.float32)
         rows = [caches[i].rows for i in range(L)]
         result["compiled fused call alone: host us/layer"] = build_us(
-            lambda i: fn(q, rows[i], new, new, meta, start, none, none)[0], L)
+            lambda i: fn(q, rows[i], meta, none, none, new, new, start)[0], L)
         result["compiled fused call alone: total us/layer"] = total_us(
-            lambda i: fn(q, rows[i], new, new, meta, start, none, none)[0], L)
+            lambda i: fn(q, rows[i], meta, none, none, new, new, start)[0], L)
         result["SDPA call alone: host us/layer"] = build_us(
             lambda i: mx.fast.scaled_dot_product_attention(q, fp16[i].keys[..., :T, :], fp16[i].values[..., :T, :],
                                                            scale=0.088), L)

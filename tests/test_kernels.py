@@ -160,8 +160,8 @@ def test_capacity_planned_step_attend_matches_portable(center):
     cache.update_and_fetch(k, mx.sin(k))
     assert cache.rows.shape[2] == 512
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(6)).astype(mx.float16)
-    plan, _ = kernels.step._attend_fn("emulator", cache.key_codec, cache.value_codec, tuple(q.shape), q.dtype,
-                                      "float16", 0.125, 2, 512, center)
+    plan, _ = kernels.step._step_fn("attend", "emulator", cache.key_codec, cache.value_codec, tuple(q.shape),
+                                    q.dtype, "float16", 0.125, 2, 512, center)
     assert plan.meta["splits"] > 1 and plan.meta["chunk"] * (plan.meta["splits"] - 1) >= 300  # empty splits
     out = kernels.step.attend("emulator", cache, q, 0.125)
     ref = kernels.decode_attention(cache, q, 0.125, using="portable")

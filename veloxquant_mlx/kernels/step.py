@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Optional
 
 import mlx.core as mx
 
@@ -72,36 +71,50 @@ def append(runner_name: str, cache, keys: mx.array, values: mx.array, start: int
 
 
 @functools.lru_cache(maxsize=64)
-def _attend_fn(runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype, scale: float,
-               kv_rows: int, capacity: int, centered: bool):
+def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
+             scale: float, kv_rows: int, capacity: int, centered: bool):
+    """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
+    encodes, attends to and stores the new one (`fused`)."""
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
     rotate_query = ops.constants(key_codec)["signs"] is not None
     plan = launch.partial_plan(kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity, capacity,
                                rotate_query=rotate_query, q_dtype=q_dtype if rotate_query else "float32")
 
-    def attend(queries, rows, meta, value_mean):
+    def attend(queries, rows, meta, key_mean, value_mean):
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
         return ops.merge(run, o, ml, value_codec, out_shape, out_dtype,
                          value_mean=value_mean if centered else None)
 
+    def fused(queries, rows, meta, key_mean, value_mean, keys, values, start):
+        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
+        out, row = ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
+                                    key_mean if centered else None, value_mean if centered else None)
+        return out, mx.slice_update(rows, row, start, axes=(2,))
+
+    step = attend if kind == "attend" else fused
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.
-    return plan, (attend if runner_name == "emulator" else mx.compile(attend))
+    return plan, (step if runner_name == "emulator" else mx.compile(step))
 
 
-def attend(runner_name: str, cache, queries: mx.array, scale: float) -> Optional[mx.array]:
-    """Decode attention of `queries` (B, Hq, 1, D) over the cache's codes (no sinks or
-    window), through one compiled graph planned from the buffers' capacity."""
+def _run_step(kind: str, runner_name: str, cache, queries: mx.array, scale: float, *extra):
     rows = cache.rows
-    kv_rows = rows.shape[0] * rows.shape[1]
     q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
-    centered = cache.value_mean is not None
-    plan, fn = _attend_fn(runner_name, cache.key_codec, cache.value_codec, tuple(queries.shape), queries.dtype,
-                          launch.dtype_name(q_dtype), float(scale), kv_rows, rows.shape[2], centered)
+    centered = cache.key_mean is not None
+    plan, fn = _step_fn(kind, runner_name, cache.key_codec, cache.value_codec, tuple(queries.shape), queries.dtype,
+                        launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
+                        centered)
     _, chunk, capacity, splits = plan.meta["meta"]
     meta = ops.small_array((cache.encoded, chunk, capacity, splits))
     none = ops.small_array((0.0,), mx.float32)
-    return fn(queries.astype(q_dtype), rows, meta, cache.value_mean if centered else none)
+    return fn(queries.astype(q_dtype), rows, meta, cache.key_mean if centered else none,
+              cache.value_mean if centered else none, *extra)
+
+
+def attend(runner_name: str, cache, queries: mx.array, scale: float) -> mx.array:
+    """Decode attention of `queries` (B, Hq, 1, D) over the cache's codes (no sinks or
+    window), through one compiled graph planned from the buffers' capacity."""
+    return _run_step("attend", runner_name, cache, queries, scale)
 
 
 def fused_applies(cache, queries: mx.array, mask) -> bool:
@@ -116,35 +129,8 @@ def fused_applies(cache, queries: mx.array, mask) -> bool:
     return kc.dim == vc.dim and ops.constants(kc)["signs"] is not None and ops.constants(vc)["signs"] is not None
 
 
-@functools.lru_cache(maxsize=64)
-def _fused_fn(runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str, scale: float,
-              kv_rows: int, capacity: int, centered: bool):
-    run = ops.runner(runner_name)
-    rep = out_shape[1] // (kv_rows // out_shape[0])
-    plan = launch.partial_plan(kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity, capacity,
-                               rotate_query=True, q_dtype=q_dtype)
-
-    def step(queries, rows, keys, values, meta, start, key_mean, value_mean):
-        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
-        out, rec = ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
-                                    key_mean if centered else None, value_mean if centered else None)
-        return out, mx.slice_update(rows, rec, start, axes=(2,))
-
-    return plan, (step if runner_name == "emulator" else mx.compile(step))
-
-
 def fused(runner_name: str, cache, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
     """One decode step in three ops: the partial kernel over the stored tokens, a merge that
     also encodes the new token (`keys` / `values` (B, H, 1, D)) and attends to it from its
     codes, and one slice update storing its row. (attention output, new rows)."""
-    rows = cache.rows
-    kv_rows = rows.shape[0] * rows.shape[1]
-    q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
-    centered = cache.key_mean is not None
-    plan, fn = _fused_fn(runner_name, cache.key_codec, cache.value_codec, tuple(queries.shape), queries.dtype,
-                         launch.dtype_name(q_dtype), float(scale), kv_rows, rows.shape[2], centered)
-    _, chunk, capacity, splits = plan.meta["meta"]
-    meta = ops.small_array((cache.encoded, chunk, capacity, splits))
-    none = ops.small_array((0.0,), mx.float32)
-    return fn(queries.astype(q_dtype), rows, keys, values, meta, position(cache.encoded),
-              cache.key_mean if centered else none, cache.value_mean if centered else none)
+    return _run_step("fused", runner_name, cache, queries, scale, keys, values, position(cache.encoded))

@@ -497,20 +497,9 @@ MSE_PARTIAL = r"""
   }
 """
 
-# Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
-# value sum with the value codec's seeded-sign FWHT; needs D a power of two),
-# HAS_PLAIN (merge a partial over fp16 tokens, already in the output domain),
-# HAS_VMEAN (centered values: add l * mean_v), TO (output dtype).
-# Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, vsigns (D) f32,
-#   meta int32 [S], po (BH*REP, D) f32, pml (BH*REP, 2) f32, vmean (BH, D) f32.
-# Output: out (BH*REP, D) TO.  Grid: (D, BH*REP) threads in blocks of D.
-MERGE = r"""
-  const int d = vq_tid;
-  const int row = vq_by;
-  const int bh = row / REP;
-  const int r = row % REP;
-  const int S = meta[0];
-  VQ_SHARED float vq_buf[D];
+# Shared by `merge` and `merge_encode` (block (bh, r), thread d): the softmax merge of
+# the S splits of query row r, in the value domain, and an in-place FWHT of vq_buf[D].
+_MERGE_SPLITS = r"""
   float M = VQ_NEG_INF;
   for (int s = 0; s < S; ++s) M = VQ_MAXF(M, ml[(((size_t)bh * S + s) * REP + r) * 2]);
   float L = 0.0f;
@@ -525,9 +514,8 @@ MERGE = r"""
       acc += e * o[idx * D + d];
     }
   }
-  if (UNROT) {
-    vq_buf[d] = acc;
-    VQ_SYNC();
+"""
+_FWHT_BUF = r"""
     for (int h = 1; h < D; h <<= 1) {
       if ((d & h) == 0) {
         const float a = vq_buf[d];
@@ -537,7 +525,26 @@ MERGE = r"""
       }
       VQ_SYNC();
     }
-    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
+"""
+
+# Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
+# value sum with the value codec's seeded-sign FWHT; needs D a power of two),
+# HAS_PLAIN (merge a partial over fp16 tokens, already in the output domain),
+# HAS_VMEAN (centered values: add l * mean_v), TO (output dtype).
+# Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, vsigns (D) f32,
+#   meta int32 [S], po (BH*REP, D) f32, pml (BH*REP, 2) f32, vmean (BH, D) f32.
+# Output: out (BH*REP, D) TO.  Grid: (D, BH*REP) threads in blocks of D.
+MERGE = r"""
+  const int d = vq_tid;
+  const int row = vq_by;
+  const int bh = row / REP;
+  const int r = row % REP;
+  const int S = meta[0];
+  VQ_SHARED float vq_buf[D];
+""" + _MERGE_SPLITS + r"""  if (UNROT) {
+    vq_buf[d] = acc;
+    VQ_SYNC();
+""" + _FWHT_BUF + r"""    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   }
   if (HAS_VMEAN) acc += L * vmean[(size_t)bh * D + d];
   if (HAS_PLAIN) {
@@ -569,6 +576,7 @@ _VALUE_RESULT = "vcode_out = code; vnorm_out = VQ_F(VQ_CAST(vq_half, out_norm));
 _CENTERED = "VQ_F(x[(size_t)bh * D + t]) - (HAS_CENTER ? VQ_F({mean}[(size_t)bh * D + t]) : 0.0f)"
 MERGE_ENCODE = r"""
   const int t = vq_tid;
+  const int d = t;
   const int row = vq_by;
   const int bh = row / REP;
   const int r = row % REP;
@@ -586,18 +594,9 @@ MERGE_ENCODE = r"""
     result=_VALUE_RESULT) + r"""
   // The new key's score for query row r, as mse_partial computes it.
   VQ_SYNC();
-  vq_buf[t] = VQ_F(q[(size_t)row * D + t]) * qscale[0] * ksigns[t];
+  vq_buf[d] = VQ_F(q[(size_t)row * D + d]) * qscale[0] * ksigns[d];
   VQ_SYNC();
-  for (int h = 1; h < D; h <<= 1) {
-    if ((t & h) == 0) {
-      const float a = vq_buf[t];
-      const float b = vq_buf[t + h];
-      vq_buf[t] = a + b;
-      vq_buf[t + h] = a - b;
-    }
-    VQ_SYNC();
-  }
-  vq_red[t] = vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * kcent[kcode_out];
+""" + _FWHT_BUF + r"""  vq_red[t] = vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * kcent[kcode_out];
   VQ_SYNC();
   for (int s = D / 2; s > 0; s >>= 1) {
     if (t < s) vq_red[t] += vq_red[t + s];
@@ -605,38 +604,15 @@ MERGE_ENCODE = r"""
   }
   const float s_new = vq_red[0] * knorm_out;
   // The splits, then the new token (thread t holds value coordinate t).
-  float M = VQ_NEG_INF;
-  for (int s = 0; s < S; ++s) M = VQ_MAXF(M, ml[(((size_t)bh * S + s) * REP + r) * 2]);
-  float L = 0.0f;
-  float acc = 0.0f;
-  if (M != VQ_NEG_INF) {
-    for (int s = 0; s < S; ++s) {
-      const size_t idx = ((size_t)bh * S + s) * REP + r;
-      const float m = ml[idx * 2];
-      if (m == VQ_NEG_INF) continue;
-      const float e = VQ_EXP(m - M);
-      L += e * ml[idx * 2 + 1];
-      acc += e * o[idx * D + t];
-    }
-  }
-  const float M2 = VQ_MAXF(M, s_new);
+""" + _MERGE_SPLITS + r"""  const float M2 = VQ_MAXF(M, s_new);
   const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - M2);
   const float en = VQ_EXP(s_new - M2);
   acc = acc * ec + en * vnorm_out * vcent[vcode_out];
   L = L * ec + en;
   VQ_SYNC();
-  vq_buf[t] = acc;
+  vq_buf[d] = acc;
   VQ_SYNC();
-  for (int h = 1; h < D; h <<= 1) {
-    if ((t & h) == 0) {
-      const float a = vq_buf[t];
-      const float b = vq_buf[t + h];
-      vq_buf[t] = a + b;
-      vq_buf[t + h] = a - b;
-    }
-    VQ_SYNC();
-  }
-  acc = vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * vsigns[t];
+""" + _FWHT_BUF + r"""  acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   if (HAS_CENTER) acc += L * VQ_F(vmean[(size_t)bh * D + t]);
   out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
