@@ -497,8 +497,16 @@ MSE_PARTIAL = r"""
   }
 """
 
-# Shared by `merge` and `merge_encode` (block (bh, r), thread d): the softmax merge of
-# the S splits of query row r, in the value domain, and an in-place FWHT of vq_buf[D].
+# Shared by `merge` and `merge_encode` (block (bh, r), thread d): the block's query row,
+# the softmax merge of the S splits of that row, in the value domain, and an in-place
+# FWHT of vq_buf[D].
+_MERGE_ROW = r"""
+  const int row = vq_by;
+  const int bh = row / REP;
+  const int r = row % REP;
+  const int S = meta[0];
+  VQ_SHARED float vq_buf[D];
+"""
 _MERGE_SPLITS = r"""
   float M = VQ_NEG_INF;
   for (int s = 0; s < S; ++s) M = VQ_MAXF(M, ml[(((size_t)bh * S + s) * REP + r) * 2]);
@@ -536,12 +544,7 @@ _FWHT_BUF = r"""
 # Output: out (BH*REP, D) TO.  Grid: (D, BH*REP) threads in blocks of D.
 MERGE = r"""
   const int d = vq_tid;
-  const int row = vq_by;
-  const int bh = row / REP;
-  const int r = row % REP;
-  const int S = meta[0];
-  VQ_SHARED float vq_buf[D];
-""" + _MERGE_SPLITS + r"""  if (UNROT) {
+""" + _MERGE_ROW + r"""""" + _MERGE_SPLITS + r"""  if (UNROT) {
     vq_buf[d] = acc;
     VQ_SYNC();
 """ + _FWHT_BUF + r"""    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
@@ -577,12 +580,7 @@ _CENTERED = "VQ_F(x[(size_t)bh * D + t]) - (HAS_CENTER ? VQ_F({mean}[(size_t)bh 
 MERGE_ENCODE = r"""
   const int t = vq_tid;
   const int d = t;
-  const int row = vq_by;
-  const int bh = row / REP;
-  const int r = row % REP;
-  const int S = meta[0];
-  VQ_SHARED float vq_buf[D];
-  VQ_SHARED float vq_red[D];
+""" + _MERGE_ROW + r"""  VQ_SHARED float vq_red[D];
   VQ_SHARED uint32_t vq_codes[D];
   uint32_t kcode_out = 0u;
   uint32_t vcode_out = 0u;
