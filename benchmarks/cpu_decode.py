@@ -26,6 +26,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx import kernels  # noqa: E402
+from veloxquant_mlx.evaluation.benchmark import decode  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_list  # noqa: E402
 from veloxquant_mlx.models import load_model  # noqa: E402
 
@@ -47,20 +48,11 @@ def filled_caches(model, spec, context: int, dtype, seed: int = 0):
 
 
 def decode_seconds(model, caches, tokens: int) -> float:
-    def step(y):
-        return mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)
-
+    """Seconds to decode `tokens` tokens greedily (the harness's loop), after one untimed step."""
     y = mx.array([1])
-    mx.eval(step(y))  # one untimed step
+    decode(model, caches, y, 1, lambda: None)
     start = time.perf_counter()
-    nxt = step(y)
-    mx.async_eval(nxt)
-    for n in range(tokens):
-        y = nxt
-        if n + 1 < tokens:
-            nxt = step(y)
-            mx.async_eval(nxt)
-        mx.eval(y)
+    decode(model, caches, y, tokens, lambda: None)
     return time.perf_counter() - start
 
 

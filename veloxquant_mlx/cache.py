@@ -299,9 +299,9 @@ class CompressedKVCache(_BaseCache):
         on a GPU back end, prefill chunks over codes only go to `kernels.prefill_attention`;
         everything else (masks, windows during prefill, other methods) to the generic path."""
         if self.pending is not None:
-            out = kernels.fused_attention(self, queries, scale, mask) if self.kernels_enabled else None
-            if out is not None:
-                return out
+            runner = kernels.fused_runner(self, queries, mask) if self.kernels_enabled else None
+            if runner is not None:
+                return self._attend_and_store(runner, queries, scale)
             self.flush()
         if self.kernels_enabled:
             out = kernels.attention(self, queries, scale, mask)
@@ -317,6 +317,15 @@ class CompressedKVCache(_BaseCache):
             kv_heads=self.kv_heads,
             total=self.offset,
         )
+
+    def _attend_and_store(self, runner: str, queries: mx.array, scale: float) -> mx.array:
+        """Attention that also encodes and stores the pending token (`kernels.step.fused`)."""
+        keys, values = self.pending
+        self.pending = None
+        self.rows = _grow(self.rows, self.encoded + 1, self.rows, self.step)
+        out, self.rows = kernels.step.fused(runner, self, queries, keys, values, scale)
+        self.encoded += 1
+        return out
 
     def dequantized(self):
         """(keys, values) as the attention sees them, in fp32. For tests and debugging:

@@ -27,6 +27,13 @@ def _ok(records: List[Dict], *keys) -> List[Dict]:
     return [r for r in records if r.get("status") == "ok" and all(r.get(k) is not None for k in keys)]
 
 
+def _save(plt, fig, out_dir, name: str, dpi: int = 120) -> str:
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / name, dpi=dpi)
+    plt.close(fig)
+    return name
+
+
 def _pareto_front(points):
     """Points (x, y) not beaten by any other with x' <= x and y' <= y."""
     front, best = [], float("inf")
@@ -82,11 +89,7 @@ def ppl_figure(results: Dict, out_dir) -> List[str]:
     s = results.get("settings", {})
     fig.suptitle(_title(results, f"Quality vs KV size, ctx {s.get('ctx')} x {s.get('windows')} windows "
                                  "(squares: mlx-lm baselines)"))
-    fig.tight_layout()
-    path = Path(out_dir) / "ppl_pareto.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path.name]
+    return [_save(plt, fig, out_dir, "ppl_pareto.png")]
 
 
 def needle_figures(results: Dict, out_dir) -> List[str]:
@@ -109,11 +112,7 @@ def needle_figures(results: Dict, out_dir) -> List[str]:
         accuracy = r.get("accuracy")
         ax.set_title(f"{r['label']}: {'n/a' if accuracy is None else f'{accuracy:.2f}'}", fontsize=10)
         fig.colorbar(image, ax=ax, fraction=0.05)
-        fig.tight_layout()
-        name = f"needle_{_safe(r['label'])}.png"
-        fig.savefig(Path(out_dir) / name, dpi=110)
-        plt.close(fig)
-        names.append(name)
+        names.append(_save(plt, fig, out_dir, f"needle_{_safe(r['label'])}.png", dpi=110))
     return names
 
 
@@ -146,10 +145,7 @@ def benchmark_figures(results: Dict, out_dir) -> List[str]:
     axes[1].set_ylabel("decode tokens/s")
     axes[0].legend(fontsize=8)
     fig.suptitle(_title(results, "Speed vs context (dashed: mlx-lm baselines)"))
-    fig.tight_layout()
-    fig.savefig(Path(out_dir) / "speed_vs_context.png", dpi=120)
-    plt.close(fig)
-    names.append("speed_vs_context.png")
+    names.append(_save(plt, fig, out_dir, "speed_vs_context.png"))
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     _lines(axes[0], records, "kv_bytes", 1 / 2**20)
@@ -159,10 +155,7 @@ def benchmark_figures(results: Dict, out_dir) -> List[str]:
     axes[1].set_ylabel("peak memory (MiB, weights included)")
     axes[0].legend(fontsize=8)
     fig.suptitle(_title(results, "Memory vs context"))
-    fig.tight_layout()
-    fig.savefig(Path(out_dir) / "memory_vs_context.png", dpi=120)
-    plt.close(fig)
-    names.append("memory_vs_context.png")
+    names.append(_save(plt, fig, out_dir, "memory_vs_context.png"))
     return names
 
 

@@ -38,11 +38,13 @@ SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
 class Mode:
     """The settings a cache decodes with, read once when it first receives tokens (so
     that a decode step does no environment look-ups): the back end, whether kernels are
-    off (VELOXQUANT_KERNELS=off) and whether the compiled step is on (VELOXQUANT_COMPILE_STEP)."""
+    off (VELOXQUANT_KERNELS=off), whether the compiled step is on (VELOXQUANT_COMPILE_STEP)
+    and whether GPU prefill may dequantize the history (VELOXQUANT_PREFILL_DEQUANT=1)."""
 
     backend: str
     off: bool
     compiled: bool
+    prefill_dequant: bool
 
     @property
     def gpu_kernels(self) -> bool:
@@ -50,7 +52,8 @@ class Mode:
 
 
 def mode() -> Mode:
-    return Mode(backend(), _off(os.environ.get("VELOXQUANT_KERNELS")), step.enabled())
+    return Mode(backend(), _off(os.environ.get("VELOXQUANT_KERNELS")), step.enabled(),
+                os.environ.get("VELOXQUANT_PREFILL_DEQUANT") == "1")
 
 
 def backend() -> str:
@@ -150,23 +153,13 @@ def defers_tokens(cache) -> bool:
     return cache.mode.gpu_kernels and compiled_append_applies(cache)
 
 
-def fused_attention(cache, queries: mx.array, scale: float, mask=None) -> Optional[mx.array]:
-    """Attention that also stores the cache's pending token (`step.fused`), or None."""
+def fused_runner(cache, queries: mx.array, mask=None) -> Optional[str]:
+    """The runner with which the cache's pending token can be attended and stored in one
+    step (`step.fused`), or None."""
     if not (cache.mode.gpu_kernels and step.fused_applies(cache, queries, mask)
             and _decode_kernel_ok(cache.key_codec, cache.value_codec, queries.shape[1] // cache.kv_heads)):
         return None
-    return _fused(cache.mode.backend, cache, queries, scale)
-
-
-def _fused(name: str, cache, queries: mx.array, scale: float) -> mx.array:
-    from ..cache import _grow
-
-    keys, values = cache.pending
-    cache.pending = None
-    cache.rows = _grow(cache.rows, cache.encoded + 1, cache.rows, cache.step)
-    out, cache.rows = step.fused(name, cache, queries, keys, values, scale)
-    cache.encoded += 1
-    return out
+    return cache.mode.backend
 
 
 def _kernel_layout(cache) -> bool:
@@ -182,10 +175,10 @@ def _off(value) -> bool:
 def attention(cache, queries: mx.array, scale: float, mask=None) -> Optional[mx.array]:
     """`decode_attention` or `prefill_attention`, whichever applies, else None
     (also with VELOXQUANT_KERNELS=off: everything then takes the generic path)."""
-    if _off(os.environ.get("VELOXQUANT_KERNELS")):
+    if cache.mode.off:
         return None
     out = decode_attention(cache, queries, scale, mask)
-    if out is None and os.environ.get("VELOXQUANT_PREFILL_DEQUANT") == "1":
+    if out is None and cache.mode.prefill_dequant:
         # Opt-in: faster GPU prefill, but one layer's whole history exists in fp16
         # for the duration of the call, so peak memory can exceed an fp16 cache's.
         out = prefill_attention(cache, queries, scale, mask)
@@ -199,8 +192,10 @@ def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
     (q rotated in, output un-rotated once). Only where every history token is
     scored from its codes (no sinks, no fp16 window); None otherwise."""
     cache.flush()
-    name = using or backend()
-    if name == "portable" or queries.shape[2] < 2 or cache.encoded == 0:
+    if queries.shape[2] < 2 or cache.encoded == 0:
+        return None
+    name = using or cache.mode.backend
+    if name == "portable":
         return None
     if cache.sinks or cache.window or cache.just_encoded is not None or cache.encoded != cache.offset:
         return None
@@ -252,8 +247,8 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
         plain = portable.plain_partial(queries, keys, values, scale)
     value_mean = cache.value_mean
 
-    name = using or backend()
-    if name in ("cuda", "metal") and plain is None and chunk is None and step.enabled() \
+    name = using or cache.mode.backend
+    if name in ("cuda", "metal") and plain is None and chunk is None and cache.mode.compiled \
             and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
         return step.attend(name, cache, queries, scale)
     if name != "portable" and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
