@@ -109,7 +109,7 @@ class TurboQuantRVQ(Method):
     @classmethod
     def validate(cls, config):
         super().validate(config)
-        b2 = config.options.get("second_pass_bits", DEFAULT_SECOND_PASS_BITS)
+        b2 = cls._second_pass_bits(config)
         for name in ("bits", "value_bits"):
             bits = getattr(config, name)
             if not 1 <= b2 < bits:
