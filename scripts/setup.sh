@@ -7,15 +7,25 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
+# It also installs cmake and g++ if missing, to build the CPU kernels (scripts/build_native.sh).
 OPENBLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
-if [ "$(uname -s)" = Linux ] && [ ! -e "$OPENBLAS" ] && command -v apt-get >/dev/null; then
+APT=()
+[ -e "$OPENBLAS" ] || APT+=(libopenblas0-pthread)
+command -v cmake >/dev/null || APT+=(cmake)
+command -v g++ >/dev/null || APT+=(g++)
+if [ "$(uname -s)" = Linux ] && [ ${#APT[@]} -gt 0 ] && command -v apt-get >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
-    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q libopenblas0-pthread
+    apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${APT[@]}"
   else
-    echo "note: install libopenblas0-pthread for faster CPU runs (not required)" >&2
+    echo "note: install ${APT[*]} (faster CPU runs, CPU kernels; not required)" >&2
   fi
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[test]"
+if command -v cmake >/dev/null && command -v c++ >/dev/null; then
+  PYTHON="$VENV/bin/python" bash scripts/build_native.sh
+else
+  echo "note: no cmake / C++ compiler: the CPU uses the portable path (slower decode)" >&2
+fi

@@ -17,10 +17,12 @@ import pytest
 
 from veloxquant_mlx import KVCacheConfig, kernels
 from veloxquant_mlx.cache import CompressedKVCache
-from veloxquant_mlx.kernels import emulator, launch, portable, selftest, templates
+from veloxquant_mlx.kernels import emulator, launch, native, portable, selftest, templates
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
 
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
+needs_native = pytest.mark.skipif(not native.available(), reason="veloxquant_mlx._native not built")
+CPU_DEFAULT = "native" if native.available() else "portable"
 
 IN_DTYPES = {
     "mse_partial": {"q": "float16", "rows": "uint32", "kcent": "float32", "vcent": "float32", "ksigns": "float32",
@@ -168,6 +170,53 @@ def test_capacity_planned_step_attend_matches_portable(center):
     assert selftest._rel(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32))) < 2e-3
 
 
+# ---- the CPU kernel (csrc/mse_attention.cpp) ----------------------------------------------
+
+def test_native_kernel_is_built_where_ci_runs():
+    # `make setup` builds it; CI must exercise it rather than skip the tests below.
+    if os.environ.get("CI"):
+        assert native.available()
+    assert kernels.backend() in ("native", "portable")
+
+
+@needs_native
+@pytest.mark.parametrize("case", [c for c in selftest.CASES if c.queries == 1], ids=lambda c: c.name)
+def test_native_kernel_matches_portable_generic_and_fp64(case):
+    record = selftest.run_case(case, "native")
+    assert record["status"] == "ok", {k: v for k, v in record.items() if k != "output"}
+    assert record["vs_portable"] <= selftest.TOLERANCES[case.dtype]
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 31, 33, 1100, 2600])
+def test_native_kernel_splits_and_ragged_blocks(tokens):
+    # Ragged 32-token blocks, several splits (>= 512 tokens each), B = 2, spare capacity.
+    case = selftest.Case("long", 64, 3, 4, 2, batch=2, tokens=tokens, seed=tokens)
+    keys, values, queries = selftest._inputs(case)
+    cache = selftest._cache(case, keys, values)
+    q = mx.array(queries)
+    out = kernels.decode_attention(cache, q, 0.125, using="native")
+    ref = kernels.decode_attention(cache, q, 0.125, using="portable")
+    assert selftest._rel(np.array(out), np.array(ref)) < 1e-5
+
+
+@needs_native
+def test_native_kernel_rejects_bad_arguments():
+    rows = mx.zeros((2, 64, 13), mx.uint32)  # d = 64 at 3 + 3 bits: 6 + 6 + 1 words
+    q = mx.zeros((2, 3, 64))
+    cent = mx.zeros((8,))
+    run = native.module().mse_attention_partials
+    mx.eval(run(q, rows, cent, cent, 64, 3, 3, 1))
+    with pytest.raises(ValueError, match="tokens"):
+        run(q, rows, cent, cent, 65, 3, 3, 1)
+    with pytest.raises(ValueError, match="narrower"):
+        run(q, rows, cent, cent, 10, 4, 4, 1)
+    with pytest.raises(ValueError, match="2\\^bits"):
+        run(q, rows, cent, cent, 10, 3, 2, 1)
+    with pytest.raises(ValueError, match="float32"):
+        run(q.astype(mx.float16), rows, cent, cent, 10, 3, 3, 1)
+
+
 # ---- the portable path and dispatch ---------------------------------------------------
 
 @pytest.mark.parametrize("dim,bits", [(d, b) for d in (64, 128, 96, 80) for b in range(1, 9)])
@@ -211,7 +260,9 @@ def test_other_methods_and_masks_use_the_generic_path():
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("VELOXQUANT_KERNELS", raising=False)
     monkeypatch.delenv("VELOXQUANT_METAL_KERNELS", raising=False)
-    assert kernels.backend() == "portable"  # CI: CPU only
+    assert kernels.backend() == CPU_DEFAULT  # CI: CPU only
+    monkeypatch.setenv("VELOXQUANT_KERNELS", "portable")
+    assert kernels.backend() == "portable"
     monkeypatch.setenv("VELOXQUANT_KERNELS", "emulator")
     assert kernels.backend() == "emulator"
     monkeypatch.setenv("VELOXQUANT_KERNELS", "off")

@@ -6,9 +6,12 @@ Back ends (`backend()`):
   the default device is the GPU;
 * ``metal``: `mx.fast.metal_kernel`, generated from the same templates, only
   with ``VELOXQUANT_METAL_KERNELS=1`` (not yet run on a Mac; see docs/kernels.md);
-* ``portable``: MLX ops compiled with `mx.compile`, everywhere else (the CPU).
+* ``native``: on the CPU, one C++ MLX primitive (`native.py`, `csrc/mse_attention.cpp`)
+  where the optional extension was built (`make setup` builds it);
+* ``portable``: MLX ops compiled with `mx.compile`, everywhere else.
 
-``VELOXQUANT_KERNELS=portable`` forces the portable path; ``VELOXQUANT_KERNELS=off``
+``VELOXQUANT_KERNELS=portable`` forces the portable path (``=native`` insists on the
+C++ one and fails where it was not built); ``VELOXQUANT_KERNELS=off``
 sends all attention to the generic blockwise path of `veloxquant_mlx.attention`. Kernels exist for
 turboquant_mse keys and values (1-8 bits, head dims that are multiples of 32;
 seeded Hadamard rotations of power-of-two dims are applied inside the kernels,
@@ -25,12 +28,13 @@ from typing import Optional
 
 import mlx.core as mx
 
-from . import launch, ops, portable, rows, step, templates
+from . import launch, native, ops, portable, rows, step, templates
 
 __all__ = ["attention", "backend", "decode_attention", "prefill_attention", "encode_rows", "kernel_supported",
-           "launch", "ops", "portable", "rows", "step", "templates"]
+           "launch", "native", "ops", "portable", "rows", "step", "templates"]
 
 
+CPU_BACKENDS = ("native", "portable")  # encoding through the codecs' MLX ops
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
 
 
@@ -74,8 +78,11 @@ def _backend(key) -> str:
         on_gpu = key[2].type == mx.DeviceType.gpu
     except Exception:  # pragma: no cover
         on_gpu = False
-    if not on_gpu:
-        return "portable"
+    if forced == "native" and not native.available():
+        raise RuntimeError("VELOXQUANT_KERNELS=native, but veloxquant_mlx._native was not built "
+                           "(scripts/build_native.sh)")
+    if not on_gpu or forced == "native":
+        return "native" if native.available() else "portable"
     if forced in ("auto", "cuda") and _cuda_available():
         return "cuda"
     metal_flag = (key[1] or "0").strip().lower() in ("1", "true", "yes", "on")
@@ -130,7 +137,7 @@ def encode_rows(layout, keys: mx.array, values: mx.array, *, using: Optional[str
     """Rows (`rows.py`) of new keys and values: one kernel launch where the back end has
     kernels, else the codecs' MLX ops."""
     name = using or backend()
-    if name != "portable" and keys.shape[-2] > 0 and max(layout.key_codec.dim, layout.value_codec.dim) <= 1024:
+    if name not in CPU_BACKENDS and keys.shape[-2] > 0 and max(layout.key_codec.dim, layout.value_codec.dim) <= 1024:
         return ops.mse_encode_rows(ops.runner(name), layout.key_codec, layout.value_codec, keys, values)
     return layout.encode(keys, values)
 
@@ -140,7 +147,7 @@ def compiled_append_applies(cache) -> bool:
     buffers already exist, centering means (if any) are fixed, and the back end's encoder
     can be traced (MLX ops or mx.fast kernels, not the emulator)."""
     mode = cache.mode
-    if not (cache.encoded and mode.compiled and mode.backend in ("cuda", "metal", "portable")):
+    if not (cache.encoded and mode.compiled and mode.backend in ("cuda", "metal") + CPU_BACKENDS):
         return False
     if cache.config.center and cache.key_mean is None:
         return False
@@ -195,7 +202,7 @@ def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
     if queries.shape[2] < 2 or cache.encoded == 0:
         return None
     name = using or cache.mode.backend
-    if name == "portable":
+    if name in CPU_BACKENDS:
         return None
     if cache.sinks or cache.window or cache.just_encoded is not None or cache.encoded != cache.offset:
         return None
@@ -223,7 +230,7 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
                      chunk: Optional[int] = None) -> Optional[mx.array]:
     """Attention of one new query per head over `cache`, reading only packed codes
     (plus the fp16 sinks / window), or None where the generic path must run.
-    `using` overrides `backend()` ("cuda", "metal", "emulator", "portable")."""
+    `using` overrides `backend()` ("cuda", "metal", "emulator", "native", "portable")."""
     cache.flush()
     if queries.shape[2] != 1 or cache.encoded == 0:
         return None
@@ -251,6 +258,9 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
     if name in ("cuda", "metal") and plain is None and chunk is None and cache.mode.compiled \
             and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
         return step.attend(name, cache, queries, scale)
+    if name == "native" and kernel_supported(kc, vc):
+        o, ml = native.mse_partials(queries, kc, vc, cache.rows, cache.encoded, scale)
+        return portable.merge_partials(o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)
     if name != "portable" and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
         run = ops.runner(name)
         o, ml, _ = ops.mse_partials(run, queries, kc, vc, cache.rows, cache.encoded, scale, chunk=chunk)

@@ -44,7 +44,7 @@ def position(n: int) -> mx.array:
 
 @functools.lru_cache(maxsize=64)
 def _append_fn(runner_name: str, key_codec, value_codec, centered: bool):
-    run = None if runner_name == "portable" else ops.runner(runner_name)
+    run = None if runner_name in ("native", "portable") else ops.runner(runner_name)
     layout = RowLayout(key_codec, value_codec)
 
     def append(rows, keys, values, start, key_mean, value_mean):

@@ -1,0 +1,257 @@
+// Decode attention on turboquant_mse rows for MLX's CPU back end.
+//
+// One MLX primitive, `mse_attention_partials`: the same contract as the CUDA/Metal
+// `mse_partial` kernel (veloxquant_mlx/kernels/templates.py) and the portable path
+// (veloxquant_mlx/kernels/portable.py), so the Python side merges its splits, the
+// fp16 sinks/window and the value un-rotation exactly as for the other back ends.
+//
+//   q     (N, R, D) float32: queries already scaled and rotated into the key domain
+//   rows  (N, C, W) uint32:  one row per token (kernels/rows.py): key codes, value
+//                            codes, then fp16 key norm | fp16 value norm in one word
+//   kcent (2^kb) float32, vcent (2^vb) float32: the Lloyd-Max centroids
+// -> o    (N, S, R, D) float32: sum_t p_t * vnorm_t * vcent[vcodes_t] per split
+//    ml   (N, S, R, 2) float32: running max and sum of exp per split
+//
+// Tokens [0, tokens) are cut into S splits; (n, split) items run on up to
+// hardware_concurrency threads. Per block of 32 tokens: decode each key (codes
+// straddle words; 32 codes fill exactly `bits` words, so one block of words is
+// decoded with constant shifts), score it against the R queries of its kv head
+// (GQA without repeating K/V), update the online softmax (Milakov & Gimelshein,
+// arXiv 1805.02867), then decode each value and accumulate it weighted by p.
+// Nothing is expanded beyond one token's D floats.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+#include "mlx/primitives.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+namespace mx = mlx::core;
+
+namespace {
+
+constexpr int kBlock = 32;  // tokens per online-softmax block
+
+// 32 codes of BITS bits (= BITS words, little-endian bit stream as packing.py).
+template <int BITS>
+inline void decode32(const uint32_t* words, const float* centroids, float* out) {
+  constexpr uint32_t mask = (1u << BITS) - 1u;
+#pragma GCC unroll 32
+  for (int i = 0; i < 32; ++i) {
+    const int bit = i * BITS;
+    const int w = bit >> 5, s = bit & 31;
+    uint32_t code = words[w] >> s;
+    if (s + BITS > 32) code |= words[w + 1] << (32 - s);
+    out[i] = centroids[code & mask];
+  }
+}
+
+using Decoder = void (*)(const uint32_t*, const float*, float*);
+
+Decoder decoder_for(int bits) {
+  switch (bits) {
+    case 1: return decode32<1>;
+    case 2: return decode32<2>;
+    case 3: return decode32<3>;
+    case 4: return decode32<4>;
+    case 5: return decode32<5>;
+    case 6: return decode32<6>;
+    case 7: return decode32<7>;
+    case 8: return decode32<8>;
+  }
+  throw std::invalid_argument("mse_attention_partials: bits must be in 1..8");
+}
+
+inline float half_to_float(uint16_t h) {
+  mx::float16_t v;
+  std::memcpy(&v, &h, sizeof(h));
+  return static_cast<float>(v);
+}
+
+inline float dot(const float* a, const float* b, int n) {
+  float lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int j = 0; j < n; j += 8)
+    for (int k = 0; k < 8; ++k) lanes[k] += a[j + k] * b[j + k];
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+struct Layout {
+  int R, D, C, W, key_words, value_words, key_bits, value_bits, tokens, splits;
+};
+
+// One (n, split) item: tokens [t0, t1) of kv head n.
+void attend_split(const Layout& L, const float* q, const uint32_t* rows, const float* kcent,
+                  const float* vcent, Decoder decode_key, Decoder decode_value, int t0, int t1,
+                  float* o, float* ml) {
+  const int R = L.R, D = L.D;
+  std::vector<float> buf(D), scores(R * kBlock), acc(R * D, 0.0f), m(R, -INFINITY), l(R, 0.0f);
+  float vnorm[kBlock];
+  const int kb32 = L.key_bits, vb32 = L.value_bits;  // words per 32 codes
+  for (int b0 = t0; b0 < t1; b0 += kBlock) {
+    const int nb = std::min(kBlock, t1 - b0);
+    for (int t = 0; t < nb; ++t) {
+      const uint32_t* row = rows + size_t(b0 + t) * L.W;
+      const uint32_t norms = row[L.key_words + L.value_words];
+      const float knorm = half_to_float(norms & 0xffffu);
+      vnorm[t] = half_to_float(norms >> 16);
+      for (int c = 0; c < D / 32; ++c) decode_key(row + c * kb32, kcent, buf.data() + c * 32);
+      for (int r = 0; r < R; ++r) scores[r * kBlock + t] = knorm * dot(q + r * D, buf.data(), D);
+    }
+    for (int r = 0; r < R; ++r) {
+      float* s = scores.data() + r * kBlock;
+      float top = m[r];
+      for (int t = 0; t < nb; ++t) top = std::max(top, s[t]);
+      const float alpha = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - top);
+      m[r] = top;
+      float sum = 0.0f;
+      for (int t = 0; t < nb; ++t) {
+        const float p = std::exp(s[t] - top);
+        sum += p;
+        s[t] = p * vnorm[t];
+      }
+      l[r] = l[r] * alpha + sum;
+      if (alpha != 1.0f)
+        for (int j = 0; j < D; ++j) acc[r * D + j] *= alpha;
+    }
+    for (int t = 0; t < nb; ++t) {
+      const uint32_t* row = rows + size_t(b0 + t) * L.W + L.key_words;
+      for (int c = 0; c < D / 32; ++c) decode_value(row + c * vb32, vcent, buf.data() + c * 32);
+      for (int r = 0; r < R; ++r) {
+        const float w = scores[r * kBlock + t];
+        float* a = acc.data() + r * D;
+        for (int j = 0; j < D; ++j) a[j] += w * buf[j];
+      }
+    }
+  }
+  std::copy(acc.begin(), acc.end(), o);
+  for (int r = 0; r < R; ++r) {
+    ml[2 * r] = m[r];
+    ml[2 * r + 1] = l[r];
+  }
+}
+
+class MSEAttentionPartials : public mx::Primitive {
+ public:
+  MSEAttentionPartials(mx::Stream stream, int tokens, int key_bits, int value_bits, int splits)
+      : mx::Primitive(stream), tokens_(tokens), key_bits_(key_bits), value_bits_(value_bits),
+        splits_(splits) {}
+
+  void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
+    const auto& q = inputs[0];
+    const auto& rows = inputs[1];
+    const auto& kcent = inputs[2];
+    const auto& vcent = inputs[3];
+    for (const auto* x : {&q, &rows, &kcent, &vcent})
+      if (!x->flags().row_contiguous)
+        throw std::invalid_argument("mse_attention_partials: inputs must be row contiguous");
+    auto& o = outputs[0];
+    auto& ml = outputs[1];
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    ml.set_data(mx::allocator::malloc(ml.nbytes()));
+
+    Layout L;
+    L.R = q.shape(1);
+    L.D = q.shape(2);
+    L.C = rows.shape(1);
+    L.W = rows.shape(2);
+    L.key_bits = key_bits_;
+    L.value_bits = value_bits_;
+    L.key_words = L.D * key_bits_ / 32;
+    L.value_words = L.D * value_bits_ / 32;
+    L.tokens = tokens_;
+    L.splits = splits_;
+    const int N = q.shape(0);
+
+    auto& encoder = mx::cpu::get_command_encoder(stream());
+    encoder.set_input_array(q);
+    encoder.set_input_array(rows);
+    encoder.set_input_array(kcent);
+    encoder.set_input_array(vcent);
+    encoder.set_output_array(o);
+    encoder.set_output_array(ml);
+    encoder.dispatch([L, N, q = q.data<float>(), rows = rows.data<uint32_t>(), kcent = kcent.data<float>(),
+                      vcent = vcent.data<float>(), o = o.data<float>(), ml = ml.data<float>()]() {
+      const Decoder decode_key = decoder_for(L.key_bits), decode_value = decoder_for(L.value_bits);
+      const int items = N * L.splits;
+      const int per_split = (L.tokens + L.splits - 1) / L.splits;
+      auto work = [&](int first, int stride) {
+        for (int item = first; item < items; item += stride) {
+          const int n = item / L.splits, split = item % L.splits;
+          const int t0 = std::min(L.tokens, split * per_split), t1 = std::min(L.tokens, t0 + per_split);
+          attend_split(L, q + size_t(n) * L.R * L.D, rows + size_t(n) * L.C * L.W, kcent, vcent, decode_key,
+                       decode_value, t0, t1, o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
+        }
+      };
+      const int threads = std::max(1, std::min<int>(items, std::thread::hardware_concurrency()));
+      std::vector<std::thread> pool;
+      for (int i = 1; i < threads; ++i) pool.emplace_back(work, i, threads);
+      work(0, threads);
+      for (auto& t : pool) t.join();
+    });
+  }
+
+  void eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) override {
+    throw std::runtime_error("mse_attention_partials runs on the CPU only");
+  }
+
+  const char* name() const override { return "MSEAttentionPartials"; }
+
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& p = static_cast<const MSEAttentionPartials&>(other);
+    return tokens_ == p.tokens_ && key_bits_ == p.key_bits_ && value_bits_ == p.value_bits_ &&
+           splits_ == p.splits_;
+  }
+
+ private:
+  int tokens_, key_bits_, value_bits_, splits_;
+};
+
+std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::array& rows,
+                                              const mx::array& key_centroids,
+                                              const mx::array& value_centroids, int tokens, int key_bits,
+                                              int value_bits, int splits, mx::StreamOrDevice s) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("mse_attention_partials: " + what); };
+  if (q.ndim() != 3 || rows.ndim() != 3 || q.shape(0) != rows.shape(0)) fail("q (N, R, D) and rows (N, C, W)");
+  const int D = q.shape(2);
+  if (D % 32 != 0) fail("head dim must be a multiple of 32");
+  if (key_bits < 1 || key_bits > 8 || value_bits < 1 || value_bits > 8) fail("bits must be in 1..8");
+  if (rows.shape(2) < D * (key_bits + value_bits) / 32 + 1) fail("rows are narrower than the layout");
+  if (tokens < 1 || tokens > rows.shape(1)) fail("tokens must be in 1..rows.shape[1]");
+  if (splits < 1) fail("splits must be >= 1");
+  if (key_centroids.size() != (size_t(1) << key_bits) || value_centroids.size() != (size_t(1) << value_bits))
+    fail("centroid tables must hold 2^bits entries");
+  if (q.dtype() != mx::float32 || rows.dtype() != mx::uint32 || key_centroids.dtype() != mx::float32 ||
+      value_centroids.dtype() != mx::float32)
+    fail("q and centroids must be float32, rows uint32");
+  auto stream = mx::to_stream(s, mx::Device::cpu);
+  if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
+  const int N = q.shape(0), R = q.shape(1);
+  return mx::array::make_arrays(
+      {{N, splits, R, D}, {N, splits, R, 2}}, {mx::float32, mx::float32},
+      std::make_shared<MSEAttentionPartials>(stream, tokens, key_bits, value_bits, splits),
+      {mx::contiguous(q, false, stream), mx::contiguous(rows, false, stream),
+       mx::contiguous(key_centroids, false, stream), mx::contiguous(value_centroids, false, stream)});
+}
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "VeloxQuant-MLX CPU kernels (see csrc/mse_attention.cpp)";
+  m.def("mse_attention_partials", &mse_attention_partials, "q"_a, "rows"_a, "key_centroids"_a,
+        "value_centroids"_a, "tokens"_a, "key_bits"_a, "value_bits"_a, "splits"_a, nb::kw_only(),
+        "stream"_a = nb::none(),
+        "Per-split (o, ml) of decode attention over turboquant_mse rows; see csrc/mse_attention.cpp.");
+}

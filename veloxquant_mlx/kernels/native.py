@@ -1,0 +1,60 @@
+"""The CPU back end: decode attention on turboquant_mse rows in one C++ MLX primitive.
+
+`csrc/mse_attention.cpp` builds into `veloxquant_mlx._native` (`scripts/build_native.sh`,
+run by `make setup`). It reads the packed rows directly (no decoded keys or values
+exist beyond one token's D floats inside the kernel) and returns per-split partials
+with the contract of `portable.mse_partials`, so the merge, the fp16 sinks/window and
+the value un-rotation are shared with the other back ends. Without the module the CPU
+uses the portable path (`kernels.backend()` says which one runs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import mlx.core as mx
+
+MIN_TOKENS_PER_SPLIT = 512
+
+
+@functools.lru_cache(maxsize=1)
+def module():
+    """The compiled extension, or None where it was not built."""
+    try:
+        from .. import _native
+    except ImportError:
+        return None
+    return _native
+
+
+def available() -> bool:
+    return module() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def _threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+def _centroids(codec) -> mx.array:
+    table = getattr(codec, "_native_centroids", None)
+    if table is None:
+        table = codec._native_centroids = mx.array(codec.centroids, dtype=mx.float32)
+    return table
+
+
+def mse_partials(queries: mx.array, key_codec, value_codec, rows: mx.array, tokens: int, scale: float):
+    """(o (BH, S, REP*L, Dv) value domain, ml (BH, S, REP*L, 2)) over rows [0, tokens)."""
+    B, n_heads, L, dim = queries.shape
+    kv_heads, capacity, width = rows.shape[1], rows.shape[2], rows.shape[3]
+    rep = n_heads // kv_heads
+    q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, dim))
+    # Enough splits to keep every core busy, none shorter than MIN_TOKENS_PER_SPLIT.
+    items = B * kv_heads
+    splits = max(1, min(-(-_threads() // items) * 2 if items < 2 * _threads() else 1,
+                        tokens // MIN_TOKENS_PER_SPLIT))
+    o, ml = module().mse_attention_partials(
+        q.reshape(B * kv_heads, rep * L, dim), rows.reshape(B * kv_heads, capacity, width),
+        _centroids(key_codec), _centroids(value_codec), tokens, key_codec.bits, value_codec.bits, splits)
+    return o, ml
