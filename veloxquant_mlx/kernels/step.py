@@ -12,11 +12,15 @@ shape and constant in it is fixed between steps:
 * the decode kernel's grid is planned from the buffers' capacity, not the token
   count: splits that start past the last token write an empty (o, m, l) and the
   merge skips them;
-* the token count reaches the kernels, and the append position reaches
-  `mx.slice_update`, through small int32 arrays shared by all layers of a step.
+* the token count reaches the kernels through a small int32 array shared by all
+  layers of a step;
+* the new row is stored outside the compiled graph (`store`), at a constant
+  position: MLX's CUDA back end copies the whole buffer for a slice update at an
+  array-valued position (62 us per layer for K3/V4 rows at 32K, results/gpu/run10)
+  and updates it in place at a constant one.
 
 One compiled function per layout (codecs, shapes, capacity) serves every layer;
-the codes are stored as rows (`rows.py`), so a token is one `slice_update`.
+the codes are stored as rows (`rows.py`), so a token is one slice update.
 Used for single-token steps of caches without sinks or an fp16 window, on the
 kernel back ends (`append` also on the portable one). `VELOXQUANT_COMPILE_STEP=0`
 turns it off (the op-by-op path, for comparison) for caches created after it is set.
@@ -37,9 +41,10 @@ def enabled() -> bool:
     return os.environ.get("VELOXQUANT_COMPILE_STEP", "1").strip().lower() not in ("0", "off", "false", "no")
 
 
-def position(n: int) -> mx.array:
-    """int32 [n], shared by every layer of a step (one small array per distinct n)."""
-    return ops.small_array((int(n),))
+def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
+    """`rows` (the same array object) with `new` (B, H, n, W) written at token `start`."""
+    rows[..., start : start + new.shape[2], :] = new
+    return rows
 
 
 @functools.lru_cache(maxsize=64)
@@ -47,27 +52,25 @@ def _append_fn(runner_name: str, key_codec, value_codec, centered: bool):
     run = None if runner_name in ("native", "portable") else ops.runner(runner_name)
     layout = RowLayout(key_codec, value_codec)
 
-    def append(rows, keys, values, start, key_mean, value_mean):
+    def encode(keys, values, key_mean, value_mean):
         if centered:
             keys = keys.astype(mx.float32) - key_mean
             values = values.astype(mx.float32) - value_mean
         if run is None:
-            new = layout.encode(keys, values)
-        else:
-            new = ops.mse_encode_rows(run, layout.key_codec, layout.value_codec, keys, values)
-        return mx.slice_update(rows, new, start, axes=(2,))
+            return layout.encode(keys, values)
+        return ops.mse_encode_rows(run, layout.key_codec, layout.value_codec, keys, values)
 
-    return mx.compile(append)
+    return mx.compile(encode)
 
 
 def append(runner_name: str, cache, keys: mx.array, values: mx.array, start: int) -> mx.array:
     """`cache.rows` with `keys` / `values` (B, H, 1, D) encoded into row `start` (the
-    buffer must already have room): an encode and one slice update."""
+    buffer must already have room): a compiled encode and one slice update."""
     centered = cache.key_mean is not None
     fn = _append_fn(runner_name, cache.key_codec, cache.value_codec, centered)
     none = ops.small_array((0.0,), mx.float32)
-    return fn(cache.rows, keys, values, position(start),
-              cache.key_mean if centered else none, cache.value_mean if centered else none)
+    new = fn(keys, values, cache.key_mean if centered else none, cache.value_mean if centered else none)
+    return store(cache.rows, new, start)
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,11 +89,10 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
         return ops.merge(run, o, ml, value_codec, out_shape, out_dtype,
                          value_mean=value_mean if centered else None)
 
-    def fused(queries, rows, meta, key_mean, value_mean, keys, values, start):
+    def fused(queries, rows, meta, key_mean, value_mean, keys, values):
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
-        out, row = ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
-                                    key_mean if centered else None, value_mean if centered else None)
-        return out, mx.slice_update(rows, row, start, axes=(2,))
+        return ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
+                                key_mean if centered else None, value_mean if centered else None)
 
     step = attend if kind == "attend" else fused
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.
@@ -133,4 +135,5 @@ def fused(runner_name: str, cache, queries: mx.array, keys: mx.array, values: mx
     """One decode step in three ops: the partial kernel over the stored tokens, a merge that
     also encodes the new token (`keys` / `values` (B, H, 1, D)) and attends to it from its
     codes, and one slice update storing its row. (attention output, new rows)."""
-    return _run_step("fused", runner_name, cache, queries, scale, keys, values, position(cache.encoded))
+    out, row = _run_step("fused", runner_name, cache, queries, scale, keys, values)
+    return out, store(cache.rows, row, cache.encoded)
