@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import mlx.core as mx
 
@@ -20,10 +21,19 @@ MIN_TOKENS_PER_SPLIT = 512
 
 @functools.lru_cache(maxsize=1)
 def module():
-    """The compiled extension, or None where it was not built."""
+    """The compiled extension, or None where it was not built (or does not work with this
+    MLX, e.g. built against another version: then with a warning)."""
     try:
         from .. import _native
     except ImportError:
+        return None
+    try:
+        cent = mx.zeros((2,))
+        mx.eval(_native.mse_attention_partials(mx.zeros((1, 1, 32)), mx.zeros((1, 1, 3), mx.uint32), cent, cent,
+                                               1, 1, 1, 1))
+    except Exception as error:  # noqa: BLE001 - any failure means: do not use it
+        warnings.warn(f"veloxquant_mlx._native does not work with this MLX ({error!r}); the CPU uses the "
+                      "portable path. Rebuild it with scripts/build_native.sh.", RuntimeWarning, stacklevel=2)
         return None
     return _native
 
