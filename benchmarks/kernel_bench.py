@@ -172,8 +172,7 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
         caches[i], qs[i], scale, using="portable"), L, max(3, args.rounds // 3)), code_bytes)
     for chunk in ([None] + args.chunks) if on_kernels else []:
         name = "packed-code decode (partial + merge)"
-        tile = kernels.launch.PARTIAL_THREADS // kernels.launch.key_threads(D)
-        plan_chunk = kernels.launch.choose_chunk(T, B * kv, tile, chunk=chunk)
+        plan_chunk = kernels.launch.choose_chunk(T, B * kv, chunk=chunk)
         add(name, timed(lambda i: kernels.decode_attention(caches[i], qs[i], scale, chunk=chunk), L, args.rounds,
                         passes=P), code_bytes, chunk=plan_chunk, auto=chunk is None)
         o_only = lambda i: ops.mse_partials(run, qs[i], caches[i].key_codec, caches[i].value_codec,  # noqa: E731

@@ -18,8 +18,7 @@ import mlx.core as mx
 from . import templates
 
 PARTIAL_THREADS = 128
-TARGET_BLOCKS = 1584  # ~12 resident blocks of PARTIAL_THREADS on each of an H200's 132 SMs
-MAX_KEY_THREADS = 4
+TARGET_BLOCKS = 792  # ~6 resident blocks of PARTIAL_THREADS on each of an H200's 132 SMs
 MAX_CHUNK = 4096
 
 
@@ -71,28 +70,15 @@ def encode_plan(n: int, key: tuple, value: tuple, x_dtype: str) -> Plan:
     return Plan("mse_encode", template, (n * threads, 2, 1), (threads, 1, 1), [(n, row_words)], ["uint32"])
 
 
-def key_threads(dim: int, threads: int = PARTIAL_THREADS) -> int:
-    """Threads that score one key in mse_partial (KT): each takes D / KT dims, a multiple
-    of 32 (so its codes start on a word boundary); fewer dims per thread shorten the
-    serial decode in each thread and let short contexts use more blocks.
-    VELOXQUANT_KEY_THREADS overrides it (1, 2 or 4; for benchmarks)."""
-    env = os.environ.get("VELOXQUANT_KEY_THREADS")
-    limit = int(env) if env else MAX_KEY_THREADS
-    kt = 1
-    while kt * 2 <= limit and dim % (32 * kt * 2) == 0 and threads // (kt * 2) >= 32:
-        kt *= 2
-    return kt
-
-
-def choose_chunk(tokens: int, kv_rows: int, tile: int = PARTIAL_THREADS, chunk: Optional[int] = None) -> int:
-    """Tokens per split: enough splits to fill the GPU, whole tiles of `tile` tokens."""
+def choose_chunk(tokens: int, kv_rows: int, threads: int = PARTIAL_THREADS, chunk: Optional[int] = None) -> int:
+    """Tokens per split: enough splits to fill the GPU, whole tiles of `threads`."""
     if chunk is None:
         env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
         chunk = int(env) if env else None
     if chunk is None:
         chunk = -(-max(tokens, 1) * kv_rows // TARGET_BLOCKS)
         chunk = min(MAX_CHUNK, chunk)
-    return max(tile, -(-chunk // tile) * tile)
+    return max(threads, -(-chunk // threads) * threads)
 
 
 def value_group(dim: int, threads: int, value_bits: int = 8) -> int:
@@ -121,18 +107,16 @@ def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: in
         raise ValueError(f"mse_partial needs dim % 32 == 0, got {dim}")
     if rotate_query and not is_power_of_two(dim):
         raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
-    kt = key_threads(dim, threads)
-    chunk = choose_chunk(tokens, kv_rows, threads // kt, chunk)
+    chunk = choose_chunk(tokens, kv_rows, threads, chunk)
     splits = max(1, -(-tokens // chunk))
     kw, vw = _words(dim, key_bits), _words(dim, value_bits)
     g = value_group(dim, threads, value_bits)
     row_words = kw + vw + 1
-    # Wide loads of a key row need it aligned: a row starts at a multiple of row_words words,
-    # a thread's share of it at a multiple of kw / kt.
-    kload = next(n for n in (4, 2, 1) if (kw // kt) % n == 0 and row_words % n == 0)
+    # Wide loads of a key row need it aligned: a row starts at a multiple of row_words words.
+    kload = next(n for n in (4, 2, 1) if kw % n == 0 and row_words % n == 0)
     template = [
         ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
-        ("NT", threads), ("KT", kt), ("TT", threads // kt), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)), ("KLOAD", kload),
+        ("NT", threads), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)), ("KLOAD", kload),
         ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", row_words),
     ]
     return Plan(

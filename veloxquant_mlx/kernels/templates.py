@@ -73,10 +73,6 @@ VQ_INLINE float vq_warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
-VQ_INLINE float vq_group_sum(float x, int width) {
-  for (int o = width >> 1; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
 #endif
 """
 
@@ -107,10 +103,6 @@ typedef half vq_half;
 typedef ulong vq_u64;
 VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
-VQ_INLINE float vq_group_sum(float x, int width) {
-  for (ushort o = width >> 1; o > 0; o >>= 1) x += simd_shuffle_xor(x, o);
-  return x;
-}
 #endif
 """
 
@@ -163,15 +155,6 @@ inline float warp_reduce(float x, bool is_max) {
 }  // namespace vq_emu
 inline float vq_warp_max(float x) { return vq_emu::warp_reduce(x, true); }
 inline float vq_warp_sum(float x) { return vq_emu::warp_reduce(x, false); }
-inline float vq_group_sum(float x, int width) {
-  vq_emu::ctx.scratch[vq_emu::ctx.tid] = x;
-  vq_emu::sync();
-  const int base = vq_emu::ctx.tid & ~(width - 1);
-  float r = 0.0f;
-  for (int i = 0; i < width; ++i) r += vq_emu::ctx.scratch[base + i];
-  vq_emu::sync();
-  return r;
-}
 #endif
 """
 
@@ -305,11 +288,9 @@ MSE_ENCODE = r"""
 
 # Template constants: D (dim, a multiple of 32), KB / VB (key / value bits),
 # KW / VW (words per key / value row = D*KB/32, D*VB/32), REP (query heads per
-# kv head), NT (threads, a multiple of 32), KT (threads per key: 1, 2 or 4, each
-# scoring D / KT dims, a multiple of 32, so its codes start on a word; their partial
-# scores are summed across the KT lanes), TT (= NT / KT tokens per tile), G (value
-# dims per thread), NDG (= D / G), TL (= NT / NDG token lanes in the value phase),
-# KLOAD (4, 2 or 1: words per key load), ROTQ (rotate the query here with the key
+# kv head), NT (threads = tokens per tile, a multiple of 32), G (value dims per
+# thread), NDG (= D / G), TL (= NT / NDG token lanes in the value phase), KLOAD
+# (4, 2 or 1: words per key load), ROTQ (rotate the query here with the key
 # codec's seeded-sign FWHT; else q is already in the key domain), TQ (q dtype).
 # RW (= KW + VW + 1 words per row). Inputs: q (BH*REP, D) TQ, rows (BH, CAP, RW)
 #   u32 (the layout of `rows.py`), kcent (2^KB) f32, vcent (2^VB) f32, ksigns (D)
@@ -388,40 +369,35 @@ MSE_PARTIAL = r"""
   const int vwi = vbit0 >> 5;
   const int vsh = vbit0 & 31;
 
-  constexpr int DK = D / KT;       // dims scored per thread
-  constexpr int KWP = KW / KT;     // their code words
-  const int jt = t / KT;           // token of the tile this thread scores
-  const int kpart = t % KT;        // which D / KT dims of it
-  for (int tile = start; tile < end; tile += TT) {
-    // ---- scores: the KT threads of token tile + jt each score D / KT dims, then sum
-    const int j = tile + jt;
+  for (int tile = start; tile < end; tile += NT) {
+    // ---- scores: thread t scores token tile + t for the REP query heads
+    const int j = tile + t;
     const bool valid = j < end;
     float sc[R4 * 4];
     VQ_UNROLL
     for (int r = 0; r < R4 * 4; ++r) sc[r] = 0.0f;
     float vn = 0.0f;
-    float kn = 0.0f;
     if (valid) {
-      uint32_t kw[KWP];
-      const VQ_GLOBAL uint32_t* krow = rows + (base + (size_t)j) * RW + kpart * KWP;
+      uint32_t kw[KW];
+      const VQ_GLOBAL uint32_t* krow = rows + (base + (size_t)j) * RW;
       if (KLOAD == 4) {
         VQ_UNROLL
-        for (int i = 0; i < KWP / 4; ++i) {
+        for (int i = 0; i < KW / 4; ++i) {
           const vq_u4 u = VQ_LOAD_U4(krow, i);
           kw[4 * i] = u.x; kw[4 * i + 1] = u.y; kw[4 * i + 2] = u.z; kw[4 * i + 3] = u.w;
         }
       } else if (KLOAD == 2) {
         VQ_UNROLL
-        for (int i = 0; i < KWP / 2; ++i) {
+        for (int i = 0; i < KW / 2; ++i) {
           const vq_u2 u = VQ_LOAD_U2(krow, i);
           kw[2 * i] = u.x; kw[2 * i + 1] = u.y;
         }
       } else {
         VQ_UNROLL
-        for (int i = 0; i < KWP; ++i) kw[i] = krow[i];
+        for (int i = 0; i < KW; ++i) kw[i] = krow[i];
       }
       VQ_UNROLL
-      for (int d = 0; d < DK; ++d) {
+      for (int d = 0; d < D; ++d) {
         const int bit = d * KB;
         const int wi = bit >> 5;
         const int sh = bit & 31;
@@ -430,7 +406,7 @@ MSE_PARTIAL = r"""
         const float cv = vq_kc[c & KMASK];
         VQ_UNROLL
         for (int r4 = 0; r4 < R4; ++r4) {
-          const vq_f4 qv = vq_q4[(kpart * DK + d) * R4 + r4];
+          const vq_f4 qv = vq_q4[d * R4 + r4];
           sc[4 * r4] += qv.x * cv;
           if (4 * r4 + 1 < REP) sc[4 * r4 + 1] += qv.y * cv;
           if (4 * r4 + 2 < REP) sc[4 * r4 + 2] += qv.z * cv;
@@ -438,32 +414,27 @@ MSE_PARTIAL = r"""
         }
       }
       const VQ_GLOBAL vq_half* norms = VQ_HALF_CPTR(rows) + ((base + (size_t)j) * RW + KW + VW) * 2;
-      kn = VQ_F(norms[0]);
+      const float kn = VQ_F(norms[0]);
+      VQ_UNROLL
+      for (int r = 0; r < REP; ++r) sc[r] *= kn;
       vn = VQ_F(norms[1]);
     }
-    if (KT > 1) {  // every lane takes part, valid or not
-      VQ_UNROLL
-      for (int r = 0; r < REP; ++r) sc[r] = vq_group_sum(sc[r], KT);
-    }
-    VQ_UNROLL
-    for (int r = 0; r < REP; ++r) sc[r] *= kn;
-    // ---- online softmax: the tile's max per head, then weights p * ||v|| (one lane per token)
+    // ---- online softmax: the tile's max per head, then weights p * ||v||
     VQ_UNROLL
     for (int r = 0; r < REP; ++r) {
       const float wm = vq_warp_max(valid ? sc[r] : VQ_NEG_INF);
       if ((t & 31) == 0) vq_wred[r * NW + (t >> 5)] = wm;
     }
     VQ_SYNC();
-    const bool lead = valid && kpart == 0;
     VQ_UNROLL
     for (int r = 0; r < REP; ++r) {
       float mm = VQ_NEG_INF;
       for (int w = 0; w < NW; ++w) mm = VQ_MAXF(mm, vq_wred[r * NW + w]);
       const float m_new = VQ_MAXF(m_run[r], mm);
       alpha[r] = (m_run[r] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[r] - m_new);
-      const float p = lead ? VQ_EXP(sc[r] - m_new) : 0.0f;
+      const float p = valid ? VQ_EXP(sc[r] - m_new) : 0.0f;
       l_part[r] = l_part[r] * alpha[r] + p;
-      if (kpart == 0) VQ_FPTR(vq_w4)[jt * (R4 * 4) + r] = p * vn;
+      VQ_FPTR(vq_w4)[t * (R4 * 4) + r] = p * vn;
       m_run[r] = m_new;
     }
     VQ_SYNC();
@@ -473,7 +444,7 @@ MSE_PARTIAL = r"""
       VQ_UNROLL
       for (int r = 0; r < REP; ++r) acc[k * REP + r] *= alpha[r];
     }
-    const int ntok = VQ_MINI(TT, end - tile);
+    const int ntok = VQ_MINI(NT, end - tile);
     for (int jj = tl; jj < ntok; jj += TL) {
       const VQ_GLOBAL uint32_t* vrow = rows + (base + (size_t)(tile + jj)) * RW + KW;
       vq_u64 bits = (vq_u64)vrow[vwi];
