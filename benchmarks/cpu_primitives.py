@@ -4,7 +4,8 @@
 
 SmolLM2's layer shape (3 kv heads, 9 query heads, d = 64), one query: per-layer
 milliseconds of fp32 `mx.fast.scaled_dot_product_attention` (what an fp16/fp32 KVCache
-costs), of our portable path on turboquant_mse codes (K3/V3), and of mlx-lm-style
+costs), of our portable path and our C++ kernel (`csrc/`, where built) on turboquant_mse
+codes (K3/V3, and K4/V4 for the kernel), and of mlx-lm-style
 `mx.quantized_matmul` attention at 2, 3, 4 and 8 bits (group 64): the fastest
 packed-code primitives MLX has on the CPU. Also the cost of one row gather and of one
 compiled elementwise op per element, the two building blocks of decoding codes in MLX
@@ -54,7 +55,16 @@ def main():
     cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3))
     cache.update_and_fetch(k, v)
     mx.eval(cache.rows)
-    rows["turboquant_mse K3/V3, portable path"] = ms(lambda: kernels.decode_attention(cache, q, 0.125))
+    rows["turboquant_mse K3/V3, portable path"] = ms(lambda: kernels.decode_attention(cache, q, 0.125,
+                                                                                      using="portable"))
+    if kernels.native.available():
+        rows["turboquant_mse K3/V3, C++ kernel"] = ms(lambda: kernels.decode_attention(cache, q, 0.125,
+                                                                                      using="native"))
+        cache4 = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=4))
+        cache4.update_and_fetch(k, v)
+        mx.eval(cache4.rows)
+        rows["turboquant_mse K4/V4, C++ kernel"] = ms(lambda: kernels.decode_attention(cache4, q, 0.125,
+                                                                                      using="native"))
     qg = q.reshape(1, H, R, D)
     for bits in (2, 3, 4, 8):
         kq = mx.quantize(k, group_size=64, bits=bits)

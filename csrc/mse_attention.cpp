@@ -29,6 +29,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
@@ -59,9 +63,41 @@ inline void decode32(const uint32_t* words, const float* centroids, float* out) 
   }
 }
 
+#if defined(__AVX2__)
+// The same for BITS <= 4 with AVX2: 8 codes span BITS bytes and start on a byte, so one
+// 32-bit window, shifted per lane, gives their indices, and the centroid table (padded to
+// 16 entries) fits one register (two for 4 bits). The window of the last 8 codes reaches
+// up to 3 bytes past the block: still inside the row (value codes or the norm word follow).
+template <int BITS>
+inline void decode32_avx2(const uint32_t* words, const float* centroids, float* out) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(words);
+  const __m256i shifts = _mm256_setr_epi32(0, BITS, 2 * BITS, 3 * BITS, 4 * BITS, 5 * BITS, 6 * BITS, 7 * BITS);
+  const __m256i mask = _mm256_set1_epi32((1 << BITS) - 1);
+  const __m256 low = _mm256_loadu_ps(centroids);
+  const __m256 high = _mm256_loadu_ps(centroids + 8);
+  for (int k = 0; k < 4; ++k) {
+    uint32_t window;
+    std::memcpy(&window, bytes + k * BITS, sizeof(window));
+    const __m256i idx = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(int(window)), shifts), mask);
+    __m256 v = _mm256_permutevar8x32_ps(low, idx);
+    if (BITS == 4)  // bit 3 picks the upper half of the table
+      v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(high, idx), _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+    _mm256_storeu_ps(out + 8 * k, v);
+  }
+}
+#endif
+
 using Decoder = void (*)(const uint32_t*, const float*, float*);
 
 Decoder decoder_for(int bits) {
+#if defined(__AVX2__)
+  switch (bits) {
+    case 1: return decode32_avx2<1>;
+    case 2: return decode32_avx2<2>;
+    case 3: return decode32_avx2<3>;
+    case 4: return decode32_avx2<4>;
+  }
+#endif
   switch (bits) {
     case 1: return decode32<1>;
     case 2: return decode32<2>;
@@ -98,6 +134,12 @@ void attend_split(const Layout& L, const float* q, const uint32_t* rows, const f
                   float* o, float* ml) {
   const int R = L.R, D = L.D;
   std::vector<float> buf(D), scores(R * kBlock), acc(R * D, 0.0f), m(R, -INFINITY), l(R, 0.0f);
+  // Centroid tables padded to at least 16 entries (the AVX2 decoders read 16).
+  std::vector<float> ktable(std::max(16, 1 << L.key_bits), 0.0f), vtable(std::max(16, 1 << L.value_bits), 0.0f);
+  std::copy(kcent, kcent + (1 << L.key_bits), ktable.begin());
+  std::copy(vcent, vcent + (1 << L.value_bits), vtable.begin());
+  kcent = ktable.data();
+  vcent = vtable.data();
   float vnorm[kBlock];
   const int kb32 = L.key_bits, vb32 = L.value_bits;  // words per 32 codes
   for (int b0 = t0; b0 < t1; b0 += kBlock) {
