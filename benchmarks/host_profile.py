@@ -44,17 +44,13 @@ def total_us(fn, layers: int) -> float:
     return timed(fn, layers, ROUNDS) * 1e6
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    L, T = args.layers, args.context
+def filled_layers(layers: int, tokens: int):
+    """(K3/V4 CompressedKVCaches, fp16 KVCaches): one pair per layer, Llama-3.1-8B's kv shape,
+    filled with the same random `tokens` keys (= values)."""
     cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4)
     caches, fp16 = [], []
-    for i in range(L):
-        k = mx.random.normal((1, 8, T, 128), key=mx.random.key(i)).astype(mx.float16)
+    for i in range(layers):
+        k = mx.random.normal((1, 8, tokens, 128), key=mx.random.key(i)).astype(mx.float16)
         c = CompressedKVCache(cfg)
         c.update_and_fetch(k, k)
         f = KVCache()
@@ -62,6 +58,17 @@ def main():
         mx.eval(c.rows, f.keys)
         caches.append(c)
         fp16.append(f)
+    return caches, fp16
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    L, T = args.layers, args.context
+    caches, fp16 = filled_layers(L, T)
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
     new = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
     mx.eval(q, new)

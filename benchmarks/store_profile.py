@@ -20,31 +20,19 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from host_profile import filled_layers  # noqa: E402
 from kernel_bench import timed  # noqa: E402
 from veloxquant_mlx import kernels  # noqa: E402
-from veloxquant_mlx.cache import CompressedKVCache  # noqa: E402
-from veloxquant_mlx.config import KVCacheConfig  # noqa: E402
 
 ROUNDS = 15
 
 
 def profile(T: int, L: int):
-    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4)
-    caches, fp16 = [], []
-    for i in range(L):
-        k = mx.random.normal((1, 8, T, 128), key=mx.random.key(i)).astype(mx.float16)
-        c = CompressedKVCache(cfg)
-        c.update_and_fetch(k, k)
-        f = KVCache()
-        f.update_and_fetch(k, k)
-        mx.eval(c.rows, f.keys)
-        caches.append(c)
-        fp16.append(f)
+    caches, fp16 = filled_layers(L, T)
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
     new = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
     rows = [c.rows + 0 for c in caches]  # separate buffers for the store variants

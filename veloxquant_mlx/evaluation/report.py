@@ -45,7 +45,8 @@ def _context_line(results: Dict) -> str:
     device = env.get("device_info", {}).get("device_name") or env.get("device", "")
     parts = [
         f"model `{model.get('name', '?')}`",
-        f"backend {env.get('backend', '?')} ({device})".replace(" ()", ""),
+        f"backend {env.get('backend', '?')} ({device})".replace(" ()", "")
+        + (f", {env['kernels']} decode kernels" if env.get("kernels") else ""),
         f"mlx {env.get('mlx', '?')}, mlx-lm {env.get('mlx_lm', '?')}",
         results.get("timestamp", ""),
     ]

@@ -46,7 +46,7 @@ def _device_info() -> Dict[str, Any]:
 def environment() -> Dict[str, Any]:
     import mlx_lm
 
-    from .. import __version__
+    from .. import __version__, kernels
 
     return {
         "veloxquant_mlx": __version__,
@@ -59,6 +59,7 @@ def environment() -> Dict[str, Any]:
         "memory_total_bytes": _total_memory_bytes(),
         "device": str(mx.default_device()),
         "backend": backend_name(),
+        "kernels": kernels.backend(),  # which turboquant_mse decode path ran (native, portable, cuda, ...)
         "device_info": _device_info(),
         "argv": sys.argv,
     }
