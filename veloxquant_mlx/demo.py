@@ -26,6 +26,7 @@ def default_text_path():
 def run_demo(args) -> None:
     from mlx_lm import stream_generate
 
+    from . import kernels
     from .cli import config_from_args
     from .evaluation.data import load_text, tokenize_prefix
     from .evaluation.kvlayout import kv_layout
@@ -95,4 +96,6 @@ def run_demo(args) -> None:
     caches = KVCacheBuilder(config).for_model(model).build()
     answer = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=30, prompt_cache=caches))
     print(f"sample answer with the compressed cache: {answer.strip()!r}")
+    path = f"the {kernels.backend()!r} kernels" if config.method == "turboquant_mse" else "the generic MLX-ops path"
+    print(f"decode attention on the codes: {path} (veloxquant_mlx.kernels, attention.py)")
     print(f"done in {time.perf_counter() - started:.0f} s")
