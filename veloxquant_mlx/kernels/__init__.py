@@ -11,7 +11,7 @@ Back ends (`backend()`):
 * ``portable``: MLX ops compiled with `mx.compile`, everywhere else.
 
 ``VELOXQUANT_KERNELS=portable`` forces the portable path (``=native`` insists on the
-C++ one and fails where it was not built); ``VELOXQUANT_KERNELS=off``
+C++ one on the CPU and fails where it was not built); ``VELOXQUANT_KERNELS=off``
 sends all attention to the generic blockwise path of `veloxquant_mlx.attention`. Kernels exist for
 turboquant_mse keys and values (1-8 bits, head dims that are multiples of 32;
 seeded Hadamard rotations of power-of-two dims are applied inside the kernels,
@@ -81,7 +81,7 @@ def _backend(key) -> str:
     if forced == "native" and not native.available():
         raise RuntimeError("VELOXQUANT_KERNELS=native, but veloxquant_mlx._native was not built "
                            "(scripts/build_native.sh)")
-    if not on_gpu or forced == "native":
+    if not on_gpu:
         return "native" if native.available() else "portable"
     if forced in ("auto", "cuda") and _cuda_available():
         return "cuda"

@@ -22,7 +22,7 @@ shape and constant in it is fixed between steps:
 One compiled function per layout (codecs, shapes, capacity) serves every layer;
 the codes are stored as rows (`rows.py`), so a token is one slice update.
 Used for single-token steps of caches without sinks or an fp16 window, on the
-kernel back ends (`append` also on the portable one). `VELOXQUANT_COMPILE_STEP=0`
+kernel back ends (`append` also on the CPU ones). `VELOXQUANT_COMPILE_STEP=0`
 turns it off (the op-by-op path, for comparison) for caches created after it is set.
 """
 
