@@ -95,13 +95,12 @@ def main():
                                          False)
         _, chunk, cap, splits = plan.meta["meta"]
         meta = kernels.ops.small_array((c.encoded, chunk, cap, splits))
-        start = kernels.step.position(c.encoded)
         none = kernels.ops.small_array((0.0,), mx.float32)
         rows = [caches[i].rows for i in range(L)]
         result["compiled fused call alone: host us/layer"] = build_us(
-            lambda i: fn(q, rows[i], meta, none, none, new, new, start)[0], L)
+            lambda i: fn(q, rows[i], meta, none, none, new, new)[0], L)
         result["compiled fused call alone: total us/layer"] = total_us(
-            lambda i: fn(q, rows[i], meta, none, none, new, new, start)[0], L)
+            lambda i: fn(q, rows[i], meta, none, none, new, new)[0], L)
         result["SDPA call alone: host us/layer"] = build_us(
             lambda i: mx.fast.scaled_dot_product_attention(q, fp16[i].keys[..., :T, :], fp16[i].values[..., :T, :],
                                                            scale=0.088), L)
