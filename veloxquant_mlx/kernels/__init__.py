@@ -34,7 +34,7 @@ __all__ = ["attention", "backend", "decode_attention", "prefill_attention", "enc
            "launch", "native", "ops", "portable", "rows", "step", "templates"]
 
 
-CPU_BACKENDS = ("native", "portable")  # encoding through the codecs' MLX ops
+CPU_BACKENDS = ops.CPU_BACKENDS
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
 
 

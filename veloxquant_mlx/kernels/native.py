@@ -16,6 +16,8 @@ import warnings
 
 import mlx.core as mx
 
+from . import ops, portable
+
 MIN_TOKENS_PER_SPLIT = 512
 
 
@@ -47,23 +49,15 @@ def _threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
-def _centroids(codec) -> mx.array:
-    table = getattr(codec, "_native_centroids", None)
-    if table is None:
-        table = codec._native_centroids = mx.array(codec.centroids, dtype=mx.float32)
-    return table
-
-
 def mse_partials(queries: mx.array, key_codec, value_codec, rows: mx.array, tokens: int, scale: float):
     """(o (BH, S, REP*L, Dv) value domain, ml (BH, S, REP*L, 2)) over rows [0, tokens)."""
-    B, n_heads, L, dim = queries.shape
-    kv_heads, capacity, width = rows.shape[1], rows.shape[2], rows.shape[3]
-    rep = n_heads // kv_heads
-    q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, dim))
+    B, kv_heads, capacity, width = rows.shape
+    q = portable.domain_queries(queries, key_codec, kv_heads, scale)
     # About two (kv head, split) work items per core, no split shorter than MIN_TOKENS_PER_SPLIT.
     items = B * kv_heads
     splits = max(1, min(-(-2 * _threads() // items), tokens // MIN_TOKENS_PER_SPLIT))
     o, ml = module().mse_attention_partials(
-        q.reshape(B * kv_heads, rep * L, dim), rows.reshape(B * kv_heads, capacity, width),
-        _centroids(key_codec), _centroids(value_codec), tokens, key_codec.bits, value_codec.bits, splits)
+        q.reshape(B * kv_heads, *q.shape[2:]), rows.reshape(B * kv_heads, capacity, width),
+        ops.constants(key_codec)["centroids"], ops.constants(value_codec)["centroids"], tokens, key_codec.bits,
+        value_codec.bits, splits)
     return o, ml

@@ -24,6 +24,10 @@ Runner = Callable[..., List[mx.array]]
 
 _RUNNERS: Dict[str, Runner] = {}
 
+# Back ends without a kernel runner: they encode with the codecs' MLX ops
+# (`native` attends with the C++ kernel of `native.py`, `portable` with MLX ops).
+CPU_BACKENDS = ("native", "portable")
+
 
 def runner(name: str) -> Runner:
     """"cuda", "metal" (mx.fast kernels) or "emulator" (the C++ emulation, CPU)."""
@@ -89,14 +93,6 @@ def constants(codec) -> dict:
         mx.eval([v for v in cached.values() if v is not None])
         codec._vq_kernel_constants = cached
     return cached
-
-
-def fwht_signs(rotation) -> Optional[mx.array]:
-    """The seeded signs if `rotation` is a Hadamard rotation the kernels apply
-    themselves (a power-of-two dim: Sylvester H, symmetric), else None."""
-    if isinstance(rotation, HadamardRotation) and launch.is_power_of_two(rotation.dim):
-        return rotation.signs.astype(mx.float32)
-    return None
 
 
 # ---- encoding -----------------------------------------------------------------

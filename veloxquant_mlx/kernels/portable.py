@@ -102,13 +102,20 @@ def _rows(fields, start: int, stop: int):
     return {name: buf[..., start:stop, :] for name, buf in fields.items()}
 
 
+def domain_queries(queries: mx.array, key_codec, kv_heads: int, scale: float) -> mx.array:
+    """(B, Hq, L, D) queries -> (B, kv_heads, REP*L, D) float32, scaled and in the key domain."""
+    B, n_heads, L, dim = queries.shape
+    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, n_heads // kv_heads * L, dim)
+    return key_codec.to_domain(q)
+
+
 def mse_partials(queries: mx.array, key_codec, value_codec, key_fields, value_fields, tokens: int,
                  scale: float, chunk: Optional[int] = None):
     """(o (BH, S, REP, Dv) value domain, ml (BH, S, REP, 2)) over rows [0, tokens) of the buffers."""
     B, n_heads, L, dim = queries.shape
     kv_heads = key_fields["codes"].shape[1]
     rep = n_heads // kv_heads
-    q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, dim))
+    q = domain_queries(queries, key_codec, kv_heads, scale)
     chunk = chunk or PORTABLE_CHUNK
     outs, stats = [], []
     for start in range(0, tokens, chunk):

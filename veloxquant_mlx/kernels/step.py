@@ -49,7 +49,7 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 
 @functools.lru_cache(maxsize=64)
 def _append_fn(runner_name: str, key_codec, value_codec, centered: bool):
-    run = None if runner_name in ("native", "portable") else ops.runner(runner_name)
+    run = None if runner_name in ops.CPU_BACKENDS else ops.runner(runner_name)
     layout = RowLayout(key_codec, value_codec)
 
     def encode(keys, values, key_mean, value_mean):
