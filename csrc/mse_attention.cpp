@@ -128,18 +128,19 @@ struct Layout {
   int R, D, C, W, key_words, value_words, key_bits, value_bits, tokens, splits;
 };
 
-// One (n, split) item: tokens [t0, t1) of kv head n.
+// Centroids padded with zeros to at least 16 entries (the AVX2 decoders read 16).
+std::vector<float> padded_table(const float* centroids, int bits) {
+  std::vector<float> table(std::max(16, 1 << bits), 0.0f);
+  std::copy(centroids, centroids + (1 << bits), table.begin());
+  return table;
+}
+
+// One (n, split) item: tokens [t0, t1) of kv head n; kcent / vcent padded (padded_table).
 void attend_split(const Layout& L, const float* q, const uint32_t* rows, const float* kcent,
                   const float* vcent, Decoder decode_key, Decoder decode_value, int t0, int t1,
                   float* o, float* ml) {
   const int R = L.R, D = L.D;
   std::vector<float> buf(D), scores(R * kBlock), acc(R * D, 0.0f), m(R, -INFINITY), l(R, 0.0f);
-  // Centroid tables padded to at least 16 entries (the AVX2 decoders read 16).
-  std::vector<float> ktable(std::max(16, 1 << L.key_bits), 0.0f), vtable(std::max(16, 1 << L.value_bits), 0.0f);
-  std::copy(kcent, kcent + (1 << L.key_bits), ktable.begin());
-  std::copy(vcent, vcent + (1 << L.value_bits), vtable.begin());
-  kcent = ktable.data();
-  vcent = vtable.data();
   float vnorm[kBlock];
   const int kb32 = L.key_bits, vb32 = L.value_bits;  // words per 32 codes
   for (int b0 = t0; b0 < t1; b0 += kBlock) {
@@ -227,14 +228,16 @@ class MSEAttentionPartials : public mx::Primitive {
     encoder.dispatch([L, N, q = q.data<float>(), rows = rows.data<uint32_t>(), kcent = kcent.data<float>(),
                       vcent = vcent.data<float>(), o = o.data<float>(), ml = ml.data<float>()]() {
       const Decoder decode_key = decoder_for(L.key_bits), decode_value = decoder_for(L.value_bits);
+      const std::vector<float> ktable = padded_table(kcent, L.key_bits);
+      const std::vector<float> vtable = padded_table(vcent, L.value_bits);
       const int items = N * L.splits;
       const int per_split = (L.tokens + L.splits - 1) / L.splits;
       auto work = [&](int first, int stride) {
         for (int item = first; item < items; item += stride) {
           const int n = item / L.splits, split = item % L.splits;
           const int t0 = std::min(L.tokens, split * per_split), t1 = std::min(L.tokens, t0 + per_split);
-          attend_split(L, q + size_t(n) * L.R * L.D, rows + size_t(n) * L.C * L.W, kcent, vcent, decode_key,
-                       decode_value, t0, t1, o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
+          attend_split(L, q + size_t(n) * L.R * L.D, rows + size_t(n) * L.C * L.W, ktable.data(), vtable.data(),
+                       decode_key, decode_value, t0, t1, o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
         }
       };
       const int threads = std::max(1, std::min<int>(items, std::thread::hardware_concurrency()));
