@@ -94,8 +94,10 @@ def partial_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, thr
     """Static shared memory of mse_partial (CUDA allows 48 KB of it)."""
     g = value_group(dim, threads, value_bits)
     r4 = -(-rep // 4) * 4
-    floats = rep * dim + dim * r4 + (1 << key_bits) + (1 << value_bits) + threads * r4
-    floats += rep * (threads // 32) + (threads // (dim // g)) * rep * dim
+    floats = dim * r4 + (1 << key_bits) + (1 << value_bits) + threads * r4 + rep * (threads // 32)
+    # one buffer for the rotated query, a tile's rows, and the token lanes' value sums
+    row_words = _words(dim, key_bits) + _words(dim, value_bits) + 1
+    floats += max(rep * dim, threads * row_words, (threads // (dim // g)) * rep * dim)
     return 4 * floats
 
 
@@ -112,11 +114,9 @@ def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: in
     kw, vw = _words(dim, key_bits), _words(dim, value_bits)
     g = value_group(dim, threads, value_bits)
     row_words = kw + vw + 1
-    # Wide loads of a key row need it aligned: a row starts at a multiple of row_words words.
-    kload = next(n for n in (4, 2, 1) if kw % n == 0 and row_words % n == 0)
     template = [
         ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
-        ("NT", threads), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)), ("KLOAD", kload),
+        ("NT", threads), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)),
         ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", row_words),
     ]
     return Plan(

@@ -73,8 +73,10 @@ _DUMMY: List[mx.array] = []
 
 
 def _dummy() -> mx.array:
+    # Built from host data, not mx.zeros: a lazily computed zeros first made while
+    # mx.compile traces a step would be recomputed (one more kernel) on every call.
     if not _DUMMY:
-        _DUMMY.append(mx.zeros((1,), dtype=mx.float32))
+        _DUMMY.append(mx.array([0.0], dtype=mx.float32))
     return _DUMMY[0]
 
 

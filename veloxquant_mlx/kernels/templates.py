@@ -55,10 +55,6 @@ _CUDA_HEADER = r"""
 #define VQ_MAXF(a, b) fmaxf((a), (b))
 #define VQ_MINI(a, b) min((a), (b))
 #define VQ_UNROLL _Pragma("unroll")
-#define VQ_LOAD_U4(ptr, i) (reinterpret_cast<const uint4*>(ptr)[(i)])
-#define VQ_LOAD_U2(ptr, i) (reinterpret_cast<const uint2*>(ptr)[(i)])
-typedef uint4 vq_u4;
-typedef uint2 vq_u2;
 typedef float4 vq_f4;
 #define VQ_FPTR(arr) reinterpret_cast<float*>(arr)
 typedef __half vq_half;
@@ -73,6 +69,8 @@ VQ_INLINE float vq_warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+VQ_INLINE float vq_half_bits(uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u & 0xffffu))); }
+#define VQ_UNROLL8 _Pragma("unroll 8")
 #endif
 """
 
@@ -91,10 +89,6 @@ _METAL_HEADER = r"""
 #define VQ_MAXF(a, b) metal::max((a), (b))
 #define VQ_MINI(a, b) metal::min((a), (b))
 #define VQ_UNROLL _Pragma("unroll")
-#define VQ_LOAD_U4(ptr, i) (((const device uint4*)(ptr))[(i)])
-#define VQ_LOAD_U2(ptr, i) (((const device uint2*)(ptr))[(i)])
-typedef uint4 vq_u4;
-typedef uint2 vq_u2;
 typedef float4 vq_f4;
 #define VQ_FPTR(arr) ((threadgroup float*)(arr))
 typedef half vq_half;
@@ -103,6 +97,8 @@ typedef half vq_half;
 typedef ulong vq_u64;
 VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
+VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
+#define VQ_UNROLL8 _Pragma("unroll 8")
 #endif
 """
 
@@ -113,6 +109,7 @@ _CPP_HEADER = r"""
 #define VQ_DIALECT_CPP 1
 #include <algorithm>
 #include <barrier>
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -129,14 +126,10 @@ _CPP_HEADER = r"""
 #define VQ_MAXF(a, b) std::max<float>((a), (b))
 #define VQ_MINI(a, b) std::min<int>((a), (b))
 #define VQ_UNROLL
-struct vq_u4 { uint32_t x, y, z, w; };
-struct vq_u2 { uint32_t x, y; };
 struct vq_f4 { float x, y, z, w; };
 #define VQ_FPTR(arr) reinterpret_cast<float*>(arr)
 #define VQ_HALF_PTR(p) reinterpret_cast<vq_half*>(p)
 #define VQ_HALF_CPTR(p) reinterpret_cast<const vq_half*>(p)
-#define VQ_LOAD_U4(ptr, i) (reinterpret_cast<const vq_u4*>(ptr)[(i)])
-#define VQ_LOAD_U2(ptr, i) (reinterpret_cast<const vq_u2*>(ptr)[(i)])
 typedef _Float16 vq_half;
 typedef uint64_t vq_u64;
 namespace vq_emu {
@@ -155,6 +148,8 @@ inline float warp_reduce(float x, bool is_max) {
 }  // namespace vq_emu
 inline float vq_warp_max(float x) { return vq_emu::warp_reduce(x, true); }
 inline float vq_warp_sum(float x) { return vq_emu::warp_reduce(x, false); }
+inline float vq_half_bits(uint32_t u) { return static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(u & 0xffffu))); }
+#define VQ_UNROLL8
 #endif
 """
 
@@ -289,9 +284,12 @@ MSE_ENCODE = r"""
 # Template constants: D (dim, a multiple of 32), KB / VB (key / value bits),
 # KW / VW (words per key / value row = D*KB/32, D*VB/32), REP (query heads per
 # kv head), NT (threads = tokens per tile, a multiple of 32), G (value dims per
-# thread), NDG (= D / G), TL (= NT / NDG token lanes in the value phase), KLOAD
-# (4, 2 or 1: words per key load), ROTQ (rotate the query here with the key
-# codec's seeded-sign FWHT; else q is already in the key domain), TQ (q dtype).
+# thread), NDG (= D / G), TL (= NT / NDG token lanes in the value phase), ROTQ
+# (rotate the query here with the key codec's seeded-sign FWHT; else q is
+# already in the key domain), TQ (q dtype). Each tile's rows are first copied
+# to shared memory by all threads (coalesced: one memory latency per tile);
+# the key and value phases then read only shared memory (RW is odd for any D
+# that is a multiple of 32, so a thread-per-row read has no bank conflicts).
 # RW (= KW + VW + 1 words per row). Inputs: q (BH*REP, D) TQ, rows (BH, CAP, RW)
 #   u32 (the layout of `rows.py`), kcent (2^KB) f32, vcent (2^VB) f32, ksigns (D)
 #   f32, meta int32 [T, CH, CAP, S], qscale f32 [scale].
@@ -311,7 +309,14 @@ MSE_PARTIAL = r"""
   const int start = s * CH;
   const int end = VQ_MINI(start + CH, T);
 
-  VQ_SHARED float vq_qt[REP * D];
+  // One shared buffer serves three phases in turn (48 KB of static shared memory
+  // must hold head_dim 256 with 8 query heads per kv head): the query while it is
+  // rotated, each tile's rows, and the value sums of the token lanes at the end.
+  constexpr int BIG0 = (REP * D > NT * RW) ? REP * D : NT * RW;
+  constexpr int BIG = (BIG0 > TL * REP * D) ? BIG0 : TL * REP * D;
+  VQ_SHARED uint32_t vq_tile[BIG];
+  auto vq_qt = VQ_FPTR(vq_tile);
+  auto vq_red = VQ_FPTR(vq_tile);
   // Query (per dim) and weights (per token) of the REP heads, padded to float4s.
   constexpr int R4 = (REP + 3) / 4;
   VQ_SHARED vq_f4 vq_q4[D * R4];
@@ -319,7 +324,6 @@ MSE_PARTIAL = r"""
   VQ_SHARED float vq_vc[1 << VB];
   VQ_SHARED vq_f4 vq_w4[NT * R4];
   VQ_SHARED float vq_wred[REP * NW];
-  VQ_SHARED float vq_red[TL * REP * D];
 
   const float scale = qscale[0];
   for (int i = t; i < REP * D; i += NT) {
@@ -370,32 +374,22 @@ MSE_PARTIAL = r"""
   const int vsh = vbit0 & 31;
 
   for (int tile = start; tile < end; tile += NT) {
+    const int ntok = VQ_MINI(NT, end - tile);
+    {
+      const VQ_GLOBAL uint32_t* src = rows + (base + (size_t)tile) * RW;
+      for (int i = t; i < ntok * RW; i += NT) vq_tile[i] = src[i];
+    }
+    VQ_SYNC();
     // ---- scores: thread t scores token tile + t for the REP query heads
-    const int j = tile + t;
-    const bool valid = j < end;
+    const bool valid = t < ntok;
     float sc[R4 * 4];
     VQ_UNROLL
     for (int r = 0; r < R4 * 4; ++r) sc[r] = 0.0f;
     float vn = 0.0f;
     if (valid) {
       uint32_t kw[KW];
-      const VQ_GLOBAL uint32_t* krow = rows + (base + (size_t)j) * RW;
-      if (KLOAD == 4) {
-        VQ_UNROLL
-        for (int i = 0; i < KW / 4; ++i) {
-          const vq_u4 u = VQ_LOAD_U4(krow, i);
-          kw[4 * i] = u.x; kw[4 * i + 1] = u.y; kw[4 * i + 2] = u.z; kw[4 * i + 3] = u.w;
-        }
-      } else if (KLOAD == 2) {
-        VQ_UNROLL
-        for (int i = 0; i < KW / 2; ++i) {
-          const vq_u2 u = VQ_LOAD_U2(krow, i);
-          kw[2 * i] = u.x; kw[2 * i + 1] = u.y;
-        }
-      } else {
-        VQ_UNROLL
-        for (int i = 0; i < KW; ++i) kw[i] = krow[i];
-      }
+      VQ_UNROLL
+      for (int i = 0; i < KW; ++i) kw[i] = vq_tile[t * RW + i];
       VQ_UNROLL
       for (int d = 0; d < D; ++d) {
         const int bit = d * KB;
@@ -413,11 +407,11 @@ MSE_PARTIAL = r"""
           if (4 * r4 + 3 < REP) sc[4 * r4 + 3] += qv.w * cv;
         }
       }
-      const VQ_GLOBAL vq_half* norms = VQ_HALF_CPTR(rows) + ((base + (size_t)j) * RW + KW + VW) * 2;
-      const float kn = VQ_F(norms[0]);
+      const uint32_t norms = vq_tile[t * RW + KW + VW];  // fp16 key norm (low half), value norm
+      const float kn = vq_half_bits(norms);
       VQ_UNROLL
       for (int r = 0; r < REP; ++r) sc[r] *= kn;
-      vn = VQ_F(norms[1]);
+      vn = vq_half_bits(norms >> 16);
     }
     // ---- online softmax: the tile's max per head, then weights p * ||v||
     VQ_UNROLL
@@ -444,11 +438,10 @@ MSE_PARTIAL = r"""
       VQ_UNROLL
       for (int r = 0; r < REP; ++r) acc[k * REP + r] *= alpha[r];
     }
-    const int ntok = VQ_MINI(NT, end - tile);
     for (int jj = tl; jj < ntok; jj += TL) {
-      const VQ_GLOBAL uint32_t* vrow = rows + (base + (size_t)(tile + jj)) * RW + KW;
-      vq_u64 bits = (vq_u64)vrow[vwi];
-      if (vwi + 1 < VW) bits |= ((vq_u64)vrow[vwi + 1]) << 32;
+      const int vrow = jj * RW + KW;
+      vq_u64 bits = (vq_u64)vq_tile[vrow + vwi];
+      if (vwi + 1 < VW) bits |= ((vq_u64)vq_tile[vrow + vwi + 1]) << 32;
       bits >>= vsh;
       float wv[R4 * 4];
       VQ_UNROLL
@@ -507,21 +500,43 @@ _MERGE_ROW = r"""
   const int S = meta[0];
   VQ_SHARED float vq_buf[D];
 """
+# The splits of row (bh, r): every thread reads the statistics at once (the max in
+# one strided pass, then the weights exp(m_s - M) through shared memory, D splits
+# at a time), so the loads of o are independent of one another and can overlap.
 _MERGE_SPLITS = r"""
+  VQ_SHARED float vq_e[D];
+  VQ_SHARED float vq_wm[D / 32];
+  const size_t mlrow = (size_t)bh * S;
   float M = VQ_NEG_INF;
-  for (int s = 0; s < S; ++s) M = VQ_MAXF(M, ml[(((size_t)bh * S + s) * REP + r) * 2]);
+  for (int s = d; s < S; s += D) M = VQ_MAXF(M, ml[((mlrow + s) * REP + r) * 2]);
+  M = vq_warp_max(M);
+  if ((d & 31) == 0) vq_wm[d >> 5] = M;
+  VQ_SYNC();
+  for (int w = 0; w < D / 32; ++w) M = VQ_MAXF(M, vq_wm[w]);
   float L = 0.0f;
   float acc = 0.0f;
-  if (M != VQ_NEG_INF) {
-    for (int s = 0; s < S; ++s) {
-      const size_t idx = ((size_t)bh * S + s) * REP + r;
+  for (int c0 = 0; c0 < S; c0 += D) {
+    float e = 0.0f;
+    if (c0 + d < S && M != VQ_NEG_INF) {
+      const size_t idx = (mlrow + c0 + d) * REP + r;
       const float m = ml[idx * 2];
-      if (m == VQ_NEG_INF) continue;
-      const float e = VQ_EXP(m - M);
-      L += e * ml[idx * 2 + 1];
-      acc += e * o[idx * D + d];
+      if (m != VQ_NEG_INF) {
+        e = VQ_EXP(m - M);
+        L += e * ml[idx * 2 + 1];
+      }
     }
+    vq_e[d] = e;
+    VQ_SYNC();
+    const int n = VQ_MINI(D, S - c0);
+    VQ_UNROLL8
+    for (int k = 0; k < n; ++k) acc += vq_e[k] * o[((mlrow + c0 + k) * REP + r) * D + d];
+    VQ_SYNC();
   }
+  L = vq_warp_sum(L);
+  if ((d & 31) == 0) vq_wm[d >> 5] = L;
+  VQ_SYNC();
+  L = 0.0f;
+  for (int w = 0; w < D / 32; ++w) L += vq_wm[w];
 """
 _FWHT_BUF = r"""
     for (int h = 1; h < D; h <<= 1) {

@@ -1,0 +1,216 @@
+"""The GPU timeline of whole-model decode steps, fp16 cache vs ours (CUDA only).
+
+    python benchmarks/step_timeline.py [--shape llama-3.1-8b] [--contexts 4096,32768] [--steps 3] [--out DIR]
+
+Records every kernel MLX launches during `--steps` decode steps (each built, then
+evaluated alone) with PyTorch's profiler (CUPTI activity tracing sees all
+kernels of the process, MLX's included), and reports per step: wall time, kernel
+count, busy time (sum of kernel durations; one stream, so they do not overlap),
+idle time inside the step's span, and the kernels grouped by kind. Where the
+device is idle, the step waits on the host (MLX's dispatch); where it is busy,
+the kernels' own time is what to cut. Writes timeline.json and timeline.md.
+
+    python benchmarks/step_timeline.py --partial-only --contexts 32768
+
+runs just the decode attention (no model) a few times, for `ncu -k regex:mse_partial`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import mlx.core as mx
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from veloxquant_mlx.evaluation.shapes import build_shape_model  # noqa: E402
+from veloxquant_mlx.evaluation.specs import parse_method_spec  # noqa: E402
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    if "vq_" in low:
+        return "ours: " + next((k for k in ("mse_partial", "merge_encode", "merge", "mse_encode", "mse_dequant")
+                                 if k in low), low)
+    for key, kind in (("sdpa", "sdpa"), ("attention", "sdpa"), ("qmv", "quantized matmul"),
+                      ("qmm", "quantized matmul"), ("affine", "quantized matmul"), ("gemv", "matmul"),
+                      ("gemm", "matmul"), ("matmul", "matmul"), ("copy", "copy"), ("rope", "rope"),
+                      ("rms", "rms_norm"), ("reduce", "reduce"), ("softmax", "softmax"), ("arg", "arg")):
+        if key in low:
+            return kind
+    return "other"
+
+
+def step_record(trace_events, wall_ms: float, build_ms: float) -> dict:
+    kernels = sorted((e for e in trace_events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    if not kernels:
+        return {"wall_ms": wall_ms, "build_ms": build_ms, "kernels": 0}
+    busy = sum(e["dur"] for e in kernels)
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    by_kind = defaultdict(lambda: [0, 0.0])
+    by_name = defaultdict(lambda: [0, 0.0])
+    for e in kernels:
+        by_kind[kind_of(e["name"])][0] += 1
+        by_kind[kind_of(e["name"])][1] += e["dur"] / 1e3
+        by_name[e["name"][:90]][0] += 1
+        by_name[e["name"][:90]][1] += e["dur"] / 1e3
+    return {
+        "wall_ms": wall_ms, "build_ms": build_ms, "kernels": len(kernels), "busy_ms": busy / 1e3,
+        "span_ms": span / 1e3, "idle_in_span_ms": (span - busy) / 1e3,
+        "by_kind": {k: {"count": c, "ms": t} for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
+        "top": [{"name": n, "count": c, "ms": t} for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]],
+        # The first kernels in launch order (about two layers), with their launch shapes.
+        "sequence": [{"name": e["name"][:70], "us": e["dur"], "grid": e.get("args", {}).get("grid"),
+                      "block": e.get("args", {}).get("block"), "stream": e.get("args", {}).get("stream")}
+                     for e in kernels[:48]],
+    }
+
+
+def profiled_step(fn):
+    """(trace events, wall ms, build ms) of fn() -> array, built and evaluated alone."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        out = fn()
+        built = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        end = time.perf_counter()
+    torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    return events, (end - start) * 1e3, (built - start) * 1e3
+
+
+def timeline(model, spec: str, context: int, steps: int, vocab: int) -> list:
+    caches = parse_method_spec(spec).make_caches(model)
+    tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(0))
+    for start in range(0, context, 2048):
+        model(tokens[start:start + 2048][None], cache=caches)
+        mx.eval([c.state for c in caches])
+    y = mx.array([[1]])
+    for _ in range(4):  # warm up: JIT, compiled traces
+        mx.eval(model(y, cache=caches))
+    records = []
+    for _ in range(steps):
+        events, wall, build = profiled_step(lambda: model(y, cache=caches))
+        records.append(step_record(events, wall, build))
+    return records, pipelined(model, caches, 16)
+
+
+def pipelined(model, caches, n: int) -> dict:
+    """`n` greedy steps overlapped as mlx-lm's generate_step does (build step i+1 while
+    step i runs): ms per token, and how busy the device was over the window."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    def step(y):
+        return mx.argmax(model(y, cache=caches)[:, -1, :], axis=-1)[None]
+
+    y = step(mx.array([[1]]))
+    mx.async_eval(y)
+    mx.eval(y)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(n):
+            nxt = step(y)
+            mx.async_eval(nxt)
+            y.item()
+            y = nxt
+        mx.eval(y)
+        wall = (time.perf_counter() - start) * 1e3
+    torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    record = step_record(events, wall, 0.0)
+    return {"tokens": n, "ms_per_token": wall / n, "busy_ms_per_token": record.get("busy_ms", 0.0) / n,
+            "busy_share_of_span": record.get("busy_ms", 0.0) / max(record.get("span_ms", 0.0), 1e-9)}
+
+
+def partial_only(context: int, calls: int):
+    """Decode attention alone over one K3/V4 cache, for ncu."""
+    from veloxquant_mlx.cache import CompressedKVCache
+    from veloxquant_mlx.config import KVCacheConfig
+
+    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4)
+    k = mx.random.normal((1, 8, context, 128), key=mx.random.key(0)).astype(mx.float16)
+    cache = CompressedKVCache(cfg)
+    for start in range(0, context, 4096):
+        cache.update_and_fetch(k[..., start:start + 4096, :], k[..., start:start + 4096, :])
+        mx.eval(cache.rows)
+    q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(1)).astype(mx.float16)
+    for _ in range(calls):
+        mx.eval(cache.attend(q, scale=128 ** -0.5))
+    mx.synchronize()
+
+
+def markdown(result: dict) -> str:
+    lines = [f"Whole-model decode steps on {result['device']} ({result['shape']}, 4-bit weights, fp16), "
+             f"median over {result['steps']} steps, each built and evaluated alone.", "",
+             "| cache | context | wall ms | build ms | kernels | busy ms | idle in span ms "
+             "| pipelined ms/token | pipelined busy ms/token |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in result["runs"]:
+        recs = [r for r in run["steps"] if r.get("kernels")]
+        if not recs:
+            continue
+        med = lambda key: statistics.median(r[key] for r in recs)  # noqa: E731
+        lines.append(f"| `{run['spec']}` | {run['context']} | {med('wall_ms'):.2f} | {med('build_ms'):.2f} | "
+                     f"{med('kernels'):.0f} | {med('busy_ms'):.2f} | {med('idle_in_span_ms'):.2f} | "
+                     f"{run['pipelined']['ms_per_token']:.2f} | {run['pipelined']['busy_ms_per_token']:.2f} |")
+    for run in result["runs"]:
+        recs = [r for r in run["steps"] if r.get("kernels")]
+        if not recs:
+            continue
+        last = recs[-1]
+        lines += ["", f"Kernels by kind, `{run['spec']}` at {run['context']} (last step):", "",
+                  "| kind | count | ms |", "|---|---:|---:|"]
+        lines += [f"| {k} | {v['count']} | {v['ms']:.3f} |" for k, v in last["by_kind"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--methods", default="fp16,turboquant_mse:3:vbits=4")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--partial-only", action="store_true")
+    args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if args.partial_only:
+        for context in contexts:
+            partial_only(context, 6)
+        return
+    model = build_shape_model(args.shape, dtype="float16", weights_bits=4)
+    result = {"device": str(mx.default_device()), "shape": args.shape, "steps": args.steps, "runs": []}
+    out = Path(args.out) if args.out else None
+    for context in contexts:
+        for spec in args.methods.split(","):
+            steps, overlapped = timeline(model, spec, context, args.steps, model.args.vocab_size)
+            result["runs"].append({"spec": spec, "context": context, "steps": steps, "pipelined": overlapped})
+            print(json.dumps({"spec": spec, "context": context, "last": steps[-1], "pipelined": overlapped},
+                             indent=1), flush=True)
+            if out:
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "timeline.json").write_text(json.dumps(result, indent=1))
+                (out / "timeline.md").write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
