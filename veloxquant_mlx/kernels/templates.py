@@ -376,14 +376,8 @@ MSE_PARTIAL = r"""
   for (int tile = start; tile < end; tile += NT) {
     const int ntok = VQ_MINI(NT, end - tile);
     {
-      // All RW loads of a thread are issued before the first store, so the tile
-      // costs one memory latency, not RW of them.
       const VQ_GLOBAL uint32_t* src = rows + (base + (size_t)tile) * RW;
-      uint32_t words[RW];
-      VQ_UNROLL
-      for (int k = 0; k < RW; ++k) words[k] = (t + k * NT < ntok * RW) ? src[t + k * NT] : 0u;
-      VQ_UNROLL
-      for (int k = 0; k < RW; ++k) vq_tile[t + k * NT] = words[k];
+      for (int i = t; i < ntok * RW; i += NT) vq_tile[i] = src[i];
     }
     VQ_SYNC();
     // ---- scores: thread t scores token tile + t for the REP query heads
