@@ -91,17 +91,20 @@ def test_blockwise_attention_equals_attention_on_decoded_history(method, center)
         assert mx.allclose(out, ref, atol=2e-4, rtol=1e-3).item(), method
 
 
+@pytest.mark.parametrize("band_queries", [256, 5])
 @pytest.mark.parametrize("center", [False, True])
 @pytest.mark.parametrize("method", ALL_METHODS)
-def test_chunked_prefill_equals_token_by_token_decoding(method, center):
+def test_chunked_prefill_equals_token_by_token_decoding(method, center, band_queries):
     """With sinks and an fp16 window, each query of a prefill chunk sees exactly what it
-    would see if the tokens had been decoded one at a time."""
+    would see if the tokens had been decoded one at a time (also when the chunk's queries
+    score its fp16 tokens in groups of `band_queries`)."""
     config = config_for(method, 3, sink_tokens=2, residual_length=24, center=center)
     k, v = random_kv(150, heads=2, dim=64, seed=3)
     mx.random.seed(4)
     q = mx.random.normal((1, 4, 150, 64))
     stepped = CompressedKVCache(config)
     first = CompressedKVCache(config)
+    first.band_queries = band_queries
     # The first update encodes a whole block for every method, so both caches estimate
     # the same centering means (they come from the first chunk that gets encoded).
     first.update_and_fetch(k[..., :70, :], v[..., :70, :])

@@ -11,7 +11,7 @@ value sum is mapped back from the value codec's domain once at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Union
+from typing import Dict, Iterable, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -25,6 +25,7 @@ class Segment:
     extra_mask: Optional[mx.array] = None  # bool (L, T): which of these keys each query may use
     value_fields: Optional[Dict[str, mx.array]] = None  # encoded values, for value_codec.weighted_sum
     value_shift: Optional[mx.array] = None  # (B, H, 1, domain dim) added to every decoded value
+    query_rows: Optional[Tuple[int, int]] = None  # only queries [a, b) score this segment (extra_mask: (b - a, T))
 
     def decoded_values(self, value_codec) -> mx.array:
         """The values in fp32 (in the value codec's domain when encoded)."""
@@ -55,7 +56,19 @@ def _block_mask(mask, start: int, stop: int, total: int, L: int, heads: int, rep
     return block
 
 
-def attend(
+def _take(state: Optional[mx.array], rows: Optional[Tuple[int, int]]) -> Optional[mx.array]:
+    return state if state is None or rows is None else state[..., rows[0] : rows[1], :]
+
+
+def _put(state: Optional[mx.array], part: Optional[mx.array], rows: Optional[Tuple[int, int]], L: int):
+    """`state` (L query rows) with rows `rows` replaced by `part` (all of it when rows is None)."""
+    if rows is None or part is None:
+        return part
+    if state is None:  # an accumulator that only these rows have reached so far
+        state = mx.zeros((*part.shape[:-2], L, part.shape[-1]), part.dtype)
+    return mx.concatenate([state[..., : rows[0], :], part, state[..., rows[1] :, :]], axis=-2)
+
+
     queries: mx.array,
     segments: Iterable[Segment],
     *,
@@ -79,9 +92,17 @@ def attend(
             q_seg = q_domain
         else:
             q_seg = q
+        rows = seg.query_rows
+        if rows is not None:
+            q_seg = q_seg[..., rows[0] : rows[1], :]
+            if running_max is None:  # the other rows' state must exist to be kept
+                running_max = mx.full((B, kv_heads, repeats, L, 1), -mx.inf)
+                running_sum = mx.zeros((B, kv_heads, repeats, L, 1))
         keys = mx.expand_dims(seg.keys.astype(mx.float32), 2)
         scores = q_seg @ keys.swapaxes(-1, -2)
         block = _block_mask(mask, seg.start, seg.start + keys.shape[-2], total, L, kv_heads, repeats)
+        if block is not None and rows is not None and block.shape[-2] == L:
+            block = block[..., rows[0] : rows[1], :]
         if seg.extra_mask is not None:
             if block is None:
                 block = seg.extra_mask
@@ -95,8 +116,11 @@ def attend(
             else:
                 scores = scores + block.astype(mx.float32)
 
+        # The online-softmax state of the rows this segment updates (all rows unless query_rows).
+        old_max, old_sum = _take(running_max, rows), _take(running_sum, rows)
+        old_plain, old_domain = _take(plain_acc, rows), _take(domain_acc, rows)
         block_max = mx.max(scores, axis=-1, keepdims=True)
-        new_max = block_max if running_max is None else mx.maximum(running_max, block_max)
+        new_max = block_max if old_max is None else mx.maximum(old_max, block_max)
         # A row that has seen only masked keys keeps max -inf; shift by 0 so exp gives 0, not nan.
         shift = mx.where(new_max == -mx.inf, 0.0, new_max)
         probs = mx.exp(scores - shift)
@@ -107,18 +131,19 @@ def attend(
             weighted = value_codec.weighted_sum(probs, seg.value_fields)
             if seg.value_shift is not None:
                 weighted = weighted + block_sum * mx.expand_dims(seg.value_shift, 2)
-        if running_max is None:
-            running_sum = block_sum
+        if old_max is None:
+            new_sum = block_sum
         else:
-            correction = mx.exp(running_max - shift)
-            running_sum = running_sum * correction + block_sum
-            plain_acc = None if plain_acc is None else plain_acc * correction
-            domain_acc = None if domain_acc is None else domain_acc * correction
+            correction = mx.exp(old_max - shift)
+            new_sum = old_sum * correction + block_sum
+            old_plain = None if old_plain is None else old_plain * correction
+            old_domain = None if old_domain is None else old_domain * correction
         if seg.encoded:
-            domain_acc = weighted if domain_acc is None else domain_acc + weighted
+            old_domain = weighted if old_domain is None else old_domain + weighted
         else:
-            plain_acc = weighted if plain_acc is None else plain_acc + weighted
-        running_max = new_max
+            old_plain = weighted if old_plain is None else old_plain + weighted
+        running_max, running_sum = _put(running_max, new_max, rows, L), _put(running_sum, new_sum, rows, L)
+        plain_acc, domain_acc = _put(plain_acc, old_plain, rows, L), _put(domain_acc, old_domain, rows, L)
 
     if running_max is None:
         raise ValueError("attention over an empty cache")

@@ -85,6 +85,7 @@ class CompressedKVCache(_BaseCache):
     step = 256
     attention_block = 4096  # most tokens decoded per attention block
     score_tile = 1 << 21  # most query-by-key scores per block: bounds prefill memory
+    band_queries = 256  # prefill queries per group scoring the just-encoded tokens in fp16 (`_recent_fp16`)
     kernels_enabled = True  # decode through veloxquant_mlx.kernels where it applies
 
     def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None):
@@ -240,9 +241,12 @@ class CompressedKVCache(_BaseCache):
             for name, buf in fields.items()
         }
 
-    def _fp16_from(self, query_pos: mx.array) -> mx.array:
-        """First non-sink position still in fp16 when `query_pos` was the newest token."""
+    def _fp16_from(self, query_pos):
+        """First non-sink position still in fp16 when `query_pos` (an int or an array) was
+        the newest token."""
         sinks, window = self.config.sink_tokens, self.config.residual_length
+        if isinstance(query_pos, int):
+            return sinks + max(0, (query_pos + 1 - sinks - window) // self.block) * self.block
         flushed = mx.maximum(0, (query_pos + 1 - sinks - window) // self.block) * self.block
         return sinks + flushed
 
@@ -279,13 +283,28 @@ class CompressedKVCache(_BaseCache):
                 value_shift=value_shift,
             )
         if query_len and self.just_encoded is not None:
-            yield Segment(
-                self._centered(keys), values, first, encoded=False,
-                extra_mask=mx.arange(first, last)[None] >= fp16_from,
-            )
+            yield from self._recent_fp16(keys, values, first, query_len, fp16_from)
         if self.window:
             yield Segment(
                 self._centered(self.window_keys), self.window_values, self.sinks + self.encoded, encoded=False
+            )
+
+    def _recent_fp16(self, keys: mx.array, values: mx.array, first: int, query_len: int, fp16_from: mx.array):
+        """The tokens this update encoded, in fp16, for the queries that still saw them in
+        the window. Query i sees chunk keys [fp16_from[i], i] in fp16 (a band about one
+        window wide), so the queries go in groups of `band_queries`, each scoring only its
+        band's keys, instead of every query scoring the whole chunk."""
+        first_query = self.offset - query_len
+        last = first + keys.shape[2]
+        for a in range(0, query_len, self.band_queries):
+            b = min(a + self.band_queries, query_len)
+            lo = min(max(self._fp16_from(first_query + a), first), last)
+            hi = min(max(first_query + b, first), last)  # causal: no key after the group's last query
+            if hi <= lo:
+                continue
+            yield Segment(
+                self._centered(keys[..., lo - first : hi - first, :]), values[..., lo - first : hi - first, :], lo,
+                encoded=False, extra_mask=mx.arange(lo, hi)[None] >= fp16_from[a:b], query_rows=(a, b),
             )
 
     def _centered(self, keys: mx.array) -> mx.array:
