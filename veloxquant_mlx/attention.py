@@ -69,6 +69,7 @@ def _put(state: Optional[mx.array], part: Optional[mx.array], rows: Optional[Tup
     return mx.concatenate([state[..., : rows[0], :], part, state[..., rows[1] :, :]], axis=-2)
 
 
+def attend(
     queries: mx.array,
     segments: Iterable[Segment],
     *,
