@@ -11,7 +11,7 @@ value sum is mapped back from the value codec's domain once at the end.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Iterable, Optional, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import mlx.core as mx
 
@@ -60,13 +60,20 @@ def _take(state: Optional[mx.array], rows: Optional[Tuple[int, int]]) -> Optiona
     return state if state is None or rows is None else state[..., rows[0] : rows[1], :]
 
 
-def _put(state: Optional[mx.array], part: Optional[mx.array], rows: Optional[Tuple[int, int]], L: int):
-    """`state` (L query rows) with rows `rows` replaced by `part` (all of it when rows is None)."""
-    if rows is None or part is None:
-        return part
+def _put(state: Optional[mx.array], parts: List[Tuple[Tuple[int, int], Optional[mx.array]]], L: int):
+    """`state` (L query rows) with each (rows, part) of `parts` (disjoint rows) written in,
+    in one concatenation."""
+    parts = sorted((rows, part) for rows, part in parts if part is not None)
+    if not parts:
+        return state
     if state is None:  # an accumulator that only these rows have reached so far
-        state = mx.zeros((*part.shape[:-2], L, part.shape[-1]), part.dtype)
-    return mx.concatenate([state[..., : rows[0], :], part, state[..., rows[1] :, :]], axis=-2)
+        state = mx.zeros((*parts[0][1].shape[:-2], L, parts[0][1].shape[-1]), parts[0][1].dtype)
+    pieces, row = [], 0
+    for (a, b), part in parts:
+        pieces += [state[..., row:a, :], part]
+        row = b
+    pieces.append(state[..., row:, :])
+    return mx.concatenate(pieces, axis=-2)
 
 
 def attend(
@@ -85,15 +92,26 @@ def attend(
     q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, repeats, L, -1)
     q_domain = None
     running_max = running_sum = plain_acc = domain_acc = None
+    # Results of consecutive row-limited segments (disjoint rows), written in together.
+    pending: Dict[str, list] = {"max": [], "sum": [], "plain": [], "domain": []}
+
+    def write_pending():
+        nonlocal running_max, running_sum, plain_acc, domain_acc
+        running_max, running_sum = _put(running_max, pending["max"], L), _put(running_sum, pending["sum"], L)
+        plain_acc, domain_acc = _put(plain_acc, pending["plain"], L), _put(domain_acc, pending["domain"], L)
+        for parts in pending.values():
+            parts.clear()
 
     for seg in segments:
+        rows = seg.query_rows
+        if rows is None and pending["max"]:
+            write_pending()
         if seg.encoded:
             if q_domain is None:
                 q_domain = key_codec.to_domain(q)
             q_seg = q_domain
         else:
             q_seg = q
-        rows = seg.query_rows
         if rows is not None:
             q_seg = q_seg[..., rows[0] : rows[1], :]
             if running_max is None:  # the other rows' state must exist to be kept
@@ -143,8 +161,12 @@ def attend(
             old_domain = weighted if old_domain is None else old_domain + weighted
         else:
             old_plain = weighted if old_plain is None else old_plain + weighted
-        running_max, running_sum = _put(running_max, new_max, rows, L), _put(running_sum, new_sum, rows, L)
-        plain_acc, domain_acc = _put(plain_acc, old_plain, rows, L), _put(domain_acc, old_domain, rows, L)
+        if rows is None:
+            running_max, running_sum, plain_acc, domain_acc = new_max, new_sum, old_plain, old_domain
+        else:
+            for name, part in (("max", new_max), ("sum", new_sum), ("plain", old_plain), ("domain", old_domain)):
+                pending[name].append((rows, part))
+    write_pending()
 
     if running_max is None:
         raise ValueError("attention over an empty cache")

@@ -283,17 +283,20 @@ class CompressedKVCache(_BaseCache):
                 value_shift=value_shift,
             )
         if query_len and self.just_encoded is not None:
+            if self.window:  # the window continues the just-encoded tokens: one fp16 span
+                keys = mx.concatenate([keys, self.window_keys], axis=2)
+                values = mx.concatenate([values, self.window_values], axis=2)
             yield from self._recent_fp16(keys, values, first, query_len, fp16_from)
-        if self.window:
+        elif self.window:
             yield Segment(
                 self._centered(self.window_keys), self.window_values, self.sinks + self.encoded, encoded=False
             )
 
     def _recent_fp16(self, keys: mx.array, values: mx.array, first: int, query_len: int, fp16_from: mx.array):
-        """The tokens this update encoded, in fp16, for the queries that still saw them in
-        the window. Query i sees chunk keys [fp16_from[i], i] in fp16 (a band about one
-        window wide), so the queries go in groups of `band_queries`, each scoring only its
-        band's keys, instead of every query scoring the whole chunk."""
+        """Positions [first, offset) in fp16 (the tokens this update encoded, then the
+        window) for the queries that still see them so: query i sees keys [fp16_from[i], i]
+        in fp16 (a band about one window wide), so the queries go in groups of
+        `band_queries`, each scoring only its band's keys, not every query the whole span."""
         first_query = self.offset - query_len
         last = first + keys.shape[2]
         for a in range(0, query_len, self.band_queries):
