@@ -25,12 +25,18 @@ from veloxquant_mlx.evaluation.shapes import build_shape_model  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_spec  # noqa: E402
 
 
-def profile(model, spec: str, context: int, steps: int, vocab: int):
+def prefilled_caches(model, spec: str, context: int, vocab: int) -> list:
+    """The caches of `spec` for `model` after a prompt of `context` random tokens (2048 at a time)."""
     caches = parse_method_spec(spec).make_caches(model)
     tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(0))
     for start in range(0, context, 2048):
         model(tokens[start:start + 2048][None], cache=caches)
         mx.eval([c.state for c in caches])
+    return caches
+
+
+def profile(model, spec: str, context: int, steps: int, vocab: int):
+    caches = prefilled_caches(model, spec, context, vocab)
     y = mx.array([[1]])
     host, total = [], []
     for _ in range(steps + 2):

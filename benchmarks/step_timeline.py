@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,9 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx.evaluation.shapes import build_shape_model  # noqa: E402
-from veloxquant_mlx.evaluation.specs import parse_method_spec  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_profile import prefilled_caches  # noqa: E402
 
 
 def kind_of(name: str) -> str:
@@ -95,11 +96,7 @@ def profiled_step(fn):
 
 
 def timeline(model, spec: str, context: int, steps: int, vocab: int) -> list:
-    caches = parse_method_spec(spec).make_caches(model)
-    tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(0))
-    for start in range(0, context, 2048):
-        model(tokens[start:start + 2048][None], cache=caches)
-        mx.eval([c.state for c in caches])
+    caches = prefilled_caches(model, spec, context, vocab)
     y = mx.array([[1]])
     for _ in range(4):  # warm up: JIT, compiled traces
         mx.eval(model(y, cache=caches))
