@@ -163,6 +163,12 @@ def test_benchmark_tiny_shape(tmp_path):
         assert r["peak_memory_bytes"] > 0 and r["kv_bytes"] > 0
         assert r["kv_tokens"] == r["context"] + 4
         assert 1 <= r["repeats_done"] <= 2
+    # The methods of a context take turns: round 1 of every method, then round 2.
+    for context in (128, 256):
+        starts = [(run["start_s"], i, r["label"]) for r in records if r["context"] == context and r["status"] == "ok"
+                  for i, run in enumerate(r["runs"])]
+        rounds = [i for _, i, _ in sorted(starts)]
+        assert rounds == sorted(rounds), starts
     by_label = {r["label"]: r for r in records if r["context"] == 256}
     assert by_label["turboquant_mse:4"]["kv_bytes"] < by_label["fp16"]["kv_bytes"]
     assert {"speed_vs_context.png", "memory_vs_context.png"} <= set(results["figures"])

@@ -3,13 +3,15 @@
 Each configuration (method, context) gets `warmup` untimed runs of the same
 shapes (GPU backends compile kernels per shape on first use: on CUDA a first
 8B-shape prefill ran 10x slower than the next), then `repeats` timed runs on
-fresh caches; each figure is the median of the runs.
+fresh caches; each figure is the median of the runs. The methods of a context
+take turns run by run, so that ratios between them are not skewed by a machine
+that speeds up or slows down during the sweep.
 A run prefills `context` random tokens in chunks (evaluating the caches between
 chunks, as mlx-lm does) and then greedily decodes `decode_tokens` tokens with
 the next step queued before the current one is read (mlx-lm's pipelining).
-`max_seconds` bounds a configuration: another run starts only when the last one
-would still fit, and a run that outlasts the budget is abandoned (status
-"timed_out" when no run completed).
+`max_seconds` bounds a configuration's own run time: another run starts only when
+the last one would still fit, and a run that outlasts the budget is abandoned
+(status "timed_out" when no run completed).
 """
 
 from __future__ import annotations
@@ -90,64 +92,84 @@ def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chu
         mx.clear_cache()
 
 
-def benchmark_config(model, spec: MethodSpec, context: int, layout: KVLayout, *, vocab_size: int,
-                     decode_tokens: int = 32, repeats: int = 3, warmup: int = 1, chunk: int = 2048,
-                     max_seconds: float = 300.0,
-                     guard: Optional[MemoryGuard] = None, seed: int = 0) -> Dict:
-    guard = guard or MemoryGuard(0)
-    record = {**spec.describe(), "context": context, "decode_tokens": decode_tokens,
-              "status": "ok", "error": None}
-    tokens = mx.random.randint(0, vocab_size, (context,), key=mx.random.key(seed + context)).astype(mx.uint32)
+class ConfigRuns:
+    """The runs of one (method, context) configuration, taken one at a time so that the
+    configurations of a context can alternate (a slow spell of a shared machine then lands
+    on every method, not on whichever ran during it). `max_seconds` bounds the
+    configuration's own run time."""
 
-    start = time.perf_counter()
-    deadline = start + max_seconds
+    def __init__(self, model, spec: MethodSpec, context: int, layout: KVLayout, *, vocab_size: int,
+                 decode_tokens: int, chunk: int, max_seconds: float, guard: MemoryGuard, seed: int, clock_zero: float):
+        self.model, self.spec, self.context, self.layout = model, spec, context, layout
+        self.decode_tokens, self.chunk, self.max_seconds, self.guard = decode_tokens, chunk, max_seconds, guard
+        self.clock_zero = clock_zero
+        self.record = {**spec.describe(), "context": context, "decode_tokens": decode_tokens,
+                       "status": "ok", "error": None}
+        self.tokens = mx.random.randint(0, vocab_size, (context,), key=mx.random.key(seed + context)).astype(mx.uint32)
+        self.runs: List[Dict] = []
+        self.seconds = 0.0  # spent in this configuration's runs so far
+        self.done = False
 
-    def check():
-        guard.check(f"{spec.label}, context {context}")
-        if time.perf_counter() > deadline:
-            raise ConfigTimeout(f"over the {max_seconds:g} s budget of this configuration")
+    def step(self, timed: bool = True) -> None:
+        """One run (untimed when warming up); marks the configuration done on a failure,
+        a timeout, or when another run would not fit its budget."""
+        if self.done:
+            return
+        start = time.perf_counter()
 
-    runs = []
-    try:
-        for _ in range(warmup):
-            timed_run(model, spec, tokens, decode_tokens, chunk, check)
-        for _ in range(max(1, repeats)):
-            run_start = time.perf_counter()
-            runs.append(timed_run(model, spec, tokens, decode_tokens, chunk, check))
-            if time.perf_counter() + (time.perf_counter() - run_start) > deadline:
-                break
-    except MemoryGuardTriggered as error:
-        record.update(status=STOPPED_BY_GUARD, error=str(error))
-    except ConfigTimeout as error:
-        if not runs:
-            record.update(status=TIMED_OUT, error=str(error))
-    except Exception as error:  # e.g. a kernel missing on this backend
-        record.update(status="error", error=error_text(error))
-    record["seconds"] = round(time.perf_counter() - start, 3)
-    record["repeats_done"] = len(runs)
-    if record["status"] != "ok":
-        release_memory()
-    if not runs or record["status"] != "ok":
+        def check():
+            self.guard.check(f"{self.spec.label}, context {self.context}")
+            if self.seconds + time.perf_counter() - start > self.max_seconds:
+                raise ConfigTimeout(f"over the {self.max_seconds:g} s budget of this configuration")
+
+        try:
+            run = timed_run(self.model, self.spec, self.tokens, self.decode_tokens, self.chunk, check)
+            if timed:
+                run["start_s"] = start - self.clock_zero
+                self.runs.append(run)
+        except MemoryGuardTriggered as error:
+            self.record.update(status=STOPPED_BY_GUARD, error=str(error))
+        except ConfigTimeout as error:
+            if not self.runs:
+                self.record.update(status=TIMED_OUT, error=str(error))
+            self.done = True
+        except Exception as error:  # e.g. a kernel missing on this backend
+            self.record.update(status="error", error=error_text(error))
+        spent = time.perf_counter() - start
+        self.seconds += spent
+        if self.record["status"] != "ok":
+            self.done = True
+            release_memory()
+        elif timed and self.seconds + spent > self.max_seconds:
+            self.done = True
+
+    def result(self) -> Dict:
+        record = self.record
+        record["seconds"] = round(self.seconds, 3)
+        record["repeats_done"] = len(self.runs)
+        runs = self.runs
+        if not runs or record["status"] != "ok":
+            return record
+
+        def median(key):
+            return statistics.median(r[key] for r in runs)
+
+        context, decode_tokens, layout = self.context, self.decode_tokens, self.layout
+        prefill_s, decode_s = median("prefill_s"), median("decode_s")
+        kv_bytes, kv_tokens = runs[-1]["kv_bytes"], runs[-1]["kv_tokens"]
+        record.update(
+            prefill_seconds=finite(prefill_s),
+            prefill_tokens_per_s=finite(context / prefill_s) if prefill_s > 0 else None,
+            decode_seconds=finite(decode_s),
+            decode_tokens_per_s=finite(decode_tokens / decode_s) if decode_s > 0 and decode_tokens else None,
+            peak_memory_bytes=int(median("peak_memory_bytes")),
+            kv_bytes=kv_bytes,
+            kv_tokens=kv_tokens,
+            fp16_kv_bytes=layout.fp16_bytes(kv_tokens),
+            bits_per_coord=finite(layout.bits_per_coordinate(kv_bytes, kv_tokens)),
+            runs=[{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in runs],
+        )
         return record
-
-    def median(key):
-        return statistics.median(r[key] for r in runs)
-
-    prefill_s, decode_s = median("prefill_s"), median("decode_s")
-    kv_bytes, kv_tokens = runs[-1]["kv_bytes"], runs[-1]["kv_tokens"]
-    record.update(
-        prefill_seconds=finite(prefill_s),
-        prefill_tokens_per_s=finite(context / prefill_s) if prefill_s > 0 else None,
-        decode_seconds=finite(decode_s),
-        decode_tokens_per_s=finite(decode_tokens / decode_s) if decode_s > 0 and decode_tokens else None,
-        peak_memory_bytes=int(median("peak_memory_bytes")),
-        kv_bytes=kv_bytes,
-        kv_tokens=kv_tokens,
-        fp16_kv_bytes=layout.fp16_bytes(kv_tokens),
-        bits_per_coord=finite(layout.bits_per_coordinate(kv_bytes, kv_tokens)),
-        runs=[{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in runs],
-    )
-    return record
 
 
 def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], layout: KVLayout, *,
@@ -155,31 +177,45 @@ def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], layout: K
                   max_seconds: float = 300.0, guard: Optional[MemoryGuard] = None,
                   progress: bool = True, on_update: Optional[Callable[[List[Dict]], None]] = None,
                   seed: int = 0) -> List[Dict]:
-    """Records for every (context, method), shortest context first. A method stopped by
-    the memory guard is not run at longer contexts."""
+    """Records for every (context, method), shortest context first. Within a context the
+    methods take turns: every method's warm-up runs, then round r of every method, for r
+    in 1..repeats. A method stopped by the memory guard is not run at longer contexts."""
     from tqdm.auto import tqdm
 
+    guard = guard or MemoryGuard(0)
+    clock_zero = time.perf_counter()
     records: List[Dict] = []
     stopped: Dict[str, int] = {}
-    bar = tqdm(total=len(specs) * len(contexts), desc="benchmark", unit="config", disable=not progress)
+    bar = tqdm(total=len(specs) * len(contexts) * (warmup + max(1, repeats)), desc="benchmark", unit="run",
+               disable=not progress)
     for context in sorted(contexts):
-        for spec in specs:
-            bar.set_postfix_str(f"{spec.label} @ {context}")
-            if spec.label in stopped:
-                record = {**spec.describe(), "context": context, "decode_tokens": decode_tokens,
-                          "status": "skipped", "repeats_done": 0,
-                          "error": f"skipped after the memory guard stopped context {stopped[spec.label]}"}
-            else:
-                record = benchmark_config(
-                    model, spec, context, layout, vocab_size=vocab_size, decode_tokens=decode_tokens,
-                    repeats=repeats, warmup=warmup, chunk=chunk, max_seconds=max_seconds, guard=guard,
-                    seed=seed,
-                )
-                if record["status"] == STOPPED_BY_GUARD:
-                    stopped[spec.label] = context
-            records.append(record)
-            bar.update(1)
-            if on_update is not None:
-                on_update(records)
+        configs = [ConfigRuns(model, spec, context, layout, vocab_size=vocab_size, decode_tokens=decode_tokens,
+                              chunk=chunk, max_seconds=max_seconds, guard=guard, seed=seed, clock_zero=clock_zero)
+                   for spec in specs if spec.label not in stopped]
+        by_label = {config.spec.label: config for config in configs}
+
+        def context_records() -> List[Dict]:
+            out = []
+            for spec in specs:
+                if spec.label in by_label:
+                    out.append(by_label[spec.label].result())
+                else:
+                    out.append({**spec.describe(), "context": context, "decode_tokens": decode_tokens,
+                                "status": "skipped", "repeats_done": 0,
+                                "error": f"skipped after the memory guard stopped context {stopped[spec.label]}"})
+            return out
+
+        for round_ in range(warmup + max(1, repeats)):
+            for config in configs:
+                bar.set_postfix_str(f"{config.spec.label} @ {context}")
+                config.step(timed=round_ >= warmup)
+                bar.update(1)
+            if on_update is not None:  # what is measured so far survives an interrupted sweep
+                on_update(records + context_records())
+        finished = context_records()
+        stopped.update({r["label"]: context for r in finished if r["status"] == STOPPED_BY_GUARD})
+        records += finished
+        if on_update is not None:
+            on_update(records)
     bar.close()
     return records
