@@ -240,7 +240,7 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
         return None
     kc, vc = cache.key_codec, cache.value_codec
 
-    plain = None
+    fp16 = None  # the sinks and the window: (keys, values)
     parts_k, parts_v = [], []
     if cache.sinks:
         parts_k.append(cache._centered(cache.sink_keys))
@@ -251,21 +251,25 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
     if parts_k:
         keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate([p.astype(mx.float32) for p in parts_k], axis=2)
         values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
-        plain = portable.plain_partial(queries, keys, values, scale)
+        fp16 = (keys, values)
     value_mean = cache.value_mean
 
+    def merged(o, ml):  # the CPU paths: with the fp16 partial, one compiled graph
+        if fp16 is None:
+            return portable.merge_partials(o, ml, vc, queries.shape, queries.dtype, value_mean=value_mean)
+        return portable.merge_with_plain(o, ml, vc, queries, *fp16, scale, value_mean=value_mean)
+
     name = using or cache.mode.backend
-    if name in ("cuda", "metal") and plain is None and chunk is None and cache.mode.compiled \
+    if name in ("cuda", "metal") and fp16 is None and chunk is None and cache.mode.compiled \
             and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
         return step.attend(name, cache, queries, scale)
     if name == "native" and kernel_supported(kc, vc):
-        o, ml = native.mse_partials(queries, kc, vc, cache.rows, cache.encoded, scale)
-        return portable.merge_partials(o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)
+        return merged(*native.mse_partials(queries, kc, vc, cache.rows, cache.encoded, scale))
     if name != "portable" and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
         run = ops.runner(name)
+        plain = None if fp16 is None else portable.plain_partial(queries, *fp16, scale)
         o, ml, _ = ops.mse_partials(run, queries, kc, vc, cache.rows, cache.encoded, scale, chunk=chunk)
         return ops.merge(run, o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)
     key_fields = {k: v[..., : cache.encoded, :] for k, v in cache.key_fields.items()}
     value_fields = {k: v[..., : cache.encoded, :] for k, v in cache.value_fields.items()}
-    o, ml = portable.mse_partials(queries, kc, vc, key_fields, value_fields, cache.encoded, scale)
-    return portable.merge_partials(o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)
+    return merged(*portable.mse_partials(queries, kc, vc, key_fields, value_fields, cache.encoded, scale))
