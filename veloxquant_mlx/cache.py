@@ -85,7 +85,7 @@ class CompressedKVCache(_BaseCache):
     step = 256
     attention_block = 4096  # most tokens decoded per attention block
     score_tile = 1 << 21  # most query-by-key scores per block: bounds prefill memory
-    band_queries = 256  # prefill queries per group scoring the just-encoded tokens in fp16 (`_recent_fp16`)
+    band_queries = 64  # prefill queries per group scoring the recent tokens in fp16 (`_recent_fp16`): ~ the window
     kernels_enabled = True  # decode through veloxquant_mlx.kernels where it applies
 
     def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None):
