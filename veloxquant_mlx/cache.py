@@ -261,8 +261,6 @@ class CompressedKVCache(_BaseCache):
             last = first + keys.shape[2]
             query_pos = mx.arange(self.offset - query_len, self.offset)
             fp16_from = mx.clip(self._fp16_from(query_pos), first, last)[:, None]
-        if self.sinks:
-            yield Segment(self._centered(self.sink_keys), self.sink_values, 0, encoded=False)
         value_shift = None
         if self.value_mean is not None:
             value_shift = self.value_codec.to_domain(self.value_mean.astype(mx.float32))
@@ -282,6 +280,10 @@ class CompressedKVCache(_BaseCache):
                 value_fields=self._field_rows("values", start, stop),
                 value_shift=value_shift,
             )
+        # The fp16 segments come after the codes: until the first of them there is no fp16
+        # accumulator for every block of codes to rescale (a prefill chunk's (L, D) per block).
+        if self.sinks:
+            yield Segment(self._centered(self.sink_keys), self.sink_values, 0, encoded=False)
         if query_len and self.just_encoded is not None:
             if self.window:  # the window continues the just-encoded tokens: one fp16 span
                 keys = mx.concatenate([keys, self.window_keys], axis=2)
@@ -352,19 +354,18 @@ class CompressedKVCache(_BaseCache):
     def dequantized(self):
         """(keys, values) as the attention sees them, in fp32. For tests and debugging:
         this materialises the whole history, which attention itself never does."""
-        parts_k, parts_v = [], []
+        parts = []
         for seg in self.segments():
             values = seg.decoded_values(self.value_codec)
             if seg.encoded:
-                parts_k.append(self.key_codec.from_domain(seg.keys))
-                parts_v.append(self.value_codec.from_domain(values))
+                parts.append((seg.start, self.key_codec.from_domain(seg.keys), self.value_codec.from_domain(values)))
             else:
-                parts_k.append(seg.keys.astype(mx.float32))
-                parts_v.append(values)
-        keys = mx.concatenate(parts_k, axis=2)
+                parts.append((seg.start, seg.keys.astype(mx.float32), values))
+        parts.sort(key=lambda part: part[0])  # segments come in attention's order, not by position
+        keys = mx.concatenate([k for _, k, _ in parts], axis=2)
         if self.key_mean is not None:
             keys = keys + self.key_mean
-        return keys, mx.concatenate(parts_v, axis=2)
+        return keys, mx.concatenate([v for _, _, v in parts], axis=2)
 
     def size(self):
         return self.offset
