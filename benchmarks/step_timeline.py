@@ -18,6 +18,7 @@ runs just the decode attention (no model) a few times, for `ncu -k regex:mse_par
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -75,23 +76,32 @@ def step_record(trace_events, wall_ms: float, build_ms: float) -> dict:
     }
 
 
-def profiled_step(fn):
-    """(trace events, wall ms, build ms) of fn() -> array, built and evaluated alone."""
+@contextlib.contextmanager
+def cuda_trace(events: list):
+    """Append to `events` the trace events (Chrome format) of the CUDA kernels launched
+    inside the block, recorded with PyTorch's profiler."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    mx.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield
+    torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events.extend(json.load(open(f.name))["traceEvents"])
+
+
+def profiled_step(fn):
+    """(trace events, wall ms, build ms) of fn() -> array, built and evaluated alone."""
+    mx.synchronize()
+    events = []
+    with cuda_trace(events):
         start = time.perf_counter()
         out = fn()
         built = time.perf_counter()
         mx.eval(out)
         mx.synchronize()
         end = time.perf_counter()
-    torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
     return events, (end - start) * 1e3, (built - start) * 1e3
 
 
@@ -110,8 +120,6 @@ def timeline(model, spec: str, context: int, steps: int, vocab: int) -> list:
 def pipelined(model, caches, n: int) -> dict:
     """`n` greedy steps overlapped as mlx-lm's generate_step does (build step i+1 while
     step i runs): ms per token, and how busy the device was over the window."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
 
     def step(y):
         return mx.argmax(model(y, cache=caches)[:, -1, :], axis=-1)[None]
@@ -119,7 +127,8 @@ def pipelined(model, caches, n: int) -> dict:
     y = step(mx.array([[1]]))
     mx.async_eval(y)
     mx.eval(y)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    events = []
+    with cuda_trace(events):
         start = time.perf_counter()
         for _ in range(n):
             nxt = step(y)
@@ -128,10 +137,6 @@ def pipelined(model, caches, n: int) -> dict:
             y = nxt
         mx.eval(y)
         wall = (time.perf_counter() - start) * 1e3
-    torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
     record = step_record(events, wall, 0.0)
     return {"tokens": n, "ms_per_token": wall / n, "busy_ms_per_token": record.get("busy_ms", 0.0) / n,
             "busy_share_of_span": record.get("busy_ms", 0.0) / max(record.get("span_ms", 0.0), 1e-9)}

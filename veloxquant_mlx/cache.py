@@ -245,10 +245,9 @@ class CompressedKVCache(_BaseCache):
         """First non-sink position still in fp16 when `query_pos` (an int or an array) was
         the newest token."""
         sinks, window = self.config.sink_tokens, self.config.residual_length
-        if isinstance(query_pos, int):
-            return sinks + max(0, (query_pos + 1 - sinks - window) // self.block) * self.block
-        flushed = mx.maximum(0, (query_pos + 1 - sinks - window) // self.block) * self.block
-        return sinks + flushed
+        blocks = (query_pos + 1 - sinks - window) // self.block
+        blocks = max(0, blocks) if isinstance(blocks, int) else mx.maximum(0, blocks)
+        return sinks + blocks * self.block
 
     def segments(self, query_rows: int = 1, query_len: int = 0):
         """The history as attention consumes it; encoded blocks are decoded lazily and
