@@ -160,12 +160,12 @@ def test_capacity_planned_step_attend_matches_portable(center):
     cache = CompressedKVCache(cfg)
     k = mx.random.normal((1, 2, 300, 64), key=mx.random.key(5)).astype(mx.float16)
     cache.update_and_fetch(k, mx.sin(k))
-    assert cache.rows.shape[2] == 512
+    assert cache.store.capacity == 512
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(6)).astype(mx.float16)
     plan, _ = kernels.step._step_fn("attend", "emulator", cache.key_codec, cache.value_codec, tuple(q.shape),
                                     q.dtype, "float16", 0.125, 2, 512, center)
     assert plan.meta["splits"] > 1 and plan.meta["chunk"] * (plan.meta["splits"] - 1) >= 300  # empty splits
-    out = kernels.step.attend("emulator", cache, q, 0.125)
+    out = kernels.step.attend("emulator", cache._history(), q, 0.125)
     ref = kernels.decode_attention(cache, q, 0.125, using="portable")
     assert selftest._rel(np.array(out.astype(mx.float32)), np.array(ref.astype(mx.float32))) < 2e-3
 
@@ -240,20 +240,25 @@ def test_cache_decode_goes_through_the_kernel_path_and_matches_generic():
     cache.update_and_fetch(k, k * 0.5)
     q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(2))
     fast = cache.attend(q, scale=0.125)
-    cache.kernels_enabled = False
+    assert cache.last_path == ("mse_native" if CPU_DEFAULT == "native" else "mse_portable")
+    cache.settings = cache.settings.replace(kernels=False)
     slow = cache.attend(q, scale=0.125)
+    assert cache.last_path == "generic"
     assert mx.allclose(fast, slow, rtol=1e-4, atol=1e-5).item()
-    assert kernels.decode_attention(cache, q, 0.125) is not None  # the path was taken
 
 
-def test_other_methods_and_masks_use_the_generic_path():
+def test_other_methods_take_the_engine_paths_and_masks_the_generic_one():
     cache = CompressedKVCache(KVCacheConfig(method="turboquant_prod", bits=3))
     k = mx.random.normal((1, 2, 40, 64))
     cache.update_and_fetch(k, k)
-    assert kernels.decode_attention(cache, mx.zeros((1, 4, 1, 64)), 0.1) is None
+    assert kernels.decode_attention(cache, mx.zeros((1, 4, 1, 64)), 0.1) is None  # no mse kernel
+    cache.attend(mx.zeros((1, 4, 1, 64)), 0.1)
+    assert cache.last_path == "compiled_decode"
     mse = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3))
     mse.update_and_fetch(k, k)
     assert kernels.decode_attention(mse, mx.zeros((1, 4, 1, 64)), 0.1, mask=mx.ones((1, 40), mx.bool_)) is None
+    mse.attend(mx.zeros((1, 4, 1, 64)), 0.1, mask=mx.ones((1, 1, 1, 40), mx.bool_))
+    assert mse.last_path == "generic"
     assert kernels.prefill_attention(mse, mx.zeros((1, 4, 3, 64)), 0.1, "causal") is None  # CPU: generic
 
 
@@ -269,7 +274,9 @@ def test_backend_selection(monkeypatch):
     assert kernels.backend() == "portable"
     cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3))
     cache.update_and_fetch(mx.ones((1, 1, 4, 64)), mx.ones((1, 1, 4, 64)))
-    assert kernels.attention(cache, mx.ones((1, 1, 1, 64)), 0.1) is None  # off: generic path
+    assert not cache.settings.kernels
+    cache.attend(mx.ones((1, 1, 1, 64)), 0.1)
+    assert cache.last_path == "generic"  # off: the generic path
 
 
 def test_selftest_cli_runs_portable(capsys):
@@ -289,7 +296,7 @@ def test_compiled_append_stores_what_the_op_by_op_path_stores(monkeypatch, cente
         monkeypatch.setenv("VELOXQUANT_COMPILE_STEP", flag)
         cache = CompressedKVCache(cfg)
         cache.update_and_fetch(k[..., :250, :], v[..., :250, :])
-        assert kernels.compiled_append_applies(cache) == (flag == "1")
+        assert cache.settings.compile_step == (flag == "1")
         for i in range(250, 300):
             cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
         caches[flag] = cache
@@ -298,8 +305,8 @@ def test_compiled_append_stores_what_the_op_by_op_path_stores(monkeypatch, cente
     for role in ("key_fields", "value_fields"):
         for name in ("codes", "norm"):
             a, b = getattr(fast, role)[name], getattr(slow, role)[name]
-            assert a.shape == b.shape and a.shape[2] == 512
-            assert mx.array_equal(a[..., :300, :], b[..., :300, :]).item(), (role, name)
+            assert a.shape == b.shape and a.shape[2] == 300 and fast.store.capacity == 512
+            assert mx.array_equal(a, b).item(), (role, name)
 
 
 # ---- the fused decode step (partial + merge_encode + one store), in the emulator ---------
@@ -318,46 +325,47 @@ def test_fused_step_equals_store_then_attend(center, bits, value_bits, renorm):
         cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
     ref.update_and_fetch(k[..., 300:, :], v[..., 300:, :])
     expected = kernels.decode_attention(ref, q, 0.125, using="portable")
-    out, rows = kernels.step.fused("emulator", fused, q, k[..., 300:, :], v[..., 300:, :], 0.125)
-    assert rows.shape == ref.rows.shape
+    out, rows = kernels.step.fused("emulator", fused._history(), q, k[..., 300:, :], v[..., 300:, :], 0.125)
+    assert rows.shape == ref.store.rows.shape
     assert selftest._rel(np.array(out.astype(mx.float32)), np.array(expected.astype(mx.float32))) < 2e-3
-    assert mx.array_equal(rows[..., :301, :], ref.rows[..., :301, :]).item()  # the new row, stored in place
+    assert mx.array_equal(rows[..., :301, :], ref.store.rows[..., :301, :]).item()  # the new row, stored in place
 
 
 @needs_cxx
-def test_deferred_tokens_decode_like_the_op_by_op_path(monkeypatch, model):
-    # On a GPU a decode token waits in `cache.pending` for the attention call, which stores it
-    # (step.fused); here the same protocol runs with the emulated kernels.
+def test_deferred_tokens_decode_like_the_op_by_op_path(model):
+    # On a GPU a decode token waits in the store (`pending`) for the attention call, whose
+    # "decode_store" path encodes, attends to and stores it; here the same protocol runs with
+    # the emulated kernels.
     from mlx_lm.generate import generate_step
+
+    from veloxquant_mlx import EngineSettings, KVCacheBuilder
 
     def greedy(model, prompt, n, caches):
         return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches)]
 
     cfg = KVCacheConfig(method="turboquant_mse", bits=4, value_bits=4)
     prompt = list(range(1, 30))
-    from veloxquant_mlx import KVCacheBuilder
+    expected = greedy(model, prompt, 4, KVCacheBuilder(cfg).for_model(model).build())
 
-    plain = KVCacheBuilder(cfg).for_model(model).build()
-    expected = greedy(model, prompt, 4, plain)
+    caches = KVCacheBuilder(cfg).for_model(model).build(settings=EngineSettings.resolve(backend="emulator"))
+    paths = []
+    original = CompressedKVCache.attend
 
-    fused_steps = []
+    def attend(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        paths.append(self.last_path)
+        return out
 
-    def fused_runner(cache, queries, mask=None):
-        if not (kernels.step.fused_applies(cache, queries, mask)
-                and kernels._decode_kernel_ok(cache.key_codec, cache.value_codec, queries.shape[1] // cache.kv_heads)):
-            return None
-        fused_steps.append(cache.encoded)
-        return "emulator"
-
-    monkeypatch.setattr(kernels, "defers_tokens", kernels.compiled_append_applies)
-    monkeypatch.setattr(kernels, "fused_runner", fused_runner)
-    caches = KVCacheBuilder(cfg).for_model(model).build()
-    assert greedy(model, prompt, 4, caches) == expected
-    assert len(fused_steps) >= 3 * len(model.layers)  # every decode step after the prompt
+    CompressedKVCache.attend = attend
+    try:
+        assert greedy(model, prompt, 4, caches) == expected
+    finally:
+        CompressedKVCache.attend = original
+    assert paths.count("mse_fused_step") >= 3 * len(model.layers)  # every decode step after the prompt
     cache = caches[0]
     assert cache.offset == len(prompt) + 4
     encoded = cache.encoded
     cache.update_and_fetch(mx.ones((1, 2, 1, 32)), mx.ones((1, 2, 1, 32)))
-    assert cache.pending is not None and cache.encoded == encoded  # stored by the next attention call...
-    assert cache.nbytes == cache.rows.nbytes and cache.pending is None  # ...or by anything reading the codes
+    assert cache.store.pending is not None and cache.store.count == encoded  # stored by the next attention call...
+    assert cache.nbytes == cache.store.rows.nbytes and cache.store.pending is None  # ...or by anything reading it
     assert cache.encoded == encoded + 1 == cache.offset

@@ -13,12 +13,15 @@ from .integration import (
     unpatch_model,
 )
 from .methods import available_methods, get_method, register_method
+from .settings import EngineSettings
+from . import kernels  # noqa: E402,F401  (registers the kernels' attention paths with the engine)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CacheFormatError",
     "CompressedKVCache",
+    "EngineSettings",
     "KVCacheBuilder",
     "KVCacheConfig",
     "SingleHeadCache",

@@ -1,9 +1,9 @@
-"""The compressed KV cache: packed codes only, in buffers that grow in steps.
+"""The compressed KV cache: packed codes only, in a store that grows in steps.
 
 Token positions of one layer are laid out as
 
     [0, sinks)                      fp16 attention sinks (config.sink_tokens)
-    [sinks, sinks + encoded)        packed codes, the only copy of these tokens
+    [sinks, sinks + encoded)        packed codes, the only copy of these tokens (`storage.py`)
     [sinks + encoded, offset)       fp16 recent window (config.residual_length)
 
 A prefill chunk attends the way decoding would: a query at position p sees a
@@ -22,26 +22,27 @@ Tokens leave the window in multiples of the codecs' `token_block` once more
 than `residual_length` of them wait there. `nbytes` is the sum of the live
 buffers, unused capacity included.
 
-Codes live in one buffer per codec field (`key_fields`, `value_fields`), except
-for turboquant_mse keys and values, whose fields share one row per token
-(`kernels/rows.py`: same bits, one store per decode step instead of four);
-`key_fields` / `value_fields` are then views of those rows.
+The cache keeps the positions (sinks, window, offset, trim) and hands attention a
+read-only `engine.History`; the codes live in a `storage` class chosen from the
+codecs' formats, and the attention path comes from the engine's registry, with the
+settings (`settings.EngineSettings`) resolved once when the cache is made.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Dict, Optional
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from . import engine
 from .artifacts import CodecSet
-from . import kernels
-from .kernels.rows import RowLayout, supports as rows_supported
-from .attention import Segment, attend
+from .attention import Segment
 from .config import KVCacheConfig
+from .settings import EngineSettings
+from .storage import RowStore, store_for
 
 FORMAT_VERSION = 1
 _DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
@@ -71,39 +72,34 @@ class CompressedHistory:
         return f"CompressedHistory({self.role}, shape={self.shape}, {self.cache.config.describe()})"
 
 
-def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: int) -> mx.array:
-    capacity = 0 if buffer is None else buffer.shape[2]
-    if rows_needed <= capacity:
-        return buffer
-    new_capacity = math.ceil(rows_needed / step) * step
-    shape = (*like.shape[:2], new_capacity - capacity, like.shape[3])
-    extra = mx.zeros(shape, dtype=like.dtype)
-    return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
-
-
 class CompressedKVCache(_BaseCache):
-    step = 256
-    attention_block = 4096  # most tokens decoded per attention block
-    score_tile = 1 << 21  # most query-by-key scores per block: bounds prefill memory
+    attention_block = 4096  # most tokens decoded per generic attention block
+    score_tile = 1 << 21  # most query-by-key scores per generic block: bounds prefill memory
     band_queries = 64  # prefill queries per group scoring the recent tokens in fp16 (`_recent_fp16`): ~ the window
-    kernels_enabled = True  # decode through veloxquant_mlx.kernels where it applies
 
-    def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None):
+    def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None,
+                 settings: Optional[EngineSettings] = None):
         self.config = config
         self.codecs = codecs or CodecSet.for_config(config)
+        self._settings = settings or EngineSettings.resolve()
         self.offset = 0
-        self.encoded = 0
         self.key_codec = self.value_codec = None
+        self.store = None
         self.sink_keys = self.sink_values = None
         self.window_keys = self.window_values = None
         self.key_mean = self.value_mean = None
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
-        self.pending = None  # a decode token stored by the attention call that follows (`flush`)
-        self.mode = None  # kernels.Mode, read when the first tokens arrive
-        self.layout: Optional[RowLayout] = None  # turboquant_mse keys and values: codes in `rows`
-        self.rows: Optional[mx.array] = None
-        self._fields: Dict[str, Dict[str, mx.array]] = {"keys": {}, "values": {}}
-        self.tokens_per_row: Dict[str, Dict[str, int]] = {"keys": {}, "values": {}}
+        self.last_path: Optional[str] = None  # the attention path of the last call
+        self._routes = {}  # (phase, call shape) -> registered path or None: chosen once, not per token
+
+    @property
+    def settings(self) -> EngineSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: EngineSettings):
+        self._settings = settings
+        self._routes = {}
 
     # ---- shapes -------------------------------------------------------------
     def _setup(self, keys: mx.array, values: mx.array):
@@ -114,34 +110,26 @@ class CompressedKVCache(_BaseCache):
         self.value_codec = self.codecs.get("values", self.value_dim)
         self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
         self._immediate = (self.block == 1 and self.config.sink_tokens == 0 and self.config.residual_length == 0)
-        self.mode = kernels.mode()  # back end and kernel settings, fixed for this cache
-        if rows_supported(self.key_codec, self.value_codec):
-            self.layout = RowLayout(self.key_codec, self.value_codec)
-            self.tokens_per_row = {role: {"codes": 1, "norm": 1} for role in ("keys", "values")}
+        self.store = store_for(self.key_codec, self.value_codec, self._encode_rows, self._encode_fields)
+        if isinstance(self.store, RowStore):
+            self._row_encoder = engine.row_encoder(self.store.layout, self.key_codec, self.value_codec, self.settings)
 
     @property
-    def key_fields(self) -> Dict[str, mx.array]:
-        """The key codec's fields over the whole capacity (views of `rows` for turboquant_mse)."""
-        return self._role_fields("keys")
+    def encoded(self) -> int:
+        return 0 if self.store is None else self.store.count
 
     @property
-    def value_fields(self) -> Dict[str, mx.array]:
-        return self._role_fields("values")
+    def key_fields(self):
+        """The key codec's fields of the encoded tokens (views of the store)."""
+        return {} if self.store is None else self.store.fields("keys")
 
-    def flush(self):
-        """Store a token that `update_and_fetch` left for the attention call."""
-        if self.pending is not None:
-            keys, values = self.pending
-            self.pending = None
-            self._append_codes(keys, values)
+    @property
+    def value_fields(self):
+        return {} if self.store is None else self.store.fields("values")
 
-    def _role_fields(self, role: str) -> Dict[str, mx.array]:
-        self.flush()
-        if self.layout is None:
-            return self._fields[role]
-        if self.rows is None:
-            return {}
-        return self.layout.views(self.rows)[0 if role == "keys" else 1]
+    @property
+    def tokens_per_row(self):
+        return self.store.tokens_per_row
 
     @property
     def sinks(self) -> int:
@@ -151,11 +139,28 @@ class CompressedKVCache(_BaseCache):
     def window(self) -> int:
         return 0 if self.window_keys is None else self.window_keys.shape[2]
 
+    # ---- encoding (called by the store) ---------------------------------------
+    def _centered_inputs(self, keys: mx.array, values: mx.array):
+        if not self.config.center:
+            return keys, values
+        if self.key_mean is None:
+            self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
+            self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
+        return keys.astype(mx.float32) - self.key_mean, values.astype(mx.float32) - self.value_mean
+
+    def _encode_rows(self, keys: mx.array, values: mx.array) -> mx.array:
+        if keys.shape[2] == 1 and (self.key_mean is not None or not self.config.center):
+            return self._row_encoder.one(keys, values, self.key_mean, self.value_mean)
+        return self._row_encoder.many(*self._centered_inputs(keys, values))
+
+    def _encode_fields(self, keys: mx.array, values: mx.array):
+        keys, values = self._centered_inputs(keys, values)
+        return self.key_codec.encode(keys), self.value_codec.encode(values)
+
     # ---- mlx-lm cache protocol ---------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if self.key_codec is None:
             self._setup(keys, values)
-        self.flush()
         keys = keys.astype(self.window_dtype)
         values = values.astype(self.window_dtype)
         self.offset += keys.shape[2]
@@ -163,12 +168,12 @@ class CompressedKVCache(_BaseCache):
         if self._immediate and keys.shape[2]:
             # No sinks, no window, one token per block: every token is encoded at once
             # (what the general path below does in that case, with less per-step work).
-            if keys.shape[2] == 1 and kernels.defers_tokens(self):
-                # The attention call that follows encodes and stores it (kernels.step.fused):
-                # one GPU op less per layer. Anything else that reads the codes flushes it first.
-                self.pending = (keys, values)
-                return self.history()
-            self._append_codes(keys, values)
+            if keys.shape[2] == 1 and self._route("defer", None, None) is not None:
+                # The attention call that follows encodes and stores it (a "decode_store"
+                # path); anything else that reads the codes stores it first.
+                self.store.defer(keys, values)
+            else:
+                self.store.append(keys, values)
             return self.history()
 
         to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
@@ -191,55 +196,44 @@ class CompressedKVCache(_BaseCache):
                     self.sinks + self.encoded,
                 )
             if flush == self.window:  # all of it (the usual decode step without a window): no slicing
-                self._append_codes(self.window_keys, self.window_values)
+                self.store.append(self.window_keys, self.window_values)
                 self.window_keys = self.window_values = None
             else:
-                self._append_codes(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
-                self.window_keys = self.window_keys[..., flush:, :]
-                self.window_values = self.window_values[..., flush:, :]
+                self.store.append(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
+                kept_keys, kept_values = self.window_keys[..., flush:, :], self.window_values[..., flush:, :]
+                if flush > kept_keys.shape[2]:
+                    # A view would keep the whole flushed span alive (and out of `nbytes`): copy the rest.
+                    kept_keys, kept_values = mx.contiguous(kept_keys), mx.contiguous(kept_values)
+                self.window_keys, self.window_values = kept_keys, kept_values
         return self.history()
 
     def history(self):
         return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
 
-    def _append_codes(self, keys: mx.array, values: mx.array):
-        start, count = self.encoded, keys.shape[2]
-        if count == 1 and kernels.compiled_append_applies(self):
-            # One decode token: encode + store replayed from one compiled graph.
-            self.rows = _grow(self.rows, start + 1, self.rows, self.step)
-            self.rows = kernels.step.append(self.mode.backend, self, keys, values, start)
-            self.encoded += 1
-            return
-        if self.config.center:
-            if self.key_mean is None:
-                self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
-                self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
-            keys = keys.astype(mx.float32) - self.key_mean
-            values = values.astype(mx.float32) - self.value_mean
-        if self.layout is not None:
-            rows = kernels.encode_rows(self.layout, keys, values)
-            self.rows = _grow(self.rows, start + count, rows, self.step)
-            self.rows[..., start : start + count, :] = rows
-        else:
-            for role, encoded in (("keys", self.key_codec.encode(keys)), ("values", self.value_codec.encode(values))):
-                buffers = self._fields[role]
-                for name, field in encoded.items():
-                    per_row = self.tokens_per_row[role].setdefault(name, count // field.shape[2])
-                    row = start // per_row
-                    buffers[name] = _grow(
-                        buffers.get(name), row + field.shape[2], field, max(1, self.step // per_row)
-                    )
-                    buffers[name][..., row : row + field.shape[2], :] = field
-        self.encoded += count
+    def _history(self, pending=None) -> engine.History:
+        """The read-only view attention paths get."""
+        return engine.History(
+            store=self.store, key_codec=self.key_codec, value_codec=self.value_codec, kv_heads=self.kv_heads,
+            offset=self.offset, sinks=self.sinks, window=self.window, key_mean=self.key_mean,
+            value_mean=self.value_mean, settings=self.settings, fp16=self._fp16_tokens, segments=self.segments,
+            band=self.just_encoded is not None, pending=pending,
+        )
+
+    def _fp16_tokens(self):
+        parts = [(self.sink_keys, self.sink_values), (self.window_keys, self.window_values)]
+        parts = [(self._centered(k), v) for k, v in parts if k is not None and k.shape[2]]
+        if not parts:
+            return None
+        if len(parts) == 1:
+            return parts[0]
+        return (mx.concatenate([k.astype(mx.float32) for k, _ in parts], axis=2),
+                mx.concatenate([v for _, v in parts], axis=2))
 
     def _field_rows(self, role: str, start: int, stop: int):
         """The rows of the `role` fields ("keys" or "values") that hold tokens [start, stop)."""
-        fields = self.key_fields if role == "keys" else self.value_fields
-        per_row = self.tokens_per_row[role]
-        return {
-            name: buf[..., start // per_row[name] : -(-stop // per_row[name]), :]
-            for name, buf in fields.items()
-        }
+        per_row = self.store.tokens_per_row[role]
+        fields = self.store.fields(role, 0, self.store.count)
+        return {name: buf[..., start // per_row[name] : -(-stop // per_row[name]), :] for name, buf in fields.items()}
 
     def _fp16_from(self, query_pos):
         """First non-sink position still in fp16 when `query_pos` (an int or an array) was
@@ -254,7 +248,7 @@ class CompressedKVCache(_BaseCache):
         sized so that `query_rows` (queries x query heads) x block scores fit a tile.
         With `query_len`, tokens this update encoded are scored in fp16 by the queries
         that would still have seen them in the window."""
-        self.flush()
+        self.store.flush()
         if query_len and self.just_encoded is not None:
             keys, values, first = self.just_encoded
             last = first + keys.shape[2]
@@ -265,8 +259,9 @@ class CompressedKVCache(_BaseCache):
             value_shift = self.value_codec.to_domain(self.value_mean.astype(mx.float32))
         block = min(self.attention_block, max(256, self.score_tile // max(query_rows, 1)))
         block = math.ceil(block / self.block) * self.block
-        for start in range(0, self.encoded, block):
-            stop = min(start + block, self.encoded)
+        encoded = self.encoded
+        for start in range(0, encoded, block):
+            stop = min(start + block, encoded)
             only_codes = None
             if query_len and self.just_encoded is not None and self.sinks + stop > first:
                 only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
@@ -315,40 +310,43 @@ class CompressedKVCache(_BaseCache):
         return keys if self.key_mean is None else keys.astype(mx.float32) - self.key_mean
 
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
-        """Attention of `queries` (B, n_heads, L, D) over everything this cache holds.
-
-        One query per head (decoding) goes to `kernels.decode_attention`, which reads
-        the packed codes directly (CUDA / Metal kernels or the compiled portable path);
-        on a GPU back end, prefill chunks over codes only go to `kernels.prefill_attention`;
-        everything else (masks, windows during prefill, other methods) to the generic path."""
-        if self.pending is not None:
-            runner = kernels.fused_runner(self, queries, mask) if self.kernels_enabled else None
-            if runner is not None:
-                return self._attend_and_store(runner, queries, scale)
-            self.flush()
-        if self.kernels_enabled:
-            out = kernels.attention(self, queries, scale, mask)
-            if out is not None:
+        """Attention of `queries` (B, n_heads, L, D) over everything this cache holds, through
+        the first registered path that takes the call (`engine.py`); `last_path` names it."""
+        store = self.store
+        if store.pending is not None:
+            path = self._route("decode_store", queries, mask)
+            if path is not None:
+                pending = store.take_pending()
+                out, rows = path.run(self._history(pending=pending), queries, scale, mask)
+                store.put_row(rows)
+                self.last_path = path.name
                 return out
-        return attend(
-            queries,
-            self.segments(queries.shape[1] * queries.shape[2], queries.shape[2]),
-            scale=scale,
-            mask=mask,
-            key_codec=self.key_codec,
-            value_codec=self.value_codec,
-            kv_heads=self.kv_heads,
-            total=self.offset,
-        )
-
-    def _attend_and_store(self, runner: str, queries: mx.array, scale: float) -> mx.array:
-        """Attention that also encodes and stores the pending token (`kernels.step.fused`)."""
-        keys, values = self.pending
-        self.pending = None
-        self.rows = _grow(self.rows, self.encoded + 1, self.rows, self.step)
-        out, self.rows = kernels.step.fused(runner, self, queries, keys, values, scale)
-        self.encoded += 1
+            store.flush()
+        path = self._route("decode" if queries.shape[2] == 1 else "prefill", queries, mask)
+        history = self._history()
+        if path is None:
+            out, self.last_path = engine.generic(history, queries, scale, mask), "generic"
+        else:
+            out, self.last_path = path.run(history, queries, scale, mask), path.name
+        self.just_encoded = None  # only the call after the update scores them in fp16
         return out
+
+    def _route(self, phase: str, queries, mask):
+        """The registered path for this kind of call (`engine.choose`), memoised on what the
+        paths' `supports` look at (shapes, dtypes, the mask's kind, the fp16 spans, whether
+        codes exist and means are fixed), so a decode step does not re-run the checks.
+        "defer": whether a decode token may wait for a "decode_store" path."""
+        if mask is not None and not isinstance(mask, str):
+            return None  # an explicit mask array: the generic path applies it
+        key = (phase, None if queries is None else (tuple(queries.shape), queries.dtype), mask, self.sinks,
+               self.window, self.just_encoded is not None, self.encoded > 0, self.key_mean is None)
+        if key not in self._routes:
+            history = self._history(pending=self.store.pending)
+            if phase == "defer":
+                self._routes[key] = True if engine.defers(history) else None
+            else:
+                self._routes[key] = engine.choose(phase, history, queries, mask)
+        return self._routes[key]
 
     def dequantized(self):
         """(keys, values) as the attention sees them, in fp32. For tests and debugging:
@@ -383,7 +381,9 @@ class CompressedKVCache(_BaseCache):
         the window refills from new tokens only. If the trim cuts into a multi-token
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
-        self.flush()
+        if self.store is None:
+            return 0
+        self.store.flush()
         n = min(n, self.offset)
         self.just_encoded = None
         left = n
@@ -401,7 +401,7 @@ class CompressedKVCache(_BaseCache):
             if whole < kept:
                 self.window_keys = self._restore("keys", whole, kept)
                 self.window_values = self._restore("values", whole, kept)
-            self.encoded = whole
+            self.store.truncate(whole)
         if left:
             sinks = self.sinks
             self.sink_keys = self.sink_keys[..., : sinks - left, :]
@@ -423,16 +423,13 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
-        self.flush()
         arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
-        arrays += [self.key_mean, self.value_mean, self.rows]
-        arrays += list(self._fields["keys"].values()) + list(self._fields["values"].values())
-        return sum(a.nbytes for a in arrays if a is not None)
+        arrays += [self.key_mean, self.value_mean]
+        return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.nbytes)
 
     # ---- save / load --------------------------------------------------------
     @property
     def state(self):
-        self.flush()
         header = {
             "format": FORMAT_VERSION,
             "config": self.config.to_json(),
@@ -441,6 +438,7 @@ class CompressedKVCache(_BaseCache):
         }
         arrays = {}
         if self.key_codec is not None:
+            self.store.flush()
             header.update(
                 shape=[self.batch, self.kv_heads, self.key_dim, self.value_dim],
                 window_dtype=str(self.window_dtype),
@@ -470,55 +468,48 @@ class CompressedKVCache(_BaseCache):
         if "shape" not in header:
             return
         self.batch, self.kv_heads, self.key_dim, self.value_dim = header["shape"]
-        probe_k = mx.zeros((self.batch, self.kv_heads, 0, self.key_dim), dtype=getattr(mx, header["window_dtype"].split(".")[-1]))
-        probe_v = mx.zeros((self.batch, self.kv_heads, 0, self.value_dim), dtype=probe_k.dtype)
-        self._setup(probe_k, probe_v)
-        self.offset, self.encoded = header["offset"], header["encoded"]
-        stored = header.get("tokens_per_row", {})
-        self.tokens_per_row = {
-            role: {k: int(v) for k, v in stored.get(role, {}).items()} for role in ("keys", "values")
-        }
+        dtype = getattr(mx, header["window_dtype"].split(".")[-1])
+        self._setup(mx.zeros((self.batch, self.kv_heads, 0, self.key_dim), dtype=dtype),
+                    mx.zeros((self.batch, self.kv_heads, 0, self.value_dim), dtype=dtype))
+        self.offset, encoded = header["offset"], header["encoded"]
+        if header.get("tokens_per_row") != self.tokens_per_row:
+            raise CacheFormatError(f"corrupted cache layer: tokens per row {header.get('tokens_per_row')} "
+                                   f"!= the format's {self.tokens_per_row}")
         for name in _DENSE_STATE:
             if name in arrays:
                 setattr(self, name, arrays[name])
         saved = {group: dict(arrays.get(group) or {}) for group in ("keys", "values")}
-        if self.layout is None:
-            self._fields = saved
-        elif self.encoded:
-            for group in ("keys", "values"):
-                if set(saved[group]) != {"codes", "norm"}:
-                    raise CacheFormatError(f"corrupted cache layer: {group} fields {sorted(saved[group])} "
-                                           "!= ['codes', 'norm']")
-            try:
-                self.rows = self.layout.pack(saved["keys"], saved["values"])
-            except (KeyError, ValueError) as error:
-                raise CacheFormatError(f"corrupted cache layer: codes do not fit together ({error})") from None
-        self._check_restored()
+        problems = self._check_fields(saved, encoded)
+        if not problems:
+            self.store.load(saved["keys"], saved["values"], encoded)
+        self._check_restored(problems)
 
-    def _check_restored(self):
-        expected_fields = {
-            "keys": set(self.key_codec.encode(mx.zeros((1, 1, self.block, self.key_dim))).keys()),
-            "values": set(self.value_codec.encode(mx.zeros((1, 1, self.block, self.value_dim))).keys()),
-        }
+    def _check_fields(self, saved, encoded: int):
+        """What does not fit the codecs' formats in saved fields of `encoded` tokens."""
         problems = []
-        for group, fields in (("keys", self.key_fields), ("values", self.value_fields)):
-            if self.encoded and set(fields) != expected_fields[group]:
-                problems.append(f"{group} fields {sorted(fields)} != {sorted(expected_fields[group])}")
+        for group, codec in (("keys", self.key_codec), ("values", self.value_codec)):
+            fields = saved[group]
+            expected = {f.name: f for f in codec.format.fields}
+            if encoded and set(fields) != set(expected):
+                problems.append(f"{group} fields {sorted(fields)} != {sorted(expected)}")
+                continue
             for name, buf in fields.items():
-                per_row = self.tokens_per_row[group].get(name)
-                if per_row is None:
-                    problems.append(f"{group}.{name} has no row layout in the header")
-                    continue
-                rows = -(-self.encoded // per_row)
-                if buf.shape[:2] != (self.batch, self.kv_heads) or buf.shape[2] != rows:
-                    problems.append(f"{group}.{name} has shape {buf.shape}, expected {rows} rows")
+                f = expected[name]
+                rows = -(-encoded // f.tokens_per_row)
+                width = f.words if f.kind == "packed" else f.width
+                if buf.shape != (self.batch, self.kv_heads, rows, width):
+                    problems.append(f"{group}.{name} has shape {buf.shape}, expected "
+                                    f"{(self.batch, self.kv_heads, rows, width)}")
+        return problems
+
+    def _check_restored(self, problems):
         if self.config.center and self.encoded and self.key_mean is None:
             problems.append("centered codes without their means")
         for name in _DENSE_STATE:
             arr = getattr(self, name)
             if arr is not None and arr.shape[:2] != (self.batch, self.kv_heads):
                 problems.append(f"{name} has shape {arr.shape}")
-        if self.sinks + self.encoded + self.window != self.offset:
+        if not problems and self.sinks + self.encoded + self.window != self.offset:
             problems.append(
                 f"sinks {self.sinks} + codes {self.encoded} + window {self.window} != offset {self.offset}"
             )

@@ -96,6 +96,6 @@ def run_demo(args) -> None:
     caches = KVCacheBuilder(config).for_model(model).build()
     answer = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=30, prompt_cache=caches))
     print(f"sample answer with the compressed cache: {answer.strip()!r}")
-    path = f"the {kernels.backend()!r} kernels" if config.method == "turboquant_mse" else "the generic MLX-ops path"
-    print(f"decode attention on the codes: {path} (veloxquant_mlx.kernels, attention.py)")
+    print(f"decode attention on the codes: the {caches[0].last_path!r} path on the {caches[0].settings.backend!r} "
+          "back end (veloxquant_mlx.engine)")
     print(f"done in {time.perf_counter() - started:.0f} s")

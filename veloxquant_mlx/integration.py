@@ -19,6 +19,7 @@ import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, model_fingerprint
+from .settings import EngineSettings
 from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 
@@ -63,13 +64,17 @@ def base_caches(model) -> list:
     return [mlx_cache.KVCache() for _ in model.layers]
 
 
-def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None) -> list:
+def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None,
+                      settings: Optional[EngineSettings] = None) -> list:
+    """One compressed cache per attention layer; `settings` (default: resolved now, once for
+    every layer) choose the back end and attention paths."""
     install_attention_hook(model)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
+    settings = settings or EngineSettings.resolve()
     caches, kept = [], []
     for i, cache in enumerate(base_caches(model)):
         if type(cache) is mlx_cache.KVCache:
-            caches.append(CompressedKVCache(config, codecs))
+            caches.append(CompressedKVCache(config, codecs, settings))
         elif isinstance(cache, (mlx_cache.RotatingKVCache,)) or not hasattr(cache, "update_and_fetch"):
             caches.append(cache)
             kept.append(f"{i}:{type(cache).__name__}")
@@ -87,11 +92,11 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     return caches
 
 
-def patch_model(model, config: KVCacheConfig):
+def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None):
     """Make `model.make_cache()` (and so plain `mlx_lm.generate`) return fresh compressed caches."""
     codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
-    compressed_caches(model, config, codecs)  # fail now, not at the first generate
-    model.make_cache = lambda: compressed_caches(model, config, codecs)
+    compressed_caches(model, config, codecs, settings)  # fail now, not at the first generate
+    model.make_cache = lambda: compressed_caches(model, config, codecs, settings)
     return model
 
 
@@ -186,10 +191,11 @@ class KVCacheBuilder:
     def config(self) -> KVCacheConfig:
         return KVCacheConfig(**self._fields)
 
-    def build(self):
+    def build(self, settings: Optional[EngineSettings] = None):
+        """The caches; `settings` override the engine's (`settings.EngineSettings`)."""
         config = self.config()
         if self._model is not None:
-            return compressed_caches(self._model, config)
+            return compressed_caches(self._model, config, settings=settings)
         if self._head_dim is not None:
             return SingleHeadCache(config, self._head_dim)
         raise ValueError("call for_model(model) or with_head_dim(d) before build()")

@@ -6,7 +6,7 @@ shapes (GPU backends compile kernels per shape on first use: on CUDA a first
 fresh caches; each figure is the median of the runs. The methods of a context
 take turns run by run, so that ratios between them are not skewed by a machine
 that speeds up or slows down during the sweep.
-A run prefills `context` random tokens in chunks (evaluating the caches between
+A run prefills `batch` rows of `context` random tokens (prompts of equal length) in chunks (evaluating the caches between
 chunks, as mlx-lm does) and then greedily decodes `decode_tokens` tokens with
 the next step queued before the current one is read (mlx-lm's pipelining).
 `max_seconds` bounds a configuration's own run time: another run starts only when
@@ -35,22 +35,27 @@ class ConfigTimeout(RuntimeError):
 
 
 def prefill(model, caches, tokens: mx.array, chunk: int, check: Callable[[], None]) -> mx.array:
-    """Feed `tokens` (T,) and return the first generated token."""
-    while tokens.shape[0] > 1:
+    """Feed `tokens` (B, T) and return the first generated token of each row (B,)."""
+    while tokens.shape[1] > 1:
         check()
-        n = min(chunk, tokens.shape[0] - 1)
-        model(tokens[:n][None], cache=caches)
+        n = min(chunk, tokens.shape[1] - 1)
+        model(tokens[:, :n], cache=caches)
         mx.eval(cache_arrays(caches))
-        tokens = tokens[n:]
+        tokens = tokens[:, n:]
         mx.clear_cache()
     check()
-    first = mx.argmax(model(tokens[None], cache=caches)[:, -1, :], axis=-1)
+    first = mx.argmax(model(tokens, cache=caches)[:, -1, :], axis=-1)
     mx.eval(first)
     return first
 
 
+def attention_paths(caches) -> List[str]:
+    """The attention paths the compressed caches took on their last call (`engine.py`)."""
+    return sorted({c.last_path for c in caches if getattr(c, "last_path", None)})
+
+
 def decode(model, caches, token: mx.array, steps: int, check: Callable[[], None]) -> None:
-    """Greedy decoding of `steps` tokens after `token` (1,)."""
+    """Greedy decoding of `steps` tokens after `token` (B,)."""
 
     def step(y):
         return mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)
@@ -77,12 +82,15 @@ def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chu
         start = time.perf_counter()
         first = prefill(model, caches, tokens, chunk, check)
         prefill_s = time.perf_counter() - start
+        prefill_paths = attention_paths(caches)
         start = time.perf_counter()
         decode(model, caches, first, decode_tokens, check)
         decode_s = time.perf_counter() - start
         return {
             "prefill_s": prefill_s,
             "decode_s": decode_s,
+            "prefill_paths": prefill_paths,
+            "decode_paths": attention_paths(caches),
             "peak_memory_bytes": mx.get_peak_memory(),
             "kv_bytes": cache_bytes(caches),
             "kv_tokens": cache_tokens(caches),
@@ -99,13 +107,16 @@ class ConfigRuns:
     configuration's own run time."""
 
     def __init__(self, model, spec: MethodSpec, context: int, layout: KVLayout, *, vocab_size: int,
-                 decode_tokens: int, chunk: int, max_seconds: float, guard: MemoryGuard, seed: int, clock_zero: float):
+                 decode_tokens: int, chunk: int, max_seconds: float, guard: MemoryGuard, seed: int, clock_zero: float,
+                 batch: int = 1):
         self.model, self.spec, self.context, self.layout = model, spec, context, layout
         self.decode_tokens, self.chunk, self.max_seconds, self.guard = decode_tokens, chunk, max_seconds, guard
         self.clock_zero = clock_zero
-        self.record = {**spec.describe(), "context": context, "decode_tokens": decode_tokens,
+        self.batch = batch
+        self.record = {**spec.describe(), "context": context, "batch": batch, "decode_tokens": decode_tokens,
                        "status": "ok", "error": None}
-        self.tokens = mx.random.randint(0, vocab_size, (context,), key=mx.random.key(seed + context)).astype(mx.uint32)
+        self.tokens = mx.random.randint(0, vocab_size, (batch, context),
+                                        key=mx.random.key(seed + context)).astype(mx.uint32)
         self.runs: List[Dict] = []
         self.seconds = 0.0  # spent in this configuration's runs so far
         self.done = False
@@ -157,11 +168,14 @@ class ConfigRuns:
         context, decode_tokens, layout = self.context, self.decode_tokens, self.layout
         prefill_s, decode_s = median("prefill_s"), median("decode_s")
         kv_bytes, kv_tokens = runs[-1]["kv_bytes"], runs[-1]["kv_tokens"]
+        batch = self.batch
         record.update(
             prefill_seconds=finite(prefill_s),
-            prefill_tokens_per_s=finite(context / prefill_s) if prefill_s > 0 else None,
+            prefill_tokens_per_s=finite(batch * context / prefill_s) if prefill_s > 0 else None,
             decode_seconds=finite(decode_s),
-            decode_tokens_per_s=finite(decode_tokens / decode_s) if decode_s > 0 and decode_tokens else None,
+            decode_tokens_per_s=finite(batch * decode_tokens / decode_s) if decode_s > 0 and decode_tokens else None,
+            prefill_paths=runs[-1]["prefill_paths"],
+            decode_paths=runs[-1]["decode_paths"],
             peak_memory_bytes=int(median("peak_memory_bytes")),
             kv_bytes=kv_bytes,
             kv_tokens=kv_tokens,
@@ -176,7 +190,7 @@ def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], layout: K
                   vocab_size: int, decode_tokens: int = 32, repeats: int = 3, warmup: int = 1, chunk: int = 2048,
                   max_seconds: float = 300.0, guard: Optional[MemoryGuard] = None,
                   progress: bool = True, on_update: Optional[Callable[[List[Dict]], None]] = None,
-                  seed: int = 0) -> List[Dict]:
+                  seed: int = 0, batch: int = 1) -> List[Dict]:
     """Records for every (context, method), shortest context first. Within a context the
     methods take turns: every method's warm-up runs, then round r of every method, for r
     in 1..repeats. A method stopped by the memory guard is not run at longer contexts."""
@@ -190,7 +204,8 @@ def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], layout: K
                disable=not progress)
     for context in sorted(contexts):
         configs = [ConfigRuns(model, spec, context, layout, vocab_size=vocab_size, decode_tokens=decode_tokens,
-                              chunk=chunk, max_seconds=max_seconds, guard=guard, seed=seed, clock_zero=clock_zero)
+                              chunk=chunk, max_seconds=max_seconds, guard=guard, seed=seed, clock_zero=clock_zero,
+                              batch=batch)
                    for spec in specs if spec.label not in stopped]
         by_label = {config.spec.label: config for config in configs}
 
@@ -200,7 +215,7 @@ def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], layout: K
                 if spec.label in by_label:
                     out.append(by_label[spec.label].result())
                 else:
-                    out.append({**spec.describe(), "context": context, "decode_tokens": decode_tokens,
+                    out.append({**spec.describe(), "context": context, "batch": batch, "decode_tokens": decode_tokens,
                                 "status": "skipped", "repeats_done": 0,
                                 "error": f"skipped after the memory guard stopped context {stopped[spec.label]}"})
             return out

@@ -153,7 +153,7 @@ def run_benchmark_command(args) -> None:
     results["settings"] = {
         "model_source": source, "dtype": dtype_name, "weights": weights, "contexts": contexts,
         "decode_tokens": args.decode_tokens, "repeats": args.repeats, "warmup": args.warmup,
-        "prefill_chunk": args.chunk,
+        "prefill_chunk": args.chunk, "batch": args.batch,
         "max_seconds_per_config": args.max_seconds, "min_free_gb": args.min_free_gb,
     }
     start = time.perf_counter()
@@ -161,7 +161,7 @@ def run_benchmark_command(args) -> None:
         model, specs, contexts, layout, vocab_size=vocab_size, decode_tokens=args.decode_tokens,
         repeats=args.repeats, warmup=args.warmup, chunk=args.chunk, max_seconds=args.max_seconds,
         guard=MemoryGuard(args.min_free_gb), progress=not args.no_progress,
-        on_update=_saver(args.out, results), seed=args.seed,
+        on_update=_saver(args.out, results), seed=args.seed, batch=args.batch,
     )
     results["duration_s"] = round(time.perf_counter() - start, 2)
     _finish(args.out, results, not args.no_figures)
@@ -232,6 +232,8 @@ def register_benchmark_cli(subparsers) -> None:
     bench.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (median)")
     bench.add_argument("--warmup", type=int, default=1, help="untimed runs per configuration before timing")
     bench.add_argument("--chunk", type=int, default=2048, help="prefill tokens per forward pass")
+    bench.add_argument("--batch", type=int, default=1,
+                       help="prompts of equal length decoded together (tok/s counts every row); default 1")
     bench.add_argument("--weights-bits", type=int, choices=[2, 3, 4, 6, 8], default=None,
                        help="quantize the weights (nn.quantize, group 64); default: float weights")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],

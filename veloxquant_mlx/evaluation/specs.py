@@ -4,6 +4,7 @@
     mlx-q8, mlx-q4:group=32       mlx-lm's QuantizedKVCache (group 64 by default)
     turboquant_prod:4             a registered VeloxQuant method at 4 key bits
     kivi:2:group=32,residual=32   ... with config fields or method options
+    turboquant_mse:3:backend=portable   ... on another engine back end (`settings.EngineSettings`)
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ class MethodSpec:
     group_size: Optional[int] = None
     config: Optional[KVCacheConfig] = None
     settings: Dict[str, Any] = field(default_factory=dict)
+    engine: Dict[str, Any] = field(default_factory=dict)  # EngineSettings fields given in the spec
 
     @property
     def is_baseline(self) -> bool:
@@ -62,7 +64,9 @@ class MethodSpec:
 
     def make_caches(self, model) -> list:
         if self.config is not None:
-            return KVCacheBuilder(self.config).for_model(model).build()
+            from ..settings import EngineSettings
+
+            return KVCacheBuilder(self.config).for_model(model).build(settings=EngineSettings.resolve(**self.engine))
         caches = base_caches(model)
         if self.method == "fp16":
             return caches
@@ -92,6 +96,8 @@ class MethodSpec:
                 "seed": self.config.seed,
                 "options": dict(self.config.options),
             }
+        if self.engine:
+            info["engine"] = dict(self.engine)
         return info
 
 
@@ -167,9 +173,15 @@ def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, s
         fields["bits"] = _int(spec, "bits", bits)
     elif 4 not in method.key_bits:
         fields["bits"] = method.key_bits.stop - 1
-    options = {}
+    options, engine = {}, {}
     for key, value in settings.items():
-        if key in CONFIG_KEYS:
+        if key == "backend":
+            from ..settings import BACKENDS
+
+            if value not in BACKENDS:
+                raise MethodSpecError(f"{spec!r}: backend must be one of {', '.join(BACKENDS)}, got {value!r}")
+            engine["backend"] = value
+        elif key in CONFIG_KEYS:
             fields[CONFIG_KEYS[key]] = _int(spec, key, value)
         elif key == "center":
             fields["center"] = parse_option_value(value, bool)
@@ -187,7 +199,7 @@ def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, s
         label += ":" + ",".join(f"{k}={v}" for k, v in settings.items())
     return MethodSpec(
         spec, label, VELOXQUANT, name, config.bits, config.value_bits,
-        group_size=config.group_size, config=config, settings=dict(settings),
+        group_size=config.group_size, config=config, settings=dict(settings), engine=engine,
     )
 
 

@@ -1,126 +1,66 @@
-"""Attention and encoding on packed codes, with kernels chosen at run time.
+"""Kernels for the "mse" format family (turboquant_mse keys and values), registered as
+attention paths of the engine (`veloxquant_mlx.engine`).
 
-Back ends (`backend()`):
+Back ends (`settings.EngineSettings.backend`):
 
-* ``cuda``: `mx.fast.cuda_kernel`, when MLX's CUDA back end is available and
-  the default device is the GPU;
-* ``metal``: `mx.fast.metal_kernel`, generated from the same templates, only
-  with ``VELOXQUANT_METAL_KERNELS=1`` (not yet run on a Mac; see docs/kernels.md);
+* ``cuda``: `mx.fast.cuda_kernel`, when MLX's CUDA back end is available and the
+  default device is the GPU;
+* ``metal``: `mx.fast.metal_kernel`, generated from the same templates; each kernel is
+  checked against the portable path at first use (`check.py`), and a kernel that fails
+  is reported in a warning and replaced by the portable path for the process;
 * ``native``: on the CPU, one C++ MLX primitive (`native.py`, `csrc/mse_attention.cpp`)
   where the optional extension was built (`make setup` builds it);
-* ``portable``: MLX ops compiled with `mx.compile`, everywhere else.
+* ``portable``: MLX ops, everywhere else;
+* ``emulator``: the kernels' text compiled as C++ and run on the CPU (tests).
 
-``VELOXQUANT_KERNELS=portable`` forces the portable path (``=native`` insists on the
-C++ one on the CPU and fails where it was not built); ``VELOXQUANT_KERNELS=off``
-sends all attention to the generic blockwise path of `veloxquant_mlx.attention`. Kernels exist for
-turboquant_mse keys and values (1-8 bits, head dims that are multiples of 32;
-seeded Hadamard rotations of power-of-two dims are applied inside the kernels,
-other rotations by MLX ops around them); other methods use the generic
-attention in `veloxquant_mlx.attention`.
+The paths read the codes through `engine.History` (never the cache) and the word
+offsets of a row from its `formats.RowLayout`. Seeded Hadamard rotations of
+power-of-two dims are applied inside the kernels, other rotations by MLX ops around
+them. Other formats take the engine's paths for every format.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
+import warnings
 from typing import Optional
 
 import mlx.core as mx
 
-from . import launch, native, ops, portable, rows, step, templates
+from .. import engine
+from ..settings import CPU_BACKENDS, EngineSettings
+from . import check, launch, native, ops, portable, step, templates
 
-__all__ = ["attention", "backend", "decode_attention", "prefill_attention", "encode_rows", "kernel_supported",
-           "launch", "native", "ops", "portable", "rows", "step", "templates"]
+__all__ = ["backend", "decode_attention", "prefill_attention", "kernel_supported", "mse_rows",
+           "check", "launch", "native", "ops", "portable", "step", "templates"]
 
-
-CPU_BACKENDS = ops.CPU_BACKENDS
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
-
-
-@dataclass(frozen=True)
-class Mode:
-    """The settings a cache decodes with, read once when it first receives tokens (so
-    that a decode step does no environment look-ups): the back end, whether kernels are
-    off (VELOXQUANT_KERNELS=off), whether the compiled step is on (VELOXQUANT_COMPILE_STEP)
-    and whether GPU prefill may dequantize the history (VELOXQUANT_PREFILL_DEQUANT=1)."""
-
-    backend: str
-    off: bool
-    compiled: bool
-    prefill_dequant: bool
-
-    @property
-    def gpu_kernels(self) -> bool:
-        return self.backend in ("cuda", "metal") and not self.off
-
-
-def mode() -> Mode:
-    return Mode(backend(), _off(os.environ.get("VELOXQUANT_KERNELS")), step.enabled(),
-                os.environ.get("VELOXQUANT_PREFILL_DEQUANT") == "1")
+KERNEL_BACKENDS = ("cuda", "metal", "emulator")
 
 
 def backend() -> str:
-    """The active back end (see the module docstring); cheap enough to call per layer."""
-    key = (os.environ.get("VELOXQUANT_KERNELS"), os.environ.get("VELOXQUANT_METAL_KERNELS"),
-           mx.default_device())
-    return _backend(key)
+    """The back end a cache made now would use (for reports)."""
+    return EngineSettings.resolve().backend
 
 
-@functools.lru_cache(maxsize=32)
-def _backend(key) -> str:
-    forced = (key[0] or "auto").strip().lower()
-    if forced in ("portable", "off", "generic", "0", "none"):
-        return "portable"
-    if forced == "emulator":  # the kernels' C++ emulation on the CPU: slow, for tests
-        return "emulator"
-    try:
-        on_gpu = key[2].type == mx.DeviceType.gpu
-    except Exception:  # pragma: no cover
-        on_gpu = False
-    if forced == "native" and not native.available():
-        raise RuntimeError("VELOXQUANT_KERNELS=native, but veloxquant_mlx._native was not built "
-                           "(scripts/build_native.sh)")
-    if not on_gpu:
-        return "native" if native.available() else "portable"
-    if forced in ("auto", "cuda") and _cuda_available():
-        return "cuda"
-    metal_flag = (key[1] or "0").strip().lower() in ("1", "true", "yes", "on")
-    if (forced == "metal" or metal_flag) and mx.metal.is_available():
-        return "metal"
-    return "portable"
-
-
-def _cuda_available() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    try:
-        return bool(cuda is not None and cuda.is_available())
-    except Exception:  # pragma: no cover
-        return False
-
-
-def _is_mse(codec) -> bool:
-    global _MSECodec
-    if _MSECodec is None:
-        from ..methods.turboquant_mse import MSECodec
-
-        _MSECodec = MSECodec
-    return type(codec) is _MSECodec
-
-
-_MSECodec = None
-
-
-@functools.lru_cache(maxsize=256)
-def _decode_kernel_ok(key_codec, value_codec, rep: int) -> bool:
-    return kernel_supported(key_codec, value_codec) and launch.partial_shared_bytes(
-        key_codec.dim, rep, key_codec.bits, value_codec.bits) <= SHARED_LIMIT
+def mse_rows(layout) -> Optional[tuple]:
+    """(key words, value words, row words) where `layout` is the row the mse kernels read:
+    key codes, value codes, then one word of key norm (low half) and value norm (high
+    half); None for any other layout."""
+    if layout is None or layout.key.kernel != "mse" or layout.value.kernel != "mse":
+        return None
+    kc, vc = layout.slot("keys", "codes"), layout.slot("values", "codes")
+    kn, vn = layout.slot("keys", "norm"), layout.slot("values", "norm")
+    kw, vw = kc.field.words, vc.field.words
+    if (kc.start, vc.start, kn.start, vn.start, layout.words) != (0, kw, 2 * (kw + vw), 2 * (kw + vw) + 1, kw + vw + 1):
+        return None
+    return kw, vw, layout.words
 
 
 def kernel_supported(key_codec, value_codec=None) -> bool:
     """Whether the decode kernels take these codecs."""
     codecs = [key_codec] + ([value_codec] if value_codec is not None else [])
-    if not all(_is_mse(c) for c in codecs):
+    if not all(c.format.kernel == "mse" for c in codecs):
         return False
     if value_codec is not None and key_codec.dim != value_codec.dim:
         return False
@@ -133,143 +73,184 @@ def kernel_supported(key_codec, value_codec=None) -> bool:
     return True
 
 
-def encode_rows(layout, keys: mx.array, values: mx.array, *, using: Optional[str] = None) -> mx.array:
-    """Rows (`rows.py`) of new keys and values: one kernel launch where the back end has
-    kernels, else the codecs' MLX ops."""
-    name = using or backend()
-    if name not in CPU_BACKENDS and keys.shape[-2] > 0 and max(layout.key_codec.dim, layout.value_codec.dim) <= 1024:
-        return ops.mse_encode_rows(ops.runner(name), layout.key_codec, layout.value_codec, keys, values)
-    return layout.encode(keys, values)
+@functools.lru_cache(maxsize=256)
+def _decode_kernel_ok(key_codec, value_codec, rep: int) -> bool:
+    return kernel_supported(key_codec, value_codec) and launch.partial_shared_bytes(
+        key_codec.dim, rep, key_codec.bits, value_codec.bits) <= SHARED_LIMIT
 
 
-def compiled_append_applies(cache) -> bool:
-    """Whether a one-token append can take the compiled step (`step.append`): turboquant_mse
-    buffers already exist, centering means (if any) are fixed, and the back end's encoder
-    can be traced (MLX ops or mx.fast kernels, not the emulator)."""
-    mode = cache.mode
-    if not (cache.encoded and mode.compiled and mode.backend in ("cuda", "metal") + CPU_BACKENDS):
+@functools.lru_cache(maxsize=64)
+def _warn_no_kernel(backend_name: str, key_codec, value_codec, rep: int):
+    reason = ("head dims differ" if key_codec.dim != value_codec.dim else
+              f"head dim {key_codec.dim} is not a multiple of 32 up to 1024" if not kernel_supported(key_codec, value_codec)
+              else f"the partial kernel would need {launch.partial_shared_bytes(key_codec.dim, rep, key_codec.bits, value_codec.bits)} "
+                   f"bytes of shared memory (> {SHARED_LIMIT})")
+    warnings.warn(f"veloxquant_mlx: no {backend_name} decode kernel for turboquant_mse K{key_codec.bits}/V{value_codec.bits} "
+                  f"d={key_codec.dim} with {rep} query heads per kv head ({reason}); this shape decodes on the "
+                  "engine's compiled MLX-ops path", RuntimeWarning, stacklevel=3)
+
+
+def _mse(h) -> bool:
+    return h.count > 0 and mse_rows(h.layout) is not None
+
+
+def _kernels_take(h, queries) -> bool:
+    """One query per head, mse rows, a kernel back end, and a decode kernel for this shape
+    (warned once per shape where there is none)."""
+    name = h.settings.backend
+    if name not in KERNEL_BACKENDS or not _mse(h) or not check.usable(name):
         return False
-    if cache.config.center and cache.key_mean is None:
+    rep = queries.shape[1] // h.kv_heads
+    if not _decode_kernel_ok(h.key_codec, h.value_codec, rep):
+        _warn_no_kernel(name, h.key_codec, h.value_codec, rep)
         return False
-    return _kernel_layout(cache)
+    return True
 
 
-def defers_tokens(cache) -> bool:
-    """Whether a one-token update may be left for the attention call (`step.fused`, GPU
-    kernel back ends only)."""
-    return cache.mode.gpu_kernels and compiled_append_applies(cache)
+def _decode_call(queries, mask) -> bool:
+    return queries.shape[2] == 1 and engine.plain_mask(mask)
 
 
-def fused_runner(cache, queries: mx.array, mask=None) -> Optional[str]:
-    """The runner with which the cache's pending token can be attended and stored in one
-    step (`step.fused`), or None."""
-    if not (cache.mode.gpu_kernels and step.fused_applies(cache, queries, mask)
-            and _decode_kernel_ok(cache.key_codec, cache.value_codec, queries.shape[1] // cache.kv_heads)):
-        return None
-    return cache.mode.backend
+# ---- decode_store: the pending token encoded, attended and stored by the kernels --------------
+
+def _fused_supports(h, queries, mask) -> bool:
+    if not (h.settings.compile_step and h.settings.backend in KERNEL_BACKENDS and _mse(h)):
+        return False
+    if h.key_codec.dim != h.value_codec.dim or h.fp16 is not None:
+        return False
+    if ops.constants(h.key_codec)["signs"] is None or ops.constants(h.value_codec)["signs"] is None:
+        return False  # the merge encodes the new token: both rotations in-kernel (power-of-two dim)
+    if queries is None:  # asked whether a decode token may wait (engine.defers)
+        return check.usable(h.settings.backend)
+    return _decode_call(queries, mask) and _kernels_take(h, queries)
 
 
-def _kernel_layout(cache) -> bool:
-    """Codes stored as turboquant_mse rows (`rows.py`), which the kernels read."""
-    return cache.layout is not None and cache.rows is not None
+@engine.register_path("mse_fused_step", "decode_store", _fused_supports, priority=30)
+def fused_step(h, queries, scale, mask=None):
+    keys, values = h.pending
+    return step.fused(h.settings.backend, h, queries, keys, values, scale)
 
 
-@functools.lru_cache(maxsize=8)
-def _off(value) -> bool:
-    return (value or "").strip().lower() in ("off", "generic")
+# ---- decode ----------------------------------------------------------------------------------
+
+def _step_supports(h, queries, mask) -> bool:
+    return h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries)
 
 
-def attention(cache, queries: mx.array, scale: float, mask=None) -> Optional[mx.array]:
-    """`decode_attention` or `prefill_attention`, whichever applies, else None
-    (also with VELOXQUANT_KERNELS=off: everything then takes the generic path)."""
-    if cache.mode.off:
-        return None
-    out = decode_attention(cache, queries, scale, mask)
-    if out is None and cache.mode.prefill_dequant:
-        # Opt-in: faster GPU prefill, but one layer's whole history exists in fp16
-        # for the duration of the call, so peak memory can exceed an fp16 cache's.
-        out = prefill_attention(cache, queries, scale, mask)
-    return out
+@engine.register_path("mse_kernel_step", "decode", _step_supports, priority=20)
+def kernel_step(h, queries, scale, mask=None):
+    """The partial and merge kernels (and the fp16 sinks/window partial), one compiled graph."""
+    return step.attend(h.settings.backend, h, queries, scale)
 
 
-def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
-                      using: Optional[str] = None) -> Optional[mx.array]:
-    """Prefill chunks on a GPU back end: the codes are decoded once per chunk into
-    the codecs' domains (one kernel each, fp16) and attended with MLX's fused SDPA
-    (q rotated in, output un-rotated once). Only where every history token is
-    scored from its codes (no sinks, no fp16 window); None otherwise."""
-    cache.flush()
-    if queries.shape[2] < 2 or cache.encoded == 0:
-        return None
-    name = using or cache.mode.backend
-    if name in CPU_BACKENDS:
-        return None
-    if cache.sinks or cache.window or cache.just_encoded is not None or cache.encoded != cache.offset:
-        return None
-    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
-        return None
-    if not _kernel_layout(cache):
-        return None
-    kc, vc = cache.key_codec, cache.value_codec
-    run = ops.runner(name)
-    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
-    keys = ops.mse_dequant(run, cache.layout, "keys", cache.rows, cache.encoded, dtype)
-    values = ops.mse_dequant(run, cache.layout, "values", cache.rows, cache.encoded, dtype)
-    q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    out = vc.from_domain(out.astype(mx.float32))
-    if cache.value_mean is not None:
-        B, n_heads, L, dv = out.shape
-        kv_heads = cache.kv_heads
-        out = out.reshape(B, kv_heads, n_heads // kv_heads, L, dv) + cache.value_mean.astype(mx.float32)[:, :, None]
-        out = out.reshape(B, n_heads, L, dv)
-    return out.astype(queries.dtype)
+def _native_supports(h, queries, mask) -> bool:
+    return (h.settings.backend == "native" and _decode_call(queries, mask) and _mse(h)
+            and kernel_supported(h.key_codec, h.value_codec))
+
+
+@engine.register_path("mse_native", "decode", _native_supports, priority=20)
+def native_decode(h, queries, scale, mask=None):
+    o, ml = native.mse_partials(queries, h.key_codec, h.value_codec, h.store.rows, h.count, scale)
+    return portable.merge(o, ml, h, queries, scale)
+
+
+def _ops_supports(h, queries, mask) -> bool:
+    return not h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries)
+
+
+@engine.register_path("mse_kernel_ops", "decode", _ops_supports, priority=10)
+def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
+    """The kernels launched op by op (VELOXQUANT_COMPILE_STEP=0, and tests with a chunk size)."""
+    run = ops.runner(h.settings.backend)
+    plain = None if h.fp16 is None else engine.plain_partial(queries, *h.fp16, scale)
+    o, ml, _ = ops.mse_partials(run, queries, h.key_codec, h.value_codec, h.store.rows, h.count, scale,
+                                chunk=chunk or h.settings.split_tokens)
+    return ops.merge(run, o, ml, h.value_codec, queries.shape, queries.dtype, plain=plain, value_mean=h.value_mean)
+
+
+def _portable_supports(h, queries, mask) -> bool:
+    return h.settings.backend in CPU_BACKENDS and _decode_call(queries, mask) and _mse(h)
+
+
+@engine.register_path("mse_portable", "decode", _portable_supports, priority=5)
+def portable_decode(h, queries, scale, mask=None):
+    """On the CPU without the C++ kernel: codes decoded a split at a time through a table of
+    centroid groups (`portable.decode_unit`), MLX ops."""
+    key_fields, value_fields = h.store.fields("keys"), h.store.fields("values")
+    o, ml = portable.mse_partials(queries, h.key_codec, h.value_codec, key_fields, value_fields, h.count, scale)
+    return portable.merge(o, ml, h, queries, scale)
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+
+def _dequant_rows(h, role: str, dtype) -> mx.array:
+    run = ops.runner(h.settings.backend)
+    codec = h.key_codec if role == "keys" else h.value_codec
+    return ops.mse_dequant(run, codec, h.layout, role, h.store.rows, h.count, dtype)
+
+
+def _prefill_supports(h, queries, mask) -> bool:
+    return (h.settings.backend in KERNEL_BACKENDS and h.settings.backend != "emulator" and _mse(h)
+            and check.usable(h.settings.backend) and max(h.key_codec.dim, h.value_codec.dim) <= 1024
+            and engine.sdpa_prefill_supports(h, queries, mask))
+
+
+@engine.register_path("mse_kernel_prefill", "prefill", _prefill_supports, priority=10)
+def kernel_prefill(h, queries, scale, mask=None):
+    """The engine's SDPA prefill with the history decoded by the dequant kernel."""
+    return engine.sdpa_prefill(h, queries, scale, mask, decode=_dequant_rows)
+
+
+# ---- encoding ----------------------------------------------------------------------------------
+
+def _encoder_supports(layout, settings) -> bool:
+    return (settings.backend in KERNEL_BACKENDS and mse_rows(layout) is not None
+            and max(layout.key.dim, layout.value.dim) <= 1024 and check.usable(settings.backend))
+
+
+@engine.register_row_encoder(_encoder_supports)
+def _kernel_encoder(key_codec, value_codec, settings):
+    run = ops.runner(settings.backend)
+    return functools.partial(ops.mse_encode_rows, run, key_codec, value_codec)
+
+
+# ---- explicit back ends (tests, self-test, benchmarks) ---------------------------------------------
+
+def _history(cache, using: Optional[str]):
+    h = cache._history()
+    if using is not None:
+        h.settings = h.settings.replace(backend=using)
+    return h
 
 
 def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using: Optional[str] = None,
                      chunk: Optional[int] = None) -> Optional[mx.array]:
-    """Attention of one new query per head over `cache`, reading only packed codes
-    (plus the fp16 sinks / window), or None where the generic path must run.
-    `using` overrides `backend()` ("cuda", "metal", "emulator", "native", "portable")."""
-    cache.flush()
-    if queries.shape[2] != 1 or cache.encoded == 0:
+    """Decode attention of `cache` through the mse path of back end `using` (default: the
+    cache's): "cuda", "metal", "emulator" (kernels op by op, or the compiled step),
+    "native", "portable"; None where no mse path takes the call."""
+    cache.store.flush()
+    h = _history(cache, using)
+    if not (_decode_call(queries, mask) and _mse(h)):
         return None
-    if mask is not None and not (isinstance(mask, str) and mask == "causal"):
-        return None  # an explicit mask array: the generic path applies it
-    if not _kernel_layout(cache):
+    name = h.settings.backend
+    if name == "native":
+        return native_decode(h, queries, scale) if _native_supports(h, queries, mask) else None
+    if name == "portable":
+        return portable_decode(h, queries, scale)
+    if not _kernels_take(h, queries):
         return None
-    kc, vc = cache.key_codec, cache.value_codec
+    if chunk is None and h.settings.compile_step and name != "emulator":
+        return kernel_step(h, queries, scale)
+    return kernel_ops(h, queries, scale, chunk=chunk)
 
-    fp16 = None  # the sinks and the window: (keys, values)
-    parts_k, parts_v = [], []
-    if cache.sinks:
-        parts_k.append(cache._centered(cache.sink_keys))
-        parts_v.append(cache.sink_values)
-    if cache.window:
-        parts_k.append(cache._centered(cache.window_keys))
-        parts_v.append(cache.window_values)
-    if parts_k:
-        keys = parts_k[0] if len(parts_k) == 1 else mx.concatenate([p.astype(mx.float32) for p in parts_k], axis=2)
-        values = parts_v[0] if len(parts_v) == 1 else mx.concatenate(parts_v, axis=2)
-        fp16 = (keys, values)
-    value_mean = cache.value_mean
 
-    def merged(o, ml):  # the CPU paths: with the fp16 partial, one compiled graph
-        if fp16 is None:
-            return portable.merge_partials(o, ml, vc, queries.shape, queries.dtype, value_mean=value_mean)
-        return portable.merge_with_plain(o, ml, vc, queries, *fp16, scale, value_mean=value_mean)
-
-    name = using or cache.mode.backend
-    if name in ("cuda", "metal") and fp16 is None and chunk is None and cache.mode.compiled \
-            and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
-        return step.attend(name, cache, queries, scale)
-    if name == "native" and kernel_supported(kc, vc):
-        return merged(*native.mse_partials(queries, kc, vc, cache.rows, cache.encoded, scale))
-    if name != "portable" and _decode_kernel_ok(kc, vc, queries.shape[1] // cache.kv_heads):
-        run = ops.runner(name)
-        plain = None if fp16 is None else portable.plain_partial(queries, *fp16, scale)
-        o, ml, _ = ops.mse_partials(run, queries, kc, vc, cache.rows, cache.encoded, scale, chunk=chunk)
-        return ops.merge(run, o, ml, vc, queries.shape, queries.dtype, plain=plain, value_mean=value_mean)
-    key_fields = {k: v[..., : cache.encoded, :] for k, v in cache.key_fields.items()}
-    value_fields = {k: v[..., : cache.encoded, :] for k, v in cache.value_fields.items()}
-    return merged(*portable.mse_partials(queries, kc, vc, key_fields, value_fields, cache.encoded, scale))
+def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
+                      using: Optional[str] = None) -> Optional[mx.array]:
+    """The kernel prefill of back end `using` (a GPU one, or "emulator" for tests), or None."""
+    cache.store.flush()
+    h = _history(cache, using)
+    if h.settings.backend == "emulator":  # the dequant kernel in C++, MLX's SDPA on the CPU
+        ok = _mse(h) and engine.sdpa_prefill_applies(h, queries, mask)
+    else:
+        ok = _prefill_supports(h, queries, mask)
+    return engine.sdpa_prefill(h, queries, scale, mask, decode=_dequant_rows) if ok else None

@@ -24,9 +24,6 @@ Runner = Callable[..., List[mx.array]]
 
 _RUNNERS: Dict[str, Runner] = {}
 
-# Back ends without a kernel runner: they encode with the codecs' MLX ops
-# (`native` attends with the C++ kernel of `native.py`, `portable` with MLX ops).
-CPU_BACKENDS = ("native", "portable")
 
 
 def runner(name: str) -> Runner:
@@ -54,19 +51,7 @@ def _make_runner(name: str) -> Runner:
 
 # ---- constants, built once --------------------------------------------------
 
-_SMALL: Dict[tuple, mx.array] = {}
-
-
-def small_array(values: Tuple, dtype=mx.int32) -> mx.array:
-    """A tiny constant array, shared by every call with the same values (all
-    layers of a decoding step pass the same token count)."""
-    key = (values, dtype)
-    arr = _SMALL.get(key)
-    if arr is None:
-        if len(_SMALL) > 1024:
-            _SMALL.clear()
-        arr = _SMALL[key] = mx.array(list(values), dtype=dtype)
-    return arr
+from ..engine import small_array  # noqa: E402  (re-exported for the kernels' callers)
 
 
 _DUMMY: List[mx.array] = []
@@ -173,7 +158,7 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
     bh, splits, rep, dim = o.shape
     signs = constants(value_codec)["signs"]
     if signs is None:
-        from .portable import merge_partials
+        from ..engine import merge_partials
 
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain, value_mean=value_mean)
     plan = launch.merge_plan(bh, rep, dim, splits, unrotate=True, plain=plain is not None,
@@ -188,14 +173,13 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
     return out
 
 
-def mse_dequant(run: Runner, layout, role: str, rows: mx.array, tokens: int, out_dtype=mx.float16) -> mx.array:
+def mse_dequant(run: Runner, codec, layout, role: str, rows: mx.array, tokens: int, out_dtype=mx.float16) -> mx.array:
     """codec.decode of the first `tokens` of `rows` for `role` ("keys" or "values"):
-    (B, H, tokens, D) in the codec's domain."""
-    codec = layout.key_codec if role == "keys" else layout.value_codec
+    (B, H, tokens, D) in the codec's domain; word offsets from the row `layout`."""
     B, H, cap, _ = rows.shape
+    codes, norm = layout.slot(role, "codes"), layout.slot(role, "norm")
     plan = launch.dequant_plan(B * H, codec.dim, codec.bits, tokens, cap, out_dtype=launch.dtype_name(out_dtype),
-                               row_words=layout.words, offset=0 if role == "keys" else layout.key_words,
-                               norm_half=2 * layout.norm_word + (0 if role == "keys" else 1))
+                               row_words=layout.words, offset=codes.start, norm_half=norm.start)
     (out,) = run(plan, [rows, constants(codec)["centroids"], small_array(tuple(plan.meta["meta"]))],
                  [(B, H, tokens, codec.dim)])
     return out

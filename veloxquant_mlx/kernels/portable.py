@@ -1,8 +1,8 @@
 """The portable path: the kernels' maths in MLX ops (any device, the CPU included).
 
 Same contract as the kernels in `ops.py`: `mse_partials` returns per-split
-(o, m, l) in the value codec's domain, `merge_partials` merges them with an
-optional plain (fp16) partial, un-rotates once and divides. The per-split
+(o, m, l) in the value codec's domain, `merge` merges them with the fp16
+sinks/window partial (`engine.merge_partials`), un-rotates once and divides. The per-split
 softmax step is compiled with `mx.compile`; codes are decoded one split at a
 time, so at most `chunk` tokens exist in float at once.
 """
@@ -17,18 +17,10 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ..engine import merge_partials, plain_partial
 from ..packing import unpack
 
 PORTABLE_CHUNK = 4096
-
-
-@mx.compile
-def _split_step(q: mx.array, keys: mx.array, values: mx.array):
-    """q (B, H, R, D), keys / values (B, H, n, D) float32 -> o (B, H, R, Dv), m, l (B, H, R, 1)."""
-    scores = q @ keys.swapaxes(-1, -2)
-    m = mx.max(scores, axis=-1, keepdims=True)
-    p = mx.exp(scores - m)
-    return p @ values, m, mx.sum(p, axis=-1, keepdims=True)
 
 
 @mx.compile
@@ -132,58 +124,23 @@ def mse_partials(queries: mx.array, key_codec, value_codec, key_fields, value_fi
     return o, ml
 
 
-def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float):
-    """A partial over fp16 tokens (sinks + window): (o (B*Hq, Dv), ml (B*Hq, 2)), fp32."""
-    B, n_heads, L, dim = queries.shape
-    kv_heads = keys.shape[1]
-    rep = n_heads // kv_heads
-    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep * L, dim)
-    o, m, l = _split_step(q, keys.astype(mx.float32), values.astype(mx.float32))
-    return o.reshape(B * n_heads * L, -1), mx.concatenate([m, l], axis=-1).reshape(B * n_heads * L, 2)
+def merge(o: mx.array, ml: mx.array, h, queries: mx.array, scale: float) -> mx.array:
+    """The partials merged with the history's fp16 sinks/window (if any), un-rotated and
+    divided, in one compiled graph on the CPU (a decode step's ~25 small ops, fused; the
+    shapes repeat from one step to the next once the window is full)."""
+    fp16 = h.fp16
+    if fp16 is None:
+        return merge_partials(o, ml, h.value_codec, queries.shape, queries.dtype, value_mean=h.value_mean)
+    fn = _merge_with_plain_fn(h.value_codec, tuple(queries.shape), queries.dtype, float(scale),
+                              h.value_mean is not None)
+    return fn(o, ml, queries, *fp16, h.value_mean if h.value_mean is not None else ml)  # unused when None
 
 
 @functools.lru_cache(maxsize=64)
 def _merge_with_plain_fn(value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float, centered: bool):
-    def merge(o, ml, queries, keys, values, value_mean):
+    def merged(o, ml, queries, keys, values, value_mean):
         plain = plain_partial(queries, keys, values, scale)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                               value_mean=value_mean if centered else None)
 
-    return mx.compile(merge)
-
-
-def merge_with_plain(o: mx.array, ml: mx.array, value_codec, queries: mx.array, keys: mx.array,
-                     values: mx.array, scale: float, value_mean: Optional[mx.array] = None) -> mx.array:
-    """`merge_partials` with the plain partial of fp16 `keys` / `values` (sinks + window)
-    computed in the same compiled graph: a decode step's ~25 small ops on the CPU,
-    fused (the shapes repeat from one step to the next once the window is full)."""
-    fn = _merge_with_plain_fn(value_codec, tuple(queries.shape), queries.dtype, float(scale),
-                              value_mean is not None)
-    return fn(o, ml, queries, keys, values, value_mean if value_mean is not None else ml)  # unused when None
-
-
-def merge_partials(o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int, ...], out_dtype,
-                   plain: Optional[Tuple[mx.array, mx.array]] = None,
-                   value_mean: Optional[mx.array] = None) -> mx.array:
-    bh, splits, rep, dim = o.shape
-    m, l = ml[..., 0:1], ml[..., 1:2]
-    big = mx.max(m, axis=1, keepdims=True)
-    safe = mx.where(big == -mx.inf, 0.0, big)
-    e = mx.where(m == -mx.inf, 0.0, mx.exp(m - safe))
-    total = mx.sum(e * l, axis=1)  # (BH, REP, 1)
-    acc = value_codec.from_domain(mx.sum(e * o, axis=1))  # (BH, REP, Dv)
-    if value_mean is not None:
-        acc = acc + total * value_mean.astype(mx.float32).reshape(bh, 1, -1)
-    if plain is not None:
-        po, pml = plain
-        po = po.reshape(bh, rep, -1)
-        pm, pl = pml[:, 0:1].reshape(bh, rep, 1), pml[:, 1:2].reshape(bh, rep, 1)
-        big = big.reshape(bh, rep, 1)
-        top = mx.maximum(big, pm)
-        top = mx.where(top == -mx.inf, 0.0, top)
-        ec = mx.where(big == -mx.inf, 0.0, mx.exp(big - top))
-        ep = mx.where(pm == -mx.inf, 0.0, mx.exp(pm - top))
-        acc = acc * ec + po * ep
-        total = total * ec + pl * ep
-    out = acc / mx.maximum(total, 1e-30)
-    return out.reshape(out_shape).astype(out_dtype)
+    return mx.compile(merged)

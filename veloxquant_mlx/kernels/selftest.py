@@ -1,7 +1,7 @@
 """Deterministic test vectors for the kernels, and a one-command check of a back end.
 
     python -m veloxquant_mlx.kernels.selftest --backend cuda
-    VELOXQUANT_METAL_KERNELS=1 python -m veloxquant_mlx.kernels.selftest --backend metal
+    python -m veloxquant_mlx.kernels.selftest --backend metal
     python -m veloxquant_mlx.kernels.selftest --backend emulator      # the C++ emulation, CPU
 
 Every case draws its inputs from `numpy.random.default_rng(case seed)`, so the
@@ -94,11 +94,13 @@ def _inputs(case: Case):
     return keys, values, queries
 
 
-def _cache(case: Case, keys, values):
+def _cache(case: Case, keys, values, backend: Optional[str] = None):
     from ..cache import CompressedKVCache
+    from ..settings import EngineSettings
 
     dtype = getattr(mx, case.dtype)
-    cache = CompressedKVCache(_config(case))
+    settings = EngineSettings.resolve(**({"backend": backend} if backend else {}))
+    cache = CompressedKVCache(_config(case), settings=settings)
     n = case.tokens - case.queries
     k, v = mx.array(keys).astype(dtype), mx.array(values).astype(dtype)
     cache.update_and_fetch(k[..., :n, :], v[..., :n, :])
@@ -107,7 +109,7 @@ def _cache(case: Case, keys, values):
     else:
         for i in range(n, case.tokens):
             cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
-    mx.eval(cache.rows)
+    mx.eval(cache.store.rows)
     return cache
 
 
@@ -160,7 +162,7 @@ def run_case(case: Case, backend: str) -> Dict:
     if case.queries == 1:
         portable = np.array(kernels.decode_attention(cache, q, scale, mask, using="portable").astype(mx.float32))
         record["vs_portable"] = _rel(out, portable)
-    cache.kernels_enabled = False
+    cache.settings = cache.settings.replace(kernels=False)
     generic = np.array(cache.attend(q, scale=scale, mask=mask).astype(mx.float32))
     record["vs_generic"] = _rel(out, generic)
     record["vs_dequant_fp64"] = _rel(out, _attend_dequantized(cache, queries if case.dtype == "float32"
@@ -190,17 +192,18 @@ def _encode_name(kd, kb, vd, vb, renorm):
 
 
 def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, renorm: bool, tokens: int = 40) -> Dict:
+    from ..engine import row_encoder
+    from ..formats import RowLayout
     from ..methods.turboquant_mse import MSECodec
-    from . import encode_rows
-    from .rows import RowLayout
+    from ..settings import EngineSettings
 
     extra = {"renorm": True} if renorm else {}
     kc, vc = MSECodec(kd, kb, seed=3, **extra), MSECodec(vd, vb, seed=4, **extra)
-    layout = RowLayout(kc, vc)
+    layout = RowLayout.of(kc.format, vc.format)
     rng = np.random.default_rng([kd, kb, vd, vb, int(renorm)])
     k = mx.array(rng.standard_normal((2, 3, tokens, kd)).astype(np.float32)).astype(mx.float16)
     v = mx.array(rng.standard_normal((2, 3, tokens, vd)).astype(np.float32)).astype(mx.float16)
-    rows = encode_rows(layout, k, v, using=backend)
+    rows = row_encoder(layout, kc, vc, EngineSettings.resolve(backend=backend)).many(k, v)
     got = layout.views(rows)
     refs = (kc.encode(k), vc.encode(v))
     equal, norm_err, shapes = 1.0, 0.0, rows.shape == (2, 3, tokens, layout.words)
@@ -242,8 +245,6 @@ def main(argv=None) -> int:
     from .. import kernels
 
     backend = args.backend or kernels.backend()
-    if backend == "metal" and kernels.backend() != "metal":
-        print("note: metal kernels are off by default; set VELOXQUANT_METAL_KERNELS=1", file=sys.stderr)
     records = run_all(backend)
     stored = dict(np.load(args.check)) if args.check else {}
     failed = 0

@@ -21,6 +21,8 @@ from typing import Callable, ClassVar, Dict, Optional
 
 import mlx.core as mx
 
+from ..formats import Format
+
 Fields = Dict[str, mx.array]
 Params = Dict[str, mx.array]
 
@@ -30,7 +32,11 @@ class Codec:
 
     dim: int
     domain_dim: int
-    token_block: int = 1
+    format: Format  # what it stores (`formats.py`); set by each codec's constructor
+
+    @property
+    def token_block(self) -> int:
+        return self.format.token_block
 
     def encode(self, x: mx.array) -> Fields:
         raise NotImplementedError
@@ -52,8 +58,8 @@ class Codec:
         return {}
 
     def bits_per_token(self) -> float:
-        """Storage budget of one token of one head, in bits."""
-        raise NotImplementedError
+        """Storage budget of one token of one head, in bits (its fields on their own)."""
+        return self.format.bits_per_token
 
     def reconstruct(self, fields: Fields) -> mx.array:
         return self.from_domain(self.decode(fields))

@@ -2,21 +2,20 @@
 
 import mlx.core as mx
 
+from ..formats import Format, fp16
 from .base import Codec, Method, register_method
 
 
 class Fp16Codec(Codec):
     def __init__(self, dim: int):
         self.dim = self.domain_dim = dim
+        self.format = Format("fp16", dim, dim, (fp16("x", dim),))
 
     def encode(self, x):
         return {"x": x.astype(mx.float16)}
 
     def decode(self, fields):
         return fields["x"].astype(mx.float32)
-
-    def bits_per_token(self):
-        return 16.0 * self.dim
 
 
 @register_method("fp16")

@@ -22,7 +22,8 @@ G = 32, R = 128; here G is config.group_size (default 64) for both keys and valu
 
 import mlx.core as mx
 
-from ..packing import pack, packed_words, unpack
+from ..formats import Format, fp16, packed
+from ..packing import pack, unpack
 from .base import Codec, Method, register_method
 
 
@@ -73,6 +74,8 @@ class GroupAffineCodec(Codec):
         self.bits, self.group_size = bits, group_size
         self.groups = -(-dim // group_size)
         self.padded = self.groups * group_size
+        self.format = Format("affine_token", dim, dim, (packed("codes", dim, bits), fp16("scale", self.groups),
+                                                         fp16("min", self.groups)))
 
     def _grouped(self, x):
         if self.padded != self.dim:
@@ -98,9 +101,6 @@ class GroupAffineCodec(Codec):
         scale = fields["scale"].astype(mx.float32)[..., None]
         lo = fields["min"].astype(mx.float32)[..., None]
         return (lo + scale * codes).reshape(*lead, self.padded)[..., : self.dim]
-
-    def bits_per_token(self):
-        return 32.0 * packed_words(self.dim, self.bits) + 2 * 16.0 * self.groups
 
     def weighted_sum(self, weights, fields):
         """p @ V straight from the codes with `mx.quantized_matmul`: the packing and the
@@ -131,7 +131,9 @@ class ChannelGroupAffineCodec(Codec):
     def __init__(self, dim: int, bits: int, group_size: int):
         self.dim = self.domain_dim = dim
         self.bits = bits
-        self.token_block = group_size
+        self.format = Format("affine_channel", dim, dim, (
+            packed("codes", dim, bits), fp16("channel_scale", dim, group_size), fp16("channel_min", dim, group_size),
+        ), token_block=group_size)
 
     def encode(self, x):
         *lead, tokens, dim = x.shape
@@ -152,9 +154,6 @@ class ChannelGroupAffineCodec(Codec):
         scale = fields["channel_scale"].astype(mx.float32)[..., None, :]
         lo = fields["channel_min"].astype(mx.float32)[..., None, :]
         return (lo + scale * codes).reshape(*lead, tokens, dim)
-
-    def bits_per_token(self):
-        return 32.0 * packed_words(self.dim, self.bits) + 2 * 16.0 * self.dim / self.token_block
 
 
 @register_method("kivi")

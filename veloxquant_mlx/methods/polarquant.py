@@ -53,6 +53,7 @@ import numpy as np
 
 from ..packing import pack, packed_words, unpack
 from ..rotations import random_rotation, rotation_from_params, rotation_params
+from ..formats import Format, packed
 from .base import Codec, Method, register_method
 from .turboquant_mse import MSECodec
 
@@ -167,6 +168,7 @@ class PolarCodec(Codec):
         self.code_bits = sum(n * b for n, b in zip(self.counts, self.bits))
         self.radii = dim >> levels
         self._stream_tables()
+        self.format = Format("polarquant", dim, dim, (packed("codes", self.code_bits + 16 * self.radii, 1),))
 
     def _stream_tables(self):
         """Constant gather tables that read every code of the stream straight from its
@@ -233,9 +235,6 @@ class PolarCodec(Codec):
     def params(self):
         state = rotation_params(self.rotation)
         return {**state, **{f"angles{l}": c for l, c in enumerate(self.centroids, start=1)}}
-
-    def bits_per_token(self):
-        return 32.0 * packed_words(self.code_bits + 16 * self.radii, 1)
 
 
 @register_method("polarquant")

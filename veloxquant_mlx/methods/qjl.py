@@ -23,7 +23,8 @@ import math
 
 import mlx.core as mx
 
-from ..packing import pack, packed_words, unpack
+from ..formats import Format, fp16, packed
+from ..packing import pack, unpack
 from ..rotations import gaussian_projection
 from .base import Codec, Method, register_method
 from .kivi import GroupAffineCodec
@@ -42,6 +43,8 @@ class QJLCodec(Codec):
             self.sketch = gaussian_projection(sketch_dim, dim, seed)
         self.sketch_dim = self.domain_dim = sketch_dim
         self.scale = math.sqrt(math.pi / 2) / sketch_dim  # QJL Def. 3.1 / Lemma 3.2
+        self.format = Format("qjl", dim, sketch_dim, (packed("signs", sketch_dim, 1), fp16("norm")),
+                             orthogonal_domain=False)
 
     def encode(self, x):
         x = x.astype(mx.float32)
@@ -61,9 +64,6 @@ class QJLCodec(Codec):
 
     def params(self):
         return {"sketch": self.sketch}
-
-    def bits_per_token(self):
-        return 32.0 * packed_words(self.sketch_dim, 1) + 16.0
 
 
 @register_method("qjl")

@@ -18,7 +18,8 @@ towards zero; same storage.
 import mlx.core as mx
 
 from ..codebooks import dequantize, lloyd_max, quantize
-from ..packing import pack, packed_words, unpack
+from ..formats import Format, fp16, packed
+from ..packing import pack, unpack
 from ..rotations import random_rotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
 
@@ -35,6 +36,8 @@ class MSECodec(Codec):
             self.rotation = random_rotation(dim, seed)
             self.centroids = lloyd_max("sphere", bits, dim).centroids
         self.boundaries = (self.centroids[1:] + self.centroids[:-1]) / 2
+        self.format = Format("turboquant_mse", dim, dim, (packed("codes", dim, bits), fp16("norm")),
+                             kernel="mse", kernel_params=(("bits", bits), ("renorm", bool(renorm))))
 
     def encode(self, x):
         x = x.astype(mx.float32)
@@ -59,9 +62,6 @@ class MSECodec(Codec):
     def params(self):
         state = rotation_params(self.rotation)
         return {**state, "centroids": self.centroids}
-
-    def bits_per_token(self):
-        return 32.0 * packed_words(self.dim, self.bits) + 16
 
 
 @register_method("turboquant_mse")

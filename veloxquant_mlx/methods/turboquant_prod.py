@@ -24,7 +24,8 @@ import math
 
 import mlx.core as mx
 
-from ..packing import pack, packed_words, unpack
+from ..formats import Format, fp16, packed
+from ..packing import pack, unpack
 from ..rotations import gaussian_projection
 from .base import Codec, Method, register_method
 from .turboquant_mse import MSECodec
@@ -56,6 +57,9 @@ class ProdCodec(Codec):
         self.sketch_dim = self.sketch.shape[0]
         self.domain_dim = dim + self.sketch_dim
         self.qjl_scale = math.sqrt(math.pi / 2) / self.sketch_dim  # Alg. 2 line 9 / QJL Def. 3.1
+        self.format = Format("turboquant_prod", dim, self.domain_dim,
+                             self.mse.format.fields + (packed("signs", self.sketch_dim, 1), fp16("residual_norm")),
+                             orthogonal_domain=False)
 
     def encode(self, x):
         x = x.astype(mx.float32)
@@ -83,10 +87,6 @@ class ProdCodec(Codec):
 
     def params(self):
         return {**{f"mse.{k}": v for k, v in self.mse.params().items()}, "sketch": self.sketch}
-
-    def bits_per_token(self):
-        # Exact storage: whole uint32 words of codes and signs, two fp16 norms.
-        return 32.0 * (packed_words(self.dim, self.bits - 1) + packed_words(self.sketch_dim, 1)) + 32.0
 
 
 @register_method("turboquant_prod")

@@ -28,7 +28,8 @@ Values use the same codec at value_bits (same split).
 import mlx.core as mx
 
 from ..codebooks import dequantize, lloyd_max, quantize
-from ..packing import pack, packed_words, unpack
+from ..formats import Format, fp16, packed
+from ..packing import pack, unpack
 from ..rotations import random_rotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
 
@@ -59,6 +60,9 @@ class RVQCodec(Codec):
         self.bits = self.bits1 + self.bits2
         self.boundaries1 = (self.centroids1[1:] + self.centroids1[:-1]) / 2
         self.boundaries2 = (self.centroids2[1:] + self.centroids2[:-1]) / 2
+        self.format = Format("turboquant_rvq", dim, dim, (packed("codes1", dim, self.bits1),
+                                                          packed("codes2", dim, self.bits2), fp16("norm"),
+                                                          fp16("rscale")))
 
     def encode(self, x):
         x = x.astype(mx.float32)
@@ -92,10 +96,6 @@ class RVQCodec(Codec):
     def params(self):
         state = rotation_params(self.rotation)
         return {**state, "centroids1": self.centroids1, "centroids2": self.centroids2}
-
-    def bits_per_token(self):
-        words = packed_words(self.dim, self.bits1) + packed_words(self.dim, self.bits2)
-        return 32.0 * words + 16.0 + 16.0
 
 
 @register_method("turboquant_rvq")

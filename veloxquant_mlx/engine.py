@@ -1,0 +1,361 @@
+"""The attention engine: a registry of attention paths over a read-only view of the history.
+
+A path is a `(supports, run)` pair registered for a phase (torchao's quantized-linear
+dispatch table):
+
+* "decode": one query per head;
+* "prefill": a chunk of queries;
+* "decode_store": one query per head, and the cache's pending token is encoded,
+  attended to and stored by the same kernels (returns `(out, rows)`).
+
+Per-format kernels register their own paths in their own modules (`kernels/` for the
+"mse" format family); this module registers the paths that serve every format:
+a compiled decode step that decodes the codes with the codec's MLX ops, and a GPU
+prefill that decodes the history once and runs MLX's fused attention. The generic
+blockwise path (`attention.attend`) is the fallback, always correct. A new method adds
+a codec with a `Format`; it needs no change here, and a kernel for its format
+registers itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+import mlx.core as mx
+
+from .attention import Segment, attend as generic_attend
+from .settings import EngineSettings
+
+PHASES = ("decode", "prefill", "decode_store")
+DECODE_SPLIT = 4096  # tokens decoded at once by the compiled decode step
+PREFILL_BARRIER_BYTES = 64 << 20  # evaluate a layer's prefill before the next once its history exceeds this
+
+
+class History:
+    """What an attention path may read. Paths never reach into the cache: they get this
+    view (the store's codes, the fp16 sinks and window, the centering means, the settings)
+    and return the attention output; a "decode_store" path also returns the rows it wrote."""
+
+    def __init__(self, *, store, key_codec, value_codec, kv_heads: int, offset: int, sinks: int, window: int,
+                 key_mean, value_mean, settings: EngineSettings, fp16: Callable[[], Optional[Tuple]],
+                 segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None):
+        self.store, self.key_codec, self.value_codec = store, key_codec, value_codec
+        self.kv_heads, self.offset, self.sinks, self.window = kv_heads, offset, sinks, window
+        self.key_mean, self.value_mean, self.settings = key_mean, value_mean, settings
+        self._fp16, self.segments, self.band, self.pending = fp16, segments, band, pending
+
+    @property
+    def count(self) -> int:
+        """Tokens held as codes."""
+        return self.store.count
+
+    @property
+    def layout(self):
+        return getattr(self.store, "layout", None)
+
+    @functools.cached_property
+    def fp16(self) -> Optional[Tuple[mx.array, mx.array]]:
+        """(keys, values) of the sinks and the window in position order (keys centered), or None."""
+        return self._fp16()
+
+
+@dataclass(frozen=True)
+class AttentionPath:
+    name: str
+    phase: str
+    supports: Callable[[History, mx.array, object], bool]
+    run: Callable
+    priority: int = 0
+
+
+_PATHS: Dict[str, List[AttentionPath]] = {phase: [] for phase in PHASES}
+
+
+def register_path(name: str, phase: str, supports: Callable, priority: int = 0):
+    """Decorator: register `run(history, queries, scale, mask)` for `phase`, tried before
+    paths of lower `priority` (kernels for one format above the paths for every format)."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+
+    def register(run):
+        paths = [p for p in _PATHS[phase] if p.name != name]
+        paths.append(AttentionPath(name, phase, supports, run, priority))
+        _PATHS[phase] = sorted(paths, key=lambda p: -p.priority)
+        return run
+
+    return register
+
+
+def paths(phase: str) -> List[AttentionPath]:
+    return list(_PATHS[phase])
+
+
+def choose(phase: str, history: History, queries: mx.array, mask=None) -> Optional[AttentionPath]:
+    """The first registered path of `phase` that takes this call, or None (generic)."""
+    if not history.settings.kernels:
+        return None
+    for path in _PATHS[phase]:
+        if path.supports(history, queries, mask):
+            return path
+    return None
+
+
+def defers(history: History) -> bool:
+    """Whether a decode token may wait for the attention call: some "decode_store" path takes
+    this history (asked with queries=None: a path that says yes then must take the call)."""
+    if not history.settings.kernels:
+        return False
+    return any(path.supports(history, None, None) for path in _PATHS["decode_store"])
+
+
+def attend(history: History, queries: mx.array, scale: float, mask=None) -> Tuple[mx.array, str]:
+    """(attention output, name of the path that ran)."""
+    path = choose("decode" if queries.shape[2] == 1 else "prefill", history, queries, mask)
+    if path is None:
+        return generic(history, queries, scale, mask), "generic"
+    return path.run(history, queries, scale, mask), path.name
+
+
+def generic(history: History, queries: mx.array, scale: float, mask=None) -> mx.array:
+    """The always-correct path: blockwise online softmax over decoded segments."""
+    return generic_attend(
+        queries, history.segments(queries.shape[1] * queries.shape[2], queries.shape[2]), scale=scale, mask=mask,
+        key_codec=history.key_codec, value_codec=history.value_codec, kv_heads=history.kv_heads,
+        total=history.offset,
+    )
+
+
+def plain_mask(mask) -> bool:
+    """No mask, or the causal one (which a single query, or a history in position order, satisfies)."""
+    return mask is None or (isinstance(mask, str) and mask == "causal")
+
+
+# ---- encoding rows -------------------------------------------------------------------------------
+
+_ROW_ENCODERS: List[Tuple[Callable, Callable]] = []
+
+
+def register_row_encoder(supports: Callable):
+    """Decorator: `make(key_codec, value_codec, settings)` -> encode(keys, values) -> rows, for the
+    layouts where `supports(layout, settings)` (a kernel that encodes a format in one launch)."""
+
+    def register(make):
+        _ROW_ENCODERS.insert(0, (supports, make))
+        return make
+
+    return register
+
+
+class RowEncoder:
+    """`many(keys, values)`: rows of a chunk (already centered). `one(keys, values, key_mean,
+    value_mean)`: rows of one decode token, centering included, replayed from one compiled
+    graph (shared by every layer of that layout) where the settings allow."""
+
+    def __init__(self, encode: Callable, compiled: bool):
+        def centered(keys, values, key_mean, value_mean):
+            return encode(keys.astype(mx.float32) - key_mean, values.astype(mx.float32) - value_mean)
+
+        self.many = encode
+        self._plain = mx.compile(encode) if compiled else encode
+        self._centered = mx.compile(centered) if compiled else centered
+
+    def one(self, keys, values, key_mean=None, value_mean=None):
+        if key_mean is None:
+            return self._plain(keys, values)
+        return self._centered(keys, values, key_mean, value_mean)
+
+
+@functools.lru_cache(maxsize=64)
+def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> RowEncoder:
+    encode = None
+    for supports, make in _ROW_ENCODERS:
+        if settings.kernels and supports(layout, settings):
+            encode = make(key_codec, value_codec, settings)
+            break
+    if encode is None:
+        def encode(keys, values):
+            return layout.pack(key_codec.encode(keys), value_codec.encode(values))
+    return RowEncoder(encode, settings.compile_step and settings.backend != "emulator")
+
+
+# ---- small shared constants ----------------------------------------------------------------
+
+_SMALL: Dict[tuple, mx.array] = {}
+
+
+def small_array(values: Tuple, dtype=mx.int32) -> mx.array:
+    """A tiny constant array shared by every call with the same values (all layers of a
+    decoding step pass the same token count): one host-to-device copy, not one per layer."""
+    key = (values, dtype)
+    arr = _SMALL.get(key)
+    if arr is None:
+        if len(_SMALL) > 1024:
+            _SMALL.clear()
+        arr = _SMALL[key] = mx.array(list(values), dtype=dtype)
+    return arr
+
+
+# ---- decode for every format: one compiled graph per layout ------------------------------------
+
+def merge_partials(o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int, ...], out_dtype,
+                   plain: Optional[Tuple[mx.array, mx.array]] = None,
+                   value_mean: Optional[mx.array] = None) -> mx.array:
+    """Softmax-merge per-split partials o (BH, S, REP, Dv) in the value domain and
+    ml (BH, S, REP, 2) = (max, sum), with an optional `plain` partial over fp16 tokens
+    (o (BH*REP, Dv), ml (BH*REP, 2)); un-map the value domain once, add the value mean."""
+    bh, splits, rep, dim = o.shape
+    m, l = ml[..., 0:1], ml[..., 1:2]
+    big = mx.max(m, axis=1, keepdims=True)
+    safe = mx.where(big == -mx.inf, 0.0, big)
+    e = mx.where(m == -mx.inf, 0.0, mx.exp(m - safe))
+    total = mx.sum(e * l, axis=1)  # (BH, REP, 1)
+    acc = value_codec.from_domain(mx.sum(e * o, axis=1))  # (BH, REP, Dv)
+    if value_mean is not None:
+        acc = acc + total * value_mean.astype(mx.float32).reshape(bh, 1, -1)
+    if plain is not None:
+        po, pml = plain
+        po = po.reshape(bh, rep, -1)
+        pm, pl = pml[:, 0:1].reshape(bh, rep, 1), pml[:, 1:2].reshape(bh, rep, 1)
+        big = big.reshape(bh, rep, 1)
+        top = mx.maximum(big, pm)
+        top = mx.where(top == -mx.inf, 0.0, top)
+        ec = mx.where(big == -mx.inf, 0.0, mx.exp(big - top))
+        ep = mx.where(pm == -mx.inf, 0.0, mx.exp(pm - top))
+        acc = acc * ec + po * ep
+        total = total * ec + pl * ep
+    out = acc / mx.maximum(total, 1e-30)
+    return out.reshape(out_shape).astype(out_dtype)
+
+
+def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float):
+    """A partial over fp16 tokens (sinks + window): (o (B*Hq, Dv), ml (B*Hq, 2)), float32."""
+    B, n_heads, L, dim = queries.shape
+    kv_heads = keys.shape[1]
+    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, n_heads // kv_heads * L, dim)
+    scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+    m = mx.max(scores, axis=-1, keepdims=True)
+    p = mx.exp(scores - m)
+    o = p @ values.astype(mx.float32)
+    ml = mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1)
+    return o.reshape(B * n_heads * L, -1), ml.reshape(B * n_heads * L, 2)
+
+
+def _slice_fields(fields, per_row, start: int, stop: int):
+    return {name: buf[..., start // per_row[name] : stop // per_row[name], :] for name, buf in fields.items()}
+
+
+@functools.lru_cache(maxsize=128)
+def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], per_row, capacity: int,
+               out_shape: Tuple[int, ...], out_dtype, scale: float, has_fp16: bool, centered: bool):
+    key_names, value_names = names
+    key_per_row, value_per_row = dict(per_row[0]), dict(per_row[1])
+    block = math.lcm(key_codec.token_block, value_codec.token_block)
+    split = -(-DECODE_SPLIT // block) * block
+
+    def step(queries, key_bufs, value_bufs, count, fp16_keys, fp16_values, value_mean):
+        key_fields, value_fields = dict(zip(key_names, key_bufs)), dict(zip(value_names, value_bufs))
+        B, n_heads, _, dim = queries.shape
+        kv_heads = key_bufs[0].shape[1]
+        rep = n_heads // kv_heads
+        q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim))
+        outs, stats = [], []
+        for start in range(0, capacity, split):
+            stop = min(start + split, capacity)
+            keys = key_codec.decode(_slice_fields(key_fields, key_per_row, start, stop))
+            scores = q @ keys.swapaxes(-1, -2)  # (B, H, REP, n)
+            scores = mx.where(mx.arange(start, stop) < count, scores, -mx.inf)
+            m = mx.max(scores, axis=-1, keepdims=True)
+            p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
+            o = value_codec.weighted_sum(mx.expand_dims(p, 3), _slice_fields(value_fields, value_per_row, start, stop))
+            outs.append(o.squeeze(3))
+            stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))
+        o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep, -1)
+        ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
+        plain = plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
+        return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
+                              value_mean=value_mean if centered else None)
+
+    return mx.compile(step)
+
+
+def _compiled_decode_supports(h: History, queries: mx.array, mask) -> bool:
+    return (queries.shape[2] == 1 and h.count > 0 and h.settings.compile_step and plain_mask(mask)
+            and h.settings.backend != "emulator")
+
+
+@register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0)
+def compiled_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.array:
+    """Decode for every format: the codes of the whole capacity are decoded split by split
+    with the codecs' MLX ops, tokens past `count` masked, and the fp16 sinks/window merged,
+    in one `mx.compile`d graph whose shapes change only when the store grows."""
+    store = h.store
+    capacity = store.capacity
+    key_fields, value_fields = store.fields("keys", 0, capacity), store.fields("values", 0, capacity)
+    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
+    per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
+    fp16, centered = h.fp16, h.value_mean is not None
+    fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, capacity, tuple(queries.shape), queries.dtype,
+                    float(scale), fp16 is not None, centered)
+    none = small_array((0.0,), mx.float32)
+    return fn(queries, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]],
+              small_array((h.count,)), *(fp16 if fp16 is not None else (none, none)),
+              h.value_mean if centered else none)
+
+
+# ---- prefill on a GPU: decode the history once, MLX's fused attention -------------------------------
+
+def decode_with_codec(h: History, role: str, dtype) -> mx.array:
+    codec = h.key_codec if role == "keys" else h.value_codec
+    return codec.decode(h.store.fields(role)).astype(dtype)
+
+
+def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
+    """Codes to attend to, no band of just-encoded tokens that earlier queries of the chunk
+    still see in fp16 (those need a per-query mask), and domains in which fp16 tokens can
+    join the decoded ones (orthogonal maps)."""
+    return (queries.shape[2] > 1 and h.count > 0 and not h.band and plain_mask(mask)
+            and h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain)
+
+
+def sdpa_prefill_supports(h: History, queries: mx.array, mask) -> bool:
+    """On GPU back ends, where the fused attention beats the generic blockwise path."""
+    return h.settings.gpu and sdpa_prefill_applies(h, queries, mask)
+
+
+def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
+                 decode: Callable[[History, str, object], mx.array] = decode_with_codec) -> mx.array:
+    """Prefill over the decoded history with `mx.fast.scaled_dot_product_attention`: the query
+    goes into the key domain once, fp16 sinks/window tokens are mapped into the domains and
+    placed in position order (so the causal mask stays the plain one), the output comes back
+    from the value domain once. One layer's decoded history exists at a time: past
+    PREFILL_BARRIER_BYTES the layer is evaluated before the next one is built, so peak memory
+    stays below an fp16 cache's (whose every layer holds that much)."""
+    kc, vc = h.key_codec, h.value_codec
+    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+    keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
+    fp16 = h.fp16
+    if fp16 is not None:
+        fk, fv = fp16
+        if h.value_mean is not None:
+            fv = fv.astype(mx.float32) - h.value_mean
+        fk, fv = kc.to_domain(fk.astype(mx.float32)).astype(dtype), vc.to_domain(fv.astype(mx.float32)).astype(dtype)
+        s = h.sinks
+        keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
+        values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
+    q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
+    out = vc.from_domain(out.astype(mx.float32))
+    if h.value_mean is not None:
+        B, n_heads, L, dv = out.shape
+        out = out.reshape(B, h.kv_heads, n_heads // h.kv_heads, L, dv) + h.value_mean.astype(mx.float32)[:, :, None]
+        out = out.reshape(B, n_heads, L, dv)
+    out = out.astype(queries.dtype)
+    if keys.nbytes + values.nbytes > PREFILL_BARRIER_BYTES:
+        mx.eval(out)
+    return out
+
+
+register_path("sdpa_prefill", "prefill", sdpa_prefill_supports, priority=0)(sdpa_prefill)

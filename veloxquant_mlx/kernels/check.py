@@ -1,0 +1,82 @@
+"""First-use check of a GPU kernel back end: never a silent fallback.
+
+The first time a process asks whether the kernels of `backend` may run (`usable`), they
+are compiled and run on small cases of the self-test (`selftest.py`: encode, decode,
+decode with sinks/window/centering, prefill) and compared with the portable path and a
+float64 reference. The verdict is cached for the process. If a kernel fails, a warning
+names the case, the kernel and the error, and the paths of that back end stand aside
+for the engine's portable paths. `python -m veloxquant_mlx.kernels.selftest --backend
+metal` remains the full check.
+
+The CPU back ends have nothing to check here ("native" checks its module when it
+loads, the emulator is for tests).
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+CHECKED_BACKENDS = ("cuda", "metal")
+_VERDICTS = {}
+_LOCK = threading.RLock()
+_RUNNING = set()
+
+
+def _cases():
+    from .selftest import Case
+
+    return [
+        Case("check_decode", 128, 3, 4, 4, tokens=300, dtype="float16", seed=21),
+        Case("check_window_center", 64, 4, 3, 2, tokens=200, seed=22,
+             options={"residual_length": 8, "sink_tokens": 2, "center": True}),
+        Case("check_prefill", 128, 3, 4, 4, tokens=300, queries=8, dtype="float16", seed=23),
+    ]
+
+
+_KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_partial + merge (fp16 partial)",
+            "check_prefill": "mse_dequant", "encode": "mse_encode"}
+
+
+def usable(backend: str) -> bool:
+    if backend not in CHECKED_BACKENDS:
+        return True
+    with _LOCK:
+        if backend in _RUNNING:  # the check's own caches
+            return True
+        if backend not in _VERDICTS:
+            _RUNNING.add(backend)
+            try:
+                _VERDICTS[backend] = _run(backend)
+            finally:
+                _RUNNING.discard(backend)
+        return _VERDICTS[backend]
+
+
+def _run(backend: str) -> bool:
+    from . import selftest
+
+    failures = []
+    jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, False, tokens=8))]
+    jobs += [(case.name, lambda case=case: selftest.run_case(case, backend)) for case in _cases()]
+    for name, job in jobs:
+        try:
+            record = job()
+        except Exception as error:  # noqa: BLE001 - any failure disables the back end, loudly
+            failures.append(f"{name} ({_KERNELS[name]}): {error!r}"[:500])
+            continue
+        if record.get("status") == "FAIL":
+            errors = {k: v for k, v in record.items() if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error")}
+            failures.append(f"{name} ({_KERNELS[name]}): outside tolerance {errors}")
+    if failures:
+        warnings.warn(f"veloxquant_mlx: the {backend} kernels failed their first-use check and are off for this "
+                      "process; turboquant_mse attends on the portable path instead. " + "; ".join(failures),
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+def reset():
+    """Forget the verdicts (tests)."""
+    with _LOCK:
+        _VERDICTS.clear()

@@ -1,0 +1,107 @@
+"""The engine's settings: one object, resolved once per cache, passed to every path.
+
+Explicit arguments win; environment variables are only the defaults of the fields
+that have one (so a benchmark or a test can flip a setting without code). Nothing
+on the per-token path reads the environment.
+
+| field | environment default | meaning |
+|---|---|---|
+| `backend` | `VELOXQUANT_KERNELS` (auto) | "cuda", "metal", "native" (the C++ CPU kernel), "portable" (compiled MLX ops), "emulator" (the kernels' C++ emulation, tests only); "auto" picks the fastest the device has |
+| `kernels` | `VELOXQUANT_KERNELS=off` turns them off | False: every call takes the generic path (`attention.attend`) |
+| `compile_step` | `VELOXQUANT_COMPILE_STEP` (1) | replay decode steps from `mx.compile`d graphs |
+| `metal_kernels` | `VELOXQUANT_METAL_KERNELS` (1) | Metal kernels on an Apple GPU; each is checked against the portable path at first use |
+| `split_tokens` | `VELOXQUANT_SPLIT_TOKENS` (None) | tokens per decode split (None: planned from the GPU's size) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import mlx.core as mx
+
+BACKENDS = ("cuda", "metal", "native", "portable", "emulator")
+CPU_BACKENDS = ("native", "portable")
+GPU_BACKENDS = ("cuda", "metal")
+
+
+def _flag(value: Optional[str], default: bool) -> bool:
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() not in ("0", "off", "false", "no")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    backend: str
+    kernels: bool = True
+    compile_step: bool = True
+    metal_kernels: bool = True
+    split_tokens: Optional[int] = None
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.split_tokens is not None and (not isinstance(self.split_tokens, int) or self.split_tokens < 1):
+            raise ValueError(f"split_tokens must be a positive int, got {self.split_tokens!r}")
+
+    @property
+    def gpu(self) -> bool:
+        return self.backend in GPU_BACKENDS
+
+    @property
+    def gpu_kernels(self) -> bool:
+        return self.gpu and self.kernels
+
+    def replace(self, **changes) -> "EngineSettings":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def resolve(cls, backend: str = "auto", **explicit) -> "EngineSettings":
+        """Settings for a new cache: `explicit` fields as given, the rest from the environment."""
+        forced = os.environ.get("VELOXQUANT_KERNELS", "").strip().lower()
+        if "kernels" not in explicit:
+            explicit["kernels"] = forced not in ("off", "generic")
+        if "compile_step" not in explicit:
+            explicit["compile_step"] = _flag(os.environ.get("VELOXQUANT_COMPILE_STEP"), True)
+        if "metal_kernels" not in explicit:
+            explicit["metal_kernels"] = _flag(os.environ.get("VELOXQUANT_METAL_KERNELS"), True)
+        if "split_tokens" not in explicit:
+            env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
+            explicit["split_tokens"] = int(env) if env else None
+        if backend == "auto":
+            backend = detect_backend(forced, explicit["metal_kernels"], mx.default_device())
+        return cls(backend=backend, **explicit)
+
+
+@functools.lru_cache(maxsize=32)
+def detect_backend(forced: str, metal_kernels: bool, device) -> str:
+    """The fastest back end for `device`: `forced` is VELOXQUANT_KERNELS (or "")."""
+    from .kernels import native
+
+    if forced in ("portable", "off", "generic", "0", "none"):
+        return "portable"
+    if forced == "emulator":
+        return "emulator"
+    if forced == "native" and not native.available():
+        raise RuntimeError("VELOXQUANT_KERNELS=native, but veloxquant_mlx._native was not built "
+                           "(scripts/build_native.sh)")
+    try:
+        on_gpu = device.type == mx.DeviceType.gpu
+    except Exception:  # pragma: no cover
+        on_gpu = False
+    if not on_gpu:
+        return "native" if native.available() else "portable"
+    cuda = getattr(mx, "cuda", None)
+    try:
+        has_cuda = bool(cuda is not None and cuda.is_available())
+    except Exception:  # pragma: no cover
+        has_cuda = False
+    if has_cuda and forced in ("", "auto", "cuda"):
+        return "cuda"
+    if mx.metal.is_available() and (metal_kernels or forced == "metal"):
+        return "metal"
+    return "portable"

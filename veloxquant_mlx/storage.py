@@ -1,0 +1,169 @@
+"""Where encoded tokens live: one small class per storage strategy.
+
+* `RowStore`: every field of both roles in one uint32 row per token
+  (`formats.RowLayout`): a token is stored with one slice update, and the kernels
+  read one contiguous row. For formats whose fields are all per token.
+* `FieldStore`: one buffer per field, for formats with per-block fields (KIVI's
+  per-channel key scales, one row per group of tokens) and for those whose fp16
+  scalars would leave half a word of a row unused.
+
+Both grow in steps of `step` tokens (shapes stay fixed between growths, which is
+what lets compiled decode steps replay), hand out read-only field views of a token
+range, and count `nbytes` as the live buffers, unused capacity included. A
+`RowStore` can also hold one *pending* decode token, stored by the next reader
+(`flush`) or by a fused attention kernel that encodes it on the way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+
+from .formats import Fields, RowLayout
+
+STEP = 256
+
+
+def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: int) -> mx.array:
+    capacity = 0 if buffer is None else buffer.shape[2]
+    if rows_needed <= capacity:
+        return buffer
+    new_capacity = math.ceil(rows_needed / step) * step
+    extra = mx.zeros((*like.shape[:2], new_capacity - capacity, like.shape[3]), dtype=like.dtype)
+    return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
+
+
+class RowStore:
+    def __init__(self, layout: RowLayout, encode: Callable[[mx.array, mx.array], mx.array], step: int = STEP):
+        self.layout, self.encode, self.step = layout, encode, step
+        self.rows: Optional[mx.array] = None  # (B, H, capacity, layout.words) uint32
+        self.count = 0
+        self.pending: Optional[Tuple[mx.array, mx.array]] = None
+
+    @property
+    def tokens_per_row(self) -> Dict[str, Dict[str, int]]:
+        return {role: {s.field.name: 1 for s in self.layout.slots if s.role == role} for role in ("keys", "values")}
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.rows is None else self.rows.shape[2]
+
+    def reserve(self, tokens: int, like: Optional[mx.array] = None):
+        """Capacity for `tokens` more tokens (`like`: any (B, H, n, words) uint32 array)."""
+        self.rows = _grow(self.rows, self.count + tokens, like if like is not None else self.rows, self.step)
+
+    def append_rows(self, rows: mx.array):
+        self.reserve(rows.shape[2], rows)
+        self.rows[..., self.count : self.count + rows.shape[2], :] = rows
+        self.count += rows.shape[2]
+
+    def append(self, keys: mx.array, values: mx.array):
+        self.flush()
+        self.append_rows(self.encode(keys, values))
+
+    def defer(self, keys: mx.array, values: mx.array):
+        """Keep one decode token for the next reader (`flush`) or a fused kernel (`take_pending`)."""
+        self.flush()
+        self.pending = (keys, values)
+
+    def take_pending(self) -> Tuple[mx.array, mx.array]:
+        pending, self.pending = self.pending, None
+        self.reserve(1)
+        return pending
+
+    def put_row(self, rows: mx.array):
+        """`rows` (the same buffer, with the pending token's row written by a kernel)."""
+        self.rows = rows
+        self.count += 1
+
+    def flush(self):
+        if self.pending is not None:
+            keys, values = self.pending
+            self.pending = None
+            self.append(keys, values)
+
+    def fields(self, role: str, start: int = 0, stop: Optional[int] = None) -> Fields:
+        self.flush()
+        if self.rows is None:
+            return {}
+        stop = self.count if stop is None else stop
+        views = self.layout.views(self.rows[..., start:stop, :])
+        return views[0] if role == "keys" else views[1]
+
+    def truncate(self, count: int):
+        self.flush()
+        self.count = min(count, self.count)
+
+    @property
+    def nbytes(self) -> int:
+        self.flush()
+        return 0 if self.rows is None else self.rows.nbytes
+
+    def load(self, key_fields: Fields, value_fields: Fields, count: int):
+        self.rows = self.layout.pack(key_fields, value_fields) if count else None
+        self.count = count
+
+
+class FieldStore:
+    def __init__(self, key_format, value_format, encode: Callable[[mx.array, mx.array], Tuple[Fields, Fields]],
+                 step: int = STEP):
+        self.encode, self.step = encode, step
+        self.formats = {"keys": key_format, "values": value_format}
+        self.buffers: Dict[str, Fields] = {"keys": {}, "values": {}}
+        self.count = 0
+        self.pending = None  # never used: decode tokens of block formats wait in the window
+
+    @property
+    def tokens_per_row(self) -> Dict[str, Dict[str, int]]:
+        return {role: {f.name: f.tokens_per_row for f in fmt.fields} for role, fmt in self.formats.items()}
+
+    @property
+    def capacity(self) -> int:
+        """Tokens every field has room for, in whole blocks."""
+        block = max(fmt.token_block for fmt in self.formats.values())
+        per_row = self.tokens_per_row
+        rows = [buf.shape[2] * per_row[role][name] for role, fields in self.buffers.items()
+                for name, buf in fields.items()]
+        return min(rows) // block * block if rows else 0
+
+    def append(self, keys: mx.array, values: mx.array):
+        count = keys.shape[2]
+        for role, encoded in zip(("keys", "values"), self.encode(keys, values)):
+            per_row = self.tokens_per_row[role]
+            for name, field in encoded.items():
+                row = self.count // per_row[name]
+                buf = _grow(self.buffers[role].get(name), row + field.shape[2], field, max(1, self.step // per_row[name]))
+                buf[..., row : row + field.shape[2], :] = field
+                self.buffers[role][name] = buf
+        self.count += count
+
+    def flush(self):
+        pass
+
+    def fields(self, role: str, start: int = 0, stop: Optional[int] = None) -> Fields:
+        stop = self.count if stop is None else stop
+        per_row = self.tokens_per_row[role]
+        return {name: buf[..., start // per_row[name] : -(-stop // per_row[name]), :]
+                for name, buf in self.buffers[role].items()}
+
+    def truncate(self, count: int):
+        self.count = min(count, self.count)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buf.nbytes for role in self.buffers.values() for buf in role.values())
+
+    def load(self, key_fields: Fields, value_fields: Fields, count: int):
+        self.buffers = {"keys": dict(key_fields), "values": dict(value_fields)}
+        self.count = count
+
+
+def store_for(key_codec, value_codec, encode_rows, encode_fields, step: int = STEP):
+    """A `RowStore` where both formats are per token and their fields fill whole words (a
+    row then costs no bit more than the fields), else a `FieldStore`."""
+    layout = RowLayout.of(key_codec.format, value_codec.format)
+    if layout is not None and 32 * layout.words == key_codec.format.bits_per_token + value_codec.format.bits_per_token:
+        return RowStore(layout, encode_rows, step)
+    return FieldStore(key_codec.format, value_codec.format, encode_fields, step)
