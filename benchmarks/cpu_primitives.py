@@ -54,7 +54,7 @@ def main():
     rows["fp32 SDPA (KVCache)"] = ms(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125))
     cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3))
     cache.update_and_fetch(k, v)
-    mx.eval(cache.rows)
+    mx.eval(cache.store.rows)
     rows["turboquant_mse K3/V3, portable path"] = ms(lambda: kernels.decode_attention(cache, q, 0.125,
                                                                                       using="portable"))
     if kernels.native.available():
@@ -62,7 +62,7 @@ def main():
                                                                                       using="native"))
         cache4 = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=4))
         cache4.update_and_fetch(k, v)
-        mx.eval(cache4.rows)
+        mx.eval(cache4.store.rows)
         rows["turboquant_mse K4/V4, C++ kernel"] = ms(lambda: kernels.decode_attention(cache4, q, 0.125,
                                                                                       using="native"))
     qg = q.reshape(1, H, R, D)

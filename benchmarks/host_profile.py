@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import dataclasses
 import io
 import json
 import pstats
@@ -55,7 +54,7 @@ def filled_layers(layers: int, tokens: int):
         c.update_and_fetch(k, k)
         f = KVCache()
         f.update_and_fetch(k, k)
-        mx.eval(c.rows, f.keys)
+        mx.eval(c.store.rows, f.keys)
         caches.append(c)
         fp16.append(f)
     return caches, fp16
@@ -89,14 +88,14 @@ def main():
     if kernels.backend() in ("cuda", "metal"):
         name = kernels.backend()
         c = caches[0]
-        c.flush()
+        c.store.flush()
         plan, fn = kernels.step._step_fn("fused", name, c.key_codec, c.value_codec, tuple(q.shape), q.dtype,
-                                         "float16", 0.088, c.rows.shape[0] * c.rows.shape[1], c.rows.shape[2],
+                                         "float16", 0.088, c.store.rows.shape[0] * c.store.rows.shape[1], c.store.rows.shape[2],
                                          False)
         _, chunk, cap, splits = plan.meta["meta"]
         meta = kernels.ops.small_array((c.encoded, chunk, cap, splits))
         none = kernels.ops.small_array((0.0,), mx.float32)
-        rows = [caches[i].rows for i in range(L)]
+        rows = [caches[i].store.rows for i in range(L)]
         result["compiled fused call alone: host us/layer"] = build_us(
             lambda i: fn(q, rows[i], meta, none, none, new, new)[0], L)
         result["compiled fused call alone: total us/layer"] = total_us(
@@ -105,13 +104,13 @@ def main():
             lambda i: mx.fast.scaled_dot_product_attention(q, fp16[i].keys[..., :T, :], fp16[i].values[..., :T, :],
                                                            scale=0.088), L)
     for c in caches:
-        c.flush()
-        c.mode = dataclasses.replace(c.mode, compiled=False)
+        c.store.flush()
+        c.settings = c.settings.replace(compile_step=False)
     result["packed step, compile off: host us/layer"] = build_us(vq_step, L)
     result["packed step, compile off: total us/layer"] = total_us(vq_step, L)
     for c in caches:
-        c.flush()
-        c.mode = dataclasses.replace(c.mode, compiled=True)
+        c.store.flush()
+        c.settings = c.settings.replace(compile_step=True)
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(10):

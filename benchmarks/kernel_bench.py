@@ -24,7 +24,6 @@ Writes kernels.json and kernels.md under --out; prints the tables.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -111,7 +110,7 @@ def build_layers(n_layers: int, T: int, cfg: KVCacheConfig, B=1, kv=8, D=128):
         c = CompressedKVCache(cfg)
         for start in range(0, T, 4096):
             c.update_and_fetch(k[..., start : start + 4096, :], v[..., start : start + 4096, :])
-            mx.eval(c.rows)
+            mx.eval(c.store.rows)
         caches.append(c)
         fp16.append((k, v))
         mx.eval(k, v)
@@ -120,7 +119,7 @@ def build_layers(n_layers: int, T: int, cfg: KVCacheConfig, B=1, kv=8, D=128):
 
 def packed_bytes(c: CompressedKVCache) -> int:
     """Bytes of the rows holding the first `encoded` tokens (what decoding must read)."""
-    return c.rows.shape[0] * c.rows.shape[1] * c.encoded * c.rows.shape[3] * c.rows.itemsize
+    return c.store.rows.shape[0] * c.store.rows.shape[1] * c.encoded * c.store.rows.shape[3] * c.store.rows.itemsize
 
 
 def microbench(T: int, args, vbits: int, copy_bw: float):
@@ -151,8 +150,8 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
 
     def dequant_sdpa(i):
         c = caches[i]
-        keys = ops.mse_dequant(run, c.layout, "keys", c.rows, c.encoded, mx.float16)
-        values = ops.mse_dequant(run, c.layout, "values", c.rows, c.encoded, mx.float16)
+        keys = ops.mse_dequant(run, c.key_codec, c.store.layout, "keys", c.store.rows, c.encoded, mx.float16)
+        values = ops.mse_dequant(run, c.value_codec, c.store.layout, "values", c.store.rows, c.encoded, mx.float16)
         q = c.key_codec.to_domain(qs[i].astype(mx.float32)).astype(mx.float16)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale)
         return c.value_codec.from_domain(out.astype(mx.float32))
@@ -161,11 +160,11 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
         add("dequantize kernel + fp16 SDPA", timed(dequant_sdpa, L, args.rounds, passes=P), code_bytes)
 
     def generic(i):
-        caches[i].kernels_enabled = False
+        caches[i].settings = caches[i].settings.replace(kernels=False)
         try:
             return caches[i].attend(qs[i], scale=scale)
         finally:
-            caches[i].kernels_enabled = True
+            caches[i].settings = caches[i].settings.replace(kernels=True)
 
     add("generic MLX-ops path", timed(generic, L, max(3, args.rounds // 3)), code_bytes)
     add("portable compiled path", timed(lambda i: kernels.decode_attention(
@@ -176,14 +175,14 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
         add(name, timed(lambda i: kernels.decode_attention(caches[i], qs[i], scale, chunk=chunk), L, args.rounds,
                         passes=P), code_bytes, chunk=plan_chunk, auto=chunk is None)
         o_only = lambda i: ops.mse_partials(run, qs[i], caches[i].key_codec, caches[i].value_codec,  # noqa: E731
-                                            caches[i].rows, caches[i].encoded, scale, chunk=chunk)[:2]
+                                            caches[i].store.rows, caches[i].encoded, scale, chunk=chunk)[:2]
         add("partial kernel alone", timed(o_only, L, args.rounds, passes=P), code_bytes, chunk=plan_chunk,
             auto=chunk is None)
     new = [(mx.random.normal((B, kv, 1, D), key=mx.random.key(99 + i)).astype(mx.float16),) * 2 for i in range(L)]
 
     def append(i):
         caches[i].update_and_fetch(*new[i])
-        return caches[i].rows
+        return caches[i].store.rows
 
     add("update_and_fetch (encode 1 token + store)", timed(append, L, args.rounds), 0)
 
@@ -211,14 +210,14 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
         build_time(lambda i: caches[i].attend(qs[i], scale=scale), L, args.rounds), 0)
     # The same with the compiled decode step off (kernels/step.py): the op-by-op path.
     for c in caches:
-        c.flush()
-        c.mode = dataclasses.replace(c.mode, compiled=False)
+        c.store.flush()
+        c.settings = c.settings.replace(compile_step=False)
     add(f"decode step, {L} layers: packed append + attend, op by op (per layer)",
         timed(vq_step, L, args.rounds), code_bytes)
     add("host: graph build of packed append + attend, op by op (per layer)", build_time(vq_step, L, args.rounds), 0)
     for c in caches:
-        c.flush()
-        c.mode = dataclasses.replace(c.mode, compiled=True)
+        c.store.flush()
+        c.settings = c.settings.replace(compile_step=True)
     del fp16
     return rows, caches
 

@@ -152,7 +152,7 @@ def partial_only(context: int, calls: int):
     cache = CompressedKVCache(cfg)
     for start in range(0, context, 4096):
         cache.update_and_fetch(k[..., start:start + 4096, :], k[..., start:start + 4096, :])
-        mx.eval(cache.rows)
+        mx.eval(cache.store.rows)
     q = mx.random.normal((1, 32, 1, 128), key=mx.random.key(1)).astype(mx.float16)
     for _ in range(calls):
         mx.eval(cache.attend(q, scale=128 ** -0.5))

@@ -35,7 +35,7 @@ def profile(T: int, L: int):
     caches, fp16 = filled_layers(L, T)
     q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
     new = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
-    rows = [c.rows + 0 for c in caches]  # separate buffers for the store variants
+    rows = [c.store.rows + 0 for c in caches]  # separate buffers for the store variants
     row = rows[0][..., :1, :] + 0
     start = mx.array([T - 1])  # inside the buffer: dynamic slice updates are not bounds-checked
     mx.eval(q, new, rows, row)
@@ -85,7 +85,7 @@ def profile(T: int, L: int):
         out[name] = None if t is None else t * 1e6
         print(f"T={T} {name}: {out[name]:.1f} us/layer" if t else f"T={T} {name}: failed", flush=True)
         for c in caches:
-            c.flush()
+            c.store.flush()
     return out
 
 

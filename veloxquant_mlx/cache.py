@@ -216,8 +216,18 @@ class CompressedKVCache(_BaseCache):
             store=self.store, key_codec=self.key_codec, value_codec=self.value_codec, kv_heads=self.kv_heads,
             offset=self.offset, sinks=self.sinks, window=self.window, key_mean=self.key_mean,
             value_mean=self.value_mean, settings=self.settings, fp16=self._fp16_tokens, segments=self.segments,
-            band=self.just_encoded is not None, pending=pending,
+            band=self.just_encoded is not None, pending=pending, recent=self._recent_tokens,
+            fp16_from=self._fp16_from,
         )
+
+    def _recent_tokens(self):
+        if self.just_encoded is None:
+            return None
+        keys, values, first = self.just_encoded
+        if self.window:
+            keys = mx.concatenate([keys, self.window_keys], axis=2)
+            values = mx.concatenate([values, self.window_values], axis=2)
+        return self._centered(keys), values, first
 
     def _fp16_tokens(self):
         parts = [(self.sink_keys, self.sink_values), (self.window_keys, self.window_values)]

@@ -41,11 +41,13 @@ class History:
 
     def __init__(self, *, store, key_codec, value_codec, kv_heads: int, offset: int, sinks: int, window: int,
                  key_mean, value_mean, settings: EngineSettings, fp16: Callable[[], Optional[Tuple]],
-                 segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None):
+                 segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None,
+                 recent: Optional[Callable[[], Optional[Tuple]]] = None, fp16_from: Optional[Callable] = None):
         self.store, self.key_codec, self.value_codec = store, key_codec, value_codec
         self.kv_heads, self.offset, self.sinks, self.window = kv_heads, offset, sinks, window
         self.key_mean, self.value_mean, self.settings = key_mean, value_mean, settings
         self._fp16, self.segments, self.band, self.pending = fp16, segments, band, pending
+        self._recent, self.fp16_from = recent, fp16_from
 
     @property
     def count(self) -> int:
@@ -60,6 +62,12 @@ class History:
     def fp16(self) -> Optional[Tuple[mx.array, mx.array]]:
         """(keys, values) of the sinks and the window in position order (keys centered), or None."""
         return self._fp16()
+
+    def recent(self) -> Optional[Tuple[mx.array, mx.array, int]]:
+        """With a band: (keys (centered), values, first position) of the tokens this update
+        encoded followed by the window, in fp16; queries of the chunk see each of them either
+        from its codes or from these, by `fp16_from` (cache.py)."""
+        return self._recent()
 
 
 @dataclass(frozen=True)
@@ -312,12 +320,21 @@ def decode_with_codec(h: History, role: str, dtype) -> mx.array:
     return codec.decode(h.store.fields(role)).astype(dtype)
 
 
+SDPA_MASK_BYTES = 4 << 30  # largest query x key x head score block an explicit-mask SDPA may need
+
+
 def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
-    """Codes to attend to, no band of just-encoded tokens that earlier queries of the chunk
-    still see in fp16 (those need a per-query mask), and domains in which fp16 tokens can
-    join the decoded ones (orthogonal maps)."""
-    return (queries.shape[2] > 1 and h.count > 0 and not h.band and plain_mask(mask)
-            and h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain)
+    """Codes to attend to and domains in which fp16 tokens can join the decoded ones
+    (orthogonal maps). With a band (tokens this chunk encoded that its earlier queries still
+    see in fp16) the call needs an explicit mask: only while the scores it could materialise
+    stay under SDPA_MASK_BYTES."""
+    if not (queries.shape[2] > 1 and h.count > 0 and plain_mask(mask)
+            and h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain):
+        return False
+    if h.band:
+        keys = h.offset + h.count  # upper bound: codes + sinks + the recent span
+        return 4 * queries.shape[1] * queries.shape[2] * keys * queries.shape[0] <= SDPA_MASK_BYTES
+    return True
 
 
 def sdpa_prefill_supports(h: History, queries: mx.array, mask) -> bool:
@@ -336,13 +353,33 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     kc, vc = h.key_codec, h.value_codec
     dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
     keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
-    fp16 = h.fp16
-    if fp16 is not None:
-        fk, fv = fp16
+
+    def into_domains(fk, fv):
         if h.value_mean is not None:
             fv = fv.astype(mx.float32) - h.value_mean
-        fk, fv = kc.to_domain(fk.astype(mx.float32)).astype(dtype), vc.to_domain(fv.astype(mx.float32)).astype(dtype)
-        s = h.sinks
+        return kc.to_domain(fk.astype(mx.float32)).astype(dtype), vc.to_domain(fv.astype(mx.float32)).astype(dtype)
+
+    s = h.sinks
+    fp16 = h.fp16
+    if h.band:
+        # Keys [sinks | every code | the recent span in fp16]: each query sees a recent token
+        # from its codes before fp16_from(query) and from fp16 after it (cache.py's rule).
+        rk, rv, first = h.recent()
+        rk, rv = into_domains(rk, rv)
+        parts_k, parts_v = [keys, rk], [values, rv]
+        if s:
+            sk, sv = into_domains(fp16[0][..., :s, :], fp16[1][..., :s, :])
+            parts_k, parts_v = [sk] + parts_k, [sv] + parts_v
+        keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+        L = queries.shape[2]
+        qpos = mx.arange(h.offset - L, h.offset)[:, None]
+        fp16_from = h.fp16_from(qpos)
+        codes_pos = mx.arange(s, s + h.count)[None]
+        recent_pos = mx.arange(first, h.offset)[None]
+        mask = mx.concatenate([mx.arange(s)[None] <= qpos, (codes_pos < fp16_from) & (codes_pos <= qpos),
+                               (recent_pos >= fp16_from) & (recent_pos <= qpos)], axis=1)
+    elif fp16 is not None:
+        fk, fv = into_domains(*fp16)
         keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
         values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
     q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)

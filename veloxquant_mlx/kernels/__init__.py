@@ -169,7 +169,9 @@ def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
 
 
 def _portable_supports(h, queries, mask) -> bool:
-    return h.settings.backend in CPU_BACKENDS and _decode_call(queries, mask) and _mse(h)
+    # On a GPU the engine's compiled decode (one graph per step) serves the portable back end.
+    return (h.settings.backend in CPU_BACKENDS and mx.default_device().type == mx.DeviceType.cpu
+            and _decode_call(queries, mask) and _mse(h))
 
 
 @engine.register_path("mse_portable", "decode", _portable_supports, priority=5)

@@ -69,6 +69,9 @@ def _run(backend: str) -> bool:
             errors = {k: v for k, v in record.items() if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error")}
             failures.append(f"{name} ({_KERNELS[name]}): outside tolerance {errors}")
     if failures:
+        from .. import engine
+
+        engine.row_encoder.cache_clear()  # encoders chosen while the check ran used these kernels
         warnings.warn(f"veloxquant_mlx: the {backend} kernels failed their first-use check and are off for this "
                       "process; turboquant_mse attends on the portable path instead. " + "; ".join(failures),
                       RuntimeWarning, stacklevel=3)

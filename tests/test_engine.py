@@ -1,0 +1,274 @@
+"""The engine: formats as data, storage classes, the path registry and the settings object.
+
+Every path is checked against the generic blockwise path (`attention.attend`), which is
+itself checked against float64 attention in test_cache.py.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant_mlx import EngineSettings, KVCacheConfig, engine, kernels
+from veloxquant_mlx.cache import CompressedKVCache
+from veloxquant_mlx.formats import FLOAT16, Format, RowLayout, fp16, packed
+from veloxquant_mlx.methods import available_methods
+from veloxquant_mlx.methods.base import Codec, Method, _REGISTRY, register_method
+from veloxquant_mlx.storage import FieldStore, RowStore
+
+from conftest import config_for
+
+ALL = sorted(available_methods())
+PROTECTED = dict(sink_tokens=4, residual_length=16, center=True)
+
+
+def _filled(method, batch=2, tokens=300, decode=20, settings=None, **changes):
+    cache = CompressedKVCache(config_for(method, 4, **changes), settings=settings)
+    k = mx.random.normal((batch, 2, tokens + decode, 64), key=mx.random.key(1)) * 2
+    v = mx.random.normal((batch, 2, tokens + decode, 64), key=mx.random.key(2))
+    cache.update_and_fetch(k[..., :tokens, :], v[..., :tokens, :])
+    for i in range(tokens, tokens + decode):
+        cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
+    return cache
+
+
+def _generic(cache, q, scale, mask=None):
+    settings = cache.settings
+    cache.settings = settings.replace(kernels=False)
+    try:
+        return cache.attend(q, scale, mask)
+    finally:
+        cache.settings = settings
+
+
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+@pytest.mark.parametrize("method", ALL)
+def test_compiled_decode_equals_generic_for_every_method(method, protected):
+    cache = _filled(method, settings=EngineSettings.resolve(backend="portable"), **(PROTECTED if protected else {}))
+    q = mx.random.normal((2, 6, 1, 64), key=mx.random.key(3))
+    h = cache._history()
+    out = engine.compiled_decode(h, q, 0.125)
+    ref = _generic(cache, q, 0.125)
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    cache.attend(q, 0.125)
+    expected = "mse_portable" if method == "turboquant_mse" else "compiled_decode"
+    assert cache.last_path == expected
+
+
+@pytest.mark.parametrize("changes", [{}, {"sink_tokens": 3}, {"sink_tokens": 2, "center": True}],
+                         ids=["plain", "sinks", "sinks_center"])
+@pytest.mark.parametrize("method", [m for m in ALL if m not in ("qjl", "turboquant_prod", "kivi")])
+def test_sdpa_prefill_equals_generic(method, changes):
+    # The GPU prefill path (decode the history once, MLX's fused attention), run here on the CPU.
+    cache = _filled(method, batch=1, decode=0, **changes)
+    k = mx.random.normal((1, 2, 24, 64), key=mx.random.key(4))
+    cache.update_and_fetch(k, mx.cos(k))
+    q = mx.random.normal((1, 4, 24, 64), key=mx.random.key(5))
+    h = cache._history()
+    assert engine.sdpa_prefill_applies(h, q, "causal") and not engine.sdpa_prefill_supports(h, q, "causal")
+    out = engine.sdpa_prefill(h, q, 0.125, "causal")
+    ref = _generic(cache, q, 0.125, "causal")
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+
+
+@pytest.mark.parametrize("method,changes", [
+    ("turboquant_mse", {"residual_length": 16}), ("turboquant_mse", PROTECTED),
+    ("kivi", {}), ("kivi", PROTECTED), ("polarquant", {"residual_length": 5, "sink_tokens": 1}),
+], ids=str)
+@pytest.mark.parametrize("first_chunk", [False, True])
+def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk):
+    # The chunk pushes tokens out of the window (or completes KIVI key groups): earlier queries
+    # of the chunk still see them in fp16, later ones from their codes, through an explicit mask.
+    cache = CompressedKVCache(config_for(method, 3, **changes))
+    k = mx.random.normal((1, 2, 400, 64), key=mx.random.key(7)) * 2
+    v = mx.random.normal((1, 2, 400, 64), key=mx.random.key(8))
+    if not first_chunk:
+        cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
+    start = 0 if first_chunk else 300
+    cache.update_and_fetch(k[..., start:, :], v[..., start:, :])
+    L = 400 - start
+    q = mx.random.normal((1, 4, L, 64), key=mx.random.key(9))
+    h = cache._history()
+    assert h.band and engine.sdpa_prefill_applies(h, q, "causal")
+    out = engine.sdpa_prefill(h, q, 0.125, "causal")
+    ref = _generic(cache, q, 0.125, "causal")
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+
+
+def test_sdpa_prefill_refuses_non_orthogonal_domains():
+    qjl = _filled("qjl", batch=1, decode=0)
+    assert not engine.sdpa_prefill_applies(qjl._history(), mx.zeros((1, 2, 8, 64)), "causal")
+
+
+def test_emulated_kernel_step_with_sinks_window_and_centering_equals_portable():
+    # The compiled GPU decode step now carries the fp16 sinks/window partial (and the means).
+    from veloxquant_mlx.kernels import emulator, selftest
+
+    if emulator.compiler() is None:
+        pytest.skip("no C++20 compiler for the kernel emulator")
+    cache = _filled("turboquant_mse", batch=1, tokens=280, **PROTECTED)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(6))
+    out = kernels.step.attend("emulator", cache._history(), q, 0.125)
+    ref = kernels.decode_attention(cache, q, 0.125, using="portable")
+    assert selftest._rel(np.array(out), np.array(ref)) < 1e-5
+
+
+def test_formats_describe_what_is_stored():
+    cache = _filled("turboquant_mse", batch=1, decode=0)
+    layout = cache.store.layout
+    fmt = cache.key_codec.format
+    assert fmt.kernel == "mse" and fmt.field("codes").bits == 4 and fmt.bits_per_token == 32 * 8 + 16
+    assert kernels.mse_rows(layout) == (8, 8, 17) and layout.words == 17
+    assert cache.store.rows.shape[-1] == layout.words
+    keys, values = layout.views(cache.store.rows[..., :5, :])
+    fields = cache.key_codec.encode(mx.zeros((1, 2, 5, 64)))
+    assert set(keys) == set(fields) and keys["norm"].dtype == mx.float16
+    # KIVI's per-group key scales: a FieldStore, one row per group of tokens.
+    kivi = _filled("kivi", batch=1, decode=0)
+    assert isinstance(kivi.store, FieldStore) and kivi.key_codec.format.field("channel_scale").tokens_per_row == 32
+    assert RowLayout.of(kivi.key_codec.format, kivi.value_codec.format) is None
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_row_store_only_where_rows_cost_no_extra_bit(method):
+    cache = _filled(method, batch=1, decode=0)
+    budget = cache.key_codec.format.bits_per_token + cache.value_codec.format.bits_per_token
+    if isinstance(cache.store, RowStore):
+        assert 32 * cache.store.layout.words == budget
+    else:
+        layout = RowLayout.of(cache.key_codec.format, cache.value_codec.format)
+        assert layout is None or 32 * layout.words > budget
+
+
+class _SignCodec(Codec):
+    """A toy method defined outside the package: 1-bit signs of the vector times its mean |x|."""
+
+    def __init__(self, dim):
+        self.dim = self.domain_dim = dim
+        self.format = Format("toy_signs", dim, dim, (packed("signs", dim, 1), fp16("scale", 2)))
+
+    def encode(self, x):
+        from veloxquant_mlx.packing import pack
+
+        x = x.astype(mx.float32)
+        scale = mx.mean(mx.abs(x), axis=-1, keepdims=True)
+        return {"signs": pack((x >= 0).astype(mx.uint8), 1),
+                "scale": mx.concatenate([scale, scale], axis=-1).astype(mx.float16)}
+
+    def decode(self, fields):
+        from veloxquant_mlx.packing import unpack
+
+        signs = unpack(fields["signs"], 1, self.dim).astype(mx.float32) * 2 - 1
+        return signs * fields["scale"][..., :1].astype(mx.float32)
+
+
+@pytest.fixture
+def toy_method():
+    @register_method("toy_signs")
+    class Toy(Method):
+        key_bits = value_bits = range(1, 2)
+
+        @classmethod
+        def key_codec(cls, config, dim, params=None):
+            return _SignCodec(dim)
+
+        value_codec = key_codec
+
+    yield "toy_signs"
+    del _REGISTRY["toy_signs"]
+
+
+def test_a_new_method_is_one_file_and_takes_the_engine_paths(toy_method):
+    cache = CompressedKVCache(KVCacheConfig(method=toy_method, bits=1), settings=EngineSettings.resolve())
+    k = mx.random.normal((1, 2, 100, 64))
+    cache.update_and_fetch(k, k)
+    cache.update_and_fetch(k[..., :1, :], k[..., :1, :])
+    # Per token: 64 key and 64 value sign bits (2 + 2 words), 2 + 2 fp16 scalars (2 words).
+    assert isinstance(cache.store, RowStore) and cache.store.layout.words == 6
+    assert cache.nbytes == 256 * 2 * 6 * 4
+    q = mx.random.normal((1, 4, 1, 64))
+    out = cache.attend(q, 0.125)
+    assert cache.last_path == "compiled_decode"
+    assert mx.allclose(out, _generic(cache, q, 0.125), rtol=1e-4, atol=1e-5).item()
+
+
+def test_a_registered_path_takes_over_without_touching_dispatch(toy_method):
+    calls = []
+
+    def supports(h, queries, mask):
+        return h.key_codec.format.name == "toy_signs" and queries.shape[2] == 1
+
+    @engine.register_path("toy_decode", "decode", supports, priority=50)
+    def toy_decode(h, queries, scale, mask=None):
+        calls.append(h.count)
+        return engine.generic(h, queries, scale, mask)
+
+    try:
+        cache = CompressedKVCache(KVCacheConfig(method=toy_method, bits=1))
+        k = mx.random.normal((1, 2, 10, 64))
+        cache.update_and_fetch(k, k)
+        cache.attend(mx.zeros((1, 2, 1, 64)), 0.1)
+        assert cache.last_path == "toy_decode" and calls == [10]
+        other = _filled("turboquant_rvq", batch=1, decode=0)
+        other.attend(mx.zeros((1, 4, 1, 64)), 0.1)
+        assert other.last_path == "compiled_decode"
+    finally:
+        engine._PATHS["decode"] = [p for p in engine._PATHS["decode"] if p.name != "toy_decode"]
+
+
+def test_settings_resolve_explicit_over_environment(monkeypatch):
+    monkeypatch.setenv("VELOXQUANT_COMPILE_STEP", "0")
+    monkeypatch.setenv("VELOXQUANT_SPLIT_TOKENS", "512")
+    s = EngineSettings.resolve()
+    assert not s.compile_step and s.split_tokens == 512 and s.kernels and s.metal_kernels
+    s = EngineSettings.resolve(compile_step=True, backend="portable")
+    assert s.compile_step and s.backend == "portable"
+    monkeypatch.setenv("VELOXQUANT_KERNELS", "off")
+    assert not EngineSettings.resolve().kernels
+    with pytest.raises(ValueError, match="backend"):
+        EngineSettings(backend="tpu")
+    with pytest.raises(ValueError, match="split_tokens"):
+        EngineSettings(backend="portable", split_tokens=0)
+    # Resolved once: a cache keeps its settings when the environment changes later.
+    monkeypatch.delenv("VELOXQUANT_KERNELS")
+    cache = CompressedKVCache(KVCacheConfig(bits=3))
+    monkeypatch.setenv("VELOXQUANT_KERNELS", "off")
+    assert cache.settings.kernels
+
+
+@pytest.mark.parametrize("method", ["turboquant_mse", "kivi", "turboquant_rvq"])
+def test_batch_of_two_equals_two_single_caches(method):
+    batch = _filled(method, batch=2, **PROTECTED)
+    q = mx.random.normal((2, 6, 1, 64), key=mx.random.key(9))
+    out = batch.attend(q, 0.125)
+    k = mx.random.normal((2, 2, 320, 64), key=mx.random.key(1)) * 2
+    v = mx.random.normal((2, 2, 320, 64), key=mx.random.key(2))
+    for row in range(2):
+        single = CompressedKVCache(config_for(method, 4, **PROTECTED))
+        single.update_and_fetch(k[row : row + 1, :, :300], v[row : row + 1, :, :300])
+        for i in range(300, 320):
+            single.update_and_fetch(k[row : row + 1, :, i : i + 1], v[row : row + 1, :, i : i + 1])
+        # Centering means are per row and head, so a row of the batch is a cache of its own.
+        ref = single.attend(q[row : row + 1], 0.125)
+        assert mx.allclose(out[row : row + 1], ref, rtol=1e-4, atol=2e-5).item()
+
+
+@pytest.mark.parametrize("method", ["kivi", "turboquant_mse", "qjl"])
+def test_nbytes_covers_what_the_allocator_holds(method):
+    """Live memory grows by what `nbytes` reports (the window keeps no view of a flushed span)."""
+    config = config_for(method, 2, residual_length=64, sink_tokens=4, group_size=32)
+    warm = CompressedKVCache(config)  # the codecs' constants (shared by every layer) exist before we count
+    warm.update_and_fetch(mx.zeros((1, 3, 200, 64)), mx.zeros((1, 3, 200, 64)))
+    mx.eval(warm.state)
+    mx.synchronize()
+    mx.clear_cache()
+    cache = CompressedKVCache(config)
+    k = mx.random.normal((1, 3, 3072, 64)).astype(mx.float16)
+    mx.eval(k)
+    base = mx.get_active_memory()
+    for start in range(0, 3072, 512):
+        cache.update_and_fetch(k[..., start : start + 512, :], k[..., start : start + 512, :])
+        cache.attend(mx.zeros((1, 3, 512, 64), mx.float16), 0.1, "causal")
+        mx.eval(cache.state)
+    mx.synchronize()
+    grown = mx.get_active_memory() - base
+    assert grown <= cache.nbytes * 1.02 + 4096, (grown, cache.nbytes)
