@@ -31,7 +31,6 @@ from .settings import EngineSettings
 
 PHASES = ("decode", "prefill", "decode_store")
 DECODE_SPLIT = 4096  # tokens decoded at once by the compiled decode step
-PREFILL_BARRIER_BYTES = 64 << 20  # evaluate a layer's prefill before the next once its history exceeds this
 
 
 class History:
@@ -257,7 +256,8 @@ def _slice_fields(fields, per_row, start: int, stop: int):
 
 @functools.lru_cache(maxsize=128)
 def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], per_row, capacity: int,
-               out_shape: Tuple[int, ...], out_dtype, scale: float, has_fp16: bool, centered: bool):
+               out_shape: Tuple[int, ...], out_dtype, scale: float, has_fp16: bool, centered: bool,
+               compiled: bool = True):
     key_names, value_names = names
     key_per_row, value_per_row = dict(per_row[0]), dict(per_row[1])
     block = math.lcm(key_codec.token_block, value_codec.token_block)
@@ -286,7 +286,7 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                               value_mean=value_mean if centered else None)
 
-    return mx.compile(step)
+    return mx.compile(step) if compiled else step
 
 
 def _compiled_decode_supports(h: History, queries: mx.array, mask) -> bool:
@@ -295,7 +295,7 @@ def _compiled_decode_supports(h: History, queries: mx.array, mask) -> bool:
 
 
 @register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0)
-def compiled_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.array:
+def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, compiled: bool = True) -> mx.array:
     """Decode for every format: the codes of the whole capacity are decoded split by split
     with the codecs' MLX ops, tokens past `count` masked, and the fp16 sinks/window merged,
     in one `mx.compile`d graph whose shapes change only when the store grows."""
@@ -306,7 +306,7 @@ def compiled_decode(h: History, queries: mx.array, scale: float, mask=None) -> m
     per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
     fp16, centered = h.fp16, h.value_mean is not None
     fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, capacity, tuple(queries.shape), queries.dtype,
-                    float(scale), fp16 is not None, centered)
+                    float(scale), fp16 is not None, centered, compiled)
     none = small_array((0.0,), mx.float32)
     return fn(queries, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]],
               small_array((h.count,)), *(fp16 if fp16 is not None else (none, none)),
@@ -320,7 +320,7 @@ def decode_with_codec(h: History, role: str, dtype) -> mx.array:
     return codec.decode(h.store.fields(role)).astype(dtype)
 
 
-SDPA_MASK_BYTES = 4 << 30  # largest query x key x head score block an explicit-mask SDPA may need
+SDPA_MASK_BYTES = 256 << 20  # scores an explicit-mask SDPA call may hold (queries x keys x heads x 4 bytes)
 
 
 def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
@@ -331,9 +331,6 @@ def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
     if not (queries.shape[2] > 1 and h.count > 0 and plain_mask(mask)
             and h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain):
         return False
-    if h.band:
-        keys = h.offset + h.count  # upper bound: codes + sinks + the recent span
-        return 4 * queries.shape[1] * queries.shape[2] * keys * queries.shape[0] <= SDPA_MASK_BYTES
     return True
 
 
@@ -347,9 +344,11 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     """Prefill over the decoded history with `mx.fast.scaled_dot_product_attention`: the query
     goes into the key domain once, fp16 sinks/window tokens are mapped into the domains and
     placed in position order (so the causal mask stays the plain one), the output comes back
-    from the value domain once. One layer's decoded history exists at a time: past
-    PREFILL_BARRIER_BYTES the layer is evaluated before the next one is built, so peak memory
-    stays below an fp16 cache's (whose every layer holds that much)."""
+    from the value domain once. One layer's decoded history exists at a time: on a GPU the
+    layer is evaluated before the next one is built, so peak memory stays below an fp16
+    cache's (whose every layer holds that much). With a band the call
+    needs an explicit mask, which MLX's fused kernels may not take: the queries then go in
+    groups whose scores fit SDPA_MASK_BYTES even where MLX materialises them."""
     kc, vc = h.key_codec, h.value_codec
     dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
     keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
@@ -371,27 +370,40 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
             sk, sv = into_domains(fp16[0][..., :s, :], fp16[1][..., :s, :])
             parts_k, parts_v = [sk] + parts_k, [sv] + parts_v
         keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
-        L = queries.shape[2]
-        qpos = mx.arange(h.offset - L, h.offset)[:, None]
-        fp16_from = h.fp16_from(qpos)
-        codes_pos = mx.arange(s, s + h.count)[None]
-        recent_pos = mx.arange(first, h.offset)[None]
-        mask = mx.concatenate([mx.arange(s)[None] <= qpos, (codes_pos < fp16_from) & (codes_pos <= qpos),
-                               (recent_pos >= fp16_from) & (recent_pos <= qpos)], axis=1)
+        B, n_heads, L, _ = queries.shape
+        group = max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
+        q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
+        outs = []
+        for a in range(0, L, group):
+            qpos = mx.arange(h.offset - L + a, h.offset - L + min(a + group, L))[:, None]
+            fp16_from = h.fp16_from(qpos)
+            codes_pos = mx.arange(s, s + h.count)[None]
+            recent_pos = mx.arange(first, h.offset)[None]
+            band_mask = mx.concatenate([mx.arange(s)[None] <= qpos, (codes_pos < fp16_from) & (codes_pos <= qpos),
+                                        (recent_pos >= fp16_from) & (recent_pos <= qpos)], axis=1)
+            outs.append(mx.fast.scaled_dot_product_attention(q[..., a : a + group, :], keys, values, scale=scale,
+                                                             mask=band_mask))
+            if len(outs) > 1 and h.settings.gpu:
+                mx.eval(outs[-1])  # one group's scores at a time
+        return _from_value_domain(h, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], queries)
     elif fp16 is not None:
         fk, fv = into_domains(*fp16)
         keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
         values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
     q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
-    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask)
-    out = vc.from_domain(out.astype(mx.float32))
+    return _from_value_domain(h, mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
+                              queries)
+
+
+def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array:
+    out = h.value_codec.from_domain(out.astype(mx.float32))
     if h.value_mean is not None:
         B, n_heads, L, dv = out.shape
         out = out.reshape(B, h.kv_heads, n_heads // h.kv_heads, L, dv) + h.value_mean.astype(mx.float32)[:, :, None]
         out = out.reshape(B, n_heads, L, dv)
     out = out.astype(queries.dtype)
-    if keys.nbytes + values.nbytes > PREFILL_BARRIER_BYTES:
-        mx.eval(out)
+    if h.settings.gpu:
+        mx.eval(out)  # the next layer's decoded history is built only once this one's is freed
     return out
 
 
