@@ -273,3 +273,42 @@ def test_nbytes_covers_what_the_allocator_holds(method):
     mx.synchronize()
     grown = mx.get_active_memory() - base
     assert grown <= cache.nbytes * 1.02 + 4096, (grown, cache.nbytes)
+
+
+# ---- the dequant kernel of every format with a snippet, in the C++ emulator -------------------------
+
+from veloxquant_mlx.kernels import emulator  # noqa: E402
+
+needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the emulator")
+SNIPPET_METHODS = [m for m in ALL if m != "polarquant"]  # polarquant's decode is a tree, not per element
+
+
+@needs_cxx
+@pytest.mark.parametrize("method", SNIPPET_METHODS)
+def test_dequant_kernel_equals_codec_decode(method):
+    cache = _filled(method, batch=2, tokens=70, decode=3)
+    run = kernels.ops.runner("emulator")
+    for role, codec in (("keys", cache.key_codec), ("values", cache.value_codec)):
+        out = kernels.dequant.dequantize(run, cache.store, role, codec, cache.encoded, mx.float32)
+        ref = codec.decode(cache.store.fields(role))
+        assert out.shape == ref.shape and mx.array_equal(out, ref).item(), (role, float(mx.abs(out - ref).max()))
+
+
+@needs_cxx
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+@pytest.mark.parametrize("method", ["turboquant_rvq", "kivi", "qjl", "turboquant_prod", "turboquant_mse"])
+def test_format_kernel_paths_equal_generic(method, protected):
+    # The GPU paths for every format with a snippet (dequant kernel + MLX attention), emulated.
+    cache = _filled(method, batch=1, tokens=64, decode=3, settings=EngineSettings.resolve(backend="emulator"),
+                    **(PROTECTED if protected else {}))
+    cache.store.flush()  # the emulator back end defers decode tokens to its fused kernel step
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(11))
+    out = kernels.format_kernel_decode(cache._history(), q, 0.125)
+    assert mx.allclose(out, _generic(cache, q, 0.125), rtol=1e-4, atol=2e-5).item()
+    if not (cache.key_codec.format.orthogonal_domain and cache.value_codec.format.orthogonal_domain):
+        return
+    k = mx.random.normal((1, 2, 40, 64), key=mx.random.key(12))
+    cache.update_and_fetch(k, mx.cos(k))
+    q = mx.random.normal((1, 4, 40, 64), key=mx.random.key(13))
+    out = kernels.format_kernel_prefill(cache._history(), q, 0.125, "causal")
+    assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()

@@ -313,6 +313,39 @@ def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, comp
               h.value_mean if centered else none)
 
 
+@functools.lru_cache(maxsize=128)
+def _attend_decoded_fn(key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
+                       has_fp16: bool, centered: bool):
+    def step(queries, keys, values, count, fp16_keys, fp16_values, value_mean):
+        B, n_heads, _, dim = queries.shape
+        kv_heads = keys.shape[1]
+        rep = n_heads // kv_heads
+        q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim))
+        scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+        scores = mx.where(mx.arange(keys.shape[2]) < count, scores, -mx.inf)
+        m = mx.max(scores, axis=-1, keepdims=True)
+        p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
+        o = (p @ values.astype(mx.float32)).reshape(B * kv_heads, 1, rep, -1)
+        ml = mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1).reshape(B * kv_heads, 1, rep, 2)
+        plain = plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
+        return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
+                              value_mean=value_mean if centered else None)
+
+    return mx.compile(step)
+
+
+def attend_decoded(h: History, queries: mx.array, scale: float, keys: mx.array, values: mx.array) -> mx.array:
+    """Decode attention over decoded keys / values (B, H, capacity, domain) of which the first
+    `h.count` are tokens, with the fp16 sinks/window merged: one compiled graph whose shapes
+    change only when the store grows (for domains that MLX's fused attention cannot take)."""
+    fp16, centered = h.fp16, h.value_mean is not None
+    fn = _attend_decoded_fn(h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype, float(scale),
+                            fp16 is not None, centered)
+    none = small_array((0.0,), mx.float32)
+    return fn(queries, keys, values, small_array((h.count,)), *(fp16 if fp16 is not None else (none, none)),
+              h.value_mean if centered else none)
+
+
 # ---- prefill on a GPU: decode the history once, MLX's fused attention -------------------------------
 
 def decode_with_codec(h: History, role: str, dtype) -> mx.array:
@@ -360,7 +393,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
 
     s = h.sinks
     fp16 = h.fp16
-    if h.band:
+    if h.band and queries.shape[2] > 1:  # a single query sees every flushed token from its codes
         # Keys [sinks | every code | the recent span in fp16]: each query sees a recent token
         # from its codes before fp16_from(query) and from fp16 after it (cache.py's rule).
         rk, rv, first = h.recent()
@@ -402,7 +435,7 @@ def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array
         out = out.reshape(B, h.kv_heads, n_heads // h.kv_heads, L, dv) + h.value_mean.astype(mx.float32)[:, :, None]
         out = out.reshape(B, n_heads, L, dv)
     out = out.astype(queries.dtype)
-    if h.settings.gpu:
+    if h.settings.gpu and queries.shape[2] > 1:
         mx.eval(out)  # the next layer's decoded history is built only once this one's is freed
     return out
 

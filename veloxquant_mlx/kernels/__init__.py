@@ -29,10 +29,10 @@ import mlx.core as mx
 
 from .. import engine
 from ..settings import CPU_BACKENDS, EngineSettings
-from . import check, launch, native, ops, portable, step, templates
+from . import check, dequant, launch, native, ops, portable, step, templates
 
 __all__ = ["backend", "decode_attention", "prefill_attention", "kernel_supported", "mse_rows",
-           "check", "launch", "native", "ops", "portable", "step", "templates"]
+           "check", "dequant", "launch", "native", "ops", "portable", "step", "templates"]
 
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
 KERNEL_BACKENDS = ("cuda", "metal", "emulator")
@@ -201,6 +201,43 @@ def _prefill_supports(h, queries, mask) -> bool:
 def kernel_prefill(h, queries, scale, mask=None):
     """The engine's SDPA prefill with the history decoded by the dequant kernel."""
     return engine.sdpa_prefill(h, queries, scale, mask, decode=_dequant_rows)
+
+
+# ---- every format with a decode snippet: the dequant kernel, then MLX's attention ---------------------
+
+def _format_kernel_ok(h) -> bool:
+    name = h.settings.backend
+    return (name in ("cuda", "metal") and h.count > 0 and dequant.supported(h.key_codec)
+            and dequant.supported(h.value_codec) and check.usable(name))
+
+
+def _orthogonal(h) -> bool:
+    return h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain
+
+
+def _kernel_decoder(h, role: str, dtype) -> mx.array:
+    codec = h.key_codec if role == "keys" else h.value_codec
+    return dequant.dequantize(ops.runner(h.settings.backend), h.store, role, codec, h.count, dtype)
+
+
+@engine.register_path("format_kernel_decode", "decode",
+                      lambda h, q, mask: _decode_call(q, mask) and _format_kernel_ok(h), priority=3)
+def format_kernel_decode(h, queries, scale, mask=None):
+    """The history decoded by the format's dequant kernel, then MLX's fused decode attention
+    (orthogonal domains) or a compiled softmax over the decoded domain vectors."""
+    if _orthogonal(h):
+        return engine.sdpa_prefill(h, queries, scale, None, decode=_kernel_decoder)
+    run, capacity = ops.runner(h.settings.backend), h.store.capacity
+    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+    keys = dequant.dequantize(run, h.store, "keys", h.key_codec, capacity, dtype)
+    values = dequant.dequantize(run, h.store, "values", h.value_codec, capacity, dtype)
+    return engine.attend_decoded(h, queries, scale, keys, values)
+
+
+@engine.register_path("format_kernel_prefill", "prefill",
+                      lambda h, q, mask: _format_kernel_ok(h) and engine.sdpa_prefill_applies(h, q, mask), priority=5)
+def format_kernel_prefill(h, queries, scale, mask=None):
+    return engine.sdpa_prefill(h, queries, scale, mask, decode=_kernel_decoder)
 
 
 # ---- encoding ----------------------------------------------------------------------------------

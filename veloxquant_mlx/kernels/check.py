@@ -35,7 +35,29 @@ def _cases():
 
 
 _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_partial + merge (fp16 partial)",
-            "check_prefill": "mse_dequant", "encode": "mse_encode"}
+            "check_prefill": "mse_dequant", "encode": "mse_encode", "dequant": "the formats' dequant kernel"}
+
+
+def _dequant_record(backend: str) -> dict:
+    """The formats' dequant kernel (`dequant.py`) against the codecs' MLX decode: a row format
+    (turboquant_rvq) and a field format with per-block fields (kivi)."""
+    import mlx.core as mx
+
+    from ..cache import CompressedKVCache
+    from ..config import KVCacheConfig
+    from ..settings import EngineSettings
+    from . import dequant, ops
+
+    worst = 0.0
+    for config in (KVCacheConfig(method="turboquant_rvq", bits=3), KVCacheConfig(method="kivi", bits=3, group_size=32)):
+        cache = CompressedKVCache(config, settings=EngineSettings.resolve(backend="portable"))
+        k = mx.random.normal((1, 2, 96, 128), key=mx.random.key(5))
+        cache.update_and_fetch(k, mx.sin(k))
+        for role, codec in (("keys", cache.key_codec), ("values", cache.value_codec)):
+            out = dequant.dequantize(ops.runner(backend), cache.store, role, codec, cache.encoded, mx.float32)
+            ref = codec.decode(cache.store.fields(role))
+            worst = max(worst, float(mx.max(mx.abs(out - ref))) / max(float(mx.max(mx.abs(ref))), 1e-30))
+    return {"vs_codec_decode": worst, "status": "ok" if worst <= 1e-5 else "FAIL"}
 
 
 def usable(backend: str) -> bool:
@@ -57,7 +79,8 @@ def _run(backend: str) -> bool:
     from . import selftest
 
     failures = []
-    jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, False, tokens=8))]
+    jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, False, tokens=8)),
+            ("dequant", lambda: _dequant_record(backend))]
     jobs += [(case.name, lambda case=case: selftest.run_case(case, backend)) for case in _cases()]
     for name, job in jobs:
         try:

@@ -14,6 +14,9 @@ class Fp16Codec(Codec):
     def encode(self, x):
         return {"x": x.astype(mx.float16)}
 
+    def kernel_decode(self, a):
+        return f"v = {a.half('x', 'j')};"
+
     def decode(self, fields):
         return fields["x"].astype(mx.float32)
 

@@ -102,6 +102,11 @@ class GroupAffineCodec(Codec):
         lo = fields["min"].astype(mx.float32)[..., None]
         return (lo + scale * codes).reshape(*lead, self.padded)[..., : self.dim]
 
+    def kernel_decode(self, a):
+        """The dequant kernel's element j (`kernels/dequant.py`): min_g + scale_g * code_j, g = j / G."""
+        g = f"j / {self.group_size}"
+        return f"v = {a.half('min', g)} + {a.half('scale', g)} * (float){a.code('codes', 'j')};"
+
     def weighted_sum(self, weights, fields):
         """p @ V straight from the codes with `mx.quantized_matmul`: the packing and the
         min + scale * code form are MLX's affine format (as mlx-lm's QuantizedKVCache
@@ -134,6 +139,11 @@ class ChannelGroupAffineCodec(Codec):
         self.format = Format("affine_channel", dim, dim, (
             packed("codes", dim, bits), fp16("channel_scale", dim, group_size), fp16("channel_min", dim, group_size),
         ), token_block=group_size)
+
+    def kernel_decode(self, a):
+        """The dequant kernel's element j: min[c] + scale[c] * code_j, from the row of this
+        token's group (`kernels/dequant.py` reads per-block fields by t / G)."""
+        return f"v = {a.half('channel_min', 'j')} + {a.half('channel_scale', 'j')} * (float){a.code('codes', 'j')};"
 
     def encode(self, x):
         *lead, tokens, dim = x.shape

@@ -56,6 +56,10 @@ class QJLCodec(Codec):
         signs = unpack(fields["signs"], 1, self.sketch_dim).astype(mx.float32) * 2 - 1
         return signs * (fields["norm"].astype(mx.float32) * self.scale)
 
+    def kernel_decode(self, a):
+        """The dequant kernel's element j of the sketch domain: +-norm * sqrt(pi/2) / m."""
+        return f"v = ({a.code('signs', 'j')} ? 1.0f : -1.0f) * {a.half('norm', '0')} * {self.scale!r}f;"
+
     def to_domain(self, x):
         return x @ self.sketch.T
 

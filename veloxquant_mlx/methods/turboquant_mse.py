@@ -53,6 +53,10 @@ class MSECodec(Codec):
         codes = unpack(fields["codes"], self.bits, self.dim)
         return dequantize(codes, self.centroids) * fields["norm"].astype(mx.float32)
 
+    def kernel_decode(self, a):
+        """The dequant kernel's element j (`kernels/dequant.py`): norm * c[code_j]."""
+        return f"v = {a.table(self.centroids)}[{a.code('codes', 'j')}] * {a.half('norm', '0')};"
+
     def to_domain(self, x):
         return self.rotation.apply(x)
 

@@ -79,6 +79,14 @@ class ProdCodec(Codec):
         weight = fields["residual_norm"].astype(mx.float32) * self.qjl_scale
         return mx.concatenate([mse_part, signs * weight], axis=-1)
 
+    def kernel_decode(self, a):
+        """The dequant kernel's element j: the MSE part for j < d, then the residual sketch."""
+        d = self.dim
+        code, sign = a.code("codes", f"(j < {d} ? j : {d - 1})"), a.code("signs", f"(j < {d} ? 0 : j - {d})")
+        mse = f"{a.table(self.mse.centroids)}[{code}] * {a.half('norm', '0')}"
+        qjl = f"({sign} ? 1.0f : -1.0f) * {a.half('residual_norm', '0')} * {self.qjl_scale!r}f"
+        return f"v = j < {d} ? {mse} : {qjl};"
+
     def to_domain(self, x):
         return mx.concatenate([self.mse.to_domain(x), x @ self.sketch.T], axis=-1)
 

@@ -87,6 +87,12 @@ class RVQCodec(Codec):
         unit = first + fields["rscale"].astype(mx.float32) * second
         return unit * fields["norm"].astype(mx.float32)
 
+    def kernel_decode(self, a):
+        """The dequant kernel's element j (`kernels/dequant.py`): norm * (c1[code1_j] + s * c2[code2_j])."""
+        c1, c2 = a.code("codes1", "j"), a.code("codes2", "j")
+        t1, t2 = a.table(self.centroids1), a.table(self.centroids2)
+        return f"v = {a.half('norm', '0')} * ({t1}[{c1}] + {a.half('rscale', '0')} * {t2}[{c2}]);"
+
     def to_domain(self, x):
         return self.rotation.apply(x)
 

@@ -1,0 +1,186 @@
+"""One dequant kernel for every format with a decode snippet (CUDA, Metal, the C++ emulator).
+
+A codec may define `kernel_decode(access) -> str`: C statements that set `float v` to
+element `j` of token `t`'s decoded vector in its domain (what `decode` computes), written
+against an `Access`, which turns field names into loads from wherever the store keeps
+them (one row per token in a `RowStore`, one buffer per field in a `FieldStore`, a row
+per group of tokens for per-block fields) and registers constant tables. The kernel body
+around it is the same for every format: one thread per element, grid (T * DD, B * H).
+The rendered kernel is registered under a name derived from its text, so each format
+compiles once per process and back end.
+
+`dequantize(...)` gives (B, H, tokens, domain) in the requested dtype: the engine feeds
+it to MLX's fused attention (prefill, decode) or to its compiled decode step.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats import PACKED
+from ..storage import RowStore
+from . import launch, templates
+from .launch import Plan
+
+THREADS = 256
+
+_BODY = r"""
+  const int T = meta[0];
+  const int bh = vq_by;
+  const int x = vq_bx * NT + vq_tid;
+  const int t = x / DD;
+  const int j = x % DD;
+  if (t < T) {
+    float v = 0.0f;
+@SNIPPET
+    out[((size_t)bh * T + t) * DD + j] = VQ_CAST(TO, v);
+  }
+"""
+
+
+class Access:
+    """C expressions for one role's fields, for the store's layout. Capacities (rows per
+    buffer) are runtime values in `meta` (they change as the store grows; the kernel text
+    does not)."""
+
+    def __init__(self, store, role: str, codec):
+        self.role, self.codec = role, codec
+        self.rows = isinstance(store, RowStore)
+        self.layout = store.layout if self.rows else None
+        self.fields = {f.name: f for f in codec.format.fields}
+        self.lines: List[str] = []
+        self.tables: List[np.ndarray] = []
+        self.table_size = 0
+        self._n = 0
+
+    def _var(self) -> str:
+        self._n += 1
+        return f"{self.role[0]}{self._n}"
+
+    def buffer(self, name: str) -> str:
+        return f"{self.role[0]}_{name}"
+
+    def _row(self, name: str) -> str:
+        """Index of this token's row in the buffer holding field `name`."""
+        if self.rows:
+            return "((size_t)bh * meta[1] + t)"
+        f = self.fields[name]
+        cap = f"meta[{self.meta_index(name)}]"
+        return f"((size_t)bh * {cap} + t / {f.tokens_per_row})" if f.tokens_per_row > 1 else f"((size_t)bh * {cap} + t)"
+
+    def meta_index(self, name: str) -> int:
+        return 2 + [f.name for f in self.codec.format.fields].index(name)
+
+    def word(self, name: str, k: str) -> str:
+        f = self.fields[name]
+        if self.rows:
+            return f"rows[{self._row(name)} * RW + {self.layout.slot(self.role, name).start} + ({k})]"
+        return f"{self.buffer(name)}[{self._row(name)} * {f.words} + ({k})]"
+
+    def half(self, name: str, k: str) -> str:
+        f = self.fields[name]
+        if self.rows:
+            return f"VQ_F(VQ_HALF_CPTR(rows)[{self._row(name)} * (2 * RW) + {self.layout.slot(self.role, name).start} + ({k})])"
+        return f"VQ_F({self.buffer(name)}[{self._row(name)} * {f.width} + ({k})])"
+
+    def code(self, name: str, index: str) -> str:
+        """A variable holding code `index` of packed field `name` (dense little-endian)."""
+        f = self.fields[name]
+        assert f.kind == PACKED
+        v, bits = self._var(), f.bits
+        self.lines.append(
+            f"    uint32_t {v}; {{ const int b_ = ({index}) * {bits}; const int w_ = b_ >> 5; const int s_ = b_ & 31;"
+            f" {v} = {self.word(name, 'w_')} >> s_;"
+            f" if (s_ + {bits} > 32) {v} |= {self.word(name, 'w_ + 1')} << (32 - s_);"
+            f" {v} &= {(1 << bits) - 1}u; }}")
+        return v
+
+    def table(self, values) -> str:
+        """`values` (floats) as a constant table; the C expression of its first element's address."""
+        arr = np.asarray(values, dtype=np.float32).reshape(-1)
+        offset = self.table_size
+        self.tables.append(arr)
+        self.table_size += arr.size
+        return f"(tab + {offset})"
+
+    def snippet(self) -> Optional[str]:
+        body = self.codec.kernel_decode(self)
+        return None if body is None else "\n".join(self.lines + [f"    {body}"])
+
+
+def supported(codec) -> bool:
+    return callable(getattr(codec, "kernel_decode", None))
+
+
+@dataclass(frozen=True)
+class Program:
+    kernel: str
+    inputs: Tuple[str, ...]
+    tables: mx.array
+    domain_dim: int
+
+
+def _program(store, role: str, codec) -> Program:
+    access = Access(store, role, codec)
+    snippet = access.snippet()
+    offset = 0
+    tables = []
+    for t in access.tables:
+        tables.append(t)
+        offset += t.size
+    tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
+    if access.rows:
+        inputs = ("rows",)
+    else:
+        inputs = tuple(access.buffer(f.name) for f in codec.format.fields)
+    body = _BODY.replace("@SNIPPET", snippet)
+    name = "dequant_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]
+    if name not in templates.KERNELS:
+        templates.KERNELS[name] = {"body": body, "inputs": inputs + ("tab", "meta"), "outputs": ("out",)}
+    return Program(name, inputs, tab, codec.format.domain_dim)
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_program(store_kind: str, layout, role: str, codec) -> Program:
+    class _Store:  # what `Access` reads of a store
+        pass
+
+    probe = _Store()
+    if store_kind == "rows":
+        probe = RowStore.__new__(RowStore)
+        probe.layout = layout
+    return _program(probe, role, codec)
+
+
+def program(store, role: str, codec) -> Program:
+    rows = isinstance(store, RowStore)
+    return _cached_program("rows" if rows else "fields", store.layout if rows else None, role, codec)
+
+
+def dequantize(run, store, role: str, codec, tokens: int, out_dtype) -> mx.array:
+    """The first `tokens` of `role` decoded into the codec's domain: (B, H, tokens, domain)."""
+    prog = program(store, role, codec)
+    dd = prog.domain_dim
+    if isinstance(store, RowStore):
+        rows = store.rows
+        B, H, cap, rw = rows.shape
+        arrays = [rows]
+        caps = (cap,)
+        template = [("DD", dd), ("NT", THREADS), ("TO", launch.dtype_name(out_dtype)), ("RW", rw)]
+    else:
+        buffers = store.buffers[role]
+        arrays = [buffers[f.name] for f in codec.format.fields]
+        B, H = arrays[0].shape[:2]
+        caps = (0,) + tuple(a.shape[2] for a in arrays)
+        template = [("DD", dd), ("NT", THREADS), ("TO", launch.dtype_name(out_dtype))]
+    meta = mx.array((tokens,) + caps, dtype=mx.int32)
+    plan = Plan(prog.kernel, template, (max(1, tokens * dd), B * H, 1), (THREADS, 1, 1),
+                [(B * H, tokens, dd)], [launch.dtype_name(out_dtype)])
+    (out,) = run(plan, arrays + [prog.tables, meta], [(B, H, tokens, dd)])
+    return out
