@@ -23,6 +23,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
+from ..engine import small_array
 from ..formats import PACKED
 from ..storage import RowStore
 from . import launch, templates
@@ -179,8 +180,13 @@ def dequantize(run, store, role: str, codec, tokens: int, out_dtype) -> mx.array
         B, H = arrays[0].shape[:2]
         caps = (0,) + tuple(a.shape[2] for a in arrays)
         template = [("DD", dd), ("NT", THREADS), ("TO", launch.dtype_name(out_dtype))]
-    meta = mx.array((tokens,) + caps, dtype=mx.int32)
-    plan = Plan(prog.kernel, template, (max(1, tokens * dd), B * H, 1), (THREADS, 1, 1),
-                [(B * H, tokens, dd)], [launch.dtype_name(out_dtype)])
-    (out,) = run(plan, arrays + [prog.tables, meta], [(B, H, tokens, dd)])
+    plan = _plan(prog.kernel, tuple(template), tokens, dd, B * H, launch.dtype_name(out_dtype))
+    (out,) = run(plan, arrays + [prog.tables, small_array((tokens,) + caps)], [(B, H, tokens, dd)])
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(kernel: str, template: tuple, tokens: int, dd: int, rows: int, out_dtype: str) -> Plan:
+    # One plan object per shape: the runners cache their launch arguments by plan.
+    return Plan(kernel, list(template), (max(1, tokens * dd), rows, 1), (THREADS, 1, 1), [(rows, tokens, dd)],
+                [out_dtype])

@@ -201,6 +201,8 @@ def run_mlx(dialect: str, plan: Plan, inputs: Sequence[mx.array], shapes=None) -
     kernel = _mlx_kernel(dialect, plan.kernel)
     args = _MLX_ARGS.get(id(plan))
     if args is None or args[0] is not plan:
+        if len(_MLX_ARGS) > 8192:  # plans are cached by their makers; this only bounds stale ids
+            _MLX_ARGS.clear()
         template = [(k, _DTYPES[v] if isinstance(v, str) else v) for k, v in plan.template]
         args = (plan, template, [_DTYPES[d] for d in plan.output_dtypes])
         _MLX_ARGS[id(plan)] = args
