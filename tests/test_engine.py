@@ -312,3 +312,36 @@ def test_format_kernel_paths_equal_generic(method, protected):
     q = mx.random.normal((1, 4, 40, 64), key=mx.random.key(13))
     out = kernels.format_kernel_prefill(cache._history(), q, 0.125, "causal")
     assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()
+
+
+def test_first_use_check_warns_and_stands_aside():
+    # Here no Metal device exists, so the Metal kernels fail their first-use check: the warning
+    # names the cases and kernels, and a cache on that back end takes the engine's portable paths.
+    from veloxquant_mlx.kernels import check
+
+    check.reset()
+    try:
+        with pytest.warns(RuntimeWarning, match="metal kernels failed their first-use check.*mse_encode"):
+            assert not check.usable("metal")
+        assert not check.usable("metal")  # decided once per process
+        cache = _filled("turboquant_mse", batch=1, settings=EngineSettings.resolve(backend="metal"))
+        q = mx.random.normal((1, 4, 1, 64))
+        out = cache.attend(q, 0.125)
+        assert cache.last_path == "compiled_decode"
+        assert mx.allclose(out, _generic(cache, q, 0.125), rtol=1e-4, atol=2e-5).item()
+    finally:
+        check.reset()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_codec_score_equals_decode_then_dot(bits, group_size):
+    # KIVI's keys score straight from the codes (mx.quantized_matmul per token group).
+    cache = CompressedKVCache(config_for("kivi", bits, group_size=group_size))
+    k = mx.random.normal((2, 3, 4 * group_size, 64)) * 3
+    cache.update_and_fetch(k, k)
+    fields = cache.store.fields("keys")
+    q = mx.random.normal((2, 3, 5, 64))
+    ref = q @ cache.key_codec.decode(fields).swapaxes(-1, -2)
+    out = cache.key_codec.score(q, fields)
+    assert out.shape == ref.shape and mx.allclose(out, ref, rtol=1e-5, atol=1e-4).item()

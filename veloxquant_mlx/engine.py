@@ -272,8 +272,7 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
         outs, stats = [], []
         for start in range(0, capacity, split):
             stop = min(start + split, capacity)
-            keys = key_codec.decode(_slice_fields(key_fields, key_per_row, start, stop))
-            scores = q @ keys.swapaxes(-1, -2)  # (B, H, REP, n)
+            scores = key_codec.score(q, _slice_fields(key_fields, key_per_row, start, stop))  # (B, H, REP, n)
             scores = mx.where(mx.arange(start, stop) < count, scores, -mx.inf)
             m = mx.max(scores, axis=-1, keepdims=True)
             p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))

@@ -34,19 +34,22 @@ class ConfigTimeout(RuntimeError):
     pass
 
 
-def prefill(model, caches, tokens: mx.array, chunk: int, check: Callable[[], None]) -> mx.array:
-    """Feed `tokens` (B, T) and return the first generated token of each row (B,)."""
+def prefill(model, caches, tokens: mx.array, chunk: int, check: Callable[[], None]):
+    """Feed `tokens` (B, T); (the first generated token of each row (B,), the attention paths
+    of the prompt's last chunk)."""
+    paths = []
     while tokens.shape[1] > 1:
         check()
         n = min(chunk, tokens.shape[1] - 1)
         model(tokens[:, :n], cache=caches)
         mx.eval(cache_arrays(caches))
         tokens = tokens[:, n:]
+        paths = attention_paths(caches)
         mx.clear_cache()
     check()
     first = mx.argmax(model(tokens, cache=caches)[:, -1, :], axis=-1)
     mx.eval(first)
-    return first
+    return first, paths
 
 
 def attention_paths(caches) -> List[str]:
@@ -80,9 +83,8 @@ def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chu
         mx.synchronize()
         mx.reset_peak_memory()
         start = time.perf_counter()
-        first = prefill(model, caches, tokens, chunk, check)
+        first, prefill_paths = prefill(model, caches, tokens, chunk, check)
         prefill_s = time.perf_counter() - start
-        prefill_paths = attention_paths(caches)
         start = time.perf_counter()
         decode(model, caches, first, decode_tokens, check)
         decode_s = time.perf_counter() - start

@@ -109,28 +109,42 @@ def _needle(results: Dict) -> str:
 
 def _benchmark(results: Dict) -> str:
     s = results.get("settings", {})
+    fp16 = {r.get("context"): r for r in results["records"] if r.get("label") == "fp16" and r.get("status") == "ok"}
+
+    def ratio(r, key):
+        base = fp16.get(r.get("context"), {}).get(key)
+        return f"{r[key] / base:.2f}x" if r.get(key) and base else "—"
+
+    with_paths = any(r.get("decode_paths") for r in results["records"])
     rows = []
     for r in results["records"]:
-        rows.append([
+        row = [
             f"`{r['label']}`" + (" (mlx-lm)" if r.get("kind") == "baseline" else ""),
             str(r.get("context")),
             _num(r.get("prefill_tokens_per_s"), 1),
+            ratio(r, "prefill_tokens_per_s"),
             _num(r.get("decode_tokens_per_s"), 1),
+            ratio(r, "decode_tokens_per_s"),
             _mib(r.get("kv_bytes")),
             _num(r.get("bits_per_coord")),
             _mib(r.get("peak_memory_bytes")),
             str(r.get("repeats_done", 0)),
-            _status(r),
-        ])
+        ]
+        if with_paths:
+            row.append(", ".join(r.get("decode_paths") or []) or ("mlx-lm" if r.get("kind") == "baseline" else "—"))
+        rows.append(row + [_status(r)])
+    batch = s.get("batch", 1)
     text = (
         f"Speed and memory, {s.get('model_source', '?')}, activations {s.get('dtype', '?')}, "
-        f"weights {s.get('weights', '?')}; median of up to {s.get('repeats')} runs after "
-        f"{s.get('warmup', 1)} untimed warm-up run(s) of the same shapes; "
-        f"decode = {s.get('decode_tokens')} tokens after the prompt; peak memory includes the weights."
+        f"weights {s.get('weights', '?')}" + (f", batch {batch} (tok/s count every row)" if batch and batch > 1 else "")
+        + f"; median of up to {s.get('repeats')} runs after "
+        f"{s.get('warmup', 1)} untimed warm-up run(s) of the same shapes, methods taking turns; "
+        f"decode = {s.get('decode_tokens')} tokens after the prompt; peak memory includes the weights; "
+        "ratios against the fp16 row of the same context and run."
     )
-    table = _table(["method", "context", "prefill tok/s", "decode tok/s", "KV MiB", "bits/coord",
-                    "peak MiB", "runs", "status"], rows)
-    return f"{text}\n\n{table}"
+    header = ["method", "context", "prefill tok/s", "vs fp16", "decode tok/s", "vs fp16", "KV MiB", "bits/coord",
+              "peak MiB", "runs"] + (["decode path"] if with_paths else []) + ["status"]
+    return f"{text}\n\n{_table(header, rows)}"
 
 
 RENDERERS = {"eval ppl": _ppl, "eval needle": _needle, "benchmark": _benchmark}

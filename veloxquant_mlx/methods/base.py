@@ -64,6 +64,12 @@ class Codec:
     def reconstruct(self, fields: Fields) -> mx.array:
         return self.from_domain(self.decode(fields))
 
+    def score(self, queries: mx.array, fields: Fields) -> mx.array:
+        """queries (B, H, M, domain_dim) float32 in the domain . decode(fields) (B, H, T) tokens
+        -> scores (B, H, M, T): ggml's vec_dot. Codecs whose codes MLX can multiply without
+        decoding them override this."""
+        return queries @ self.decode(fields).astype(mx.float32).swapaxes(-1, -2)
+
     def weighted_sum(self, weights: mx.array, fields: Fields) -> mx.array:
         """sum_t weights[..., t] * decode(fields)[t]: attention's value sum in the domain.
         `weights` (B, H, R, L, T) float32 (R query heads per kv head), fields of (B, H, T)

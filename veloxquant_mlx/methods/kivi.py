@@ -119,6 +119,11 @@ class GroupAffineCodec(Codec):
                                    transpose=False, group_size=self.group_size, bits=self.bits)
 
 
+def _code_group(dim: int):
+    """A group size of MLX's quantized formats that divides `dim` (the codes' own scale is 1)."""
+    return next((g for g in (128, 64, 32) if dim % g == 0), None)
+
+
 def _quantized_matmul_applies(bits: int, group_size: int, whole_groups: bool) -> bool:
     if not whole_groups or bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
         return False
@@ -144,6 +149,27 @@ class ChannelGroupAffineCodec(Codec):
         """The dequant kernel's element j: min[c] + scale[c] * code_j, from the row of this
         token's group (`kernels/dequant.py` reads per-block fields by t / G)."""
         return f"v = {a.half('channel_min', 'j')} + {a.half('channel_scale', 'j')} * (float){a.code('codes', 'j')};"
+
+    def score(self, queries, fields):
+        """q . k straight from the codes (`mx.quantized_matmul`, CPU / Metal): within a group g
+        k_t = min_g + scale_g * code_t per channel, so q . k_t = (q * scale_g) . code_t + q . min_g,
+        one batched integer-code product per group and no decoded key."""
+        group = _code_group(self.dim)
+        if group is None or not _quantized_matmul_applies(self.bits, group, True):
+            return super().score(queries, fields)
+        G = self.token_block
+        codes = fields["codes"]
+        *lead, tokens, words = codes.shape
+        groups = tokens // G
+        codes = codes.reshape(*lead, groups, G, words)
+        scale = fields["channel_scale"].astype(mx.float32)[..., None, :]  # (B, H, groups, 1, D)
+        low = fields["channel_min"].astype(mx.float32)[..., :, None]  # (B, H, groups, D, 1)
+        q = mx.expand_dims(queries, 2)  # (B, H, 1, M, D)
+        ones = mx.ones((*lead, groups, G, self.dim // group), mx.float32)
+        scores = mx.quantized_matmul(q * scale, codes, ones, mx.zeros_like(ones), transpose=True,
+                                     group_size=group, bits=self.bits)  # (B, H, groups, M, G)
+        scores = scores + q @ low
+        return scores.swapaxes(2, 3).reshape(*lead, queries.shape[-2], tokens)
 
     def encode(self, x):
         *lead, tokens, dim = x.shape
