@@ -178,8 +178,9 @@ class CompressedKVCache(_BaseCache):
 
         to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
         if to_sinks > 0:
-            self.sink_keys = _concat(self.sink_keys, keys[..., :to_sinks, :])
-            self.sink_values = _concat(self.sink_values, values[..., :to_sinks, :])
+            # Copies: a view would keep the whole chunk alive (and out of `nbytes`).
+            self.sink_keys = _concat(self.sink_keys, mx.contiguous(keys[..., :to_sinks, :]))
+            self.sink_values = _concat(self.sink_values, mx.contiguous(values[..., :to_sinks, :]))
             keys, values = keys[..., to_sinks:, :], values[..., to_sinks:, :]
         if keys.shape[2] == 0:
             return self.history()
