@@ -225,6 +225,8 @@ def test_settings_resolve_explicit_over_environment(monkeypatch):
     assert s.compile_step and s.backend == "portable"
     monkeypatch.setenv("VELOXQUANT_KERNELS", "off")
     assert not EngineSettings.resolve().kernels
+    assert not EngineSettings.resolve(backend="portable").on_gpu  # CI: the CPU device
+    assert EngineSettings(backend="cuda").on_gpu and EngineSettings(backend="portable", gpu_device=True).on_gpu
     with pytest.raises(ValueError, match="backend"):
         EngineSettings(backend="tpu")
     with pytest.raises(ValueError, match="split_tokens"):

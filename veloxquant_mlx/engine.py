@@ -367,8 +367,9 @@ def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
 
 
 def sdpa_prefill_supports(h: History, queries: mx.array, mask) -> bool:
-    """On GPU back ends, where the fused attention beats the generic blockwise path."""
-    return h.settings.gpu and sdpa_prefill_applies(h, queries, mask)
+    """On a GPU device (any back end, the portable one too), where the fused attention beats
+    the generic blockwise path."""
+    return h.settings.on_gpu and sdpa_prefill_applies(h, queries, mask)
 
 
 def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
@@ -415,7 +416,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
                                         (recent_pos >= fp16_from) & (recent_pos <= qpos)], axis=1)
             outs.append(mx.fast.scaled_dot_product_attention(q[..., a : a + group, :], keys, values, scale=scale,
                                                              mask=band_mask))
-            if len(outs) > 1 and h.settings.gpu:
+            if len(outs) > 1 and h.settings.on_gpu:
                 mx.eval(outs[-1])  # one group's scores at a time
         return _from_value_domain(h, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], queries)
     elif fp16 is not None:
@@ -434,7 +435,7 @@ def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array
         out = out.reshape(B, h.kv_heads, n_heads // h.kv_heads, L, dv) + h.value_mean.astype(mx.float32)[:, :, None]
         out = out.reshape(B, n_heads, L, dv)
     out = out.astype(queries.dtype)
-    if h.settings.gpu and queries.shape[2] > 1:
+    if h.settings.on_gpu and queries.shape[2] > 1:
         mx.eval(out)  # the next layer's decoded history is built only once this one's is freed
     return out
 

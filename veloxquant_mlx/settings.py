@@ -41,6 +41,7 @@ class EngineSettings:
     compile_step: bool = True
     metal_kernels: bool = True
     split_tokens: Optional[int] = None
+    gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -55,6 +56,11 @@ class EngineSettings:
     @property
     def gpu_kernels(self) -> bool:
         return self.gpu and self.kernels
+
+    @property
+    def on_gpu(self) -> bool:
+        """Attention runs on a GPU device, with kernels of ours or not (the portable back end)."""
+        return self.gpu if self.gpu_device is None else self.gpu_device
 
     def replace(self, **changes) -> "EngineSettings":
         return dataclasses.replace(self, **changes)
@@ -72,8 +78,11 @@ class EngineSettings:
         if "split_tokens" not in explicit:
             env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
             explicit["split_tokens"] = int(env) if env else None
+        device = mx.default_device()
+        if "gpu_device" not in explicit:
+            explicit["gpu_device"] = device.type == mx.DeviceType.gpu
         if backend == "auto":
-            backend = detect_backend(forced, explicit["metal_kernels"], mx.default_device())
+            backend = detect_backend(forced, explicit["metal_kernels"], device)
         return cls(backend=backend, **explicit)
 
 
