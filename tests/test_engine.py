@@ -10,7 +10,7 @@ import pytest
 
 from veloxquant_mlx import EngineSettings, KVCacheConfig, engine, kernels
 from veloxquant_mlx.cache import CompressedKVCache
-from veloxquant_mlx.formats import FLOAT16, Format, RowLayout, fp16, packed
+from veloxquant_mlx.formats import Format, RowLayout, fp16, packed
 from veloxquant_mlx.methods import available_methods
 from veloxquant_mlx.methods.base import Codec, Method, _REGISTRY, register_method
 from veloxquant_mlx.storage import FieldStore, RowStore

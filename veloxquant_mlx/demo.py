@@ -26,7 +26,6 @@ def default_text_path():
 def run_demo(args) -> None:
     from mlx_lm import stream_generate
 
-    from . import kernels
     from .cli import config_from_args
     from .evaluation.data import load_text, tokenize_prefix
     from .evaluation.kvlayout import kv_layout

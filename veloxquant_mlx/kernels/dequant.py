@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -50,10 +50,11 @@ class Access:
     buffer) are runtime values in `meta` (they change as the store grows; the kernel text
     does not)."""
 
-    def __init__(self, store, role: str, codec):
+    def __init__(self, layout, role: str, codec):
+        """`layout`: the `RowStore`'s row layout, or None for a `FieldStore`."""
         self.role, self.codec = role, codec
-        self.rows = isinstance(store, RowStore)
-        self.layout = store.layout if self.rows else None
+        self.rows = layout is not None
+        self.layout = layout
         self.fields = {f.name: f for f in codec.format.fields}
         self.lines: List[str] = []
         self.tables: List[np.ndarray] = []
@@ -110,9 +111,9 @@ class Access:
         self.table_size += arr.size
         return f"(tab + {offset})"
 
-    def snippet(self) -> Optional[str]:
-        body = self.codec.kernel_decode(self)
-        return None if body is None else "\n".join(self.lines + [f"    {body}"])
+    def snippet(self) -> str:
+        body = self.codec.kernel_decode(self)  # first: it emits the code loads into self.lines
+        return "\n".join(self.lines + [f"    {body}"])
 
 
 def supported(codec) -> bool:
@@ -127,15 +128,11 @@ class Program:
     domain_dim: int
 
 
-def _program(store, role: str, codec) -> Program:
-    access = Access(store, role, codec)
+@functools.lru_cache(maxsize=256)
+def _program(layout, role: str, codec) -> Program:
+    access = Access(layout, role, codec)
     snippet = access.snippet()
-    offset = 0
-    tables = []
-    for t in access.tables:
-        tables.append(t)
-        offset += t.size
-    tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
+    tab = mx.array(np.concatenate(access.tables) if access.tables else np.zeros(1, np.float32))
     if access.rows:
         inputs = ("rows",)
     else:
@@ -147,21 +144,8 @@ def _program(store, role: str, codec) -> Program:
     return Program(name, inputs, tab, codec.format.domain_dim)
 
 
-@functools.lru_cache(maxsize=256)
-def _cached_program(store_kind: str, layout, role: str, codec) -> Program:
-    class _Store:  # what `Access` reads of a store
-        pass
-
-    probe = _Store()
-    if store_kind == "rows":
-        probe = RowStore.__new__(RowStore)
-        probe.layout = layout
-    return _program(probe, role, codec)
-
-
 def program(store, role: str, codec) -> Program:
-    rows = isinstance(store, RowStore)
-    return _cached_program("rows" if rows else "fields", store.layout if rows else None, role, codec)
+    return _program(store.layout if isinstance(store, RowStore) else None, role, codec)
 
 
 def dequantize(run, store, role: str, codec, tokens: int, out_dtype) -> mx.array:

@@ -7,7 +7,6 @@ so all of them run the same kernel with the same constants.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from functools import lru_cache

@@ -12,7 +12,7 @@ kernels index flat memory), and outputs come back in their final shapes.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 

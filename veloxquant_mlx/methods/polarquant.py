@@ -51,7 +51,7 @@ from typing import Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..packing import pack, packed_words, unpack
+from ..packing import pack, packed_words
 from ..rotations import random_rotation, rotation_from_params, rotation_params
 from ..formats import Format, packed
 from .base import Codec, Method, register_method
