@@ -95,6 +95,11 @@ def run_demo(args) -> None:
     caches = KVCacheBuilder(config).for_model(model).build()
     answer = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=30, prompt_cache=caches))
     print(f"sample answer with the compressed cache: {answer.strip()!r}")
-    print(f"decode attention on the codes: the {caches[0].last_path!r} path on the {caches[0].settings.backend!r} "
-          "back end (veloxquant_mlx.engine)")
+    layer = caches[0]
+    if layer.encoded:
+        print(f"decode attention on the codes: the {layer.last_path!r} path on the {layer.settings.backend!r} "
+              "back end (veloxquant_mlx.engine)")
+    else:
+        print(f"decode attention: the sample's {layer.offset} tokens all fit the fp16 sinks and window, so it "
+              f"attended no codes ({layer.last_path!r} path); the perplexity run above did")
     print(f"done in {time.perf_counter() - started:.0f} s")
