@@ -118,14 +118,6 @@ def defers(history: History) -> bool:
     return any(path.supports(history, None, None) for path in _PATHS["decode_store"])
 
 
-def attend(history: History, queries: mx.array, scale: float, mask=None) -> Tuple[mx.array, str]:
-    """(attention output, name of the path that ran)."""
-    path = choose("decode" if queries.shape[2] == 1 else "prefill", history, queries, mask)
-    if path is None:
-        return generic(history, queries, scale, mask), "generic"
-    return path.run(history, queries, scale, mask), path.name
-
-
 def generic(history: History, queries: mx.array, scale: float, mask=None) -> mx.array:
     """The always-correct path: blockwise online softmax over decoded segments."""
     return generic_attend(
