@@ -349,3 +349,38 @@ def test_codec_score_equals_decode_then_dot(bits, group_size):
     ref = q @ cache.key_codec.decode(fields).swapaxes(-1, -2)
     out = cache.key_codec.score(q, fields)
     assert out.shape == ref.shape and mx.allclose(out, ref, rtol=1e-5, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("method", ["turboquant_mse", "kivi", "qjl"])
+def test_deepcopy_gives_an_independent_cache(method):
+    # mlx-lm's server deep-copies prompt caches; the mx.Dtype a cache kept made that raise.
+    import copy
+
+    cache = CompressedKVCache(config_for(method, 3, sink_tokens=2, residual_length=8, center=True))
+    k = mx.random.normal((1, 2, 70, 64))
+    cache.update_and_fetch(k, mx.sin(k))
+    q = mx.random.normal((1, 4, 1, 64))
+    before = cache.attend(q, 0.1)
+    twin = copy.deepcopy(cache)
+    assert mx.array_equal(twin.attend(q, 0.1), before).item()
+    twin.update_and_fetch(k[..., :40, :] * 3, k[..., :40, :])
+    assert twin.offset == 110 and cache.offset == 70
+    assert mx.array_equal(cache.attend(q, 0.1), before).item()  # the original is untouched
+
+
+def test_load_prompt_cache_in_a_fresh_process(tmp_path):
+    # mlx-lm finds cache classes by name in its own module: registered at import, not first build.
+    import subprocess
+    import sys
+
+    from veloxquant_mlx import save_prompt_cache
+
+    cache = CompressedKVCache(config_for("turboquant_mse", 3))
+    cache.update_and_fetch(mx.ones((1, 2, 5, 64)), mx.ones((1, 2, 5, 64)))
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), [cache])
+    code = ("import veloxquant_mlx\nfrom mlx_lm.models.cache import load_prompt_cache\n"
+            f"c = load_prompt_cache({str(path)!r})\nprint(type(c[0]).__name__, c[0].offset)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["CompressedKVCache", "5"]

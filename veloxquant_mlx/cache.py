@@ -30,6 +30,7 @@ settings (`settings.EngineSettings`) resolved once when the cache is made.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from typing import Optional
@@ -91,6 +92,19 @@ class CompressedKVCache(_BaseCache):
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
         self.last_path: Optional[str] = None  # the attention path of the last call
         self._routes = {}  # (phase, call shape) -> registered path or None: chosen once, not per token
+
+    # Immutable or shared by every cache of a config (codebooks, compiled encoders): not copied.
+    _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_row_encoder", "_settings", "window_dtype",
+                       "_routes")
+
+    def __deepcopy__(self, memo):
+        """An independent cache holding the same tokens (mlx-lm's server deep-copies prompt caches)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
+        new._routes = {}
+        return new
 
     @property
     def settings(self) -> EngineSettings:

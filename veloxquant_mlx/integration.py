@@ -41,6 +41,10 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
+# mlx-lm's load_prompt_cache finds cache classes by name in its own module: known from import on.
+mlx_cache.CompressedKVCache = CompressedKVCache
+
+
 def install_attention_hook(model=None) -> None:
     """Route mlx-lm's shared attention to compressed caches (idempotent)."""
     for name, module in list(sys.modules.items()):
