@@ -236,6 +236,8 @@ class CompressedKVCache(_BaseCache):
         )
 
     def _recent_tokens(self):
+        """(keys (centered), values, first position) of the tokens this update encoded followed by
+        the window: one fp16 span, which the chunk's earlier queries still see in fp16."""
         if self.just_encoded is None:
             return None
         keys, values, first = self.just_encoded
@@ -254,12 +256,6 @@ class CompressedKVCache(_BaseCache):
         return (mx.concatenate([k.astype(mx.float32) for k, _ in parts], axis=2),
                 mx.concatenate([v for _, v in parts], axis=2))
 
-    def _field_rows(self, role: str, start: int, stop: int):
-        """The rows of the `role` fields ("keys" or "values") that hold tokens [start, stop)."""
-        per_row = self.store.tokens_per_row[role]
-        fields = self.store.fields(role, 0, self.store.count)
-        return {name: buf[..., start // per_row[name] : -(-stop // per_row[name]), :] for name, buf in fields.items()}
-
     def _fp16_from(self, query_pos):
         """First non-sink position still in fp16 when `query_pos` (an int or an array) was
         the newest token."""
@@ -275,8 +271,8 @@ class CompressedKVCache(_BaseCache):
         that would still have seen them in the window."""
         self.store.flush()
         if query_len and self.just_encoded is not None:
-            keys, values, first = self.just_encoded
-            last = first + keys.shape[2]
+            just, _, first = self.just_encoded
+            last = first + just.shape[2]
             query_pos = mx.arange(self.offset - query_len, self.offset)
             fp16_from = mx.clip(self._fp16_from(query_pos), first, last)[:, None]
         value_shift = None
@@ -291,12 +287,12 @@ class CompressedKVCache(_BaseCache):
             if query_len and self.just_encoded is not None and self.sinks + stop > first:
                 only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
             yield Segment(
-                self.key_codec.decode(self._field_rows("keys", start, stop)),
+                self.key_codec.decode(self.store.fields("keys", start, stop)),
                 None,
                 self.sinks + start,
                 encoded=True,
                 extra_mask=only_codes,
-                value_fields=self._field_rows("values", start, stop),
+                value_fields=self.store.fields("values", start, stop),
                 value_shift=value_shift,
             )
         # The fp16 segments come after the codes: until the first of them there is no fp16
@@ -304,10 +300,7 @@ class CompressedKVCache(_BaseCache):
         if self.sinks:
             yield Segment(self._centered(self.sink_keys), self.sink_values, 0, encoded=False)
         if query_len and self.just_encoded is not None:
-            if self.window:  # the window continues the just-encoded tokens: one fp16 span
-                keys = mx.concatenate([keys, self.window_keys], axis=2)
-                values = mx.concatenate([values, self.window_values], axis=2)
-            yield from self._recent_fp16(keys, values, first, query_len, fp16_from)
+            yield from self._recent_fp16(*self._recent_tokens(), query_len, fp16_from)
         elif self.window:
             yield Segment(
                 self._centered(self.window_keys), self.window_values, self.sinks + self.encoded, encoded=False
@@ -315,7 +308,7 @@ class CompressedKVCache(_BaseCache):
 
     def _recent_fp16(self, keys: mx.array, values: mx.array, first: int, query_len: int, fp16_from: mx.array):
         """Positions [first, offset) in fp16 (the tokens this update encoded, then the
-        window) for the queries that still see them so: query i sees keys [fp16_from[i], i]
+        window; keys centered) for the queries that still see them so: query i sees keys [fp16_from[i], i]
         in fp16 (a band about one window wide), so the queries go in groups of
         `band_queries`, each scoring only its band's keys, not every query the whole span."""
         first_query = self.offset - query_len
@@ -327,7 +320,7 @@ class CompressedKVCache(_BaseCache):
             if hi <= lo:
                 continue
             yield Segment(
-                self._centered(keys[..., lo - first : hi - first, :]), values[..., lo - first : hi - first, :], lo,
+                keys[..., lo - first : hi - first, :], values[..., lo - first : hi - first, :], lo,
                 encoded=False, extra_mask=mx.arange(lo, hi)[None] >= fp16_from[a:b], query_rows=(a, b),
             )
 
@@ -437,7 +430,7 @@ class CompressedKVCache(_BaseCache):
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
         """Decode the first tokens of a block back into fp16 (their originals are gone)."""
         codec, mean = (self.key_codec, self.key_mean) if role == "keys" else (self.value_codec, self.value_mean)
-        rows = self._field_rows(role, block_start, block_start + self.block)
+        rows = self.store.fields(role, block_start, block_start + self.block)
         decoded = codec.reconstruct(rows)[..., : stop - block_start, :]
         if mean is not None:
             decoded = decoded + mean
@@ -471,7 +464,7 @@ class CompressedKVCache(_BaseCache):
             )
             for group in ("keys", "values"):
                 if self.encoded:
-                    arrays[group] = self._field_rows(group, 0, self.encoded)
+                    arrays[group] = self.store.fields(group, 0, self.encoded)
             for name in _DENSE_STATE:
                 if getattr(self, name) is not None and getattr(self, name).shape[2]:
                     arrays[name] = getattr(self, name)
