@@ -369,3 +369,51 @@ def test_deferred_tokens_decode_like_the_op_by_op_path(model):
     assert cache.store.pending is not None and cache.store.count == encoded  # stored by the next attention call...
     assert cache.nbytes == cache.store.rows.nbytes and cache.store.pending is None  # ...or by anything reading it
     assert cache.encoded == encoded + 1 == cache.offset
+
+
+# ---- the formats' partial kernel (every method with a decode snippet), in the emulator ----------
+
+PARTIAL_FORMATS = [
+    {"method": "kivi", "bits": 4, "group_size": 32},
+    {"method": "kivi", "bits": 2, "group_size": 32},
+    {"method": "turboquant_rvq", "bits": 2},
+    {"method": "qjl", "bits": 3},
+    {"method": "turboquant_prod", "bits": 3},
+    {"method": "turboquant_mse", "bits": 3, "value_bits": 4},
+    {"method": "turboquant_mse", "bits": 3, "sink_tokens": 4, "residual_length": 16, "center": True,
+     "options": {"renorm": True}},
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("options", PARTIAL_FORMATS, ids=lambda o: "-".join(f"{v}" for v in o.values() if not isinstance(v, dict)))
+def test_format_partial_kernel_matches_the_engines_ops_decode(options):
+    """The partial kernel rendered from each method's decode snippets (kernels/partial.py),
+    several splits, a ragged last split, batch 2, GQA 3, sinks/window/centering where set:
+    the same output as the engine's MLX-ops decode of the same codes."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import partial
+    from veloxquant_mlx.settings import EngineSettings
+
+    cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
+    keys = mx.random.normal((2, 2, 333, 64), key=mx.random.key(7)) + 0.3
+    cache.update_and_fetch(keys, mx.sin(3 * keys))
+    cache.store.flush()
+    queries = mx.random.normal((2, 6, 1, 64), key=mx.random.key(8))
+    h = cache._history()
+    ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
+    h.settings = h.settings.replace(backend="emulator")
+    out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+
+
+def test_format_partial_kernel_fits_and_its_path_is_registered():
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import partial
+
+    assert "format_kernel_step" in [p.name for p in engine.paths("decode")]
+    kivi = CompressedKVCache(KVCacheConfig(method="kivi", bits=4))
+    kivi.update_and_fetch(mx.zeros((1, 1, 40, 128)), mx.zeros((1, 1, 40, 128)))
+    assert partial.fits(kivi.key_codec, kivi.value_codec, 8)
+    assert not partial.fits(kivi.key_codec, kivi.value_codec, 64)  # shared memory bound

@@ -29,10 +29,10 @@ import mlx.core as mx
 
 from .. import engine
 from ..settings import CPU_BACKENDS, EngineSettings
-from . import check, dequant, launch, native, ops, portable, step, templates
+from . import check, dequant, launch, native, ops, partial, portable, step, templates
 
 __all__ = ["backend", "decode_attention", "prefill_attention", "kernel_supported", "mse_rows",
-           "check", "dequant", "launch", "native", "ops", "portable", "step", "templates"]
+           "check", "dequant", "launch", "native", "ops", "partial", "portable", "step", "templates"]
 
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
 KERNEL_BACKENDS = ("cuda", "metal", "emulator")
@@ -218,6 +218,19 @@ def _orthogonal(h) -> bool:
 def _kernel_decoder(h, role: str, dtype) -> mx.array:
     codec = h.key_codec if role == "keys" else h.value_codec
     return dequant.dequantize(ops.runner(h.settings.backend), h.store, role, codec, h.count, dtype)
+
+
+def _format_step_supports(h, queries, mask) -> bool:
+    return (h.settings.compile_step and _decode_call(queries, mask) and _format_kernel_ok(h)
+            and queries.shape[1] % h.kv_heads == 0
+            and partial.fits(h.key_codec, h.value_codec, queries.shape[1] // h.kv_heads))
+
+
+@engine.register_path("format_kernel_step", "decode", _format_step_supports, priority=4)
+def format_kernel_step(h, queries, scale, mask=None):
+    """Every format with decode snippets: the flash-decoding partial kernel over the codes
+    (`partial.py`), the fp16 sinks/window partial and the merge, one compiled graph."""
+    return partial.decode(h, queries, scale)
 
 
 @engine.register_path("format_kernel_decode", "decode",

@@ -35,7 +35,8 @@ def _cases():
 
 
 _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_partial + merge (fp16 partial)",
-            "check_prefill": "mse_dequant", "encode": "mse_encode", "dequant": "the formats' dequant kernel"}
+            "check_prefill": "mse_dequant", "encode": "mse_encode", "dequant": "the formats' dequant kernel",
+            "partial": "the formats' partial kernel"}
 
 
 def _dequant_record(backend: str) -> dict:
@@ -76,11 +77,11 @@ def usable(backend: str) -> bool:
 
 
 def _run(backend: str) -> bool:
-    from . import selftest
+    from . import partial, selftest
 
     failures = []
     jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, False, tokens=8)),
-            ("dequant", lambda: _dequant_record(backend))]
+            ("dequant", lambda: _dequant_record(backend)), ("partial", lambda: partial.check_record(backend))]
     jobs += [(case.name, lambda case=case: selftest.run_case(case, backend)) for case in _cases()]
     for name, job in jobs:
         try:

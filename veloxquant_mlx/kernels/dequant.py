@@ -50,9 +50,12 @@ class Access:
     buffer) are runtime values in `meta` (they change as the store grows; the kernel text
     does not)."""
 
-    def __init__(self, layout, role: str, codec):
-        """`layout`: the `RowStore`'s row layout, or None for a `FieldStore`."""
+    def __init__(self, layout, role: str, codec, meta_base: int = 2, table_start: int = 0):
+        """`layout`: the `RowStore`'s row layout, or None for a `FieldStore`. `meta_base`: where
+        this role's per-field capacities start in `meta`; `table_start`: where its constants
+        start in `tab` (a kernel reading both roles gives each its own ranges)."""
         self.role, self.codec = role, codec
+        self.meta_base, self.table_start = meta_base, table_start
         self.rows = layout is not None
         self.layout = layout
         self.fields = {f.name: f for f in codec.format.fields}
@@ -77,7 +80,7 @@ class Access:
         return f"((size_t)bh * {cap} + t / {f.tokens_per_row})" if f.tokens_per_row > 1 else f"((size_t)bh * {cap} + t)"
 
     def meta_index(self, name: str) -> int:
-        return 2 + [f.name for f in self.codec.format.fields].index(name)
+        return self.meta_base + [f.name for f in self.codec.format.fields].index(name)
 
     def word(self, name: str, k: str) -> str:
         f = self.fields[name]
@@ -106,7 +109,7 @@ class Access:
     def table(self, values) -> str:
         """`values` (floats) as a constant table; the C expression of its first element's address."""
         arr = np.asarray(values, dtype=np.float32).reshape(-1)
-        offset = self.table_size
+        offset = self.table_start + self.table_size
         self.tables.append(arr)
         self.table_size += arr.size
         return f"(tab + {offset})"

@@ -223,6 +223,10 @@ def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = Tru
     if encode:
         jobs += [(_encode_name(*c), lambda c=c: run_encode(backend, *c)) for c in ENCODE_CASES]
     jobs += [(case.name, lambda case=case: run_case(case, backend)) for case in cases or CASES]
+    if backend in ("cuda", "metal", "emulator") and cases is None:
+        from . import partial
+
+        jobs.append(("format_partial", lambda: partial.check_record(backend)))
     records = []
     for name, job in jobs:
         try:

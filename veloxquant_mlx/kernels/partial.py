@@ -1,0 +1,332 @@
+"""One flash-decoding partial kernel for every format with a decode snippet (CUDA, Metal,
+the C++ emulator).
+
+The dequant kernel (`dequant.py`) writes the whole history out as floats and MLX's
+attention reads it back: more bytes than the fp16 cache it replaces. This kernel reads
+the codes once. Block (split s, kv row bh) walks its tokens in tiles of NT: thread t
+decodes token t's key element by element with the key codec's `kernel_decode` snippet and
+scores it against the REP query heads of its group (queries already in the key domain),
+the block updates a running softmax (max, sum) as flash-decoding does, and then thread
+(lane, j) adds element j of the tile's values, decoded by the value codec's snippet,
+weighted by p. Each split leaves (o, m, l) in the value domain; `engine.merge_partials`
+merges the splits with the fp16 sinks/window partial, leaves the value domain and adds
+the value mean, in the same compiled graph. The kernel text is rendered from the two
+snippets and registered under a name derived from it, so each pair of formats compiles
+once per process and back end.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from .. import engine
+from ..storage import RowStore
+from . import launch, templates
+from .dequant import Access
+from .launch import Plan
+
+THREADS = 128
+META_FIXED = 4  # meta: [tokens, rows' capacity, tokens per split, splits, per-field capacities...]
+SHARED_LIMIT = 44 * 1024
+
+_BODY = r"""
+  constexpr int NW = NT / 32;
+  const int tid = vq_tid;
+  const int s = vq_bx;
+  const int bh = vq_by;
+  const int T = meta[0];
+  const int CH = meta[2];
+  const int S = meta[3];
+  const int start = s * CH;
+  const int end = VQ_MINI(start + CH, T);
+  VQ_SHARED float vq_q[REP * DDK];
+  VQ_SHARED float vq_w[NT * REP];
+  VQ_SHARED float vq_wred[REP * NW];
+  VQ_SHARED float vq_red[TL * REP * DDV];
+  for (int i = tid; i < REP * DDK; i += NT) vq_q[i] = q[(size_t)bh * REP * DDK + i];
+  VQ_SYNC();
+
+  float m_run[REP];
+  float l_part[REP];
+  float alpha[REP];
+  float acc[JPT * REP];
+  VQ_UNROLL
+  for (int r = 0; r < REP; ++r) { m_run[r] = VQ_NEG_INF; l_part[r] = 0.0f; }
+  VQ_UNROLL
+  for (int i = 0; i < JPT * REP; ++i) acc[i] = 0.0f;
+  const int jv = tid % DT;
+  const int lane = tid / DT;
+
+  for (int tile = start; tile < end; tile += NT) {
+    const int ntok = VQ_MINI(NT, end - tile);
+    const bool valid = tid < ntok;
+    float sc[REP];
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) sc[r] = 0.0f;
+    if (valid) {
+      const int t = tile + tid;
+      VQ_UNROLL8
+      for (int j = 0; j < DDK; ++j) {
+        float v = 0.0f;
+        {
+@KEY
+        }
+        VQ_UNROLL
+        for (int r = 0; r < REP; ++r) sc[r] += vq_q[r * DDK + j] * v;
+      }
+    }
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) {
+      const float wm = vq_warp_max(valid ? sc[r] : VQ_NEG_INF);
+      if ((tid & 31) == 0) vq_wred[r * NW + (tid >> 5)] = wm;
+    }
+    VQ_SYNC();
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) {
+      float mm = VQ_NEG_INF;
+      for (int w = 0; w < NW; ++w) mm = VQ_MAXF(mm, vq_wred[r * NW + w]);
+      const float m_new = VQ_MAXF(m_run[r], mm);
+      alpha[r] = (m_run[r] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[r] - m_new);
+      const float p = valid ? VQ_EXP(sc[r] - m_new) : 0.0f;
+      l_part[r] = l_part[r] * alpha[r] + p;
+      vq_w[tid * REP + r] = p;
+      m_run[r] = m_new;
+    }
+    VQ_SYNC();
+    VQ_UNROLL
+    for (int u = 0; u < JPT; ++u) {
+      VQ_UNROLL
+      for (int r = 0; r < REP; ++r) acc[u * REP + r] *= alpha[r];
+    }
+    if (lane < TL) {
+      for (int jj = lane; jj < ntok; jj += TL) {
+        const int t = tile + jj;
+        VQ_UNROLL
+        for (int u = 0; u < JPT; ++u) {
+          const int j = jv + u * DT;
+          if (j < DDV) {
+            float v = 0.0f;
+            {
+@VALUE
+            }
+            VQ_UNROLL
+            for (int r = 0; r < REP; ++r) acc[u * REP + r] += vq_w[jj * REP + r] * v;
+          }
+        }
+      }
+    }
+    VQ_SYNC();
+  }
+
+  VQ_UNROLL
+  for (int r = 0; r < REP; ++r) {
+    const float ls = vq_warp_sum(l_part[r]);
+    if ((tid & 31) == 0) vq_wred[r * NW + (tid >> 5)] = ls;
+  }
+  if (lane < TL) {
+    VQ_UNROLL
+    for (int u = 0; u < JPT; ++u) {
+      const int j = jv + u * DT;
+      VQ_UNROLL
+      for (int r = 0; r < REP; ++r) if (j < DDV) vq_red[(lane * REP + r) * DDV + j] = acc[u * REP + r];
+    }
+  }
+  VQ_SYNC();
+  const size_t obase = ((size_t)bh * S + s) * REP;
+  for (int i = tid; i < REP * DDV; i += NT) {
+    const int r = i / DDV;
+    const int d = i % DDV;
+    float sum = 0.0f;
+    for (int u = 0; u < TL; ++u) sum += vq_red[(u * REP + r) * DDV + d];
+    o[obase * DDV + i] = sum;
+  }
+  VQ_UNROLL
+  for (int r = 0; r < REP; ++r) {
+    if (tid == r) {
+      float lt = 0.0f;
+      for (int w = 0; w < NW; ++w) lt += vq_wred[r * NW + w];
+      ml[(obase + r) * 2] = m_run[r];
+      ml[(obase + r) * 2 + 1] = lt;
+    }
+  }
+"""
+
+
+def _indent(snippet: str) -> str:
+    return "\n".join("      " + line for line in snippet.splitlines())
+
+
+@dataclass(frozen=True)
+class Program:
+    kernel: str
+    tables: mx.array
+    key_dim: int
+    value_dim: int
+
+
+@functools.lru_cache(maxsize=128)
+def _program(layout, key_codec, value_codec) -> Program:
+    rows = layout is not None
+    key_fields, value_fields = key_codec.format.fields, value_codec.format.fields
+    keys = Access(layout, "keys", key_codec, meta_base=META_FIXED)
+    key_snippet = keys.snippet()
+    values = Access(layout, "values", value_codec, meta_base=META_FIXED + len(key_fields),
+                    table_start=keys.table_size)
+    value_snippet = values.snippet()
+    tables = keys.tables + values.tables
+    tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
+    if rows:
+        inputs = ("rows",)
+    else:
+        inputs = tuple(keys.buffer(f.name) for f in key_fields) + tuple(values.buffer(f.name) for f in value_fields)
+    body = _BODY.replace("@KEY", _indent(key_snippet)).replace("@VALUE", _indent(value_snippet))
+    name = "partial_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]
+    if name not in templates.KERNELS:
+        templates.KERNELS[name] = {"body": body, "inputs": ("q",) + inputs + ("tab", "meta"), "outputs": ("o", "ml")}
+    return Program(name, tab, key_codec.format.domain_dim, value_codec.format.domain_dim)
+
+
+def program(store, key_codec, value_codec) -> Program:
+    return _program(store.layout if isinstance(store, RowStore) else None, key_codec, value_codec)
+
+
+def _shape_constants(key_dim: int, value_dim: int, rep: int) -> dict:
+    dt = min(value_dim, THREADS)
+    return {"DDK": key_dim, "DDV": value_dim, "REP": rep, "NT": THREADS, "DT": dt, "TL": THREADS // dt,
+            "JPT": -(-value_dim // dt)}
+
+
+def shared_bytes(key_dim: int, value_dim: int, rep: int) -> int:
+    c = _shape_constants(key_dim, value_dim, rep)
+    return 4 * (rep * key_dim + THREADS * rep + rep * (THREADS // 32) + c["TL"] * rep * value_dim)
+
+
+def fits(key_codec, value_codec, rep: int) -> bool:
+    """Whether this kernel takes the pair at `rep` query heads per kv head (static shared
+    memory, registers of the value accumulator)."""
+    k, v = key_codec.format.domain_dim, value_codec.format.domain_dim
+    return shared_bytes(k, v, rep) <= SHARED_LIMIT and -(-v // min(v, THREADS)) * rep <= 64
+
+
+def arrays_of(store, key_codec, value_codec):
+    """The store's buffers in the kernel's input order, and their capacities for `meta`."""
+    if isinstance(store, RowStore):
+        return [store.rows], (store.rows.shape[2],), ()
+    bufs = [store.buffers["keys"][f.name] for f in key_codec.format.fields]
+    bufs += [store.buffers["values"][f.name] for f in value_codec.format.fields]
+    return bufs, (0,), tuple(b.shape[2] for b in bufs)
+
+
+@functools.lru_cache(maxsize=1024)
+def plan(kernel: str, template: tuple, kv_rows: int, rep: int, value_dim: int, splits: int) -> Plan:
+    return Plan(kernel, list(template), (splits * THREADS, kv_rows, 1), (THREADS, 1, 1),
+                [(kv_rows, splits, rep, value_dim), (kv_rows, splits, rep, 2)], ["float32", "float32"])
+
+
+def split_tokens(capacity: int, kv_rows: int, chunk=None) -> int:
+    """Tokens per split, planned from the capacity (not the count), so the launch shape and
+    with it the compiled decode graph change only when the store grows."""
+    return launch.choose_chunk(capacity, kv_rows, threads=THREADS, chunk=chunk)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one decode step passes to the kernel: the plan, and the store's buffers plus the
+    constant table and `meta` (count first) in the kernel's input order."""
+    plan_key: tuple  # the arguments of `plan`
+    inputs: Tuple[mx.array, ...]
+
+    @property
+    def plan(self) -> Plan:
+        return plan(*self.plan_key)
+
+
+def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=None) -> Launch:
+    """`count`: tokens held as codes (an int)."""
+    prog = program(store, key_codec, value_codec)
+    arrays, row_caps, field_caps = arrays_of(store, key_codec, value_codec)
+    capacity = store.capacity
+    chunk = split_tokens(capacity, kv_rows, chunk)
+    splits = -(-capacity // chunk)
+    consts = _shape_constants(prog.key_dim, prog.value_dim, rep)
+    template = tuple(consts.items()) + ((("RW", store.rows.shape[3]),) if isinstance(store, RowStore) else ())
+    meta = engine.small_array((count,) + row_caps + (chunk, splits) + field_caps)
+    return Launch((prog.kernel, template, kv_rows, rep, prog.value_dim, splits), tuple(arrays) + (prog.tables, meta))
+
+
+def partials(run, launch_: Launch, q_domain: mx.array):
+    """(o (BH, S, REP, value domain), ml (BH, S, REP, 2)); `q_domain`: (B, kv heads, REP,
+    key domain), scaled, in the key codec's domain."""
+    return run(launch_.plan, [q_domain.astype(mx.float32)] + list(launch_.inputs))
+
+
+@functools.lru_cache(maxsize=256)
+def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
+             has_fp16: bool, centered: bool, compiled: bool):
+    from .ops import runner
+
+    run, plan_ = runner(backend), plan(*plan_key)
+
+    def step(queries, inputs, fp16_keys, fp16_values, value_mean):
+        B, n_heads, _, dim = queries.shape
+        kv_rows, rep = plan_.grid[1], plan_.output_shapes[0][2]
+        q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_rows // B, rep, dim))
+        o, ml = run(plan_, [q.astype(mx.float32)] + list(inputs))
+        plain = engine.plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
+        return engine.merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
+                                     value_mean=value_mean if centered else None)
+
+    return mx.compile(step) if compiled else step
+
+
+def decode(h, queries: mx.array, scale: float, chunk=None) -> mx.array:
+    """One decode step over `h` (an `engine.History`): the partial kernel, the fp16
+    sinks/window partial and the merge, one compiled graph per plan (the emulator runs it
+    op by op)."""
+    B, n_heads = queries.shape[:2]
+    rep = n_heads // h.kv_heads
+    launch_ = prepare(h.store, h.key_codec, h.value_codec, B * h.kv_heads, rep, h.count, chunk)
+    backend = h.settings.backend
+    fp16, centered = h.fp16, h.value_mean is not None
+    fn = _step_fn(backend, launch_.plan_key, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
+                  float(scale), fp16 is not None, centered, backend != "emulator" and h.settings.compile_step)
+    none = engine.small_array((0.0,), mx.float32)
+    return fn(queries, list(launch_.inputs), *(fp16 if fp16 is not None else (none, none)),
+              h.value_mean if centered else none)
+
+
+CHECK_METHODS = (
+    {"method": "kivi", "bits": 4, "group_size": 32},  # a field store with per-block key fields
+    {"method": "turboquant_rvq", "bits": 2},  # a row store
+    {"method": "qjl", "bits": 3, "sink_tokens": 2, "residual_length": 8},  # a non-orthogonal key domain, fp16 partial
+)
+
+
+def check_record(backend: str) -> dict:
+    """The partial kernel of `backend` against the engine's MLX-ops decode (`compiled_decode`
+    uncompiled) on three formats, GQA 3, with chunks of one tile: the first-use check and the
+    self-test run it."""
+    from ..cache import CompressedKVCache
+    from ..config import KVCacheConfig
+    from ..settings import EngineSettings
+
+    worst = 0.0
+    for i, options in enumerate(CHECK_METHODS):
+        cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
+        keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(40 + i)) + 0.25
+        cache.update_and_fetch(keys, mx.cos(keys))
+        cache.store.flush()
+        queries = mx.random.normal((1, 6, 1, 128), key=mx.random.key(50 + i))
+        h = cache._history()
+        ref = engine.compiled_decode(h, queries, 128 ** -0.5, compiled=False)
+        h.settings = h.settings.replace(backend=backend)
+        out = decode(h, queries, 128 ** -0.5, chunk=THREADS)
+        worst = max(worst, float(mx.max(mx.abs(out - ref))) / max(float(mx.max(mx.abs(ref))), 1e-30))
+    return {"case": "format_partial", "backend": backend, "vs_compiled_decode": worst,
+            "status": "ok" if worst <= 1e-4 else "FAIL"}
