@@ -415,5 +415,5 @@ def test_format_partial_kernel_fits_and_its_path_is_registered():
     assert "format_kernel_step" in [p.name for p in engine.paths("decode")]
     kivi = CompressedKVCache(KVCacheConfig(method="kivi", bits=4))
     kivi.update_and_fetch(mx.zeros((1, 1, 40, 128)), mx.zeros((1, 1, 40, 128)))
-    assert partial.fits(kivi.key_codec, kivi.value_codec, 8)
-    assert not partial.fits(kivi.key_codec, kivi.value_codec, 64)  # shared memory bound
+    assert partial.fits(kivi.store, kivi.key_codec, kivi.value_codec, 8)
+    assert not partial.fits(kivi.store, kivi.key_codec, kivi.value_codec, 64)  # shared memory bound

@@ -223,7 +223,7 @@ def _kernel_decoder(h, role: str, dtype) -> mx.array:
 def _format_step_supports(h, queries, mask) -> bool:
     return (h.settings.compile_step and _decode_call(queries, mask) and _format_kernel_ok(h)
             and queries.shape[1] % h.kv_heads == 0
-            and partial.fits(h.key_codec, h.value_codec, queries.shape[1] // h.kv_heads))
+            and partial.fits(h.store, h.key_codec, h.value_codec, queries.shape[1] // h.kv_heads))
 
 
 @engine.register_path("format_kernel_step", "decode", _format_step_supports, priority=4)

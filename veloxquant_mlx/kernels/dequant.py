@@ -45,6 +45,12 @@ _BODY = r"""
 """
 
 
+def tile_stride(words: int) -> int:
+    """Words between tokens in a shared tile: odd, so that threads reading one token each
+    fall in different memory banks."""
+    return words | 1
+
+
 class Access:
     """C expressions for one role's fields, for the store's layout. Capacities (rows per
     buffer) are runtime values in `meta` (they change as the store grows; the kernel text
@@ -59,6 +65,7 @@ class Access:
         self.rows = layout is not None
         self.layout = layout
         self.fields = {f.name: f for f in codec.format.fields}
+        self.staged = {}  # field name -> word offset in the kernel's shared tile (`stage`)
         self.lines: List[str] = []
         self.tables: List[np.ndarray] = []
         self.table_size = 0
@@ -82,14 +89,45 @@ class Access:
     def meta_index(self, name: str) -> int:
         return self.meta_base + [f.name for f in self.codec.format.fields].index(name)
 
+    def stage(self, offset: int, tokens: int) -> int:
+        """Read per-token packed fields (every field of a row) from a shared tile `vq_tile` of
+        `tokens` tokens starting at token `tile`, from word `offset` on; returns the next free
+        word."""
+        if self.rows:
+            self.staged = {f.name: offset for f in self.codec.format.fields}
+            return offset  # the rows' tile is laid out by the caller (`tile_copy`)
+        for f in self.codec.format.fields:
+            if f.kind == PACKED and f.tokens_per_row == 1:
+                self.staged[f.name] = offset
+                offset += tile_stride(f.words) * tokens
+        return offset
+
+    def tile_copy(self) -> str:
+        """C statements copying this role's staged fields of tokens [tile, tile + ntok) into
+        the shared tile (field stores; a row store's rows are copied whole by the caller)."""
+        out = []
+        for name, offset in self.staged.items():
+            f = self.fields[name]
+            src = f"{self.buffer(name)} + ((size_t)bh * meta[{self.meta_index(name)}] + tile) * {f.words}"
+            out.append(f"  {{ const VQ_GLOBAL uint32_t* src_ = {src};\n"
+                       f"    for (int i_ = tid; i_ < ntok * {f.words}; i_ += NT)"
+                       f" vq_tile[{offset} + (i_ / {f.words}) * {tile_stride(f.words)} + i_ % {f.words}] = src_[i_]; }}")
+        return "\n".join(out)
+
     def word(self, name: str, k: str) -> str:
         f = self.fields[name]
+        if name in self.staged:
+            if self.rows:
+                return f"vq_tile[(t - tile) * RWP + {self.layout.slot(self.role, name).start} + ({k})]"
+            return f"vq_tile[{self.staged[name]} + (t - tile) * {tile_stride(f.words)} + ({k})]"
         if self.rows:
             return f"rows[{self._row(name)} * RW + {self.layout.slot(self.role, name).start} + ({k})]"
         return f"{self.buffer(name)}[{self._row(name)} * {f.words} + ({k})]"
 
     def half(self, name: str, k: str) -> str:
         f = self.fields[name]
+        if self.rows and name in self.staged:
+            return f"VQ_F(VQ_HALF_CPTR(vq_tile)[(t - tile) * (2 * RWP) + {self.layout.slot(self.role, name).start} + ({k})])"
         if self.rows:
             return f"VQ_F(VQ_HALF_CPTR(rows)[{self._row(name)} * (2 * RW) + {self.layout.slot(self.role, name).start} + ({k})])"
         return f"VQ_F({self.buffer(name)}[{self._row(name)} * {f.width} + ({k})])"
