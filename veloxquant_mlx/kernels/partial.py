@@ -142,24 +142,7 @@ _BODY = r"""
     }
   }
   VQ_SYNC();
-  const size_t obase = ((size_t)bh * S + s) * REP;
-  for (int i = tid; i < REP * DDV; i += NT) {
-    const int r = i / DDV;
-    const int d = i % DDV;
-    float sum = 0.0f;
-    for (int u = 0; u < TL; ++u) sum += vq_red[(u * REP + r) * DDV + d];
-    o[obase * DDV + i] = sum;
-  }
-  VQ_UNROLL
-  for (int r = 0; r < REP; ++r) {
-    if (tid == r) {
-      float lt = 0.0f;
-      for (int w = 0; w < NW; ++w) lt += vq_wred[r * NW + w];
-      ml[(obase + r) * 2] = m_run[r];
-      ml[(obase + r) * 2 + 1] = lt;
-    }
-  }
-"""
+""" + templates.PARTIAL_RESULT.replace("@TID", "tid").replace("@DV", "DDV")
 
 
 def _indent(snippet: str) -> str:

@@ -295,6 +295,29 @@ MSE_ENCODE = r"""
 #   f32, meta int32 [T, CH, CAP, S], qscale f32 [scale].
 # Outputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32 (max, sum).
 # Grid: (S * NT, BH) threads in blocks of NT.
+# The end of a flash-decoding partial kernel (`mse_partial`, `kernels/partial.py`): the token
+# lanes' value sums in vq_red (TL lanes x REP x @DV) and the warps' softmax sums in vq_wred, summed
+# into this split's o (BH, S, REP, @DV) and ml (BH, S, REP, 2) = (max, sum). @TID: the thread index.
+PARTIAL_RESULT = r"""
+  const size_t obase = ((size_t)bh * S + s) * REP;
+  for (int i = @TID; i < REP * @DV; i += NT) {
+    const int r = i / @DV;
+    const int d = i % @DV;
+    float sum = 0.0f;
+    for (int u = 0; u < TL; ++u) sum += vq_red[(u * REP + r) * @DV + d];
+    o[obase * @DV + i] = sum;
+  }
+  VQ_UNROLL
+  for (int r = 0; r < REP; ++r) {
+    if (@TID == r) {
+      float lt = 0.0f;
+      for (int w = 0; w < NW; ++w) lt += vq_wred[r * NW + w];
+      ml[(obase + r) * 2] = m_run[r];
+      ml[(obase + r) * 2 + 1] = lt;
+    }
+  }
+"""
+
 MSE_PARTIAL = r"""
   constexpr int NW = NT / 32;
   constexpr uint32_t KMASK = (1u << KB) - 1u;
@@ -470,25 +493,7 @@ MSE_PARTIAL = r"""
     VQ_UNROLL
     for (int r = 0; r < REP; ++r) vq_red[(tl * REP + r) * D + g * G + k] = acc[k * REP + r];
   }
-  VQ_SYNC();
-  const size_t obase = ((size_t)bh * S + s) * REP;
-  for (int i = t; i < REP * D; i += NT) {
-    const int r = i / D;
-    const int d = i % D;
-    float sum = 0.0f;
-    for (int u = 0; u < TL; ++u) sum += vq_red[(u * REP + r) * D + d];
-    o[obase * D + i] = sum;
-  }
-  VQ_UNROLL
-  for (int r = 0; r < REP; ++r) {
-    if (t == r) {
-      float lt = 0.0f;
-      for (int w = 0; w < NW; ++w) lt += vq_wred[r * NW + w];
-      ml[(obase + r) * 2] = m_run[r];
-      ml[(obase + r) * 2 + 1] = lt;
-    }
-  }
-"""
+""" + "  VQ_SYNC();\n" + PARTIAL_RESULT.replace("@TID", "t").replace("@DV", "D")
 
 # Shared by `merge` and `merge_encode` (block (bh, r), thread d): the block's query row,
 # the softmax merge of the S splits of that row, in the value domain, and an in-place
