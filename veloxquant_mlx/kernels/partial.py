@@ -85,24 +85,7 @@ _BODY = r"""
         for (int r = 0; r < REP; ++r) sc[r] += vq_q[r * DDK + j] * v;
       }
     }
-    VQ_UNROLL
-    for (int r = 0; r < REP; ++r) {
-      const float wm = vq_warp_max(valid ? sc[r] : VQ_NEG_INF);
-      if ((tid & 31) == 0) vq_wred[r * NW + (tid >> 5)] = wm;
-    }
-    VQ_SYNC();
-    VQ_UNROLL
-    for (int r = 0; r < REP; ++r) {
-      float mm = VQ_NEG_INF;
-      for (int w = 0; w < NW; ++w) mm = VQ_MAXF(mm, vq_wred[r * NW + w]);
-      const float m_new = VQ_MAXF(m_run[r], mm);
-      alpha[r] = (m_run[r] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[r] - m_new);
-      const float p = valid ? VQ_EXP(sc[r] - m_new) : 0.0f;
-      l_part[r] = l_part[r] * alpha[r] + p;
-      vq_w[tid * REP + r] = p;
-      m_run[r] = m_new;
-    }
-    VQ_SYNC();
+""" + templates.ONLINE_SOFTMAX.replace("@TID", "tid").replace("@STORE", "vq_w[tid * REP + r] = p;") + r"""    VQ_SYNC();
     VQ_UNROLL
     for (int u = 0; u < JPT; ++u) {
       VQ_UNROLL

@@ -295,6 +295,28 @@ MSE_ENCODE = r"""
 #   f32, meta int32 [T, CH, CAP, S], qscale f32 [scale].
 # Outputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32 (max, sum).
 # Grid: (S * NT, BH) threads in blocks of NT.
+# A tile's step of a flash-decoding partial kernel: the block's max of the valid threads' scores
+# sc[REP] (through the warps' maxima in vq_wred), the running max m_run, the rescale alpha of
+# what was summed so far, the running sum l_part, and @STORE of each weight p. @TID: the thread.
+ONLINE_SOFTMAX = r"""    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) {
+      const float wm = vq_warp_max(valid ? sc[r] : VQ_NEG_INF);
+      if ((@TID & 31) == 0) vq_wred[r * NW + (@TID >> 5)] = wm;
+    }
+    VQ_SYNC();
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) {
+      float mm = VQ_NEG_INF;
+      for (int w = 0; w < NW; ++w) mm = VQ_MAXF(mm, vq_wred[r * NW + w]);
+      const float m_new = VQ_MAXF(m_run[r], mm);
+      alpha[r] = (m_run[r] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[r] - m_new);
+      const float p = valid ? VQ_EXP(sc[r] - m_new) : 0.0f;
+      l_part[r] = l_part[r] * alpha[r] + p;
+      @STORE
+      m_run[r] = m_new;
+    }
+"""
+
 # The end of a flash-decoding partial kernel (`mse_partial`, `kernels/partial.py`): the token
 # lanes' value sums in vq_red (TL lanes x REP x @DV) and the warps' softmax sums in vq_wred, summed
 # into this split's o (BH, S, REP, @DV) and ml (BH, S, REP, 2) = (max, sum). @TID: the thread index.
@@ -437,24 +459,7 @@ MSE_PARTIAL = r"""
       vn = vq_half_bits(norms >> 16);
     }
     // ---- online softmax: the tile's max per head, then weights p * ||v||
-    VQ_UNROLL
-    for (int r = 0; r < REP; ++r) {
-      const float wm = vq_warp_max(valid ? sc[r] : VQ_NEG_INF);
-      if ((t & 31) == 0) vq_wred[r * NW + (t >> 5)] = wm;
-    }
-    VQ_SYNC();
-    VQ_UNROLL
-    for (int r = 0; r < REP; ++r) {
-      float mm = VQ_NEG_INF;
-      for (int w = 0; w < NW; ++w) mm = VQ_MAXF(mm, vq_wred[r * NW + w]);
-      const float m_new = VQ_MAXF(m_run[r], mm);
-      alpha[r] = (m_run[r] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[r] - m_new);
-      const float p = valid ? VQ_EXP(sc[r] - m_new) : 0.0f;
-      l_part[r] = l_part[r] * alpha[r] + p;
-      VQ_FPTR(vq_w4)[t * (R4 * 4) + r] = p * vn;
-      m_run[r] = m_new;
-    }
-    VQ_SYNC();
+""" + ONLINE_SOFTMAX.replace("@TID", "t").replace("@STORE", "VQ_FPTR(vq_w4)[t * (R4 * 4) + r] = p * vn;") + r"""    VQ_SYNC();
     // ---- values: thread (tl, g) adds dims [g*G, g*G+G) of tokens tl, tl+TL, ...
     VQ_UNROLL
     for (int k = 0; k < G; ++k) {
