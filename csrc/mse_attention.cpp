@@ -125,7 +125,7 @@ inline float dot(const float* a, const float* b, int n) {
 }
 
 struct Layout {
-  int R, D, C, W, key_words, value_words, key_bits, value_bits, tokens, splits;
+  int R, D, C, W, key_offset, value_offset, norm_word, key_bits, value_bits, tokens, splits;
 };
 
 // Centroids padded with zeros to at least 16 entries (the AVX2 decoders read 16).
@@ -147,10 +147,10 @@ void attend_split(const Layout& L, const float* q, const uint32_t* rows, const f
     const int nb = std::min(kBlock, t1 - b0);
     for (int t = 0; t < nb; ++t) {
       const uint32_t* row = rows + size_t(b0 + t) * L.W;
-      const uint32_t norms = row[L.key_words + L.value_words];
+      const uint32_t norms = row[L.norm_word];
       const float knorm = half_to_float(norms & 0xffffu);
       vnorm[t] = half_to_float(norms >> 16);
-      for (int c = 0; c < D / 32; ++c) decode_key(row + c * kb32, kcent, buf.data() + c * 32);
+      for (int c = 0; c < D / 32; ++c) decode_key(row + L.key_offset + c * kb32, kcent, buf.data() + c * 32);
       for (int r = 0; r < R; ++r) scores[r * kBlock + t] = knorm * dot(q + r * D, buf.data(), D);
     }
     for (int r = 0; r < R; ++r) {
@@ -170,7 +170,7 @@ void attend_split(const Layout& L, const float* q, const uint32_t* rows, const f
         for (int j = 0; j < D; ++j) acc[r * D + j] *= alpha;
     }
     for (int t = 0; t < nb; ++t) {
-      const uint32_t* row = rows + size_t(b0 + t) * L.W + L.key_words;
+      const uint32_t* row = rows + size_t(b0 + t) * L.W + L.value_offset;
       for (int c = 0; c < D / 32; ++c) decode_value(row + c * vb32, vcent, buf.data() + c * 32);
       for (int r = 0; r < R; ++r) {
         const float w = scores[r * kBlock + t];
@@ -188,9 +188,10 @@ void attend_split(const Layout& L, const float* q, const uint32_t* rows, const f
 
 class MSEAttentionPartials : public mx::Primitive {
  public:
-  MSEAttentionPartials(mx::Stream stream, int tokens, int key_bits, int value_bits, int splits)
+  MSEAttentionPartials(mx::Stream stream, int tokens, int key_bits, int value_bits, int splits, int key_offset,
+                       int value_offset, int norm_word)
       : mx::Primitive(stream), tokens_(tokens), key_bits_(key_bits), value_bits_(value_bits),
-        splits_(splits) {}
+        splits_(splits), key_offset_(key_offset), value_offset_(value_offset), norm_word_(norm_word) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -212,8 +213,9 @@ class MSEAttentionPartials : public mx::Primitive {
     L.W = rows.shape(2);
     L.key_bits = key_bits_;
     L.value_bits = value_bits_;
-    L.key_words = L.D * key_bits_ / 32;
-    L.value_words = L.D * value_bits_ / 32;
+    L.key_offset = key_offset_;
+    L.value_offset = value_offset_;
+    L.norm_word = norm_word_;
     L.tokens = tokens_;
     L.splits = splits_;
     const int N = q.shape(0);
@@ -257,23 +259,30 @@ class MSEAttentionPartials : public mx::Primitive {
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& p = static_cast<const MSEAttentionPartials&>(other);
     return tokens_ == p.tokens_ && key_bits_ == p.key_bits_ && value_bits_ == p.value_bits_ &&
-           splits_ == p.splits_;
+           splits_ == p.splits_ && key_offset_ == p.key_offset_ && value_offset_ == p.value_offset_ &&
+           norm_word_ == p.norm_word_;
   }
 
  private:
-  int tokens_, key_bits_, value_bits_, splits_;
+  int tokens_, key_bits_, value_bits_, splits_, key_offset_, value_offset_, norm_word_;
 };
 
 std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::array& rows,
                                               const mx::array& key_centroids,
                                               const mx::array& value_centroids, int tokens, int key_bits,
-                                              int value_bits, int splits, mx::StreamOrDevice s) {
+                                              int value_bits, int splits, int key_offset, int value_offset,
+                                              int norm_word, mx::StreamOrDevice s) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("mse_attention_partials: " + what); };
   if (q.ndim() != 3 || rows.ndim() != 3 || q.shape(0) != rows.shape(0)) fail("q (N, R, D) and rows (N, C, W)");
   const int D = q.shape(2);
   if (D % 32 != 0) fail("head dim must be a multiple of 32");
   if (key_bits < 1 || key_bits > 8 || value_bits < 1 || value_bits > 8) fail("bits must be in 1..8");
-  if (rows.shape(2) < D * (key_bits + value_bits) / 32 + 1) fail("rows are narrower than the layout");
+  // Word offsets come from the row layout (formats.RowLayout): key codes, value codes, and
+  // the word holding the fp16 key norm (low half) and value norm (high half).
+  const int W = rows.shape(2);
+  if (key_offset < 0 || value_offset < 0 || norm_word < 0 || key_offset + D * key_bits / 32 > W ||
+      value_offset + D * value_bits / 32 > W || norm_word >= W)
+    fail("word offsets outside the row");
   if (tokens < 1 || tokens > rows.shape(1)) fail("tokens must be in 1..rows.shape[1]");
   if (splits < 1) fail("splits must be >= 1");
   if (key_centroids.size() != (size_t(1) << key_bits) || value_centroids.size() != (size_t(1) << value_bits))
@@ -286,7 +295,8 @@ std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::arra
   const int N = q.shape(0), R = q.shape(1);
   return mx::array::make_arrays(
       {{N, splits, R, D}, {N, splits, R, 2}}, {mx::float32, mx::float32},
-      std::make_shared<MSEAttentionPartials>(stream, tokens, key_bits, value_bits, splits),
+      std::make_shared<MSEAttentionPartials>(stream, tokens, key_bits, value_bits, splits, key_offset, value_offset,
+                                             norm_word),
       {mx::contiguous(q, false, stream), mx::contiguous(rows, false, stream),
        mx::contiguous(key_centroids, false, stream), mx::contiguous(value_centroids, false, stream)});
 }
@@ -296,7 +306,8 @@ std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::arra
 NB_MODULE(_native, m) {
   m.doc() = "VeloxQuant-MLX CPU kernels (see csrc/mse_attention.cpp)";
   m.def("mse_attention_partials", &mse_attention_partials, "q"_a, "rows"_a, "key_centroids"_a,
-        "value_centroids"_a, "tokens"_a, "key_bits"_a, "value_bits"_a, "splits"_a, nb::kw_only(),
+        "value_centroids"_a, "tokens"_a, "key_bits"_a, "value_bits"_a, "splits"_a, "key_offset"_a,
+        "value_offset"_a, "norm_word"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "Per-split (o, ml) of decode attention over turboquant_mse rows; see csrc/mse_attention.cpp.");
 }

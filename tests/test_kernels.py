@@ -205,16 +205,19 @@ def test_native_kernel_rejects_bad_arguments():
     rows = mx.zeros((2, 64, 13), mx.uint32)  # d = 64 at 3 + 3 bits: 6 + 6 + 1 words
     q = mx.zeros((2, 3, 64))
     cent = mx.zeros((8,))
+    words = (0, 6, 12)  # key codes, value codes, norms: the row layout's offsets
     run = native.module().mse_attention_partials
-    mx.eval(run(q, rows, cent, cent, 64, 3, 3, 1))
+    mx.eval(run(q, rows, cent, cent, 64, 3, 3, 1, *words))
     with pytest.raises(ValueError, match="tokens"):
-        run(q, rows, cent, cent, 65, 3, 3, 1)
-    with pytest.raises(ValueError, match="narrower"):
-        run(q, rows, cent, cent, 10, 4, 4, 1)
+        run(q, rows, cent, cent, 65, 3, 3, 1, *words)
+    with pytest.raises(ValueError, match="outside the row"):
+        run(q, rows, cent, cent, 10, 3, 3, 1, 0, 6, 13)
+    with pytest.raises(ValueError, match="outside the row"):
+        run(q, rows, cent, cent, 10, 4, 4, 1, 0, 8, 12)
     with pytest.raises(ValueError, match="2\\^bits"):
-        run(q, rows, cent, cent, 10, 3, 2, 1)
+        run(q, rows, cent, cent, 10, 3, 2, 1, *words)
     with pytest.raises(ValueError, match="float32"):
-        run(q.astype(mx.float16), rows, cent, cent, 10, 3, 3, 1)
+        run(q.astype(mx.float16), rows, cent, cent, 10, 3, 3, 1, *words)
 
 
 # ---- the portable path and dispatch ---------------------------------------------------

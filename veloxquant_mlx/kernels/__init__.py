@@ -150,7 +150,7 @@ def _native_supports(h, queries, mask) -> bool:
 
 @engine.register_path("mse_native", "decode", _native_supports, priority=20)
 def native_decode(h, queries, scale, mask=None):
-    o, ml = native.mse_partials(queries, h.key_codec, h.value_codec, h.store.rows, h.count, scale)
+    o, ml = native.mse_partials(queries, h.key_codec, h.value_codec, h.layout, h.store.rows, h.count, scale)
     return portable.merge(o, ml, h, queries, scale)
 
 

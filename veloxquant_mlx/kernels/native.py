@@ -32,7 +32,7 @@ def module():
     try:
         cent = mx.zeros((2,))
         mx.eval(_native.mse_attention_partials(mx.zeros((1, 1, 32)), mx.zeros((1, 1, 3), mx.uint32), cent, cent,
-                                               1, 1, 1, 1))
+                                               1, 1, 1, 1, 0, 1, 2))
     except Exception as error:  # noqa: BLE001 - any failure means: do not use it
         warnings.warn(f"veloxquant_mlx._native does not work with this MLX ({error!r}); the CPU uses the "
                       "portable path. Rebuild it with scripts/build_native.sh.", RuntimeWarning, stacklevel=2)
@@ -49,8 +49,9 @@ def _threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
 
 
-def mse_partials(queries: mx.array, key_codec, value_codec, rows: mx.array, tokens: int, scale: float):
-    """(o (BH, S, REP*L, Dv) value domain, ml (BH, S, REP*L, 2)) over rows [0, tokens)."""
+def mse_partials(queries: mx.array, key_codec, value_codec, layout, rows: mx.array, tokens: int, scale: float):
+    """(o (BH, S, REP*L, Dv) value domain, ml (BH, S, REP*L, 2)) over rows [0, tokens) of
+    `layout` (a `formats.RowLayout` of the mse family: the word offsets come from it)."""
     B, kv_heads, capacity, width = rows.shape
     q = portable.domain_queries(queries, key_codec, kv_heads, scale)
     # About two (kv head, split) work items per core, no split shorter than MIN_TOKENS_PER_SPLIT.
@@ -59,5 +60,6 @@ def mse_partials(queries: mx.array, key_codec, value_codec, rows: mx.array, toke
     o, ml = module().mse_attention_partials(
         q.reshape(B * kv_heads, *q.shape[2:]), rows.reshape(B * kv_heads, capacity, width),
         ops.constants(key_codec)["centroids"], ops.constants(value_codec)["centroids"], tokens, key_codec.bits,
-        value_codec.bits, splits)
+        value_codec.bits, splits, layout.slot("keys", "codes").start, layout.slot("values", "codes").start,
+        layout.slot("keys", "norm").start // 2)
     return o, ml
