@@ -420,3 +420,45 @@ def test_format_partial_kernel_fits_and_its_path_is_registered():
     kivi.update_and_fetch(mx.zeros((1, 1, 40, 128)), mx.zeros((1, 1, 40, 128)))
     assert partial.fits(kivi.store, kivi.key_codec, kivi.value_codec, 8)
     assert not partial.fits(kivi.store, kivi.key_codec, kivi.value_codec, 64)  # shared memory bound
+
+
+# ---- KIVI's C++ CPU kernel ------------------------------------------------------------------
+
+@needs_native
+@pytest.mark.parametrize("options", [
+    {"method": "kivi", "bits": 4, "group_size": 32},
+    {"method": "kivi", "bits": 2, "group_size": 64},
+    {"method": "kivi", "bits": 3, "group_size": 32, "value_bits": 2, "residual_length": 32, "sink_tokens": 4},
+], ids=["k4g32", "k2g64", "k3v2g32-window-sinks"])
+def test_kivi_native_kernel_matches_the_engines_ops_decode(options):
+    """Several splits (>= 512 tokens each), batch 2, GQA 3, the last token of the buffers
+    (scalar decoders), and the fp16 window/sinks merged where set."""
+    from veloxquant_mlx import engine
+
+    cache = CompressedKVCache(KVCacheConfig(**options))
+    keys = mx.random.normal((2, 2, 2048, 64), key=mx.random.key(9)) * mx.linspace(0.2, 3.0, 64)
+    cache.update_and_fetch(keys, mx.cos(keys))
+    cache.store.flush()
+    assert cache.store.count == cache.store.capacity or cache.store.count > 1024
+    queries = mx.random.normal((2, 6, 1, 64), key=mx.random.key(10))
+    out = cache.attend(queries, 0.125)
+    assert cache.last_path == "kivi_native"
+    ref = engine.compiled_decode(cache._history(), queries, 0.125, compiled=False)
+    assert float(mx.max(mx.abs(out - ref))) <= 1e-5 * float(mx.max(mx.abs(ref)))
+
+
+@needs_native
+def test_kivi_native_kernel_rejects_bad_arguments():
+    run = native.module().kivi_attention_partials
+    q, codes = mx.zeros((1, 2, 64)), mx.zeros((1, 64, 8), mx.uint32)  # 64 tokens, 4-bit codes
+    ks = mx.zeros((1, 2, 64), mx.float16)  # two key groups of 32
+    vs = mx.zeros((1, 64, 1), mx.float16)
+    mx.eval(run(q, codes, ks, ks, codes, vs, vs, 64, 4, 4, 32, 1))
+    with pytest.raises(ValueError, match="tokens"):
+        run(q, codes, ks, ks, codes, vs, vs, 65, 4, 4, 32, 1)
+    with pytest.raises(ValueError, match="one row of D per group"):
+        run(q, codes, ks, ks, codes, vs, vs, 64, 4, 4, 16, 1)
+    with pytest.raises(ValueError, match="narrower"):
+        run(q, codes, ks, ks, codes, vs, vs, 64, 8, 4, 32, 1)
+    with pytest.raises(ValueError, match="float16"):
+        run(q, codes, ks.astype(mx.float32), ks, codes, vs, vs, 64, 4, 4, 32, 1)

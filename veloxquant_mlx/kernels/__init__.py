@@ -154,6 +154,17 @@ def native_decode(h, queries, scale, mask=None):
     return portable.merge(o, ml, h, queries, scale)
 
 
+def _kivi_native_supports(h, queries, mask) -> bool:
+    return h.settings.backend == "native" and h.count > 0 and _decode_call(queries, mask) and native.kivi_supported(h)
+
+
+@engine.register_path("kivi_native", "decode", _kivi_native_supports, priority=20)
+def kivi_native_decode(h, queries, scale, mask=None):
+    """KIVI on the CPU with the C++ extension (`csrc/kivi_attention.cpp`)."""
+    o, ml = native.kivi_partials(queries, h, scale)
+    return portable.merge(o, ml, h, queries, scale)
+
+
 def _ops_supports(h, queries, mask) -> bool:
     return not h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries)
 

@@ -63,3 +63,33 @@ def mse_partials(queries: mx.array, key_codec, value_codec, layout, rows: mx.arr
         value_codec.bits, splits, layout.slot("keys", "codes").start, layout.slot("values", "codes").start,
         layout.slot("keys", "norm").start // 2)
     return o, ml
+
+
+def kivi_supported(h) -> bool:
+    """KIVI's two formats (per-channel key groups of G tokens, per-token value groups) in a
+    field store, whole 32-code blocks, groups dividing the head dim, and a module that has
+    the KIVI kernel."""
+    kc, vc = h.key_codec, h.value_codec
+    if (kc.format.name, vc.format.name) != ("affine_channel", "affine_token") or not hasattr(h.store, "buffers"):
+        return False
+    mod = module()
+    return (mod is not None and hasattr(mod, "kivi_attention_partials") and kc.dim == vc.dim and kc.dim % 32 == 0
+            and vc.padded == vc.dim)
+
+
+def kivi_partials(queries: mx.array, h, scale: float):
+    """(o (BH, S, REP*L, D), ml (BH, S, REP*L, 2)) over KIVI's codes [0, h.count)."""
+    keys, values = h.store.buffers["keys"], h.store.buffers["values"]
+    codes = keys["codes"]
+    B, kv_heads, capacity, _ = codes.shape
+    q = portable.domain_queries(queries, h.key_codec, kv_heads, scale)
+    items = B * kv_heads
+    splits = max(1, min(-(-2 * _threads() // items), h.count // MIN_TOKENS_PER_SPLIT))
+
+    def rows(a):
+        return a.reshape(items, *a.shape[2:])
+
+    return module().kivi_attention_partials(
+        q.reshape(items, *q.shape[2:]), rows(codes), rows(keys["channel_scale"]), rows(keys["channel_min"]),
+        rows(values["codes"]), rows(values["scale"]), rows(values["min"]), h.count, h.key_codec.bits,
+        h.value_codec.bits, h.key_codec.token_block, splits)
