@@ -7,6 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
-"$PY" -m pip install -q "nanobind==3.1.0" "setuptools>=68"
+"$PY" -m pip install -q "nanobind==3.1.0" "setuptools>=77"
 "$PY" setup.py -q build_ext --inplace
 "$PY" -c "from veloxquant_mlx.kernels import native; assert native.available(); print('built', native.module().__file__)"

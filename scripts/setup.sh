@@ -27,7 +27,7 @@ PY="$VENV/bin/python"
 # The package builds its CPU kernel (setup.py, mlx.extension.CMakeBuild) against the MLX it
 # will run with: install pyproject's build requirements here and build without isolation.
 case "$(uname -s)" in Darwin) MLX="mlx>=0.32" ;; *) MLX="mlx[cpu]>=0.32" ;; esac
-BUILD=("setuptools>=68" "nanobind==3.1.0" "$MLX")
+BUILD=("setuptools>=77" "nanobind==3.1.0" "$MLX")
 command -v cmake >/dev/null || BUILD+=("cmake>=3.25")
 "$PY" -m pip install -q "${BUILD[@]}"
 if ! { command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null; }; then
