@@ -9,17 +9,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-# Keyword spellings of published code and of mlx-lm, accepted as their KVCacheConfig names.
+# Keyword spellings of published code, accepted as their KVCacheConfig names: TurboQuant
+# examples (algorithm, bit_width_inlier), KIVI's (k_bits, v_bits, kivi_group_size) and
+# mlx-lm's (kv_bits: keys and, by default, values; kv_group_size).
 ALIASES = {
     "algorithm": "method",
     "bit_width_inlier": "bits",
-    "key_bits": "bits",
     "k_bits": "bits",
+    "kv_bits": "bits",
     "v_bits": "value_bits",
     "kivi_group_size": "group_size",
     "kv_group_size": "group_size",
-    "sink": "sink_tokens",
-    "num_sink_tokens": "sink_tokens",
 }
 
 
@@ -37,7 +37,7 @@ class KVCacheConfig:
     Method-specific settings go in `options` and are checked by the method.
 
     Published spellings are accepted as aliases (`ALIASES`: `algorithm=` for `method=`,
-    `bit_width_inlier=`/`k_bits=` for `bits=`, `v_bits=` for `value_bits=`,
+    `bit_width_inlier=`/`k_bits=`/`kv_bits=` for `bits=`, `v_bits=` for `value_bits=`,
     `kivi_group_size=`/`kv_group_size=` for `group_size=`, ...); any other unknown keyword
     is a TypeError that names the closest keyword.
     """
