@@ -1,6 +1,9 @@
 """One-step install: what pip installs, the packaged demo text, the README's example."""
 
+import os
 import re
+import shutil
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -68,3 +71,21 @@ def test_readme_python_example_runs_offline():
     exec(compile(code, "README.md", "exec"), scope)
     assert isinstance(scope["text"], str) and scope["text"].strip()
     assert scope["cache"][0].offset > 0
+
+
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def test_kernel_build_without_a_compiler_installs_the_portable_path(tmp_path):
+    # setup.py's build_ext (mlx.extension.CMakeBuild) must not fail the install where no C++
+    # compiler exists: it warns and leaves the kernel out
+    source = tmp_path / "src"
+    shutil.copytree(ROOT / "csrc", source / "csrc")
+    shutil.copy(ROOT / "setup.py", source / "setup.py")
+    env = {**os.environ, "CXX": str(tmp_path / "no-compiler")}
+    done = subprocess.run(
+        [sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+         "--build-temp", str(tmp_path / "tmp")],
+        cwd=source, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "the CPU decode kernel (veloxquant_mlx._native) did not build" in done.stdout
+    assert not list((tmp_path / "lib").rglob("_native*"))
