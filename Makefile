@@ -6,7 +6,7 @@ RUN := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) ,)
 .PHONY: setup demo test benchmark
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml scripts/setup.sh scripts/build_native.sh $(wildcard csrc/*)
+$(VENV)/.installed: pyproject.toml setup.py scripts/setup.sh $(wildcard csrc/*)
 	VENV=$(VENV) bash scripts/setup.sh
 	touch $@
 

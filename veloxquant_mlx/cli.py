@@ -117,6 +117,10 @@ def run_methods(args) -> None:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
         if i == 0:
             print("  ".join("-" * w for w in widths))
+    print()
+    print("status (measured on SmolLM2, see the README's results):")
+    for name, method in available_methods().items():
+        print(f"  {name} ({method.status}): {method.status_note}")
 
 
 def run_precompute(args) -> None:
@@ -169,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the main job: compress SmolLM2's cache, report memory and quality")
     demo.add_argument("--model", default=DEFAULT_MODEL)
-    demo.add_argument("--text", default=None, help="text file for quality (default: WikiText-2 test)")
+    demo.add_argument("--text", default=None, help="text file to score (default: the packaged sample, Python Language Reference text, PSF License)")
     demo.add_argument("--ctx", type=int, default=2048)
     add_cache_arguments(demo)
     # The recommended protections (the demo also turns on `renorm` where the method has it).

@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
-from dataclasses import InitVar, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
+
+# Keyword spellings of published code, accepted as their KVCacheConfig names: TurboQuant
+# examples (algorithm, bit_width_inlier), KIVI's (k_bits, v_bits, kivi_group_size) and
+# mlx-lm's (kv_bits: keys and, by default, values; kv_group_size).
+ALIASES = {
+    "algorithm": "method",
+    "bit_width_inlier": "bits",
+    "k_bits": "bits",
+    "kv_bits": "bits",
+    "v_bits": "value_bits",
+    "kivi_group_size": "group_size",
+    "kv_group_size": "group_size",
+}
 
 
 @dataclass(frozen=True)
@@ -21,8 +36,10 @@ class KVCacheConfig:
     the probabilities sum to one, but the codes spend their range on what varies.
     Method-specific settings go in `options` and are checked by the method.
 
-    `algorithm=` and `bit_width_inlier=` are accepted as aliases of `method=` and
-    `bits=`, as used in published examples.
+    Published spellings are accepted as aliases (`ALIASES`: `algorithm=` for `method=`,
+    `bit_width_inlier=`/`k_bits=`/`kv_bits=` for `bits=`, `v_bits=` for `value_bits=`,
+    `kivi_group_size=`/`kv_group_size=` for `group_size=`, ...); any other unknown keyword
+    is a TypeError that names the closest keyword.
     """
 
     method: str = "turboquant_mse"
@@ -35,22 +52,8 @@ class KVCacheConfig:
     seed: int = 0
     artifact_dir: Optional[str] = None
     options: Mapping[str, Any] = field(default_factory=dict)
-    algorithm: InitVar[Optional[str]] = None
-    bit_width_inlier: InitVar[Optional[int]] = None
 
-    def __post_init__(self, algorithm, bit_width_inlier):
-        if algorithm is not None:
-            if self.method not in (KVCacheConfig.method, algorithm):
-                raise ValueError(
-                    f"method={self.method!r} and algorithm={algorithm!r} disagree; give one of them"
-                )
-            object.__setattr__(self, "method", algorithm)
-        if bit_width_inlier is not None:
-            if self.bits not in (KVCacheConfig.bits, bit_width_inlier):
-                raise ValueError(
-                    f"bits={self.bits} and bit_width_inlier={bit_width_inlier} disagree; give one of them"
-                )
-            object.__setattr__(self, "bits", bit_width_inlier)
+    def __post_init__(self):
         if self.value_bits is None:
             object.__setattr__(self, "value_bits", self.bits)
         object.__setattr__(self, "options", dict(self.options))
@@ -90,6 +93,18 @@ class KVCacheConfig:
         theirs = {k: v for k, v in json.loads(other.to_json()).items() if k not in ignore}
         return mine == theirs
 
+    def codec_key(self) -> dict:
+        """What shapes the codecs' constant arrays (codebooks, rotations, sketches), which is
+        all an artifact dir holds: sinks, the fp16 window and centering act in the cache, the
+        group size only in codecs without constant arrays (KIVI's, QJL's values), and options a
+        method lists in `encode_options` (e.g. `renorm`) at encode time."""
+        from .methods import get_method
+
+        method = get_method(self.method)
+        options = {k: v for k, v in self.options.items() if k not in method.encode_options}
+        return {"method": self.method, "bits": self.bits, "value_bits": self.value_bits,
+                "seed": self.seed, "options": options}
+
     def describe(self) -> str:
         text = f"{self.method} K{self.bits}/V{self.value_bits}"
         if self.sink_tokens:
@@ -101,6 +116,40 @@ class KVCacheConfig:
         for key, value in sorted(self.options.items()):
             text += f" {key}={value}"
         return text
+
+
+_dataclass_init = KVCacheConfig.__init__
+_FIELDS = tuple(f.name for f in dataclasses.fields(KVCacheConfig))
+
+
+def unknown_keyword_error(name: str) -> TypeError:
+    """A TypeError for a keyword KVCacheConfig does not have, naming the closest one."""
+    close = difflib.get_close_matches(name, [*_FIELDS, *ALIASES], n=1, cutoff=0.6)
+    hint = f"; did you mean {ALIASES.get(close[0], close[0])}=?" if close else ""
+    return TypeError(f"KVCacheConfig has no keyword {name!r}{hint} (keywords: {', '.join(_FIELDS)}; "
+                     f"also accepted: {', '.join(f'{a}= for {n}=' for a, n in ALIASES.items())})")
+
+
+@functools.wraps(_dataclass_init)
+def _init_with_aliases(self, *args, **kwargs):
+    given = dict(zip(_FIELDS, args))
+    for alias, name in ALIASES.items():
+        if alias not in kwargs:
+            continue
+        value = kwargs.pop(alias)
+        if name in kwargs or name in given:
+            mine = kwargs.get(name, given.get(name))
+            if mine != value:
+                raise ValueError(f"{name}={mine!r} and {alias}={value!r} disagree; give one of them")
+            continue
+        kwargs[name] = value
+    for name in kwargs:
+        if name not in _FIELDS:
+            raise unknown_keyword_error(name)
+    _dataclass_init(self, *args, **kwargs)
+
+
+KVCacheConfig.__init__ = _init_with_aliases
 
 
 def parse_option_value(text: str, wanted: Optional[type] = None):

@@ -1,8 +1,9 @@
 """The main job: compress the default model's KV cache and report memory saved and quality.
 
 Everything printed is measured in this run: perplexity, KL divergence and top-1
-agreement against mlx-lm's own fp16 cache on real text, and the bytes of the
-caches' live buffers.
+agreement against mlx-lm's own fp16 cache on real text (the package's own sample,
+Python Language Reference text under the PSF License, unless `--text FILE` names
+another), and the bytes of the caches' live buffers.
 """
 
 from __future__ import annotations
@@ -10,17 +11,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-SHARED_WIKITEXT = Path("shared/data/wikitext2-test.txt")
 
+def demo_text_path(text=None) -> Path:
+    """The text the demo scores: `--text FILE` or the packaged sample; checked before the model loads."""
+    from .evaluation.data import sample_text_path
 
-def default_text_path():
-    """WikiText-2 test next to the checkout (../shared/data) or under it, if present."""
-    here = Path.cwd().resolve()
-    for root in (here, *here.parents):
-        for candidate in (root / SHARED_WIKITEXT, root.parent / SHARED_WIKITEXT):
-            if candidate.is_file():
-                return candidate
-    return None
+    if text is None:
+        return sample_text_path()
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"--text: no such file {path}")
+    return path
 
 
 def run_demo(args) -> None:
@@ -35,14 +36,14 @@ def run_demo(args) -> None:
     from .methods import get_method
     from .models import load_model
 
+    text_path = demo_text_path(args.text)
     config = config_from_args(args)
     if "renorm" in get_method(config.method).options and "renorm" not in config.options:
         config = config.replace(options={**config.options, "renorm": True})
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
     layout = kv_layout(model)
-    text_path = args.text or default_text_path()
-    text = load_text(str(text_path) if text_path else None, None if text_path else "wikitext2")
+    text = load_text(str(text_path))
     windows = make_windows(tokenize_prefix(tokenizer, text, args.ctx), args.ctx, 1)
     ours = MethodSpec(
         config.describe(), config.describe(), VELOXQUANT, config.method, config.bits, config.value_bits,
@@ -58,7 +59,7 @@ def run_demo(args) -> None:
         f"VeloxQuant-MLX demo — model {args.model}: {shape['kv_layers']} attention layers, "
         f"{shape['kv_heads']} KV heads, head dim {shape['key_dim']}"
     )
-    print(f"text: {text_path or 'WikiText-2 (datasets)'}, {args.ctx} tokens, second half scored, 512-token chunks")
+    print(f"text: {text_path}, {args.ctx} tokens, second half scored, 512-token chunks")
     print()
     header = f"{'cache':58s} {'perplexity':>10s} {'KL mean':>9s} {'KL p99':>8s} {'top-1':>7s} {'KV bytes':>12s} {'bits/coord':>10s}"
     print(header)

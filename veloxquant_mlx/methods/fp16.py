@@ -26,6 +26,8 @@ class Fp16(Method):
     key_bits = range(16, 17)
     value_bits = range(16, 17)
     summary = "no compression (baseline)"
+    status = "reference"
+    status_note = "no compression: the comparison point inside the same code path"
     values_summary = "fp16"
 
     @classmethod

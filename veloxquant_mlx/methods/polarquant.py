@@ -243,6 +243,8 @@ class PolarQuant(Method):
     value_bits = range(1, 9)
     options = {"levels": int}
     summary = "rotation + recursive polar transform, per-level angle codebooks, fp16 final radii"
+    status = "experimental"
+    status_note = "several times turboquant_mse's error at the same bits, and no decode kernel (slow)"
     values_summary = "turboquant_mse codes at value_bits"
 
     @classmethod

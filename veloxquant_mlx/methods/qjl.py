@@ -76,6 +76,8 @@ class QJL(Method):
     value_bits = range(1, 9)
     options = {"sketch_dim": int}
     summary = "1-bit JL sign sketch of keys (m = bits*d signs) + fp16 norm, unbiased scores"
+    status = "experimental"
+    status_note = "far too noisy on SmolLM2: much worse than turboquant_mse at the same bits"
     values_summary = "per-token min/max integer groups at value_bits (group_size channels)"
 
     @classmethod
