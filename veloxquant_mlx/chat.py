@@ -108,9 +108,10 @@ class ChatSession:
         self.last = None
 
 
-def run_chat(session: ChatSession, max_tokens: int, sampler, stdin: TextIO = sys.stdin,
-             stdout: TextIO = sys.stdout) -> int:
+def run_chat(session: ChatSession, max_tokens: int, sampler, stdin: Optional[TextIO] = None,
+             stdout: Optional[TextIO] = None) -> int:
     """The read-reply loop; reads lines from `stdin` (a terminal or a script). Returns the turns run."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     interactive = stdin.isatty()
     print(f"chat with {session.model_name} ({session.config.describe()}); {HELP}", file=stdout)
     turns = 0
