@@ -103,6 +103,30 @@ class _StatusOfErrors:
         return getattr(self._generator, name)
 
 
+_ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 411: "invalid_request_error"}
+
+
+class _OpenAIErrorBody:
+    """The response stream of a failed request: mlx-lm writes `{"error": "text"}`, OpenAI
+    clients read `{"error": {"message", "type", "code"}}`."""
+
+    def __init__(self, stream, status: int):
+        self._stream, self._status = stream, status
+
+    def write(self, data: bytes):
+        try:
+            body = json.loads(data)
+        except ValueError:  # the status line and headers, or a plain-text body
+            return self._stream.write(data)
+        if isinstance(body, dict) and isinstance(body.get("error"), str):
+            data = json.dumps({"error": {"message": body["error"], "type": _ERROR_TYPES.get(self._status, "error"),
+                                         "param": None, "code": self._status}}).encode()
+        return self._stream.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 class VeloxAPIHandler(mlx_server.APIHandler):
     def __init__(self, response_generator, *args, **kwargs):
         self.error_status = None
@@ -111,6 +135,8 @@ class VeloxAPIHandler(mlx_server.APIHandler):
     def _set_completion_headers(self, status_code: int = 200):
         if status_code == 404 and self.error_status is not None:
             status_code, self.error_status = self.error_status, None
+        if status_code >= 400 and not isinstance(self.wfile, _OpenAIErrorBody):
+            self.wfile = _OpenAIErrorBody(self.wfile, status_code)
         super()._set_completion_headers(status_code)
 
     def handle_models_request(self):
