@@ -39,7 +39,10 @@ class RequestError(ValueError):
 
 
 class VeloxModelProvider(mlx_server.ModelProvider):
-    def __init__(self, cli_args: argparse.Namespace, kv_config: KVCacheConfig):
+    """mlx-lm's provider loading through `models.load_model`; `kv_config=None` keeps mlx-lm's
+    own caches (the baseline of `benchmarks/serve_throughput.py`)."""
+
+    def __init__(self, cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig]):
         self.kv_config = kv_config
         super().__init__(cli_args)
         self.served_names = {"default_model", cli_args.model, cli_args.served_model_name}
@@ -64,7 +67,8 @@ class VeloxModelProvider(mlx_server.ModelProvider):
             tokenizer.chat_template = self.cli_args.chat_template
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
-        patch_model(model, self.kv_config)
+        if self.kv_config is not None:
+            patch_model(model, self.kv_config)
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
         self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
@@ -148,7 +152,7 @@ class VeloxAPIHandler(mlx_server.APIHandler):
             {"id": name, "object": "model", "created": created, "owned_by": "veloxquant"}]}).encode())
 
 
-def server_arguments(args, kv_config: KVCacheConfig) -> argparse.Namespace:
+def server_arguments(args, kv_config: Optional[KVCacheConfig]) -> argparse.Namespace:
     """mlx-lm server's settings: ours from the command line, the rest at mlx-lm's defaults."""
     return argparse.Namespace(
         model=args.model, served_model_name=args.served_model_name or args.model, adapter_path=None,
@@ -159,12 +163,12 @@ def server_arguments(args, kv_config: KVCacheConfig) -> argparse.Namespace:
         decode_concurrency=args.decode_concurrency, prompt_concurrency=args.prompt_concurrency,
         prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=None, kv_group_size=64,
-        quantized_kv_start=0, pipeline=False, max_context=args.max_context, kv_config=kv_config.to_json(),
+        quantized_kv_start=0, pipeline=False, max_context=args.max_context,
         started=time.time(),
     )
 
 
-def make_server(cli_args: argparse.Namespace, kv_config: KVCacheConfig):
+def make_server(cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig]):
     """(HTTP server, response generator), the server bound but not yet serving (tests and `serve`)."""
     provider = VeloxModelProvider(cli_args, kv_config)
     response_generator = VeloxResponseGenerator(provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size))
