@@ -182,3 +182,19 @@ def test_chat_command_runs_a_script_on_the_default_model(tmp_path, monkeypatch, 
     assert main(["chat", "--max-tokens", "8", "--kv", "vq4"]) == 0
     out = capsys.readouterr().out
     assert out.count("[cache: ") == 2 and "tok/s" in out and (tmp_path / "chat.safetensors").is_file()
+
+
+@pytest.mark.model
+def test_cache_prompt_then_generate_from_the_file(tmp_path, capsys):
+    document = tmp_path / "doc.txt"
+    document.write_text("The lighthouse on Gull Rock was kept by Ada Moss for forty years. " * 6)
+    out = tmp_path / "doc.safetensors"
+    assert main(["cache-prompt", "--prompt-file", str(document), "--out", str(out), "--kv", "vq3"]) == 0
+    assert "MB file" in capsys.readouterr().out
+    assert main(["generate", "--prompt-cache-file", str(out), "--prompt", "Who kept the lighthouse?",
+                 "--max-tokens", "12"]) == 0
+    text = capsys.readouterr().out
+    assert "[prompt cache" in text and "turboquant_mse K3/V3" in text and "Prompt: " in text
+    prompt_tokens = int(text.split("Prompt: ")[1].split(" tokens")[0])
+    assert prompt_tokens < 30  # the question only: the document came from the file
+    assert main(["generate", "--prompt-cache-file", str(out), "--prompt", "x", "--method", "kivi"]) == 2
