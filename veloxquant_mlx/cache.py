@@ -439,11 +439,26 @@ class CompressedKVCache(_BaseCache):
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
 
+    # ---- batching (mlx-lm's BatchGenerator: batch_generate, mlx_lm.server) ---
+    @classmethod
+    def merge(cls, caches):
+        """A `batch.BatchCompressedKVCache` of copies of `caches` (each of batch 1)."""
+        from .batch import BatchCompressedKVCache
+
+        return BatchCompressedKVCache.merge(caches)
+
     @property
     def nbytes(self) -> int:
         arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
         arrays += [self.key_mean, self.value_mean]
         return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.nbytes)
+
+    @property
+    def used_nbytes(self) -> int:
+        """`nbytes` without the store's unused capacity: the bytes the tokens held take."""
+        arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
+        arrays += [self.key_mean, self.value_mean]
+        return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.used_nbytes)
 
     # ---- save / load --------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""`veloxquant` command line: generate, methods, precompute, convert-gguf, demo, eval, benchmark."""
+"""`veloxquant` command line: generate, chat, serve, cache-prompt, methods, precompute, convert-gguf, demo, eval, benchmark."""
 
 from __future__ import annotations
 
@@ -8,21 +8,44 @@ import time
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "turboquant_mse") -> None:
-    group = parser.add_argument_group("KV cache")
-    group.add_argument("--method", default=default_method, help="compression method (see `veloxquant methods`)")
-    group.add_argument("--bits", type=int, default=4, help="key bits per coordinate")
-    group.add_argument("--value-bits", type=int, default=None, help="value bits (default: --bits)")
-    group.add_argument("--group-size", type=int, default=64)
-    group.add_argument("--residual-length", type=int, default=0, help="recent tokens kept in fp16")
-    group.add_argument("--sink-tokens", type=int, default=0, help="first tokens kept in fp16")
-    group.add_argument("--center", action="store_true", help="subtract each head's mean key/value first")
-    group.add_argument("--kv-seed", type=int, default=0, help="seed of rotations and sketches")
-    group.add_argument("--artifact-dir", default=None, help="precomputed codebooks/rotations")
-    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="method option")
+    """The cache flags. Unset ones come from `--kv PRESET` if given, else from the defaults shown."""
+    from .config import KVCacheConfig
+    from .presets import KV_PRESETS, describe_presets
+
+    base = KVCacheConfig(method=default_method)
+    group = parser.add_argument_group(
+        "KV cache", "Flags left unset take the --kv preset's value, or else the default shown."
+    )
+    group.add_argument("--kv", choices=sorted(KV_PRESETS), default=None, metavar="PRESET",
+                       help=f"a recommended zero-calibration configuration: {describe_presets()} "
+                            "(default: none; the flags below)")
+    group.add_argument("--method", default=None,
+                       help=f"compression method, see `veloxquant methods` (default: {default_method})")
+    group.add_argument("--bits", type=int, default=None, help=f"key bits per coordinate (default: {base.bits})")
+    group.add_argument("--value-bits", type=int, default=None, help="value bits per coordinate (default: --bits)")
+    group.add_argument("--group-size", type=int, default=None,
+                       help=f"group size of grouped methods (kivi, qjl values) (default: {base.group_size})")
+    group.add_argument("--residual-length", type=int, default=None,
+                       help=f"most recent tokens kept in fp16 (default: {base.residual_length})")
+    group.add_argument("--sink-tokens", type=int, default=None,
+                       help=f"first tokens kept in fp16 (default: {base.sink_tokens})")
+    group.add_argument("--center", action=argparse.BooleanOptionalAction, default=None,
+                       help="subtract each head's mean key/value before encoding (default: off)")
+    group.add_argument("--kv-seed", type=int, default=None, help=f"seed of rotations and sketches (default: {base.seed})")
+    group.add_argument("--artifact-dir", default=None,
+                       help="precomputed codebooks/rotations from `veloxquant precompute` (default: none)")
+    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                       help="method option, repeatable, e.g. renorm=true (default: none)")
 
 
-def config_from_args(args):
+_CACHE_FLAGS = {"method": "method", "bits": "bits", "value_bits": "value_bits", "group_size": "group_size",
+                "residual_length": "residual_length", "sink_tokens": "sink_tokens", "center": "center",
+                "kv_seed": "seed", "artifact_dir": "artifact_dir"}
+
+
+def config_from_args(args, default_method: str = "turboquant_mse"):
     from .config import KVCacheConfig, parse_option_value
+    from .presets import preset_config
 
     options = {}
     for item in args.option:
@@ -30,18 +53,13 @@ def config_from_args(args):
         if not sep:
             raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
         options[key] = parse_option_value(value)
-    return KVCacheConfig(
-        method=args.method,
-        bits=args.bits,
-        value_bits=args.value_bits,
-        group_size=args.group_size,
-        residual_length=args.residual_length,
-        sink_tokens=args.sink_tokens,
-        center=args.center,
-        seed=args.kv_seed,
-        artifact_dir=args.artifact_dir,
-        options=options,
-    )
+    fields = {field: getattr(args, flag) for flag, field in _CACHE_FLAGS.items() if getattr(args, flag, None) is not None}
+    if options:
+        fields["options"] = options
+    if getattr(args, "kv", None):
+        return preset_config(args.kv, **fields)
+    fields.setdefault("method", default_method)
+    return KVCacheConfig(**fields)
 
 
 def fp16_bytes(caches) -> int:
@@ -53,6 +71,63 @@ def fp16_bytes(caches) -> int:
     return total
 
 
+def memory_report(caches) -> str:
+    """The cache's memory in words: bytes the tokens use, bytes allocated, and fp16's bytes.
+
+    The store grows in 256-token steps, so on a short prompt most allocated bytes are spare
+    capacity: comparing those with fp16 would understate the compression."""
+    used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
+    allocated = sum(c.nbytes for c in caches)
+    fp16 = fp16_bytes(caches)
+    tokens = max((getattr(c, "offset", 0) for c in caches), default=0)
+    return (f"{tokens} tokens, {used / 1e6:.3f} MB used ({allocated / 1e6:.3f} MB allocated) vs "
+            f"{fp16 / 1e6:.3f} MB fp16: {fp16 / max(used, 1):.2f}x smaller")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 100, system_prompt: bool = True):
+    """The generation flags, named as mlx_lm.generate's."""
+    from .models import DEFAULT_MODEL
+
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
+    parser.add_argument("--max-tokens", "-m", type=int, default=max_tokens,
+                        help=f"most tokens to generate (default: {max_tokens})")
+    parser.add_argument("--temp", type=float, default=0.0, help="sampling temperature, 0 = greedy (default: 0.0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling top-p (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=None, help="random seed of the sampler (default: none)")
+    if system_prompt:
+        parser.add_argument("--system-prompt", default=None, help="system message (default: none)")
+    parser.add_argument("--chat-template-config", default=None,
+                        help="JSON of extra arguments for the chat template, as in mlx_lm.generate (default: none)")
+    parser.add_argument("--max-kv-size", type=int, default=None,
+                        help="mlx-lm's rotating-cache size. Compressed caches do not rotate yet, so any value "
+                             "is refused rather than ignored (default: none)")
+
+
+def _check_max_kv_size(args):
+    if getattr(args, "max_kv_size", None) is not None:
+        raise ValueError("--max-kv-size (a rotating cache of the last N tokens) is not supported by compressed "
+                         "caches yet; leave it out to keep every token")
+
+
+def _template_kwargs(args) -> dict:
+    import json
+
+    if not getattr(args, "chat_template_config", None):
+        return {}
+    try:
+        kwargs = json.loads(args.chat_template_config)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--chat-template-config is not JSON: {error}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-config must be a JSON object")
+    return kwargs
+
+
+def _cache_flags_given(args) -> bool:
+    return bool(args.kv or args.option) or any(getattr(args, flag) is not None for flag in _CACHE_FLAGS)
+
+
 def run_generate(args) -> None:
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -61,14 +136,31 @@ def run_generate(args) -> None:
     from .integration import KVCacheBuilder
     from .models import load_model
 
+    _check_max_kv_size(args)
+    template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
-    caches = KVCacheBuilder(config).for_model(model).build()
     prompt = args.prompt.replace("\\n", "\n")
-    if not args.ignore_chat_template and tokenizer.chat_template is not None:
-        messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
-        messages.append({"role": "user", "content": prompt})
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt = sys.stdin.read() if prompt == "-" else prompt
+    use_template = not args.ignore_chat_template and tokenizer.chat_template is not None
+    if args.prompt_cache_file is not None:
+        from .prompt_cache import load_document_cache, question_suffix
+
+        caches, metadata = load_document_cache(args.prompt_cache_file, args.model,
+                                               config if _cache_flags_given(args) else None)
+        config = caches[0].config
+        if use_template:
+            prompt = question_suffix(tokenizer, prompt, args.system_prompt, template_kwargs)
+        else:
+            prompt = tokenizer.encode(prompt, add_special_tokens=False)
+        print(f"[prompt cache {args.prompt_cache_file}: {caches[0].offset} tokens, {config.describe()}]")
+    else:
+        caches = KVCacheBuilder(config).for_model(model).build()
+        if use_template:
+            messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            messages.append({"role": "user", "content": prompt})
+            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                   **template_kwargs)
     if args.seed is not None:
         mx.random.seed(args.seed)
     sampler = make_sampler(args.temp, args.top_p)
@@ -80,16 +172,57 @@ def run_generate(args) -> None:
     print()
     if response is None:
         return
-    kv = sum(c.nbytes for c in caches)
-    fp16 = fp16_bytes(caches)
     print("=" * 10)
     print(f"Prompt: {response.prompt_tokens} tokens, {response.prompt_tps:.1f} tokens-per-sec")
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec")
     print(f"Peak memory: {response.peak_memory:.3f} GB")
-    print(
-        f"KV cache ({config.describe()}): {kv / 1e6:.3f} MB live buffers vs {fp16 / 1e6:.3f} MB fp16 "
-        f"({fp16 / max(kv, 1):.2f}x smaller)"
-    )
+    print(f"KV cache ({config.describe()}): {memory_report(caches)}")
+
+
+def run_chat(args) -> None:
+    from mlx_lm.sample_utils import make_sampler
+    import mlx.core as mx
+
+    from .chat import ChatSession, run_chat as chat_loop
+    from .models import load_model
+
+    _check_max_kv_size(args)
+    template_kwargs = _template_kwargs(args)
+    config = config_from_args(args)
+    model, tokenizer = load_model(args.model)
+    if args.seed is not None:
+        mx.random.seed(args.seed)
+    session = ChatSession(model, tokenizer, config, args.system_prompt, template_kwargs, model_name=args.model)
+    chat_loop(session, args.max_tokens, make_sampler(args.temp, args.top_p))
+
+
+def run_cache_prompt(args) -> None:
+    from pathlib import Path
+
+    from .models import load_model
+    from .prompt_cache import cache_prompt
+
+    _check_max_kv_size(args)
+    text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
+    config = config_from_args(args)
+    model, tokenizer = load_model(args.model)
+
+    def progress(done, total):
+        print(f"\rprefilled {done}/{total} tokens", end="", file=sys.stderr, flush=True)
+
+    written = cache_prompt(model, tokenizer, text, config, args.out, args.model, args.prefill_step_size, progress)
+    print(file=sys.stderr)
+    size = Path(args.out).stat().st_size
+    print(f"wrote {args.out}: {written['tokens']} tokens in {written['seconds']:.1f} s, {size / 1e6:.3f} MB file; "
+          f"cache {memory_report(written['caches'])} ({config.describe()})")
+
+
+def run_serve(args) -> None:
+    from .server import serve, server_arguments
+
+    _check_max_kv_size(args)
+    config = config_from_args(args)
+    serve(server_arguments(args, config), config)
 
 
 def run_methods(args) -> None:
@@ -141,6 +274,12 @@ def run_demo(args) -> None:
     demo(args)
 
 
+def _chat_help() -> str:
+    from .chat import HELP
+
+    return HELP[0].upper() + HELP[1:] + "."
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_MODEL
 
@@ -148,16 +287,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text with a compressed KV cache")
-    gen.add_argument("--model", default=DEFAULT_MODEL, help="local path, .gguf file, hub id or 'smollm2'")
-    gen.add_argument("--prompt", "-p", default="Write a short story about a lighthouse keeper.")
-    gen.add_argument("--max-tokens", "-m", type=int, default=100)
-    gen.add_argument("--temp", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--system-prompt", default=None)
-    gen.add_argument("--ignore-chat-template", action="store_true")
+    add_model_arguments(gen)
+    gen.add_argument("--prompt", "-p", default="Write a short story about a lighthouse keeper.",
+                     help="the message; '-' reads it from stdin (default: a short-story request)")
+    gen.add_argument("--ignore-chat-template", action="store_true", help="send the prompt as plain text (default: off)")
+    gen.add_argument("--prompt-cache-file", default=None,
+                     help="a file from `veloxquant cache-prompt`: --prompt is asked about the cached document, "
+                          "which is not prefilled again; its cache settings are the file's (default: none)")
     add_cache_arguments(gen)
     gen.set_defaults(func=run_generate)
+
+    chat = sub.add_parser("chat", help="multi-turn chat over one compressed cache (reads a script from stdin too)",
+                          description="Type a message per line. " + _chat_help())
+    add_model_arguments(chat, max_tokens=256)
+    add_cache_arguments(chat)
+    chat.set_defaults(func=run_chat)
+
+    cache = sub.add_parser("cache-prompt", help="write a compressed prompt-cache file for a long document")
+    cache.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
+    cache.add_argument("--prompt-file", required=True, help="the document; '-' reads stdin (required)")
+    cache.add_argument("--out", required=True, help="the prompt-cache file to write, .safetensors (required)")
+    cache.add_argument("--prefill-step-size", type=int, default=512, help="prefill chunk in tokens (default: 512)")
+    cache.add_argument("--max-kv-size", type=int, default=None,
+                       help="mlx-lm's rotating-cache size: refused, compressed caches do not rotate yet (default: none)")
+    add_cache_arguments(cache)
+    cache.set_defaults(func=run_cache_prompt)
+
+    from .server import add_server_arguments
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx-lm's) with compressed caches")
+    serve.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
+    serve.add_argument("--max-kv-size", type=int, default=None,
+                       help="mlx-lm's rotating-cache size: refused, compressed caches do not rotate yet (default: none)")
+    add_server_arguments(serve)
+    add_cache_arguments(serve)
+    serve.set_defaults(func=run_serve)
 
     methods = sub.add_parser("methods", help="list compression methods")
     methods.add_argument("--bits", type=int, default=4)

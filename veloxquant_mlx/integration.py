@@ -20,6 +20,7 @@ import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, model_fingerprint
 from .settings import EngineSettings
+from .batch import BatchCompressedKVCache
 from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 
@@ -32,7 +33,7 @@ _original_sdpa = mlx_base.scaled_dot_product_attention
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, CompressedKVCache):
+    if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache)):
         if sinks is not None:
             raise UnsupportedModelError(
                 "this model uses learned attention sinks, which VeloxQuant caches do not support"

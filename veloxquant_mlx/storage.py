@@ -101,6 +101,12 @@ class RowStore:
         self.flush()
         return 0 if self.rows is None else self.rows.nbytes
 
+    @property
+    def used_nbytes(self) -> int:
+        """The rows of stored tokens (the pending one included), not the spare capacity."""
+        self.flush()
+        return 0 if self.rows is None else self.rows.nbytes // self.rows.shape[2] * self.count
+
     def load(self, key_fields: Fields, value_fields: Fields, count: int):
         self.rows = self.layout.pack(key_fields, value_fields) if count else None
         self.count = count
@@ -154,6 +160,13 @@ class FieldStore:
     @property
     def nbytes(self) -> int:
         return sum(buf.nbytes for role in self.buffers.values() for buf in role.values())
+
+    @property
+    def used_nbytes(self) -> int:
+        """The rows that hold stored tokens (a started block counts whole), not the spare capacity."""
+        per_row = self.tokens_per_row
+        return sum(buf.nbytes // buf.shape[2] * -(-self.count // per_row[role][name])
+                   for role, fields in self.buffers.items() for name, buf in fields.items())
 
     def load(self, key_fields: Fields, value_fields: Fields, count: int):
         self.buffers = {"keys": dict(key_fields), "values": dict(value_fields)}

@@ -1,0 +1,159 @@
+"""`veloxquant chat`: a multi-turn chat over one compressed cache that grows across turns.
+
+Each turn renders the whole conversation with the model's chat template, keeps the
+cache up to the longest prefix it shares with what the cache already holds (the
+template may spell an earlier reply differently from the tokens generated), and
+prefills only the rest. `/save FILE` and `/load FILE` write and read the cache with
+mlx-lm's prompt-cache format; the conversation rides along in its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Iterator, List, Optional, TextIO
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import trim_prompt_cache
+
+from .config import KVCacheConfig
+from .integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
+
+HELP = "commands: /save FILE, /load FILE, /reset, /help, /quit (or end of input)"
+
+
+def common_prefix(a: List[int], b: List[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatSession:
+    """One conversation: messages, the token ids the cache holds, and the cache."""
+
+    def __init__(self, model, tokenizer, config: KVCacheConfig, system_prompt: Optional[str] = None,
+                 template_kwargs: Optional[dict] = None, model_name: str = ""):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.system_prompt, self.template_kwargs, self.model_name = system_prompt, template_kwargs or {}, model_name
+        self.reset()
+
+    def reset(self):
+        self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        self.caches = KVCacheBuilder(self.config).for_model(self.model).build()
+        self.cached_tokens: List[int] = []
+        self.last = None  # the last turn's final GenerationResponse
+        self.last_prefilled = 0
+
+    def _render(self) -> List[int]:
+        if self.tokenizer.chat_template is None:
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in self.messages) + "assistant:"
+            return self.tokenizer.encode(text)
+        return self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True,
+                                                  **self.template_kwargs)
+
+    @property
+    def cache_tokens(self) -> int:
+        return self.caches[0].offset if self.caches else 0
+
+    def turn(self, user_text: str, max_tokens: int = 256, sampler=None) -> Iterator[str]:
+        """Stream the reply to `user_text`, prefilling only what the cache does not hold."""
+        self.messages.append({"role": "user", "content": user_text})
+        tokens = self._render()
+        keep = common_prefix(self.cached_tokens, tokens)
+        if keep == len(tokens):  # generation needs at least one new token to feed
+            keep -= 1
+        trim_prompt_cache(self.caches, self.cache_tokens - keep)
+        self.last_prefilled = len(tokens) - keep
+        reply, generated = [], []
+        for response in stream_generate(self.model, self.tokenizer, tokens[keep:], max_tokens=max_tokens,
+                                        sampler=sampler, prompt_cache=self.caches):
+            generated.append(response.token)
+            reply.append(response.text)
+            self.last = response
+            yield response.text
+        # generate_step feeds a sampled token to the model only to sample the next one,
+        # so the cache holds the prompt and every reply token but the last.
+        self.cached_tokens = (tokens + generated)[: self.cache_tokens]
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def stats(self) -> str:
+        from .cli import memory_report
+
+        text = f"[cache: {memory_report(self.caches)}; prefilled {self.last_prefilled} new tokens"
+        if self.last is not None:
+            text += f"; {self.last.generation_tokens} tokens at {self.last.generation_tps:.1f} tok/s"
+        return text + "]"
+
+    def save(self, path: str):
+        metadata = {"model": self.model_name, "messages": json.dumps(self.messages),
+                    "tokens": json.dumps(self.cached_tokens), "veloxquant_config": self.config.to_json()}
+        save_prompt_cache(path, self.caches, metadata)
+
+    def load(self, path: str):
+        caches, metadata = load_prompt_cache(path, self.config, return_metadata=True)
+        if "tokens" not in metadata or "messages" not in metadata:
+            raise ValueError(f"{path} is a prompt cache but not a saved chat (no messages in its metadata)")
+        if self.model_name and metadata.get("model") not in (None, "", self.model_name):
+            raise ValueError(f"{path} was saved with model {metadata['model']!r}, not {self.model_name!r}")
+        tokens = json.loads(metadata["tokens"])
+        if len(tokens) != caches[0].offset:
+            raise ValueError(f"{path}: {len(tokens)} token ids for a cache of {caches[0].offset} tokens")
+        self.caches, self.cached_tokens = caches, tokens
+        self.messages = json.loads(metadata["messages"])
+        self.last = None
+
+
+def run_chat(session: ChatSession, max_tokens: int, sampler, stdin: Optional[TextIO] = None,
+             stdout: Optional[TextIO] = None) -> int:
+    """The read-reply loop; reads lines from `stdin` (a terminal or a script). Returns the turns run."""
+    stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
+    interactive = stdin.isatty()
+    print(f"chat with {session.model_name} ({session.config.describe()}); {HELP}", file=stdout)
+    turns = 0
+    while True:
+        if interactive:
+            print(">> ", end="", flush=True, file=stdout)
+        line = stdin.readline()
+        if not line:
+            break
+        line = line.rstrip("\n")
+        if not line.strip():
+            continue
+        command, _, argument = line.strip().partition(" ")
+        if command in ("/quit", "/exit", "/q"):
+            break
+        if command == "/help":
+            print(HELP, file=stdout)
+            continue
+        if command == "/reset":
+            session.reset()
+            print("[conversation cleared]", file=stdout)
+            continue
+        if command in ("/save", "/load"):
+            if not argument.strip():
+                print(f"error: {command} needs a file name", file=stdout)
+                continue
+            try:
+                getattr(session, command[1:])(argument.strip())
+            except (ValueError, OSError) as error:
+                print(f"error: {error}", file=stdout)
+                continue
+            verb = "saved to" if command == "/save" else "loaded from"
+            print(f"[{session.cache_tokens} tokens, {len(session.messages)} messages {verb} {argument.strip()}]",
+                  file=stdout)
+            continue
+        if not interactive:
+            print(f">> {line}", file=stdout)
+        start = time.perf_counter()
+        for text in session.turn(line, max_tokens=max_tokens, sampler=sampler):
+            print(text, end="", flush=True, file=stdout)
+        mx.eval([c.state for c in session.caches])
+        print(file=stdout)
+        print(session.stats() + f" ({time.perf_counter() - start:.1f} s)", file=stdout, flush=True)
+        turns += 1
+    return turns
