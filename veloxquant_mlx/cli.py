@@ -175,8 +175,11 @@ def build_parser() -> argparse.ArgumentParser:
     # The recommended protections (the demo also turns on `renorm` where the method has it).
     demo.set_defaults(func=run_demo, sink_tokens=4, residual_length=64, center=True)
 
-    from . import gguf
+    from . import calibration, gguf, planning
     from .evaluation import register_cli as register_evaluation
+
+    calibration.register_cli(sub, add_cache_arguments, DEFAULT_MODEL)
+    planning.register_cli(sub, DEFAULT_MODEL)
 
     gguf.register_cli(sub)
     register_evaluation(sub)

@@ -1,0 +1,172 @@
+"""Calibrated methods: capture, artifacts, the outliers option, ratequant and plan."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import tiny_llama
+
+from veloxquant_mlx.artifacts import ArtifactError, CodecSet
+from veloxquant_mlx.calibration import calibrate, capture
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.integration import KVCacheBuilder
+from veloxquant_mlx.methods.outliers import CalibrationRequiredError, OutlierCodec, top_channels
+from veloxquant_mlx.methods.ratequant import RateCodec, allocate, fit_curve, split_width
+from veloxquant_mlx.methods.turboquant_mse import MSECodec
+
+
+def _sequences(n=2, length=64, vocab=512, seed=0):
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.integers(0, vocab, length)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2)
+
+
+def _forward(model, config, tokens):
+    caches = KVCacheBuilder(config).for_model(model).build()
+    logits = model(tokens[None], cache=caches)
+    return logits, caches
+
+
+def test_capture_records_every_layer(small):
+    layers = capture(small, _sequences(), progress=False)
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer["keys"].shape == (2, 128, 32)
+        assert layer["values"].shape == (2, 128, 32)
+        assert layer["queries"].shape == (4, 128, 32)
+    # the capture is what a plain fp16 cache holds for the last sequence
+    from mlx_lm.models.cache import KVCache
+
+    caches = [KVCache() for _ in small.layers]
+    small(_sequences()[1][None], cache=caches)
+    np.testing.assert_allclose(np.array(layers[0]["keys"][:, 64:]), np.array(caches[0].keys[0, :, :64].astype(mx.float32)),
+                               atol=1e-5)
+
+
+def test_calibrated_method_without_artifact_raises(small):
+    with pytest.raises(CalibrationRequiredError, match="needs calibration"):
+        _forward(small, KVCacheConfig(method="ratequant", bits=3), mx.array([1, 2, 3]))
+    with pytest.raises(CalibrationRequiredError, match="outliers=4"):
+        _forward(small, KVCacheConfig(method="turboquant_mse", bits=3, options={"outliers": 4}), mx.array([1, 2]))
+
+
+def test_outlier_codec_is_exact_on_its_channels_and_an_isometry():
+    heads, dim, count = 2, 32, 4
+    x = mx.random.normal((1, heads, 16, dim), key=mx.random.key(1))
+    x = x + 40.0 * (mx.arange(dim) == 5)  # a large channel
+    channels = top_channels(x[0], count)
+    assert all(5 in row for row in np.array(channels).tolist())
+    codec = OutlierCodec(MSECodec(dim - count, 4, 0), channels, dim)
+    assert codec.format.bits_per_token == MSECodec(dim - count, 4, 0).format.bits_per_token + count * 8 + 16
+    fields = codec.encode(x)
+    rec = codec.reconstruct(fields)
+    out = np.array(channels)
+    for h in range(heads):
+        got, want = np.array(rec[0, h])[:, out[h]], np.array(x[0, h])[:, out[h]]
+        scale = np.abs(want).max(axis=-1, keepdims=True) / 127
+        assert np.all(np.abs(got - want) <= scale * 0.51 + 1e-3)  # int8: half a step per token
+    # scores in the domain equal scores of the reconstruction (adds both streams exactly)
+    q = mx.random.normal((1, heads, 3, dim), key=mx.random.key(2))
+    s_domain = codec.score(codec.to_domain(q), fields)
+    s_plain = q @ rec.swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(s_domain), np.array(s_plain), rtol=1e-4, atol=1e-3)
+    # A^T A = I: from_domain(to_domain(v)) = v, for kv heads and for query heads (GQA)
+    for v in (x, mx.random.normal((1, 2 * heads, 5, dim))):
+        np.testing.assert_allclose(np.array(codec.from_domain(codec.to_domain(v))), np.array(v), atol=1e-4)
+
+
+def test_outlier_artifact_round_trip_and_quality(small, tmp_path):
+    tokens = _sequences(1, 96, seed=3)[0]
+    config = KVCacheConfig(method="turboquant_mse", bits=2, options={"outliers": 4})
+    record = calibrate(small, config, _sequences(), tmp_path, progress=False)
+    assert record["tokens"] == 128
+    loaded = config.replace(artifact_dir=str(tmp_path))
+    logits, caches = _forward(small, loaded, tokens)
+    assert isinstance(caches[0].key_codec, OutlierCodec)
+    # per-layer channels: each layer's codec carries that layer's own channels
+    meta = json.loads((tmp_path / "artifacts.json").read_text())
+    assert {e["layer"] for e in meta["codecs"]} == {0, 1}
+    assert np.array_equal(np.array(caches[1].key_codec.channels),
+                          np.array(mx.load(str(tmp_path / "codecs.safetensors"))["1.keys.32.outliers.channels"]))
+    fp16_logits = small(tokens[None])
+    plain, _ = _forward(small, KVCacheConfig(method="turboquant_mse", bits=2), tokens)
+    err = lambda a: float(mx.mean((a - fp16_logits) ** 2).item())
+    assert err(logits) < err(plain)  # the int8 channels are nearer fp16 than 2-bit codes
+
+
+def test_artifact_checked_against_model_and_config(small, tmp_path):
+    config = KVCacheConfig(method="ratequant", bits=3)
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    other = tiny_llama(layers=3, hidden=128, heads=4, kv_heads=2)
+    with pytest.raises(ArtifactError, match="another model"):
+        KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(other).build()
+    with pytest.raises(ArtifactError, match="made for"):
+        KVCacheBuilder(config.replace(bits=4, artifact_dir=str(tmp_path))).for_model(small).build()
+    lone = CodecSet.for_config(config.replace(artifact_dir=str(tmp_path)))
+    with pytest.raises(ArtifactError, match="per layer"):
+        lone.get("keys", 32)
+
+
+def test_rate_codec_fractional_width_storage_and_error():
+    dim = 64
+    x = mx.random.normal((1, 1, 256, dim), key=mx.random.key(4))
+    errors = []
+    for width in (2.0, 2.5, 3.0):
+        codec = RateCodec(dim, width, 0)
+        assert codec.format.bits_per_token == width * dim + 16
+        rec = codec.reconstruct(codec.encode(x))
+        errors.append(float(mx.mean(mx.sum((rec - x) ** 2, -1) / mx.sum(x * x, -1)).item()))
+    assert errors[0] > errors[1] > errors[2]
+    with pytest.raises(ValueError, match="grid"):
+        split_width(2.25, dim)
+
+
+def test_fit_and_water_filling():
+    a, beta = fit_curve(np.array([3.0 * 4.0 ** -b for b in range(1, 7)]))
+    assert a == pytest.approx(3.0, rel=1e-6) and beta == pytest.approx(4.0, rel=1e-6)
+    # a layer whose errors cost 64x more gets 3 more bits (log_4 64 = 3 under a 4^-b curve)
+    widths = allocate([64.0, 1.0], [4.0, 4.0], [1, 1], budget=3.5, grid=0.5)
+    assert widths == [5.0, 2.0]
+    for budget in (2.5, 3.5):
+        widths = allocate([5.0, 1.0, 2.0, 0.5], [4.0, 3.6, 5.3, 4.0], [1, 1, 1, 1], budget, 0.5)
+        assert np.mean(widths) <= budget + 1e-9 and np.mean(widths) > budget - 0.5 / 4
+    with pytest.raises(ValueError, match="outside"):
+        allocate([1.0], [4.0], [1], budget=0.5, grid=0.5)
+
+
+def test_ratequant_end_to_end_separate_budgets(small, tmp_path):
+    config = KVCacheConfig(method="ratequant", bits=3, options={"kbudget": 2.5, "vbudget": 3.5})
+    record = calibrate(small, config, _sequences(), tmp_path, progress=False)
+    assert record["keys_mean_width"] <= 2.5 and record["values_mean_width"] <= 3.5
+    assert record["values_mean_width"] > record["keys_mean_width"]
+    tokens = _sequences(1, 80, seed=5)[0]
+    logits, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), tokens)
+    widths = [c.key_codec.width for c in caches]
+    assert widths == record["keys_widths"]
+    per_token = sum(c.kv_heads * (c.key_codec.bits_per_token() + c.value_codec.bits_per_token()) / 8 for c in caches)
+    assert per_token == pytest.approx(sum(2 * (w * 32 + 16) / 8 for w in record["keys_widths"])
+                                      + sum(2 * (w * 32 + 16) / 8 for w in record["values_widths"]))
+    assert bool(mx.all(mx.isfinite(logits)).item())
+
+
+def test_plan_meets_its_budget(small, tmp_path):
+    from veloxquant_mlx.planning import measure, plan
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) % 512 for c in text]
+
+    text = "".join(chr(97 + i % 26) for i in range(2000))
+    context, memory = 512, 2 * 2 * 512 * 2 * 32 * 3.2 / 8  # ~3 bits per coordinate plus norms
+    record = plan(small, Tok(), text, memory / 1e9, context, tmp_path, sequences=2, tokens=128, progress=False)
+    assert record["predicted_bytes"] <= memory
+    used = measure(small, record["config"].replace(artifact_dir=str(tmp_path)), mx.array(Tok().encode(text)[:context]))
+    assert used == record["predicted_bytes"] and used <= memory
+    with pytest.raises(ValueError, match="needs at least"):
+        plan(small, Tok(), text, memory / 8e9, context, tmp_path, sequences=2, tokens=128, progress=False)
