@@ -170,3 +170,26 @@ def test_plan_meets_its_budget(small, tmp_path):
     assert used == record["predicted_bytes"] and used <= memory
     with pytest.raises(ValueError, match="needs at least"):
         plan(small, Tok(), text, memory / 8e9, context, tmp_path, sequences=2, tokens=128, progress=False)
+
+
+def test_spectralquant_basis_is_orthogonal_and_beats_equal_widths_on_skewed_data(small, tmp_path):
+    from veloxquant_mlx.methods.spectralquant import SpectralCodec, choose_split, learn_basis
+
+    # a spectrum where half the energy sits in 4 of 64 directions: two widths must win
+    variances = np.array([8.0] * 4 + [0.1] * 60)
+    high, hi, lo = choose_split(variances, 3, 64)
+    assert high * hi + (64 - high) * lo == 3 * 64 and hi > lo
+    x = mx.random.normal((2, 512, 64), key=mx.random.key(6)) * mx.array(np.sqrt(variances).astype(np.float32))
+    params = learn_basis(x, 3)
+    codec = SpectralCodec(64, 3, params)
+    assert codec.format.bits_per_token == MSECodec(64, 3, 0).format.bits_per_token
+    v = mx.random.normal((1, 2, 7, 64))
+    np.testing.assert_allclose(np.array(codec.from_domain(codec.to_domain(v))), np.array(v), atol=1e-4)
+    rel = lambda c: float(mx.mean(mx.sum((c.reconstruct(c.encode(x[None])) - x[None]) ** 2, -1)).item())
+    assert rel(codec) < rel(MSECodec(64, 3, 0))
+    config = KVCacheConfig(method="spectralquant", bits=3)
+    with pytest.raises(CalibrationRequiredError):
+        _forward(small, config, mx.array([1, 2]))
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    logits, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 40, seed=7)[0])
+    assert isinstance(caches[0].key_codec, SpectralCodec) and bool(mx.all(mx.isfinite(logits)).item())

@@ -52,11 +52,13 @@ def _recording(records: Dict[int, list]):
 
 
 def calibration_tokens(tokenizer, text: str, sequences: int = CALIBRATION_SEQUENCES,
-                       length: int = CALIBRATION_TOKENS) -> List[mx.array]:
-    """`sequences` consecutive spans of `length` tokens from the start of `text`."""
-    ids = tokenizer.encode(text)
+                       length: int = CALIBRATION_TOKENS, skip: int = 0) -> List[mx.array]:
+    """`sequences` consecutive spans of `length` tokens of `text`, after its first `skip` tokens
+    (calibrate on a part of a text that an evaluation does not read)."""
+    ids = tokenizer.encode(text)[skip:]
     if len(ids) < length:
-        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than one sequence of {length}")
+        raise ValueError(f"calibration text has {len(ids)} tokens after skipping {skip}, "
+                         f"fewer than one sequence of {length}")
     count = min(sequences, len(ids) // length)
     return [mx.array(ids[i * length : (i + 1) * length]) for i in range(count)]
 
@@ -178,7 +180,7 @@ def run_calibrate(args) -> None:
         raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")
     model, tokenizer = load_model(args.model)
     text = Path(args.text).read_text()
-    sequences = calibration_tokens(tokenizer, text, args.sequences, args.tokens)
+    sequences = calibration_tokens(tokenizer, text, args.sequences, args.tokens, args.skip_tokens)
     record = calibrate(model, config, sequences, args.out, source=str(args.text), progress=not args.no_progress)
     print(f"calibrated {config.describe()} for {args.model} on {record['tokens']} tokens "
           f"({record['sequences']} sequences) in {record['seconds']:.1f} s; wrote {args.out}")
@@ -193,6 +195,7 @@ def register_cli(sub, add_cache_arguments, default_model: str) -> None:
     cal.add_argument("--out", required=True, help="artifact directory to write")
     cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
     cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
+    cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")
     cal.add_argument("--no-progress", action="store_true")
     cal.add_argument("--verbose", action="store_true", help="print the calibration record")
     add_cache_arguments(cal)

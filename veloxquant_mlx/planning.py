@@ -44,7 +44,7 @@ def row_bytes(shapes, key_widths, value_widths) -> int:
 
 def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, kbudget=None,
          sequences: int = CALIBRATION_SEQUENCES, tokens: int = CALIBRATION_TOKENS, seed: int = 0,
-         progress: bool = True) -> dict:
+         progress: bool = True, skip: int = 0) -> dict:
     from .artifacts import model_fingerprint, precompute
 
     fingerprint = model_fingerprint(model)
@@ -64,7 +64,7 @@ def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, k
         vb = (mean * (coords_k + coords_v) - kb * coords_k) / coords_v
     kb, vb = (math.floor(min(b, MAX_BITS) * 1e4) / 1e4 for b in (kb, vb))
     config = KVCacheConfig(method="ratequant", seed=seed, options={"kbudget": kb, "vbudget": vb})
-    layers = capture(model, calibration_tokens(tokenizer, text, sequences, tokens), progress=progress)
+    layers = capture(model, calibration_tokens(tokenizer, text, sequences, tokens, skip), progress=progress)
     fits = RateQuant.fit(config, layers, progress=progress)
     widths = {role: RateQuant.allocation(fits, role, b) for role, b in (("keys", kb), ("values", vb))}
     learned = [None if f is None else {r: params_of(f[r], widths[r][i]) for r in ("keys", "values")}
@@ -111,7 +111,7 @@ def run_plan(args) -> None:
     model, tokenizer = load_model(args.model)
     text = Path(args.text).read_text()
     record = plan(model, tokenizer, text, args.memory_gb, args.context, args.out, kbudget=args.kbudget,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, skip=args.skip_tokens)
     config = record["config"].replace(artifact_dir=str(args.out))
     print(f"budget {args.memory_gb} GB at {args.context} tokens: {record['kbudget']:.4f} key / "
           f"{record['vbudget']:.4f} value code bits per coordinate (fp16 would take {record['fp16_bytes'] / 1e9:.4f} GB)")
@@ -145,5 +145,6 @@ def register_cli(sub, default_model: str) -> None:
     p.add_argument("--out", required=True, help="artifact directory to write for the allocation")
     p.add_argument("--kbudget", type=float, default=None, help="fix the keys' code bits; values get the rest")
     p.add_argument("--measure", action="store_true", help="run --context tokens and report the cache's bytes")
+    p.add_argument("--skip-tokens", type=int, default=0, help="probe from this many tokens into the text")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_plan)
