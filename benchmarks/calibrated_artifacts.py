@@ -34,6 +34,12 @@ SPECS = {
     "tq2-out8": "turboquant_mse:2:outliers=8",
     "kivi2-out8": "kivi:2:group=32,outliers=8",
     "rq3-out8": "ratequant:kbudget=3.0,vbudget=3.0,outliers=8",
+    "rqkivi2.5": "ratequant:group=32,kbudget=2.5,vbudget=2.5,base=kivi",
+    "rqkivi2": "ratequant:group=32,kbudget=2.0,vbudget=2.0,base=kivi",
+    "rqkivi3": "ratequant:group=32,kbudget=3.0,vbudget=3.0,base=kivi",
+    "sq2": "spectralquant:2",
+    "sq3": "spectralquant:3",
+    "sq4": "spectralquant:4",
 }
 
 
@@ -56,8 +62,9 @@ def main():
     layers = capture(model, sequences)
     captured = time.perf_counter() - start
     record = {"model": args.model, "text": args.text, "skip_tokens": args.skip_tokens,
-              "tokens": int(sum(s.shape[0] for s in sequences)), "capture_seconds": round(captured, 2),
-              "configs": {}}
+              "tokens": int(sum(s.shape[0] for s in sequences)), "configs": {}}
+    if (out / "calibration.json").exists():  # runs with --only add to the record
+        record["configs"] = json.loads((out / "calibration.json").read_text())["configs"]
     specs = []
     for name, spec in SPECS.items():
         if args.only and name not in args.only:
@@ -71,7 +78,7 @@ def main():
         precompute(model, config, target, layers=learned,
                    calibration={"method": config.method, "tokens": record["tokens"], "learn_seconds": seconds})
         full = f"{spec},artifacts={target}" if ":" in spec and "=" in spec.split(":")[-1] else f"{spec}:artifacts={target}"
-        entry = {"spec": full, "learn_seconds": round(seconds, 2),
+        entry = {"spec": full, "capture_seconds": round(captured, 2), "learn_seconds": round(seconds, 2),
                  "calibration_seconds": round(seconds + captured, 2)}
         if config.method == "ratequant":
             from veloxquant_mlx.methods.ratequant import RateQuant

@@ -238,3 +238,16 @@ def test_engine_paths_agree_on_calibrated_formats(small, tmp_path, name):
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
     plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
     assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
+
+
+def test_ratequant_on_a_kivi_base_uses_whole_bits_per_layer(small, tmp_path):
+    from veloxquant_mlx.methods.kivi import ChannelGroupAffineCodec
+
+    config = KVCacheConfig(method="ratequant", group_size=32, options={"kbudget": 2.5, "vbudget": 2.5, "base": "kivi"})
+    record = calibrate(small, config, _sequences(2, 128), tmp_path, progress=False)
+    assert all(w == int(w) for w in record["keys_widths"]) and record["keys_mean_width"] <= 2.5
+    _, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 64, seed=9)[0])
+    assert isinstance(caches[0].key_codec, ChannelGroupAffineCodec)
+    assert [c.key_codec.bits for c in caches] == record["keys_widths"]
+    with pytest.raises(ValueError, match="base must be one of"):
+        KVCacheConfig(method="ratequant", options={"base": "nope"})

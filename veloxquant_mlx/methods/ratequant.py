@@ -6,6 +6,9 @@ base:    the TurboQuant-MSE codec (seeded random rotation, Lloyd-Max codes of th
          floor(w) (after the rotation every coordinate has the same law, so which ones get
          the extra bit does not matter). n_hi is a multiple of 32, so both code fields fill
          whole words: widths lie on a grid of 32 / D bits (0.5 at D = 64).
+         With `base=kivi` the base is KIVI (keys per channel over group_size tokens,
+         values per token) at whole bits per layer: fractional budgets then come from
+         mixing layers' widths.
 probe:   `veloxquant calibrate` encodes each layer's captured keys and values at b = 1..6
          and measures, per head, D(b): for keys the mean squared error of the attention
          score, E[(q . (k - k^) / sqrt(D))^2] with the layer's real queries; for values
@@ -191,7 +194,8 @@ def allocate(a: Sequence, beta: Sequence, weights: Sequence, budget: float, grid
 class RateQuant(Method):
     key_bits = range(1, 9)
     value_bits = range(1, 9)
-    options = {"kbudget": float, "vbudget": float, "renorm": bool}
+    options = {"kbudget": float, "vbudget": float, "renorm": bool, "base": str}
+    bases = ("mse", "kivi")
     calibrated = True
     status = "experimental"
     summary = "TurboQuant-MSE at calibrated widths per layer (fitted D(b), reverse water-filling)"
@@ -203,11 +207,32 @@ class RateQuant(Method):
                                         config.bits if role == "keys" else config.value_bits))
 
     @classmethod
+    def validate(cls, config) -> None:
+        super().validate(config)
+        if config.options.get("base", "mse") not in cls.bases:
+            raise ValueError(f"ratequant option base must be one of {', '.join(cls.bases)}, "
+                             f"got {config.options['base']!r}")
+
+    @classmethod
+    def base_codec(cls, role, config, dim, width, params=None):
+        """The base quantizer at `width`: TurboQuant-MSE (fractional widths on the 32-code grid)
+        or KIVI (`base=kivi`: whole bits, keys per channel over group_size tokens)."""
+        if config.options.get("base", "mse") == "kivi":
+            from .kivi import ChannelGroupAffineCodec, GroupAffineCodec
+
+            if width != int(width):
+                raise ValueError(f"ratequant base=kivi takes whole bits per layer, got {width}")
+            if role == "keys":
+                return ChannelGroupAffineCodec(dim, int(width), config.group_size)
+            return GroupAffineCodec(dim, int(width), config.group_size)
+        seed = config.seed if role == "keys" else config.seed + 1
+        return RateCodec(dim, width, seed, params, config.options.get("renorm", False))
+
+    @classmethod
     def _codec(cls, role, config, dim, params):
         if not params or "width" not in params:
             raise calibration_needed(f"ratequant ({role})")
-        seed = config.seed if role == "keys" else config.seed + 1
-        return RateCodec(dim, float(params["width"][0].item()), seed, params, config.options.get("renorm", False))
+        return cls.base_codec(role, config, dim, float(params["width"][0].item()), params)
 
     @classmethod
     def key_codec(cls, config, dim, params=None):
@@ -222,7 +247,6 @@ class RateQuant(Method):
         """Per layer and role: probe distortions (H, n), per-head fits, the layer's fit, signal."""
         from tqdm import tqdm
 
-        renorm = config.options.get("renorm", False)
         fits = []
         for layer in tqdm(layers, desc="probe", unit="layer", disable=not progress):
             if layer is None:
@@ -235,18 +259,19 @@ class RateQuant(Method):
                 seed = config.seed if role == "keys" else config.seed + 1
                 rotation = random_rotation(dim, seed)
                 state = rotation_params(rotation)
-                d = probe(lambda b: RateCodec(dim, b, seed, state, renorm), role, x, layer["queries"])
+                d = probe(lambda b: cls.base_codec(role, config, dim, b, state), role, x, layer["queries"])
                 heads = [fit_curve(row) for row in d]
                 entry[role] = {"probe": d, "heads": heads, "layer": fit_curve(d.sum(axis=0)),
                                "signal": signal(role, x, layer["queries"]), "dim": dim,
-                               "kv_heads": x.shape[0], "rotation": state}
+                               "kv_heads": x.shape[0], "rotation": state,
+                               "grid": 1.0 if config.options.get("base") == "kivi" else width_grid(dim)}
             fits.append(entry)
         return fits
 
     @classmethod
     def allocation(cls, fits, role: str, budget: float) -> List[Optional[float]]:
         used = [f[role] for f in fits if f is not None]
-        grid = max(width_grid(f["dim"]) for f in used)
+        grid = max(f["grid"] for f in used)
         widths = iter(allocate([f["layer"][0] for f in used], [f["layer"][1] for f in used],
                                [f["kv_heads"] * f["dim"] for f in used], budget, grid))
         return [None if f is None else next(widths) for f in fits]
