@@ -20,7 +20,8 @@ allocate: reverse water-filling (Cover & Thomas, Thm 10.3.3, for exponential cur
          bisection; then widths round down to the grid and the budget left goes, one grid
          step at a time, to the layer whose fitted D falls most per stored bit. Keys and
          values have separate budgets (`kbudget`, `vbudget`, code bits per coordinate,
-         fractional allowed; default: `bits`, `value_bits`).
+         fractional allowed; default: `bits`, `value_bits`). `objective=relative` divides
+         each layer's curve by its signal (E[(q.k)^2 / D] or E||v||^2) first.
 
 The widths live in the artifact dir; each layer's cache gets its own format.
 """
@@ -194,7 +195,7 @@ def allocate(a: Sequence, beta: Sequence, weights: Sequence, budget: float, grid
 class RateQuant(Method):
     key_bits = range(1, 9)
     value_bits = range(1, 9)
-    options = {"kbudget": float, "vbudget": float, "renorm": bool, "base": str}
+    options = {"kbudget": float, "vbudget": float, "renorm": bool, "base": str, "objective": str}
     bases = ("mse", "kivi")
     calibrated = True
     status = "experimental"
@@ -209,6 +210,9 @@ class RateQuant(Method):
     @classmethod
     def validate(cls, config) -> None:
         super().validate(config)
+        if config.options.get("objective", "absolute") not in ("absolute", "relative"):
+            raise ValueError(f"ratequant option objective must be absolute or relative, "
+                             f"got {config.options['objective']!r}")
         if config.options.get("base", "mse") not in cls.bases:
             raise ValueError(f"ratequant option base must be one of {', '.join(cls.bases)}, "
                              f"got {config.options['base']!r}")
@@ -269,17 +273,21 @@ class RateQuant(Method):
         return fits
 
     @classmethod
-    def allocation(cls, fits, role: str, budget: float) -> List[Optional[float]]:
+    def allocation(cls, fits, role: str, budget: float, objective: str = "absolute") -> List[Optional[float]]:
+        """Widths per layer; `objective="relative"` divides each layer's curve by its signal
+        (water-filling on distortion / signal, every layer's error counted relative to its size)."""
         used = [f[role] for f in fits if f is not None]
         grid = max(f["grid"] for f in used)
-        widths = iter(allocate([f["layer"][0] for f in used], [f["layer"][1] for f in used],
+        norm = [f["signal"] if objective == "relative" else 1.0 for f in used]
+        widths = iter(allocate([f["layer"][0] / n for f, n in zip(used, norm)], [f["layer"][1] for f in used],
                                [f["kv_heads"] * f["dim"] for f in used], budget, grid))
         return [None if f is None else next(widths) for f in fits]
 
     @classmethod
     def calibrate(cls, config, layers, progress=None):
         fits = cls.fit(config, layers, progress=bool(progress))
-        widths = {role: cls.allocation(fits, role, cls.budget(config, role)) for role in ("keys", "values")}
+        objective = config.options.get("objective", "absolute")
+        widths = {role: cls.allocation(fits, role, cls.budget(config, role), objective) for role in ("keys", "values")}
         out = []
         for i, entry in enumerate(fits):
             if entry is None:
