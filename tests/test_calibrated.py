@@ -251,3 +251,12 @@ def test_ratequant_on_a_kivi_base_uses_whole_bits_per_layer(small, tmp_path):
     assert [c.key_codec.bits for c in caches] == record["keys_widths"]
     with pytest.raises(ValueError, match="base must be one of"):
         KVCacheConfig(method="ratequant", options={"base": "nope"})
+
+
+def test_rate_codec_at_a_whole_width_is_turboquant_mse():
+    # so a ratequant cache with every layer at b bits is turboquant_mse:b: any difference measured
+    # between them comes from the allocation alone
+    x = mx.random.normal((1, 2, 40, 64), key=mx.random.key(10))
+    for bits in (2, 3):
+        rate, mse = RateCodec(64, float(bits), 0), MSECodec(64, bits, 0)
+        assert mx.array_equal(rate.reconstruct(rate.encode(x)), mse.reconstruct(mse.encode(x))).item()
