@@ -44,7 +44,7 @@ def row_bytes(shapes, key_widths, value_widths) -> int:
 
 def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, kbudget=None,
          sequences: int = CALIBRATION_SEQUENCES, tokens: int = CALIBRATION_TOKENS, seed: int = 0,
-         progress: bool = True, skip: int = 0) -> dict:
+         progress: bool = True, skip: int = 0, objective: str = "relative") -> dict:
     from .artifacts import model_fingerprint, precompute
 
     fingerprint = model_fingerprint(model)
@@ -63,10 +63,10 @@ def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, k
         kb = float(kbudget)
         vb = (mean * (coords_k + coords_v) - kb * coords_k) / coords_v
     kb, vb = (math.floor(min(b, MAX_BITS) * 1e4) / 1e4 for b in (kb, vb))
-    config = KVCacheConfig(method="ratequant", seed=seed, options={"kbudget": kb, "vbudget": vb})
+    config = KVCacheConfig(method="ratequant", seed=seed, options={"kbudget": kb, "vbudget": vb, "objective": objective})
     layers = capture(model, calibration_tokens(tokenizer, text, sequences, tokens, skip), progress=progress)
     fits = RateQuant.fit(config, layers, progress=progress)
-    widths = {role: RateQuant.allocation(fits, role, b) for role, b in (("keys", kb), ("values", vb))}
+    widths = {role: RateQuant.allocation(fits, role, b, objective) for role, b in (("keys", kb), ("values", vb))}
     learned = [None if f is None else {r: params_of(f[r], widths[r][i]) for r in ("keys", "values")}
                for i, f in enumerate(fits)]
     kw = [w for w in widths["keys"] if w is not None]
@@ -111,7 +111,7 @@ def run_plan(args) -> None:
     model, tokenizer = load_model(args.model)
     text = Path(args.text).read_text()
     record = plan(model, tokenizer, text, args.memory_gb, args.context, args.out, kbudget=args.kbudget,
-                  progress=not args.no_progress, skip=args.skip_tokens)
+                  progress=not args.no_progress, skip=args.skip_tokens, objective=args.objective)
     config = record["config"].replace(artifact_dir=str(args.out))
     print(f"budget {args.memory_gb} GB at {args.context} tokens: {record['kbudget']:.4f} key / "
           f"{record['vbudget']:.4f} value code bits per coordinate (fp16 would take {record['fp16_bytes'] / 1e9:.4f} GB)")
@@ -125,8 +125,8 @@ def run_plan(args) -> None:
           f"{record['expected_value_nsr']:.3e} (uniform {record['uniform_widths'][1]:g} bits: "
           f"{record['uniform_value_nsr']:.3e})")
     print(f"use: --method ratequant --option kbudget={record['kbudget']} --option vbudget={record['vbudget']} "
-          f"--artifact-dir {args.out}   (eval spec: ratequant:kbudget={record['kbudget']},"
-          f"vbudget={record['vbudget']},artifacts={args.out})")
+          f"--option objective={args.objective} --artifact-dir {args.out}   (eval spec: ratequant:kbudget="
+          f"{record['kbudget']},vbudget={record['vbudget']},objective={args.objective},artifacts={args.out})")
     if args.measure:
         ids = tokenizer.encode(text)
         if len(ids) < args.context:
@@ -145,6 +145,8 @@ def register_cli(sub, default_model: str) -> None:
     p.add_argument("--out", required=True, help="artifact directory to write for the allocation")
     p.add_argument("--kbudget", type=float, default=None, help="fix the keys' code bits; values get the rest")
     p.add_argument("--measure", action="store_true", help="run --context tokens and report the cache's bytes")
+    p.add_argument("--objective", choices=("absolute", "relative"), default="relative",
+                   help="ratequant's water-filling objective (relative measured better on SmolLM2)")
     p.add_argument("--skip-tokens", type=int, default=0, help="probe from this many tokens into the text")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run_plan)
