@@ -34,9 +34,8 @@ class CalibrationRequiredError(ValueError):
 
 def calibration_needed(what: str) -> CalibrationRequiredError:
     return CalibrationRequiredError(
-        f"{what} needs calibration: run `veloxquant calibrate --model MODEL --method METHOD --text FILE "
-        f"--out DIR` with the same cache options, then pass artifact_dir=DIR (--artifact-dir DIR, or "
-        f"artifacts=DIR in an eval spec); it never falls back to uncalibrated codebooks"
+        f"{what} needs calibration: `veloxquant calibrate ... --out DIR` with the same cache options, "
+        f"then artifact_dir=DIR (docs/calibrated.md)"
     )
 
 

@@ -198,7 +198,7 @@ class RateQuant(Method):
     options = {"kbudget": float, "vbudget": float, "renorm": bool, "base": str, "objective": str}
     bases = ("mse", "kivi")
     calibrated = True
-    status = "experimental"
+    status = "worse than uniform turboquant_mse/kivi at equal bits (docs/calibrated.md)"
     summary = "TurboQuant-MSE at calibrated widths per layer (fitted D(b), reverse water-filling)"
     values_summary = "same, value budget vbudget"
 

@@ -124,7 +124,7 @@ class SpectralQuant(Method):
     key_bits = range(1, 9)
     value_bits = range(1, 9)
     calibrated = True
-    status = "experimental"
+    status = "worse than turboquant_mse (Hadamard basis) at equal bits (docs/calibrated.md)"
     summary = "per-head PCA basis (calibrated) + two widths by variance + Gaussian Lloyd-Max + fp16 norm"
     values_summary = "same at value_bits"
 
