@@ -260,3 +260,20 @@ def test_rate_codec_at_a_whole_width_is_turboquant_mse():
     for bits in (2, 3):
         rate, mse = RateCodec(64, float(bits), 0), MSECodec(64, bits, 0)
         assert mx.array_equal(rate.reconstruct(rate.encode(x)), mse.reconstruct(mse.encode(x))).item()
+
+
+@pytest.mark.model
+def test_calibrate_command_on_smollm2(tmp_path, capsys):
+    from veloxquant_mlx.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("The lighthouse keeper climbed the stairs and lit the lamp before the storm. " * 40)
+    out = tmp_path / "art"
+    assert main(["calibrate", "--method", "turboquant_mse", "--bits", "3", "--option", "outliers=4", "--text",
+                 str(text), "--sequences", "1", "--tokens", "128", "--out", str(out), "--no-progress"]) == 0
+    assert "calibrated turboquant_mse K3/V3 outliers=4" in capsys.readouterr().out
+    meta = json.loads((out / "artifacts.json").read_text())
+    assert meta["calibration"]["tokens"] == 128 and meta["fingerprint"]["num_layers"] == 30
+    assert main(["generate", "--bits", "3", "--option", "outliers=4", "--artifact-dir", str(out), "-m", "8",
+                 "--prompt", "Hello"]) == 0
+    assert "KV cache (turboquant_mse K3/V3 outliers=4)" in capsys.readouterr().out
