@@ -29,11 +29,23 @@ class ArtifactError(ValueError):
 class CodecSet:
     """The key and value codecs of one config, one per head dim, shared by all layers."""
 
-    def __init__(self, config, params: Optional[Dict[Tuple[str, int], dict]] = None, source: str = ""):
+    def __init__(self, config, params: Optional[Dict[Tuple[str, int], dict]] = None, source: str = "",
+                 layer: Optional[int] = None):
         self.config = config
         self._params = params
         self._source = source
         self._codecs = {}
+        self._layer = layer  # calibrated artifacts hold params per layer: keys (role, dim, layer)
+
+    @property
+    def per_layer(self) -> bool:
+        return self._params is not None and any(len(key) == 3 for key in self._params)
+
+    def layer(self, index: int) -> "CodecSet":
+        """The codecs of layer `index`: this set itself unless the artifact is per layer."""
+        if not self.per_layer:
+            return self
+        return CodecSet(self.config, self._params, self._source, layer=index)
 
     @classmethod
     def for_config(cls, config, fingerprint: Optional[dict] = None) -> "CodecSet":
@@ -43,19 +55,24 @@ class CodecSet:
 
     def get(self, role: str, dim: int):
         key = (role, dim)
+        if self.per_layer:
+            if self._layer is None:
+                raise ArtifactError(f"artifact dir {self._source} is calibrated per layer: build caches for "
+                                    f"a whole model (KVCacheBuilder(config).for_model(model)), not a lone cache")
+            key = (role, dim, self._layer)
         if key not in self._codecs:
             params = None
             if self._params is not None:
                 if key not in self._params:
-                    have = ", ".join(f"{r} d={d}" for r, d in sorted(self._params))
+                    have = ", ".join(" ".join(map(str, k)) for k in sorted(self._params)[:6])
                     raise ArtifactError(
-                        f"artifact dir {self._source} has no {role} codec for head dim {dim} "
-                        f"(it has: {have}); rerun `veloxquant precompute` for this model"
+                        f"artifact dir {self._source} has no {role} codec for head dim {dim}"
+                        f"{'' if len(key) == 2 else f' in layer {self._layer}'} "
+                        f"(it has: {have}...); rerun `veloxquant precompute` / `calibrate` for this model"
                     )
                 params = self._params[key]
             method = get_method(self.config.method)
-            make = method.key_codec if role == "keys" else method.value_codec
-            self._codecs[key] = make(self.config, dim, params)
+            self._codecs[key] = method.codec(role, self.config, dim, params)
         return self._codecs[key]
 
     def overhead_bytes(self) -> int:
@@ -98,16 +115,27 @@ def model_fingerprint(model) -> dict:
     }
 
 
-def precompute(model, config, out_dir) -> Path:
-    """Write the codebooks and rotations `model`'s caches need under `config`."""
+def precompute(model, config, out_dir, layers: Optional[List[Optional[dict]]] = None,
+               calibration: Optional[dict] = None) -> Path:
+    """Write the codebooks and rotations `model`'s caches need under `config`. With `layers`
+    (from `calibration.py`: per layer {"keys": params, "values": params} or None), each
+    layer's params are stored under `layer.role.dim.` and `calibration` is recorded."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fingerprint = model_fingerprint(model)
-    codecs = CodecSet(config.replace(artifact_dir=None))
     arrays, entries = {}, []
     dims = {("keys", s[1]) for s in fingerprint["layer_shapes"] if s} | {
         ("values", s[2]) for s in fingerprint["layer_shapes"] if s
     }
+    if layers is not None:
+        dims = set()
+        for index, (shape, learned) in enumerate(zip(fingerprint["layer_shapes"], layers)):
+            for role, dim in (("keys", shape[1]), ("values", shape[2])) if shape and learned else ():
+                entries.append({"role": role, "dim": dim, "layer": index, "heads": shape[0]})
+                for name, value in learned[role].items():
+                    arrays[f"{index}.{role}.{dim}.{name}"] = value
+    else:
+        codecs = CodecSet(config.replace(artifact_dir=None))
     for role, dim in sorted(dims):
         entries.append({"role": role, "dim": dim})
         for name, value in codecs.get(role, dim).params().items():
@@ -119,6 +147,8 @@ def precompute(model, config, out_dir) -> Path:
         "fingerprint": fingerprint,
         "codecs": entries,
     }
+    if calibration is not None:
+        meta["calibration"] = calibration
     (out / ARTIFACT_JSON).write_text(json.dumps(meta, indent=2))
     return out
 
@@ -156,7 +186,27 @@ def load_artifacts(config, fingerprint: Optional[dict] = None) -> CodecSet:
     params = {}
     for entry in meta["codecs"]:
         prefix = f"{entry['role']}.{entry['dim']}."
-        params[(entry["role"], entry["dim"])] = {
+        key = (entry["role"], entry["dim"])
+        if "layer" in entry:
+            prefix, key = f"{entry['layer']}.{prefix}", key + (entry["layer"],)
+        params[key] = {
             k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)
         }
+        _check_layer_entry(root, entry, params[key], meta["fingerprint"])
     return CodecSet(config, params, source=str(root))
+
+
+def _check_layer_entry(root, entry: dict, params: dict, fingerprint: dict) -> None:
+    """A calibrated layer's arrays hold one slice per kv head of that layer (axis 0)."""
+    if "layer" not in entry:
+        return
+    shapes = fingerprint["layer_shapes"]
+    layer = entry["layer"]
+    shape = shapes[layer] if 0 <= layer < len(shapes) else None
+    if shape is None or shape[0] != entry["heads"] or entry["dim"] != shape[1 if entry["role"] == "keys" else 2]:
+        raise ArtifactError(f"artifact dir {root}: layer {layer} {entry['role']} entry (heads {entry['heads']}, "
+                            f"dim {entry['dim']}) does not match the model's layer shape {shape}")
+    for name, value in params.items():
+        if name.startswith(("heads.", "outliers.")) and value.shape[0] != entry["heads"]:
+            raise ArtifactError(f"artifact dir {root}: layer {layer} {entry['role']} {name} has shape "
+                                f"{value.shape}, expected {entry['heads']} heads first")

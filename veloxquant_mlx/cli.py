@@ -239,7 +239,8 @@ def run_methods(args) -> None:
             per_coord = f"{(key + value) / (2 * args.head_dim):.3f}"
             key, value = f"{key:g}", f"{value:g}"
         except ValueError as error:
-            key = value = per_coord = f"n/a ({error})"
+            # Calibrated methods' widths come from their artifact; other errors are shown whole.
+            key = value = per_coord = "per artifact" if method.calibrated else f"n/a ({error})"
         rows.append(
             (name, key, value, per_coord, "yes" if method.calibrated else "no", method.status,
              method.summary, method.values_summary)
@@ -343,8 +344,11 @@ def build_parser() -> argparse.ArgumentParser:
     # The recommended protections (the demo also turns on `renorm` where the method has it).
     demo.set_defaults(func=run_demo, sink_tokens=4, residual_length=64, center=True)
 
-    from . import gguf
+    from . import calibration, gguf, planning
     from .evaluation import register_cli as register_evaluation
+
+    calibration.register_cli(sub, add_cache_arguments, DEFAULT_MODEL)
+    planning.register_cli(sub, DEFAULT_MODEL)
 
     gguf.register_cli(sub)
     register_evaluation(sub)

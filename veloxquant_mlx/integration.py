@@ -79,7 +79,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     caches, kept = [], []
     for i, cache in enumerate(base_caches(model)):
         if type(cache) is mlx_cache.KVCache:
-            caches.append(CompressedKVCache(config, codecs, settings))
+            caches.append(CompressedKVCache(config, codecs.layer(i), settings))
         elif isinstance(cache, (mlx_cache.RotatingKVCache,)) or not hasattr(cache, "update_and_fetch"):
             caches.append(cache)
             kept.append(f"{i}:{type(cache).__name__}")

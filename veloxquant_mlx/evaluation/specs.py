@@ -185,6 +185,8 @@ def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, s
             fields[CONFIG_KEYS[key]] = _int(spec, key, value)
         elif key == "center":
             fields["center"] = parse_option_value(value, bool)
+        elif key in ("artifacts", "artifact_dir"):  # calibrated methods (`veloxquant calibrate`)
+            fields["artifact_dir"] = value
         else:
             try:
                 options[key] = parse_option_value(value, method.options.get(key))

@@ -96,6 +96,8 @@ class Method:
     status_note: ClassVar[str] = "no status given by its author"
     summary: ClassVar[str] = ""
     values_summary: ClassVar[str] = ""
+    # Options every method takes (`methods/outliers.py`): int8 channels peeled off before the codec.
+    generic_options: ClassVar[Dict[str, type]] = {"outliers": int, "value_outliers": int}
 
     @classmethod
     def validate(cls, config) -> None:
@@ -109,19 +111,23 @@ class Method:
                 f"{cls.name} supports value bits {cls.value_bits.start}..{cls.value_bits.stop - 1}, "
                 f"got value_bits={config.value_bits}"
             )
+        accepted = {**cls.generic_options, **cls.options}
         for key, value in config.options.items():
-            if key not in cls.options:
+            if key not in accepted:
                 from ..config import ALIASES
 
-                known = ", ".join(sorted(cls.options)) or "none"
+                known = ", ".join(sorted(accepted)) or "none"
                 field_name = ALIASES.get(key, key)
                 hint = (f"; {field_name} is a KVCacheConfig field (--{field_name.replace('_', '-')}), "
                         "not a method option" if field_name in _config_fields() else "")
                 raise ValueError(f"{cls.name} has no option {key!r} (options: {known}){hint}")
-            if not isinstance(value, cls.options[key]):
+            if not isinstance(value, accepted[key]) or (accepted[key] is float and isinstance(value, bool)):
                 raise TypeError(
-                    f"{cls.name} option {key!r} must be {cls.options[key].__name__}, got {value!r}"
+                    f"{cls.name} option {key!r} must be {accepted[key].__name__}, got {value!r}"
                 )
+        for key in cls.generic_options:
+            if config.options.get(key, 0) < 0:
+                raise ValueError(f"option {key} must be >= 0, got {config.options[key]}")
 
     @classmethod
     def key_codec(cls, config, dim: int, params: Optional[Params] = None) -> Codec:
@@ -130,6 +136,27 @@ class Method:
     @classmethod
     def value_codec(cls, config, dim: int, params: Optional[Params] = None) -> Codec:
         raise NotImplementedError
+
+    @classmethod
+    def calibrate(cls, config, layers, progress=None) -> Optional[list]:
+        """Per-layer codec params learned from captured activations (`calibration.py`):
+        `layers[i]` holds float32 "queries" (Hq, N, D), "keys" (H, N, D), "values" (H, N, Dv)
+        of layer i (None for layers without a KV cache). Returns one {"keys": params,
+        "values": params} per layer, or None for a method that learns nothing."""
+        return None
+
+    @classmethod
+    def codec(cls, role: str, config, dim: int, params: Optional[Params] = None) -> Codec:
+        """The codec of `role` with the generic options applied: `outliers=K` (keys) and
+        `value_outliers=K` (values) wrap it in `outliers.OutlierCodec` (needs calibration)."""
+        from .outliers import OUTLIER_PREFIX, outlier_codec
+
+        count = config.options.get("outliers" if role == "keys" else "value_outliers", 0)
+        if not count:
+            make = cls.key_codec if role == "keys" else cls.value_codec
+            return make(config, dim, params)
+        base_params = {k: v for k, v in (params or {}).items() if not k.startswith(OUTLIER_PREFIX)} or None
+        return outlier_codec(cls, role, config, dim, count, params, base_params)
 
 
 def _config_fields():

@@ -1,0 +1,279 @@
+"""Calibrated methods: capture, artifacts, the outliers option, ratequant and plan."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import tiny_llama
+
+from veloxquant_mlx.artifacts import ArtifactError, CodecSet
+from veloxquant_mlx.calibration import calibrate, capture
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.integration import KVCacheBuilder
+from veloxquant_mlx.methods.outliers import CalibrationRequiredError, OutlierCodec, top_channels
+from veloxquant_mlx.methods.ratequant import RateCodec, allocate, fit_curve, split_width
+from veloxquant_mlx.methods.turboquant_mse import MSECodec
+
+
+def _sequences(n=2, length=64, vocab=512, seed=0):
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.integers(0, vocab, length)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2)
+
+
+def _forward(model, config, tokens):
+    caches = KVCacheBuilder(config).for_model(model).build()
+    logits = model(tokens[None], cache=caches)
+    return logits, caches
+
+
+def test_capture_records_every_layer(small):
+    layers = capture(small, _sequences(), progress=False)
+    assert len(layers) == 2
+    for layer in layers:
+        assert layer["keys"].shape == (2, 128, 32)
+        assert layer["values"].shape == (2, 128, 32)
+        assert layer["queries"].shape == (4, 128, 32)
+    # the capture is what a plain fp16 cache holds for the last sequence
+    from mlx_lm.models.cache import KVCache
+
+    caches = [KVCache() for _ in small.layers]
+    small(_sequences()[1][None], cache=caches)
+    np.testing.assert_allclose(np.array(layers[0]["keys"][:, 64:]), np.array(caches[0].keys[0, :, :64].astype(mx.float32)),
+                               atol=1e-5)
+
+
+def test_calibrated_method_without_artifact_raises(small):
+    with pytest.raises(CalibrationRequiredError, match="needs calibration"):
+        _forward(small, KVCacheConfig(method="ratequant", bits=3), mx.array([1, 2, 3]))
+    with pytest.raises(CalibrationRequiredError, match="outliers=4"):
+        _forward(small, KVCacheConfig(method="turboquant_mse", bits=3, options={"outliers": 4}), mx.array([1, 2]))
+
+
+def test_outlier_codec_is_exact_on_its_channels_and_an_isometry():
+    heads, dim, count = 2, 32, 4
+    x = mx.random.normal((1, heads, 16, dim), key=mx.random.key(1))
+    x = x + 40.0 * (mx.arange(dim) == 5)  # a large channel
+    channels = top_channels(x[0], count)
+    assert all(5 in row for row in np.array(channels).tolist())
+    codec = OutlierCodec(MSECodec(dim - count, 4, 0), channels, dim)
+    assert codec.format.bits_per_token == MSECodec(dim - count, 4, 0).format.bits_per_token + count * 8 + 16
+    fields = codec.encode(x)
+    rec = codec.reconstruct(fields)
+    out = np.array(channels)
+    for h in range(heads):
+        got, want = np.array(rec[0, h])[:, out[h]], np.array(x[0, h])[:, out[h]]
+        scale = np.abs(want).max(axis=-1, keepdims=True) / 127
+        assert np.all(np.abs(got - want) <= scale * 0.51 + 1e-3)  # int8: half a step per token
+    # scores in the domain equal scores of the reconstruction (adds both streams exactly)
+    q = mx.random.normal((1, heads, 3, dim), key=mx.random.key(2))
+    s_domain = codec.score(codec.to_domain(q), fields)
+    s_plain = q @ rec.swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(s_domain), np.array(s_plain), rtol=1e-4, atol=1e-3)
+    # A^T A = I: from_domain(to_domain(v)) = v, for kv heads and for query heads (GQA)
+    for v in (x, mx.random.normal((1, 2 * heads, 5, dim))):
+        np.testing.assert_allclose(np.array(codec.from_domain(codec.to_domain(v))), np.array(v), atol=1e-4)
+
+
+def test_outlier_artifact_round_trip_and_quality(small, tmp_path):
+    tokens = _sequences(1, 96, seed=3)[0]
+    config = KVCacheConfig(method="turboquant_mse", bits=2, options={"outliers": 4})
+    record = calibrate(small, config, _sequences(), tmp_path, progress=False)
+    assert record["tokens"] == 128
+    loaded = config.replace(artifact_dir=str(tmp_path))
+    logits, caches = _forward(small, loaded, tokens)
+    assert isinstance(caches[0].key_codec, OutlierCodec)
+    # per-layer channels: each layer's codec carries that layer's own channels
+    meta = json.loads((tmp_path / "artifacts.json").read_text())
+    assert {e["layer"] for e in meta["codecs"]} == {0, 1}
+    assert np.array_equal(np.array(caches[1].key_codec.channels),
+                          np.array(mx.load(str(tmp_path / "codecs.safetensors"))["1.keys.32.outliers.channels"]))
+    fp16_logits = small(tokens[None])
+    plain, _ = _forward(small, KVCacheConfig(method="turboquant_mse", bits=2), tokens)
+    err = lambda a: float(mx.mean((a - fp16_logits) ** 2).item())
+    assert err(logits) < err(plain)  # the int8 channels are nearer fp16 than 2-bit codes
+
+
+def test_artifact_checked_against_model_and_config(small, tmp_path):
+    config = KVCacheConfig(method="ratequant", bits=3)
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    other = tiny_llama(layers=3, hidden=128, heads=4, kv_heads=2)
+    with pytest.raises(ArtifactError, match="another model"):
+        KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(other).build()
+    with pytest.raises(ArtifactError, match="made for"):
+        KVCacheBuilder(config.replace(bits=4, artifact_dir=str(tmp_path))).for_model(small).build()
+    lone = CodecSet.for_config(config.replace(artifact_dir=str(tmp_path)))
+    with pytest.raises(ArtifactError, match="per layer"):
+        lone.get("keys", 32)
+
+
+def test_rate_codec_fractional_width_storage_and_error():
+    dim = 64
+    x = mx.random.normal((1, 1, 256, dim), key=mx.random.key(4))
+    errors = []
+    for width in (2.0, 2.5, 3.0):
+        codec = RateCodec(dim, width, 0)
+        assert codec.format.bits_per_token == width * dim + 16
+        rec = codec.reconstruct(codec.encode(x))
+        errors.append(float(mx.mean(mx.sum((rec - x) ** 2, -1) / mx.sum(x * x, -1)).item()))
+    assert errors[0] > errors[1] > errors[2]
+    with pytest.raises(ValueError, match="grid"):
+        split_width(2.25, dim)
+
+
+def test_fit_and_water_filling():
+    a, beta = fit_curve(np.array([3.0 * 4.0 ** -b for b in range(1, 7)]))
+    assert a == pytest.approx(3.0, rel=1e-6) and beta == pytest.approx(4.0, rel=1e-6)
+    # a layer whose errors cost 64x more gets 3 more bits (log_4 64 = 3 under a 4^-b curve)
+    widths = allocate([64.0, 1.0], [4.0, 4.0], [1, 1], budget=3.5, grid=0.5)
+    assert widths == [5.0, 2.0]
+    for budget in (2.5, 3.5):
+        widths = allocate([5.0, 1.0, 2.0, 0.5], [4.0, 3.6, 5.3, 4.0], [1, 1, 1, 1], budget, 0.5)
+        assert np.mean(widths) <= budget + 1e-9 and np.mean(widths) > budget - 0.5 / 4
+    with pytest.raises(ValueError, match="outside"):
+        allocate([1.0], [4.0], [1], budget=0.5, grid=0.5)
+
+
+def test_ratequant_end_to_end_separate_budgets(small, tmp_path):
+    config = KVCacheConfig(method="ratequant", bits=3, options={"kbudget": 2.5, "vbudget": 3.5})
+    record = calibrate(small, config, _sequences(), tmp_path, progress=False)
+    assert record["keys_mean_width"] <= 2.5 and record["values_mean_width"] <= 3.5
+    assert record["values_mean_width"] > record["keys_mean_width"]
+    tokens = _sequences(1, 80, seed=5)[0]
+    logits, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), tokens)
+    widths = [c.key_codec.width for c in caches]
+    assert widths == record["keys_widths"]
+    per_token = sum(c.kv_heads * (c.key_codec.bits_per_token() + c.value_codec.bits_per_token()) / 8 for c in caches)
+    assert per_token == pytest.approx(sum(2 * (w * 32 + 16) / 8 for w in record["keys_widths"])
+                                      + sum(2 * (w * 32 + 16) / 8 for w in record["values_widths"]))
+    assert bool(mx.all(mx.isfinite(logits)).item())
+
+
+def test_plan_meets_its_budget(small, tmp_path):
+    from veloxquant_mlx.planning import measure, plan
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) % 512 for c in text]
+
+    text = "".join(chr(97 + i % 26) for i in range(2000))
+    context, memory = 512, 2 * 2 * 512 * 2 * 32 * 3.2 / 8  # ~3 bits per coordinate plus norms
+    record = plan(small, Tok(), text, memory / 1e9, context, tmp_path, sequences=2, tokens=128, progress=False)
+    assert record["predicted_bytes"] <= memory
+    used = measure(small, record["config"].replace(artifact_dir=str(tmp_path)), mx.array(Tok().encode(text)[:context]))
+    assert used == record["predicted_bytes"] and used <= memory
+    with pytest.raises(ValueError, match="needs at least"):
+        plan(small, Tok(), text, memory / 8e9, context, tmp_path, sequences=2, tokens=128, progress=False)
+
+
+def test_spectralquant_basis_is_orthogonal_and_beats_equal_widths_on_skewed_data(small, tmp_path):
+    from veloxquant_mlx.methods.spectralquant import SpectralCodec, choose_split, learn_basis
+
+    # a spectrum where half the energy sits in 4 of 64 directions: two widths must win
+    variances = np.array([8.0] * 4 + [0.1] * 60)
+    high, hi, lo = choose_split(variances, 3, 64)
+    assert high * hi + (64 - high) * lo == 3 * 64 and hi > lo
+    x = mx.random.normal((2, 512, 64), key=mx.random.key(6)) * mx.array(np.sqrt(variances).astype(np.float32))
+    params = learn_basis(x, 3)
+    codec = SpectralCodec(64, 3, params)
+    assert codec.format.bits_per_token == MSECodec(64, 3, 0).format.bits_per_token
+    v = mx.random.normal((1, 2, 7, 64))
+    np.testing.assert_allclose(np.array(codec.from_domain(codec.to_domain(v))), np.array(v), atol=1e-4)
+    rel = lambda c: float(mx.mean(mx.sum((c.reconstruct(c.encode(x[None])) - x[None]) ** 2, -1)).item())
+    assert rel(codec) < rel(MSECodec(64, 3, 0))
+    config = KVCacheConfig(method="spectralquant", bits=3)
+    with pytest.raises(CalibrationRequiredError):
+        _forward(small, config, mx.array([1, 2]))
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    logits, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 40, seed=7)[0])
+    assert isinstance(caches[0].key_codec, SpectralCodec) and bool(mx.all(mx.isfinite(logits)).item())
+
+
+CALIBRATED_SPECS = {
+    "ratequant": KVCacheConfig(method="ratequant", bits=3, options={"kbudget": 2.5, "vbudget": 3.0}),
+    "mse+outliers": KVCacheConfig(method="turboquant_mse", bits=3, options={"outliers": 4, "value_outliers": 2}),
+    "kivi+outliers": KVCacheConfig(method="kivi", bits=3, group_size=32, residual_length=8, sink_tokens=2,
+                                   options={"outliers": 4}),
+    "spectral": KVCacheConfig(method="spectralquant", bits=3, center=True, sink_tokens=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALIBRATED_SPECS))
+def test_engine_paths_agree_on_calibrated_formats(small, tmp_path, name):
+    from veloxquant_mlx import EngineSettings, engine
+
+    config = CALIBRATED_SPECS[name]
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    settings = EngineSettings.resolve(backend="portable")
+    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(settings=settings)
+    tokens = _sequences(1, 100, seed=8)[0]
+    small(tokens[None, :90], cache=caches)
+    for i in range(90, 100):
+        small(tokens[None, i : i + 1], cache=caches)
+    cache = caches[1]
+    assert cache.last_path == "compiled_decode"
+
+    def generic(q, mask=None):
+        cache.settings = settings.replace(kernels=False)
+        try:
+            return cache.attend(q, 0.2, mask)
+        finally:
+            cache.settings = settings
+
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
+    out, ref = engine.compiled_decode(cache._history(), q, 0.2), generic(q)
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    q = mx.random.normal((1, 4, 100, 32), key=mx.random.key(4))
+    if not cache.config.residual_length:  # SDPA prefill (the GPU path), run here on the CPU
+        out, ref = engine.sdpa_prefill(cache._history(), q, 0.2, "causal"), generic(q, "causal")
+        assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    # attention over the codes matches attention over what the cache decodes them to
+    keys, values = cache.dequantized()
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
+    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
+    assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
+
+
+def test_ratequant_on_a_kivi_base_uses_whole_bits_per_layer(small, tmp_path):
+    from veloxquant_mlx.methods.kivi import ChannelGroupAffineCodec
+
+    config = KVCacheConfig(method="ratequant", group_size=32, options={"kbudget": 2.5, "vbudget": 2.5, "base": "kivi"})
+    record = calibrate(small, config, _sequences(2, 128), tmp_path, progress=False)
+    assert all(w == int(w) for w in record["keys_widths"]) and record["keys_mean_width"] <= 2.5
+    _, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 64, seed=9)[0])
+    assert isinstance(caches[0].key_codec, ChannelGroupAffineCodec)
+    assert [c.key_codec.bits for c in caches] == record["keys_widths"]
+    with pytest.raises(ValueError, match="base must be one of"):
+        KVCacheConfig(method="ratequant", options={"base": "nope"})
+
+
+def test_rate_codec_at_a_whole_width_is_turboquant_mse():
+    # so a ratequant cache with every layer at b bits is turboquant_mse:b: any difference measured
+    # between them comes from the allocation alone
+    x = mx.random.normal((1, 2, 40, 64), key=mx.random.key(10))
+    for bits in (2, 3):
+        rate, mse = RateCodec(64, float(bits), 0), MSECodec(64, bits, 0)
+        assert mx.array_equal(rate.reconstruct(rate.encode(x)), mse.reconstruct(mse.encode(x))).item()
+
+
+@pytest.mark.model
+def test_calibrate_command_on_smollm2(tmp_path, capsys):
+    from veloxquant_mlx.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("The lighthouse keeper climbed the stairs and lit the lamp before the storm. " * 40)
+    out = tmp_path / "art"
+    assert main(["calibrate", "--method", "turboquant_mse", "--bits", "3", "--option", "outliers=4", "--text",
+                 str(text), "--sequences", "1", "--tokens", "128", "--out", str(out), "--no-progress"]) == 0
+    assert "calibrated turboquant_mse K3/V3 outliers=4" in capsys.readouterr().out
+    meta = json.loads((out / "artifacts.json").read_text())
+    assert meta["calibration"]["tokens"] == 128 and meta["fingerprint"]["num_layers"] == 30
+    assert main(["generate", "--bits", "3", "--option", "outliers=4", "--artifact-dir", str(out), "-m", "8",
+                 "--prompt", "Hello"]) == 0
+    assert "KV cache (turboquant_mse K3/V3 outliers=4)" in capsys.readouterr().out

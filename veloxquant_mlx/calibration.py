@@ -1,0 +1,202 @@
+"""Calibration: learn a method's per-layer params from a few real token sequences.
+
+`capture` runs the model over sequences with mlx-lm's own fp16 caches and records, per
+attention layer, the queries, keys and values that reach attention (keys after RoPE,
+as a cache stores them). `calibrate` hands them to the method (`Method.calibrate`) and to
+the generic `outliers` option, and writes an artifact dir through `artifacts.precompute`
+(safetensors + JSON with the model fingerprint: layer and head shapes are checked on load).
+
+    veloxquant calibrate --model smollm2 --method ratequant --text FILE --out DIR
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+from .artifacts import precompute
+from .methods import get_method
+from .methods.outliers import OUTLIER_PREFIX, top_channels
+
+CALIBRATION_SEQUENCES = 4
+CALIBRATION_TOKENS = 512
+
+
+@contextlib.contextmanager
+def _recording(records: Dict[int, list]):
+    """Route every loaded mlx-lm model module's attention through a recorder (keyed by cache)."""
+    from . import integration
+
+    originals = {}
+
+    def recorder(queries, keys, values, cache, scale, mask, sinks=None):
+        if cache is not None and id(cache) in records:
+            records[id(cache)].append((queries, keys, values))
+        return integration._original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    hooks = (integration._original_sdpa, integration.scaled_dot_product_attention)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) in hooks:
+            originals[module] = module.scaled_dot_product_attention
+            module.scaled_dot_product_attention = recorder
+    try:
+        yield
+    finally:
+        for module, fn in originals.items():
+            module.scaled_dot_product_attention = fn
+
+
+def calibration_tokens(tokenizer, text: str, sequences: int = CALIBRATION_SEQUENCES,
+                       length: int = CALIBRATION_TOKENS, skip: int = 0) -> List[mx.array]:
+    """`sequences` consecutive spans of `length` tokens of `text`, after its first `skip` tokens
+    (calibrate on a part of a text that an evaluation does not read)."""
+    ids = tokenizer.encode(text)[skip:]
+    if len(ids) < length:
+        raise ValueError(f"calibration text has {len(ids)} tokens after skipping {skip}, "
+                         f"fewer than one sequence of {length}")
+    count = min(sequences, len(ids) // length)
+    return [mx.array(ids[i * length : (i + 1) * length]) for i in range(count)]
+
+
+def capture(model, sequences: Sequence[mx.array], progress: bool = True) -> List[Optional[Dict[str, mx.array]]]:
+    """Per layer: float32 "queries" (Hq, N, D), "keys" (H, N, D), "values" (H, N, Dv) over all
+    sequences (N = their total length); None for layers whose cache is not a plain KVCache."""
+    from mlx_lm.models.cache import KVCache
+    from tqdm import tqdm
+
+    from .integration import base_caches
+
+    per_layer: List[List[tuple]] = []
+    kinds: List[bool] = []
+    for tokens in tqdm(sequences, desc="capture", unit="seq", disable=not progress):
+        caches = base_caches(model)
+        records = {id(c): [] for c in caches if type(c) is KVCache}
+        with _recording(records):
+            mx.eval(model(tokens[None], cache=caches))
+        if not per_layer:
+            per_layer = [[] for _ in caches]
+            kinds = [type(c) is KVCache for c in caches]
+        for i, cache in enumerate(caches):
+            if kinds[i]:
+                calls = records[id(cache)]
+                if len(calls) != 1:
+                    raise RuntimeError(f"layer {i}: expected one attention call per forward, saw {len(calls)}")
+                q, k, v = (a[0].astype(mx.float32) for a in calls[0])
+                mx.eval(q, k, v)
+                per_layer[i].append((q, k, v))
+    layers = []
+    for i, parts in enumerate(per_layer):
+        if not kinds[i]:
+            layers.append(None)
+            continue
+        q, k, v = (mx.concatenate([p[j] for p in parts], axis=1) for j in range(3))
+        layers.append({"queries": q, "keys": k, "values": v})
+    return layers
+
+
+def _without_channels(x: mx.array, channels: mx.array) -> mx.array:
+    """x (H, N, D) with each head's outlier channels removed -> (H, N, D - K)."""
+    from .methods.outliers import selections
+
+    _, rest = selections(channels, x.shape[-1])
+    return x @ rest
+
+
+def learn(config, layers, progress: bool = True) -> List[Optional[dict]]:
+    """Per layer {"keys": params, "values": params}: the outlier channels of the generic
+    option, then the method's own params learned on the remaining channels."""
+    method = get_method(config.method)
+    counts = {"keys": config.options.get("outliers", 0), "values": config.options.get("value_outliers", 0)}
+    learned: List[Optional[dict]] = [None if layer is None else {"keys": {}, "values": {}} for layer in layers]
+    inputs = []
+    for layer, out in zip(layers, learned):
+        if layer is None:
+            inputs.append(None)
+            continue
+        layer = dict(layer)
+        for role, count in counts.items():
+            if count:
+                channels = top_channels(layer[role], count)
+                out[role][OUTLIER_PREFIX + "channels"] = channels
+                layer[role] = _without_channels(layer[role], channels)
+                if role == "keys":  # queries meet the same channels: the base codec scores the rest
+                    rep = layer["queries"].shape[0] // channels.shape[0]
+                    layer["queries"] = _without_channels(layer["queries"], mx.repeat(channels, rep, axis=0))
+        inputs.append(layer)
+    own = method.calibrate(config, inputs, progress=progress)
+    for i, layer in enumerate(inputs):
+        if layer is None:
+            continue
+        for role in ("keys", "values"):
+            if own is not None:
+                learned[i][role].update(own[i][role])
+            elif counts[role]:
+                # An uncalibrated base codec at the reduced dim: stored so the artifact is self-contained.
+                make = method.key_codec if role == "keys" else method.value_codec
+                learned[i][role].update(make(config, layer[role].shape[-1]).params())
+    if own is None and not any(counts.values()):
+        raise ValueError(f"{config.method} learns nothing from calibration (and no outliers option is set); "
+                         f"use `veloxquant precompute` for its codebooks")
+    return learned
+
+
+def calibrate(model, config, sequences: Sequence[mx.array], out_dir, source: str = "",
+              progress: bool = True) -> dict:
+    """Capture, learn and write an artifact dir; returns the calibration record (also in its JSON)."""
+    start = time.perf_counter()
+    layers = capture(model, sequences, progress=progress)
+    captured = time.perf_counter()
+    learned = learn(config, layers, progress=progress)
+    mx.eval([list(entry[r].values()) for entry in learned if entry for r in entry])
+    record = {
+        "method": config.method,
+        "text": source,
+        "sequences": len(sequences),
+        "tokens": int(sum(s.shape[0] for s in sequences)),
+        "capture_seconds": round(captured - start, 3),
+        "learn_seconds": round(time.perf_counter() - captured, 3),
+    }
+    record["seconds"] = round(record["capture_seconds"] + record["learn_seconds"], 3)
+    summary = getattr(get_method(config.method), "calibration_summary", None)
+    if summary is not None:
+        record.update(summary(learned))
+    precompute(model, config.replace(artifact_dir=None), out_dir, layers=learned, calibration=record)
+    return record
+
+
+def run_calibrate(args) -> None:
+    import json
+
+    from .cli import config_from_args
+    from .models import load_model
+
+    config = config_from_args(args)
+    if config.artifact_dir is not None:
+        raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")
+    model, tokenizer = load_model(args.model)
+    text = Path(args.text).read_text()
+    sequences = calibration_tokens(tokenizer, text, args.sequences, args.tokens, args.skip_tokens)
+    record = calibrate(model, config, sequences, args.out, source=str(args.text), progress=not args.no_progress)
+    print(f"calibrated {config.describe()} for {args.model} on {record['tokens']} tokens "
+          f"({record['sequences']} sequences) in {record['seconds']:.1f} s; wrote {args.out}")
+    if args.verbose:
+        print(json.dumps(record, indent=2))
+
+
+def register_cli(sub, add_cache_arguments, default_model: str) -> None:
+    cal = sub.add_parser("calibrate", help="learn a calibrated method's per-layer params from real text")
+    cal.add_argument("--model", default=default_model)
+    cal.add_argument("--text", required=True, help="text file to calibrate on")
+    cal.add_argument("--out", required=True, help="artifact directory to write")
+    cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
+    cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
+    cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.add_argument("--verbose", action="store_true", help="print the calibration record")
+    add_cache_arguments(cal)
+    cal.set_defaults(func=run_calibrate)
