@@ -35,6 +35,13 @@ def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: in
     return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
 
 
+def _drop_front(buffer: mx.array, rows: int) -> mx.array:
+    """`buffer` without its first `rows` rows, padded at the end to the same capacity."""
+    if rows == 0:
+        return buffer
+    return mx.concatenate([buffer[..., rows:, :], mx.zeros_like(buffer[..., :rows, :])], axis=2)
+
+
 class RowStore:
     def __init__(self, layout: RowLayout, encode: Callable[[mx.array, mx.array], mx.array], step: int = STEP):
         self.layout, self.encode, self.step = layout, encode, step
@@ -96,6 +103,15 @@ class RowStore:
         self.flush()
         self.count = min(count, self.count)
 
+    def drop_front(self, count: int):
+        """Forget the oldest `count` tokens (a sliding window's eviction); the capacity stays,
+        so compiled steps keyed on it still replay."""
+        self.flush()
+        count = min(count, self.count)
+        if count:
+            self.rows = _drop_front(self.rows, count)
+            self.count -= count
+
     @property
     def nbytes(self) -> int:
         self.flush()
@@ -150,6 +166,16 @@ class FieldStore:
 
     def truncate(self, count: int):
         self.count = min(count, self.count)
+
+    def drop_front(self, count: int):
+        """Forget the oldest `count` tokens, a multiple of every field's tokens per row."""
+        for role, fields in self.buffers.items():
+            per_row = self.tokens_per_row[role]
+            for name, buf in fields.items():
+                if count % per_row[name]:
+                    raise ValueError(f"cannot drop {count} tokens from {role}.{name} ({per_row[name]} per row)")
+                fields[name] = _drop_front(buf, count // per_row[name])
+        self.count -= count
 
     @property
     def nbytes(self) -> int:
