@@ -104,10 +104,10 @@ class CompressedRotatingKVCache(_BaseCache):
         """The fp16 window must leave codes to evict: up to residual_length + block - 1 tokens
         wait in it, and eviction keeps keep + max_size - 1 - keep."""
         block, window = self.inner.block, self.config.residual_length
-        if self.keep + window + block > self.max_size - 1:
+        if self.keep + window + block > self.max_size:
             raise ValueError(
                 f"residual_length {window} (+ token block {block} + keep {self.keep}) does not fit a sliding "
-                f"window of {self.max_size} tokens: use a residual_length below {self.max_size - 1 - self.keep - block}"
+                f"window of {self.max_size} tokens: use a residual_length of at most {self.max_size - self.keep - block}"
             )
 
     # ---- mlx-lm cache protocol ----------------------------------------------------------------
@@ -115,6 +115,8 @@ class CompressedRotatingKVCache(_BaseCache):
         if self.inner.key_codec is None:
             self.inner._setup(keys, values)
             self._check_window()
+            # Grow by at most the window, as mlx-lm's RotatingKVCache does.
+            self.inner.store.step = min(self.inner.store.step, self.max_size)
         self._evict()
         self.offset += keys.shape[2]
         return self.inner.update_and_fetch(keys, values)

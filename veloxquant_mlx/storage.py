@@ -35,11 +35,15 @@ def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: in
     return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
 
 
-def _drop_front(buffer: mx.array, rows: int) -> mx.array:
-    """`buffer` without its first `rows` rows, padded at the end to the same capacity."""
+def _drop_front(buffer: mx.array, rows: int, used: int, step: int) -> mx.array:
+    """`buffer` without its first `rows` rows, of which `used` hold data: the rest keeps the
+    capacity (shapes stay fixed, so compiled steps replay) unless whole steps of it are free."""
     if rows == 0:
         return buffer
-    return mx.concatenate([buffer[..., rows:, :], mx.zeros_like(buffer[..., :rows, :])], axis=2)
+    left = used - rows
+    capacity = min(buffer.shape[2], max(step, math.ceil(left / step) * step))
+    kept = buffer[..., rows:used, :]
+    return mx.concatenate([kept, mx.zeros((*kept.shape[:2], capacity - left, kept.shape[3]), kept.dtype)], axis=2)
 
 
 class RowStore:
@@ -104,12 +108,11 @@ class RowStore:
         self.count = min(count, self.count)
 
     def drop_front(self, count: int):
-        """Forget the oldest `count` tokens (a sliding window's eviction); the capacity stays,
-        so compiled steps keyed on it still replay."""
+        """Forget the oldest `count` tokens (a sliding window's eviction)."""
         self.flush()
         count = min(count, self.count)
         if count:
-            self.rows = _drop_front(self.rows, count)
+            self.rows = _drop_front(self.rows, count, self.count, self.step)
             self.count -= count
 
     @property
@@ -174,7 +177,8 @@ class FieldStore:
             for name, buf in fields.items():
                 if count % per_row[name]:
                     raise ValueError(f"cannot drop {count} tokens from {role}.{name} ({per_row[name]} per row)")
-                fields[name] = _drop_front(buf, count // per_row[name])
+                fields[name] = _drop_front(buf, count // per_row[name], -(-self.count // per_row[name]),
+                                           max(1, self.step // per_row[name]))
         self.count -= count
 
     @property
