@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 
 from conftest import config_for, tiny_llama
 from veloxquant_mlx import (
