@@ -209,3 +209,15 @@ def test_patched_gemma3_compresses_every_layer_within_the_window():
     for ours, theirs in zip(caches, reference):
         assert ours.nbytes < 0.5 * theirs.nbytes
     assert isinstance(reference[0], RotatingKVCache) and isinstance(reference[2], KVCache)
+
+
+def test_mlx_lm_generate_runs_past_the_window_with_compressed_caches():
+    from mlx_lm.generate import generate_step
+
+    model = patch_model(tiny_gemma3(sliding_window=32), KVCacheConfig(method="turboquant_mse", bits=4))
+    caches = model.make_cache()
+    prompt = mx.random.randint(0, 512, (20,))
+    steps = list(zip(range(40), generate_step(prompt, model, prompt_cache=caches, max_tokens=40)))
+    assert len(steps) == 40
+    fed = caches[2].offset  # the prompt and the tokens generate_step has fed back (it runs one ahead)
+    assert fed >= 59 and all(c.offset == fed and c.held == 32 for c in caches[:2])
