@@ -221,3 +221,9 @@ def test_mlx_lm_generate_runs_past_the_window_with_compressed_caches():
     assert len(steps) == 40
     fed = caches[2].offset  # the prompt and the tokens generate_step has fed back (it runs one ahead)
     assert fed >= 59 and all(c.offset == fed and c.held == 32 for c in caches[:2])
+
+
+def test_batch_merge_is_refused_with_a_clear_error():
+    caches = [CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=4), MAX_SIZE) for _ in range(2)]
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        caches[0].merge(caches)

@@ -159,6 +159,13 @@ class CompressedRotatingKVCache(_BaseCache):
         self.offset -= n
         return n
 
+    def merge(self, caches):
+        """mlx-lm's batch_generate merges prompt caches into one batch cache: not built for
+        sliding windows yet (mlx-lm's BatchRotatingKVCache has no compressed counterpart)."""
+        raise NotImplementedError(
+            "batching compressed sliding-window caches is not supported yet: use mlx_lm.generate per prompt"
+        )
+
     def dequantized(self):
         """(keys, values) held, in time order, as attention sees them (fp32; for tests)."""
         keys, values = self.inner.dequantized()
