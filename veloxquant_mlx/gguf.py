@@ -4,7 +4,8 @@ Files whose tensors are all of the types MLX's own GGUF loader reads (floats,
 Q4_0/Q4_1/Q8_0) go through it, and the legacy quants stay packed. Others (Q4_K_M and
 the other K-quant mixes) are read with the `gguf` library, whose `quants.dequantize`
 turns every ggml type into float32: MLX's loader raises on K-quants in some files
-and returns wrong values in others (`tests/test_gguf.py` has one).
+and, in others (`tests/test_gguf.py` has one), returns float16 values that differ
+from the `gguf` library's decoding without an error.
 """
 
 import json
@@ -122,8 +123,8 @@ def read_gguf(gguf_path) -> tuple[dict, dict]:
     return mx.load(str(path), format="gguf", return_metadata=True)
 
 
-# ggml types MLX's loader reads correctly: floats, and the legacy quants it keeps packed. It
-# returns other types (K-quants) as float16 without an error in some files, with wrong values.
+# ggml types MLX's loader reads as llama.cpp does: floats, and the legacy quants it keeps packed.
+# Other types (K-quants) it returns as float16 in some files, with values that differ from gguf's.
 MLX_GGUF_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
 
 
