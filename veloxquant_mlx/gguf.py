@@ -187,7 +187,13 @@ def sentencepiece_tokenizer(metadata: dict) -> Tokenizer:
     """The SentencePiece tokenizer (`tokenizer.ggml.model` "llama", as Gemma's) of a GGUF's
     metadata, built by transformers' GGUF tokenizer mapping: Gemma files list no merges, and
     transformers rebuilds them from the vocabulary's order (and respells the whitespace tokens)."""
-    from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError as error:
+        raise ImportError(
+            f"SentencePiece GGUF tokenizers are rebuilt by transformers' GGUF mapping, which this "
+            f"transformers lacks ({error}); 5.24 has it: pip install -U transformers"
+        ) from None
 
     keys = {
         "tokenizer_type": "model", "tokens": "tokens", "scores": "scores", "token_type": "token_type",
