@@ -1,6 +1,6 @@
 import mlx.core as mx
 import pytest
-from mlx_lm.models import llama
+from mlx_lm.models import gemma3_text, llama
 
 from veloxquant_mlx import KVCacheConfig, available_methods
 
@@ -20,6 +20,29 @@ def tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=512, seed=0):
     )
     mx.random.seed(seed)
     model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def tiny_gemma3(layers=3, sliding_window=32, pattern=3, vocab=512, seed=0):
+    """A random-weight Gemma 3 with the 270M model's attention shapes (hidden 640, 4 query
+    heads, one KV head of dim 256, QK-norm) and a short sliding window, for fast tests:
+    layers 0..pattern-2 of each period slide, the last is global."""
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text",
+        hidden_size=640,
+        num_hidden_layers=layers,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=vocab,
+        query_pre_attn_scalar=256,
+        sliding_window=sliding_window,
+        sliding_window_pattern=pattern,
+    )
+    mx.random.seed(seed)
+    model = gemma3_text.Model(args)
     mx.eval(model.parameters())
     return model
 

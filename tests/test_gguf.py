@@ -3,6 +3,7 @@ import math
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import mlx.nn as nn
 import mlx_lm
 from mlx_lm.models import llama
@@ -221,3 +222,84 @@ def test_default_model_is_converted_once_into_the_cache(tmp_path, monkeypatch):
 
     quantized, _ = load_model(folder, dequantize=False)
     assert isinstance(quantized.layers[0].mlp.down_proj, nn.QuantizedLinear)
+
+
+def write_tiny_gemma3_gguf(path, model, quantized="blk.0.ffn_down.weight"):
+    """A tiny Gemma 3 as llama.cpp writes one: its tensor names, norms stored as 1 + w, a
+    SentencePiece vocabulary, and one tensor as Q4_K (blocks of random codes with small
+    scales). Returns the float weight that tensor decodes to."""
+    gguf = pytest.importorskip("gguf")
+    from veloxquant_mlx.gguf import GEMMA3_LAYER_NAMES
+
+    to_gguf = {v: k for k, v in {**TOP_LEVEL_NAMES, **GEMMA3_LAYER_NAMES}.items()}
+    args = model.args
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_embedding_length(args.hidden_size)
+    writer.add_block_count(args.num_hidden_layers)
+    writer.add_feed_forward_length(args.intermediate_size)
+    writer.add_head_count(args.num_attention_heads)
+    writer.add_head_count_kv(args.num_key_value_heads)
+    writer.add_key_length(args.head_dim)
+    writer.add_value_length(args.head_dim)
+    writer.add_layer_norm_rms_eps(args.rms_norm_eps)
+    writer.add_context_length(2048)
+    writer.add_rope_freq_base(args.rope_theta)
+    writer.add_sliding_window(args.sliding_window)
+    writer.add_uint32("gemma3.attention.sliding_window_pattern", args.sliding_window_pattern)
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>", "\u2581", "a", "b", "\u2581a", "\u2581b", "ab", "\u2581ab"]
+    tokens += [f"<unused{i}>" for i in range(args.vocab_size - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_token_types([3, 3, 3, 3] + [1] * 7 + [4] * (len(tokens) - 11))
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    decoded = None
+    for name, value in tree_flatten(model.parameters()):
+        module, suffix = name.rsplit(".", 1)
+        if module.startswith("model.layers."):
+            _, _, layer, rest = module.split(".", 3)
+            gguf_name = f"blk.{layer}.{to_gguf[rest]}.{suffix}"
+        else:
+            gguf_name = f"{to_gguf[module]}.{suffix}"
+        array = np.array(value.astype(mx.float32))
+        if gguf_name.endswith("norm.weight"):
+            array = array + 1.0
+        if gguf_name == quantized:
+            rows, cols = array.shape
+            blocks = np.random.default_rng(0).integers(0, 256, (rows, cols // 256 * 144), dtype=np.uint8)
+            scales = np.array([0.01, 0.005], dtype=np.float16).view(np.uint8)
+            blocks.reshape(rows, -1, 144)[..., :4] = scales
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+            decoded = mx.array(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K))
+        else:
+            writer.add_tensor(gguf_name, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, decoded
+
+
+def test_tiny_gemma3_gguf_with_k_quants_converts_to_the_same_model(tmp_path):
+    from conftest import tiny_gemma3
+
+    model = tiny_gemma3(layers=3, sliding_window=32, pattern=3)
+    path, decoded = write_tiny_gemma3_gguf(tmp_path / "tiny-gemma3.gguf", model)
+    assert decoded.shape == model.layers[0].mlp.down_proj.weight.shape
+    model.layers[0].mlp.down_proj.weight = decoded  # what the Q4_K blocks hold
+    out = convert_gguf(path, tmp_path / "tiny-gemma3")
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gemma3_text" and "quantization" not in config
+    assert (config["sliding_window"], config["sliding_window_pattern"], config["head_dim"]) == (32, 3, 256)
+    loaded, tokenizer = mlx_lm.load(str(out))
+    prompt = mx.array([[5, 17, 200, 3, 9, 9, 40]])
+    assert mx.allclose(loaded(prompt), model(prompt), atol=1e-4)
+    bos, a_b = 2, [10, 8]  # "▁ab", "▁b"
+    assert tokenizer.encode(" ab b", add_special_tokens=True)[0] == bos
+    assert tokenizer.encode(" ab b")[1:] == a_b
+    assert tokenizer.decode(a_b) == " ab b"

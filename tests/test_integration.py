@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import KVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 
 from conftest import config_for, tiny_llama
 from veloxquant_mlx import (
@@ -120,15 +120,19 @@ def _methods():
     return available_methods()
 
 
-def test_sliding_window_layers_are_kept_with_a_warning():
+def test_sliding_window_layers_get_compressed_rotating_caches():
+    from veloxquant_mlx import CompressedRotatingKVCache
+
     model = tiny_llama()
     model.model.layers[0].use_sliding = True
     model.model.swa_idx, model.model.sliding_window = 0, 16
-    with pytest.warns(UserWarning, match="1 layer\\(s\\) keep their own bounded"):
-        caches = KVCacheBuilder(config_for("turboquant_mse", 4)).for_model(model).build()
-    assert type(caches[0]) is RotatingKVCache and isinstance(caches[1], CompressedKVCache)
-    model(mx.array([list(range(40))]), cache=caches)
-    assert caches[1].offset == 40
+    caches = KVCacheBuilder(config_for("fp16")).for_model(model).build()
+    assert type(caches[0]) is CompressedRotatingKVCache and caches[0].max_size == 16
+    assert isinstance(caches[1], CompressedKVCache)
+    tokens = mx.array([list(range(40))])
+    expected = model(tokens, cache=model.make_cache())
+    assert mx.allclose(model(tokens, cache=caches), expected, atol=1e-2)
+    assert caches[1].offset == caches[0].offset == 40 and caches[0].held == 40  # one chunk: all held
 
 
 def test_model_bypassing_shared_attention_is_refused():

@@ -2,6 +2,7 @@
 
 from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
+from .rotating import CompressedRotatingKVCache
 from .integration import (
     KVCacheBuilder,
     SingleHeadCache,
@@ -22,6 +23,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CacheFormatError",
     "CompressedKVCache",
+    "CompressedRotatingKVCache",
     "EngineSettings",
     "KVCacheBuilder",
     "KVCacheConfig",

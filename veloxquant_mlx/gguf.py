@@ -1,4 +1,12 @@
-"""Convert a llama-architecture GGUF file into an mlx-lm model folder."""
+"""Convert a GGUF file (llama or gemma3 architecture) into an mlx-lm model folder.
+
+Files whose tensors are all of the types MLX's own GGUF loader reads (floats,
+Q4_0/Q4_1/Q8_0) go through it, and the legacy quants stay packed. Others (Q4_K_M and
+the other K-quant mixes) are read with the `gguf` library, whose `quants.dequantize`
+turns every ggml type into float32: MLX's loader raises on K-quants in some files
+and, in others (`tests/test_gguf.py` has one), returns float16 values that differ
+from the `gguf` library's decoding without an error.
+"""
 
 import json
 import warnings
@@ -30,6 +38,32 @@ LAYER_NAMES = {
 
 # Tensors that llama.cpp stores but mlx-lm's llama has no slot for.
 IGNORED_TENSORS = {"rope_freqs"}
+
+# llama.cpp's names for Gemma 3 (its converter's tensor map), as mlx-lm's gemma3_text spells them.
+GEMMA3_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_NAMES_BY_ARCHITECTURE = {"llama": LAYER_NAMES, "gemma3": GEMMA3_LAYER_NAMES}
+
+# Gemma's RMSNorm scales by (1 + w); llama.cpp's converter stores w + 1 so that ggml's plain
+# rms_norm applies; mlx-lm's gemma3_text adds the 1 itself, so it is taken off again.
+GEMMA_NORM_SHIFT = 1.0
+# Gemma 3 values llama.cpp fixes in code rather than in the file (llama-model.cpp, LLM_ARCH_GEMMA3):
+# the local layers' RoPE base, and one global layer in every 6 when the file names no pattern.
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
+GEMMA3_SLIDING_PATTERN = 6
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_CONTROL = 3
@@ -74,24 +108,118 @@ def _value(metadata: dict, key: str, default=None):
     return value.item()
 
 
-def read_gguf(gguf_path) -> tuple[dict, dict]:
-    """Tensors and metadata of a GGUF file, with clear errors for bad files."""
-    path = Path(gguf_path)
+def _check_file(path: Path):
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes).")
+
+
+def read_gguf(gguf_path) -> tuple[dict, dict]:
+    """Tensors and metadata of a GGUF file through MLX's loader, with clear errors for bad files."""
+    path = Path(gguf_path)
+    _check_file(path)
     return mx.load(str(path), format="gguf", return_metadata=True)
 
 
+# ggml types MLX's loader reads as llama.cpp does: floats, and the legacy quants it keeps packed.
+# Other types (K-quants) it returns as float16 in some files, with values that differ from gguf's.
+MLX_GGUF_TYPES = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+
+
+def _gguf_reader(path: Path):
+    try:
+        import gguf
+    except ImportError:
+        raise ImportError(
+            f"reading {path} needs the gguf package (it checks the tensor types and decodes K-quants, "
+            "which MLX's loader misreads): pip install gguf"
+        ) from None
+    return gguf, gguf.GGUFReader(str(path))
+
+
+def gguf_tensor_types(gguf_path) -> set[str]:
+    """The ggml type names of a GGUF file's tensors (from its header)."""
+    path = Path(gguf_path)
+    _check_file(path)
+    _, reader = _gguf_reader(path)
+    return {tensor.tensor_type.name for tensor in reader.tensors}
+
+
+def read_gguf_dequantized(gguf_path) -> tuple[dict, dict]:
+    """Tensors (float32) and metadata (plain Python values) of any GGUF file, read with the
+    `gguf` library: `gguf.quants.dequantize` decodes every ggml type, K-quants included."""
+    path = Path(gguf_path)
+    _check_file(path)
+    gguf, reader = _gguf_reader(path)
+    metadata = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if field.types == [gguf.GGUFValueType.FLOAT32]:
+            value = float(str(np.float32(value)))  # 1e-06, not 9.999999974752427e-07
+        metadata[name] = value
+    weights = {}
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        # ggml lists dimensions fastest first; numpy and MLX want them slowest first.
+        weights[tensor.name] = mx.array(values.reshape(tuple(reversed(tensor.shape.tolist()))), dtype=mx.float32)
+    return weights, metadata
+
+
+def load_gguf(gguf_path, dequantize: bool = False) -> tuple[dict, dict]:
+    """Tensors and metadata: through MLX's loader (legacy quants stay packed) when it reads
+    every tensor type of the file, else decoded to float32 by the `gguf` library."""
+    unsupported = gguf_tensor_types(gguf_path) - MLX_GGUF_TYPES
+    if not unsupported:
+        return read_gguf(gguf_path)
+    weights, metadata = read_gguf_dequantized(gguf_path)
+    if not dequantize and _value(metadata, "general.architecture") == "llama":
+        warnings.warn(
+            f"MLX cannot keep {sorted(unsupported)} packed: the model folder gets float32 weights."
+        )
+    return weights, metadata
+
+
+def sentencepiece_tokenizer(metadata: dict) -> Tokenizer:
+    """The SentencePiece tokenizer (`tokenizer.ggml.model` "llama", as Gemma's) of a GGUF's
+    metadata, built by transformers' GGUF tokenizer mapping: Gemma files list no merges, and
+    transformers rebuilds them from the vocabulary's order (and respells the whitespace tokens)."""
+    try:
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
+    except ImportError as error:
+        raise ImportError(
+            f"SentencePiece GGUF tokenizers are rebuilt by transformers' GGUF mapping, which this "
+            f"transformers lacks ({error}); 5.24 has it: pip install -U transformers"
+        ) from None
+
+    keys = {
+        "tokenizer_type": "model", "tokens": "tokens", "scores": "scores", "token_type": "token_type",
+        "merges": "merges", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
+        "unk_token_id": "unknown_token_id", "pad_token_id": "padding_token_id",
+        "add_prefix_space": "add_space_prefix",
+    }
+    tokenizer_dict = {}
+    for name, key in keys.items():
+        value = _value(metadata, f"tokenizer.ggml.{key}")
+        if value is not None:
+            tokenizer_dict[name] = value.tolist() if isinstance(value, mx.array) else value
+    tokenizer, _ = convert_gguf_tokenizer(_value(metadata, "general.architecture"), tokenizer_dict)
+    return tokenizer
+
+
 def build_tokenizer(metadata: dict) -> Tokenizer:
-    """Rebuild the byte-level BPE tokenizer stored in a GGUF's metadata."""
+    """Rebuild the tokenizer stored in a GGUF's metadata: byte-level BPE ("gpt2") here,
+    SentencePiece ("llama") through transformers' mapping."""
     kind = _value(metadata, "tokenizer.ggml.model")
+    if kind == "llama":
+        return sentencepiece_tokenizer(metadata)
     if kind != "gpt2":
         raise ValueError(
             f"Unsupported GGUF tokenizer model {kind!r}: only byte-level BPE "
-            "('gpt2') tokenizers can be converted."
+            "('gpt2') and SentencePiece ('llama') tokenizers can be converted."
         )
     tokens = metadata["tokenizer.ggml.tokens"]
     merges = [tuple(merge.split(" ", 1)) for merge in metadata["tokenizer.ggml.merges"]]
@@ -138,7 +266,9 @@ def tokenizer_config(metadata: dict) -> dict:
         "add_bos_token": bool(_value(metadata, "tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(_value(metadata, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": _value(metadata, "llama.context_length", 2048),
+        "model_max_length": _value(
+            metadata, f"{_value(metadata, 'general.architecture', 'llama')}.context_length", 2048
+        ),
     }
     for name in ("bos", "eos", "unknown", "padding"):
         token_id = _value(metadata, f"tokenizer.ggml.{name}_token_id")
@@ -151,11 +281,13 @@ def tokenizer_config(metadata: dict) -> dict:
 
 
 def model_config(metadata: dict, weights: dict) -> dict:
-    """mlx-lm `config.json` for the llama model described by the metadata."""
+    """mlx-lm `config.json` for the model described by the metadata (llama or gemma3)."""
     architecture = _value(metadata, "general.architecture")
+    if architecture == "gemma3":
+        return gemma3_config(metadata, weights)
     if architecture != "llama":
         raise ValueError(
-            f"Unsupported GGUF architecture {architecture!r}: only 'llama' is supported."
+            f"Unsupported GGUF architecture {architecture!r}: only 'llama' and 'gemma3' are supported."
         )
 
     def llama(key, default=None):
@@ -193,17 +325,63 @@ def model_config(metadata: dict, weights: dict) -> dict:
     return config
 
 
-def _mlx_name(gguf_name: str) -> str | None:
+def gemma3_config(metadata: dict, weights: dict) -> dict:
+    """mlx-lm `config.json` (model_type gemma3_text) for a Gemma 3 GGUF."""
+
+    def gemma3(key, default=None):
+        return _value(metadata, f"gemma3.{key}", default)
+
+    hidden_size = gemma3("embedding_length")
+    num_heads = gemma3("attention.head_count")
+    head_dim = gemma3("attention.key_length", hidden_size // num_heads)
+    pattern = gemma3("attention.sliding_window_pattern", GEMMA3_SLIDING_PATTERN)
+    if not isinstance(pattern, int):
+        raise ValueError(
+            f"GGUF sliding-window pattern {pattern!r} is per layer; mlx-lm's gemma3_text takes one period"
+        )
+    config = {
+        "model_type": "gemma3_text",
+        "hidden_size": hidden_size,
+        "num_hidden_layers": gemma3("block_count"),
+        "intermediate_size": gemma3("feed_forward_length"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": gemma3("attention.head_count_kv", num_heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": gemma3("attention.layer_norm_rms_epsilon", 1e-6),
+        "vocab_size": gemma3("vocab_size", len(metadata["tokenizer.ggml.tokens"])),
+        "rope_theta": gemma3("rope.freq_base", 1_000_000.0),
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_BASE,
+        # llama.cpp scales queries by 1/sqrt(head_dim) for every Gemma 3 size but 27B.
+        "query_pre_attn_scalar": head_dim,
+        "sliding_window": gemma3("attention.sliding_window"),
+        "sliding_window_pattern": pattern,
+        "max_position_embeddings": gemma3("context_length", 32768),
+        "tie_word_embeddings": "output.weight" not in weights,
+    }
+    scaling = gemma3("rope.scaling.type", "none")
+    if scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": gemma3("rope.scaling.factor")}
+    elif scaling != "none":
+        raise ValueError(f"GGUF rope scaling {scaling!r} is not converted for gemma3.")
+    for name in ("bos", "eos"):
+        token_id = _value(metadata, f"tokenizer.ggml.{name}_token_id")
+        if token_id is not None:
+            config[f"{name}_token_id"] = token_id
+    return config
+
+
+def _mlx_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """mlx-lm parameter name of a GGUF tensor, or None for tensors to skip."""
+    layer_names = LAYER_NAMES_BY_ARCHITECTURE[architecture]
     parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in TOP_LEVEL_NAMES:
         return f"{TOP_LEVEL_NAMES[parts[0]]}.{parts[1]}"
     if parts[0] in IGNORED_TENSORS:
         warnings.warn(f"Skipping GGUF tensor {gguf_name}: mlx-lm's llama has no use for it.")
         return None
-    raise ValueError(f"Unexpected GGUF tensor {gguf_name!r} for a llama model.")
+    raise ValueError(f"Unexpected GGUF tensor {gguf_name!r} for a {architecture} model.")
 
 
 def _input_dims(name: str, config: dict) -> int:
@@ -227,12 +405,15 @@ def convert_weights(
     """
     quantized = {}  # mlx module path -> (group_size, bits)
     converted = {}
+    architecture = "gemma3" if config["model_type"] == "gemma3_text" else "llama"
     for gguf_name, tensor in weights.items():
         if gguf_name.endswith((".scales", ".biases")):
             continue
-        name = _mlx_name(gguf_name)
+        name = _mlx_name(gguf_name, architecture)
         if name is None:
             continue
+        if architecture == "gemma3" and gguf_name.endswith("norm.weight"):
+            tensor = tensor - GEMMA_NORM_SHIFT
         base = gguf_name.removesuffix(".weight")
         scales = weights.get(f"{base}.scales")
         if scales is None:
@@ -280,12 +461,12 @@ def convert_weights(
 
 
 def convert_gguf(gguf_path, out_dir, dequantize: bool = False) -> Path:
-    """Write an mlx-lm model folder (config, weights, tokenizer) for a llama GGUF.
+    """Write an mlx-lm model folder (config, weights, tokenizer) for a llama or gemma3 GGUF.
 
     The folder loads with `mlx_lm.load(out_dir)`. With `dequantize=True` the
     weights are written as float32 instead of staying 4/8-bit packed.
     """
-    weights, metadata = read_gguf(gguf_path)
+    weights, metadata = load_gguf(gguf_path, dequantize)
     config = model_config(metadata, weights)
     tokenizer = build_tokenizer(metadata)
     tok_config = tokenizer_config(metadata)
@@ -319,8 +500,8 @@ def register_cli(subparsers):
     """Add the `convert-gguf FILE OUT_DIR [--dequantize]` command."""
     parser = subparsers.add_parser(
         "convert-gguf",
-        help="convert a llama GGUF file into an mlx-lm model folder",
-        description="Convert a llama-architecture GGUF file into a folder "
+        help="convert a llama or gemma3 GGUF file into an mlx-lm model folder",
+        description="Convert a llama- or gemma3-architecture GGUF file into a folder "
         "that mlx_lm.load (and veloxquant) can load.",
     )
     parser.add_argument("gguf_file", metavar="FILE", help="the .gguf file")

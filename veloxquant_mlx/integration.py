@@ -23,6 +23,7 @@ from .settings import EngineSettings
 from .batch import BatchCompressedKVCache
 from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
+from .rotating import CompressedRotatingKVCache
 
 
 class UnsupportedModelError(ValueError):
@@ -33,7 +34,7 @@ _original_sdpa = mlx_base.scaled_dot_product_attention
 
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache)):
+    if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)):
         if sinks is not None:
             raise UnsupportedModelError(
                 "this model uses learned attention sinks, which VeloxQuant caches do not support"
@@ -44,6 +45,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
 
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: known from import on.
 mlx_cache.CompressedKVCache = CompressedKVCache
+mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
 
 
 def install_attention_hook(model=None) -> None:
@@ -53,6 +55,7 @@ def install_attention_hook(model=None) -> None:
             module.scaled_dot_product_attention = scaled_dot_product_attention
     # mlx-lm's load_prompt_cache finds cache classes by name in its own module.
     mlx_cache.CompressedKVCache = CompressedKVCache
+    mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
     if model is not None:
         module = sys.modules.get(type(model).__module__)
         if getattr(module, "scaled_dot_product_attention", None) is not scaled_dot_product_attention:
@@ -71,16 +74,16 @@ def base_caches(model) -> list:
 
 def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None,
                       settings: Optional[EngineSettings] = None) -> list:
-    """One compressed cache per attention layer; `settings` (default: resolved now, once for
-    every layer) choose the back end and attention paths."""
+    """One compressed cache per attention layer (a `CompressedRotatingKVCache` where the model
+    asks for mlx-lm's sliding-window `RotatingKVCache`, with its max_size and keep); `settings`
+    (default: resolved now, once for every layer) choose the back end and attention paths."""
     install_attention_hook(model)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
     for i, cache in enumerate(base_caches(model)):
         if type(cache) is mlx_cache.KVCache:
-            caches.append(CompressedKVCache(config, codecs.layer(i), settings))
-        elif isinstance(cache, (mlx_cache.RotatingKVCache,)) or not hasattr(cache, "update_and_fetch"):
+    if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)):
             caches.append(cache)
             kept.append(f"{i}:{type(cache).__name__}")
         else:
@@ -89,7 +92,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
             )
     if kept:
         warnings.warn(
-            f"{len(kept)} layer(s) keep their own bounded or non-attention cache uncompressed: "
+            f"{len(kept)} layer(s) keep their own non-attention cache uncompressed: "
             + ", ".join(kept[:8])
             + (" ..." if len(kept) > 8 else ""),
             stacklevel=3,
@@ -227,7 +230,7 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
         raise CacheFormatError(f"cannot read prompt cache {path}: {error}") from None
     if config is not None:
         for i, cache in enumerate(caches):
-            if not isinstance(cache, CompressedKVCache):
+            if not isinstance(cache, (CompressedKVCache, CompressedRotatingKVCache)):
                 raise CacheFormatError(
                     f"{path} layer {i} holds a {type(cache).__name__}, not a cache made with {config.describe()}"
                 )

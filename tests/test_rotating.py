@@ -1,0 +1,229 @@
+"""The compressed sliding-window cache against mlx-lm's RotatingKVCache (fp16 reference)."""
+
+import copy
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.base import scaled_dot_product_attention as reference_sdpa
+from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+from conftest import tiny_gemma3
+from veloxquant_mlx import (
+    CacheFormatError,
+    CompressedKVCache,
+    CompressedRotatingKVCache,
+    KVCacheConfig,
+    load_prompt_cache,
+    make_prompt_cache,
+    patch_model,
+    save_prompt_cache,
+)
+from veloxquant_mlx.artifacts import CodecSet
+
+HEADS, QUERY_HEADS, DIM, MAX_SIZE = 2, 4, 64, 64
+# Prefill chunks (some longer than the window), decode steps, and chunks after eviction began.
+CHUNKS = [37, 1, 1, 30, 5, 1, 1, 1, 80, 1, 1, 1, 1, 20, 1, 1]
+
+
+def _tokens(n, heads=HEADS):
+    return [mx.random.normal((1, h, n, DIM)).astype(mx.float16) for h in (heads, heads, QUERY_HEADS)]
+
+
+def _step(cache, keys, values, queries, reference_cache=None):
+    """One layer call the way a model makes it: mask first, then update, then attention."""
+    n = keys.shape[2]
+    mask = cache.make_mask(n, window_size=MAX_SIZE)
+    if reference_cache is None:
+        cache.update_and_fetch(keys, values)
+        return cache.attend(queries, scale=DIM**-0.5, mask=mask)
+    k, v = cache.update_and_fetch(keys, values)
+    return reference_sdpa(queries, k, v, cache=cache, scale=DIM**-0.5, mask=mask)
+
+
+def _held(reference: RotatingKVCache) -> int:
+    return min(reference.offset, reference.keys.shape[2])
+
+
+@pytest.mark.parametrize("keep,window", [(0, 0), (4, 0), (0, 8), (4, 8), (0, 63), (4, 59)])
+def test_fp16_codes_give_mlx_lm_rotating_outputs(keep, window):
+    mx.random.seed(0)
+    reference = RotatingKVCache(max_size=MAX_SIZE, keep=keep)
+    ours = CompressedRotatingKVCache(KVCacheConfig(method="fp16", bits=16, residual_length=window), MAX_SIZE, keep)
+    for n in CHUNKS:
+        keys, values, queries = _tokens(n)
+        expected = _step(reference, keys, values, queries, reference_cache=True)
+        out = _step(ours, keys, values, queries)
+        assert ours.offset == reference.offset
+        assert ours.held - ours.stale == _held(reference)
+        assert mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item() < 2e-3, n
+
+
+def test_codes_attend_like_mlx_lm_fed_the_decoded_tokens():
+    """turboquant_mse codes each token on its own: mlx-lm's cache fed the decoded tokens is
+    the exact reference, so only rounding separates the two."""
+    config = KVCacheConfig(method="turboquant_mse", bits=4)
+    codecs = CodecSet.for_config(config)
+    key_codec, value_codec = codecs.get("keys", DIM), codecs.get("values", DIM)
+    roundtrip = lambda codec, x: codec.reconstruct(codec.encode(x.astype(mx.float32))).astype(mx.float16)  # noqa: E731
+    mx.random.seed(1)
+    reference = RotatingKVCache(max_size=MAX_SIZE, keep=0)
+    ours = CompressedRotatingKVCache(config, MAX_SIZE, 0, codecs)
+    worst = 0.0
+    for n in CHUNKS:
+        keys, values, queries = _tokens(n)
+        expected = _step(reference, roundtrip(key_codec, keys), roundtrip(value_codec, values), queries, True)
+        out = _step(ours, keys, values, queries)
+        worst = max(worst, mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item())
+    assert worst < 5e-3
+    assert ours.nbytes < 0.4 * reference.nbytes  # 4-bit codes + norms against fp16
+
+
+def test_block_format_masks_the_evicted_part_of_a_block():
+    """KIVI drops codes in whole key groups: the evicted tokens of a group still held are
+    masked, so decode attends exactly to the window mlx-lm holds."""
+    config = KVCacheConfig(method="kivi", bits=4, group_size=16, residual_length=8)
+    mx.random.seed(2)
+    reference = RotatingKVCache(max_size=MAX_SIZE, keep=0)
+    ours = CompressedRotatingKVCache(config, MAX_SIZE, 0)
+    saw_stale = 0
+    for n in CHUNKS:
+        keys, values, queries = _tokens(n)
+        expected = _step(reference, keys, values, queries, reference_cache=True)
+        out = _step(ours, keys, values, queries)
+        assert ours.held - ours.stale == _held(reference)
+        held_keys, held_values = ours.dequantized()
+        assert held_keys.shape[2] == _held(reference)
+        # The held tokens are the reference's, up to 4-bit error.
+        ref_keys = reference._temporal_order(reference.keys)[..., : _held(reference), :]
+        assert mx.abs(held_keys - ref_keys.astype(mx.float32)).max().item() < 0.5
+        if n == 1 and ours.inner.just_encoded is None:
+            # Decode over exactly the held tokens as attention decodes them (stale ones excluded).
+            oracle = reference_sdpa(queries.astype(mx.float32), held_keys, held_values, cache=None,
+                                    scale=DIM**-0.5, mask=None)
+            assert mx.abs(out.astype(mx.float32) - oracle).max().item() < 2e-3
+        saw_stale += ours.stale > 0
+        assert mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item() < 0.3
+    assert saw_stale  # the case this test is about happened
+
+
+def test_memory_stays_bounded_by_the_window():
+    cache = CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=3), MAX_SIZE)
+    plain = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3))
+    sizes = []
+    for step in range(600):
+        keys, values, _ = _tokens(1)
+        cache.update_and_fetch(keys, values)
+        plain.update_and_fetch(keys, values)
+        sizes.append(cache.nbytes)
+    assert cache.offset == 600 and cache.held == MAX_SIZE
+    assert len(set(sizes[MAX_SIZE:])) == 1
+    assert cache.nbytes < plain.nbytes / 2
+
+
+def test_trim_only_before_eviction_like_mlx_lm():
+    config = KVCacheConfig(method="turboquant_mse", bits=4)
+    mx.random.seed(3)
+    chunks = [_tokens(20)[:2], _tokens(10)[:2]]
+    trimmed = CompressedRotatingKVCache(config, MAX_SIZE)
+    fresh = CompressedRotatingKVCache(config, MAX_SIZE)
+    for keys, values in chunks:
+        trimmed.update_and_fetch(keys, values)
+    fresh.update_and_fetch(*chunks[0])
+    assert trimmed.is_trimmable() and trimmed.trim(10) == 10
+    assert trimmed.offset == fresh.offset == 20
+    assert mx.array_equal(trimmed.dequantized()[0], fresh.dequantized()[0])
+    for _ in range(MAX_SIZE):
+        trimmed.update_and_fetch(*_tokens(1)[:2])
+    reference = RotatingKVCache(max_size=MAX_SIZE)
+    reference.update_and_fetch(*_tokens(MAX_SIZE + 20)[:2])
+    assert trimmed.is_trimmable() == reference.is_trimmable() is False
+    assert trimmed.trim(5) == 0 and trimmed.offset == MAX_SIZE + 20
+
+
+def test_saved_and_copied_caches_keep_the_window(tmp_path):
+    config = KVCacheConfig(method="kivi", bits=4, group_size=16, residual_length=8)
+    cache = CompressedRotatingKVCache(config, MAX_SIZE, keep=4)
+    for n in CHUNKS[:6]:
+        cache.update_and_fetch(*_tokens(n)[:2])
+    assert cache.stale  # the saved state includes stale codes
+    save_prompt_cache(tmp_path / "c.safetensors", [cache])
+    (loaded,) = load_prompt_cache(tmp_path / "c.safetensors", config=config)
+    copied = copy.deepcopy(cache)
+    keys, values, queries = _tokens(1)
+    outs = [_step(c, keys, values, queries) for c in (cache, loaded, copied)]
+    assert loaded.offset == copied.offset == cache.offset and loaded.stale == cache.stale
+    assert mx.allclose(outs[0], outs[1]) and mx.allclose(outs[0], outs[2])
+    copied.update_and_fetch(*_tokens(1)[:2])
+    assert copied.offset == cache.offset + 1  # independent of the original
+
+    header, inner_header, arrays = cache.state
+    broken = header.replace(f'"offset": {cache.offset}', '"offset": 3')
+    with pytest.raises(CacheFormatError, match="corrupted rotating"):
+        CompressedRotatingKVCache.from_state([broken, inner_header, arrays])
+
+
+def test_a_window_too_small_for_the_fp16_window_is_refused():
+    cache = CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=4, residual_length=64), MAX_SIZE)
+    with pytest.raises(ValueError, match="residual_length 64"):
+        cache.update_and_fetch(*_tokens(1)[:2])
+    with pytest.raises(ValueError, match="keep"):
+        CompressedRotatingKVCache(KVCacheConfig(), max_size=8, keep=8)
+
+
+def _logits(model, tokens, cache, chunks):
+    outs, start = [], 0
+    for n in chunks:
+        outs.append(model(tokens[:, start : start + n], cache=cache))
+        start += n
+    return mx.concatenate(outs, axis=1).astype(mx.float32)
+
+
+def test_gemma3_sliding_layers_get_rotating_caches_and_fp16_codes_match_mlx_lm():
+    model = tiny_gemma3(sliding_window=32)
+    config = KVCacheConfig(method="fp16", bits=16)
+    caches = make_prompt_cache(model, config)
+    assert [type(c) for c in caches] == [CompressedRotatingKVCache, CompressedRotatingKVCache, CompressedKVCache]
+    assert all(c.max_size == 32 and c.keep == 0 for c in caches[:2])
+
+    tokens = mx.random.randint(0, 512, (1, 100))
+    chunks = [40, 30] + [1] * 30  # a prefill past the window, then decoding with eviction
+    expected = _logits(model, tokens, model.make_cache(), chunks)
+    got = _logits(model, tokens, caches, chunks)
+    assert mx.abs(got - expected).max().item() < 2e-2 * mx.abs(expected).max().item()
+    assert all(c.held == 32 for c in caches[:2]) and caches[2].offset == 100
+
+
+def test_patched_gemma3_compresses_every_layer_within_the_window():
+    model = patch_model(tiny_gemma3(sliding_window=32), KVCacheConfig(method="turboquant_mse", bits=4))
+    caches = model.make_cache()
+    reference = type(model).make_cache(model)
+    tokens = mx.random.randint(0, 512, (1, 90))
+    chunks = [50] + [1] * 40
+    expected = _logits(model, tokens, reference, chunks)
+    got = _logits(model, tokens, caches, chunks)
+    # 4-bit codes on random weights (flat logits): the KL to fp16 is what this model shows without
+    # any eviction too (~0.17 with a window longer than the prompt); a wrong window would be far off.
+    p, q = mx.softmax(expected, axis=-1), mx.softmax(got, axis=-1)
+    assert (p * (mx.log(p) - mx.log(q))).sum(-1).mean().item() < 0.5
+    assert all(isinstance(c, (CompressedKVCache, CompressedRotatingKVCache)) for c in caches)
+    for ours, theirs in zip(caches, reference):
+        assert ours.nbytes < 0.5 * theirs.nbytes
+    assert isinstance(reference[0], RotatingKVCache) and isinstance(reference[2], KVCache)
+
+
+def test_mlx_lm_generate_runs_past_the_window_with_compressed_caches():
+    from mlx_lm.generate import generate_step
+
+    model = patch_model(tiny_gemma3(sliding_window=32), KVCacheConfig(method="turboquant_mse", bits=4))
+    caches = model.make_cache()
+    prompt = mx.random.randint(0, 512, (20,))
+    steps = list(zip(range(40), generate_step(prompt, model, prompt_cache=caches, max_tokens=40)))
+    assert len(steps) == 40
+    fed = caches[2].offset  # the prompt and the tokens generate_step has fed back (it runs one ahead)
+    assert fed >= 59 and all(c.offset == fed and c.held == 32 for c in caches[:2])
+
+
+def test_batch_merge_is_refused_with_a_clear_error():
+    caches = [CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=4), MAX_SIZE) for _ in range(2)]
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        caches[0].merge(caches)

@@ -1,0 +1,219 @@
+"""A compressed sliding-window cache: mlx-lm's `RotatingKVCache`, holding codes.
+
+mlx-lm's `RotatingKVCache(max_size, keep)` holds the first `keep` tokens and the most
+recent ones: before it takes new tokens it drops the oldest non-kept ones down to
+`max_size - 1` held, so a decode step sees `max_size` tokens and a prefill chunk's
+queries see at least `max_size - 1` earlier ones. Its mask (`make_mask`) is written in
+the index space of what it holds, in time order: `[keep | held | new]`.
+
+`CompressedRotatingKVCache` keeps that contract exactly and stores the held tokens the
+way `CompressedKVCache` does (`cache.py`): it *is* one of those caches (the `inner`
+one, with the `keep` tokens as its fp16 sinks and the config's `residual_length` as its
+fp16 window) plus eviction. Evicting drops the oldest codes from the front of the
+store (`drop_front`), so the inner cache's positions are mlx-lm's index space and
+mlx-lm's masks apply to it unchanged. Attention goes through the inner cache, so the
+engine's path registry serves it: decode with no mask, prefill with the causal mask
+until the window is full, then the generic path with the window's mask array.
+
+Formats with multi-token blocks (KIVI's key groups) can drop codes only in whole
+blocks; the evicted tokens of a block still held ("stale", at most block - 1) are
+masked out, which sends those calls to the generic path.
+
+The config's `sink_tokens` does not apply here: a sliding layer's permanent tokens are
+the cache's `keep`, which mlx-lm's model chose (0 for Gemma 3).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import _BaseCache, create_causal_mask
+
+from .artifacts import CodecSet
+from .cache import CacheFormatError, CompressedKVCache
+from .config import KVCacheConfig
+from .settings import EngineSettings
+
+ROTATING_FORMAT_VERSION = 1
+
+
+class CompressedRotatingKVCache(_BaseCache):
+    def __init__(self, config: KVCacheConfig, max_size: int, keep: int = 0, codecs: Optional[CodecSet] = None,
+                 settings: Optional[EngineSettings] = None):
+        if not 0 <= keep < max_size - 1:
+            raise ValueError(f"keep ({keep}) must be >= 0 and below max_size - 1 ({max_size - 1})")
+        self.config, self.max_size, self.keep = config, max_size, keep
+        self.inner = CompressedKVCache(config.replace(sink_tokens=keep), codecs, settings)
+        self.offset = 0  # tokens seen (RoPE positions); the inner cache's offset counts those held
+        self.stale = 0  # evicted tokens still at the front of the codes (part of a block)
+
+    # ---- what the engine and mlx-lm read -------------------------------------------------------
+    @property
+    def settings(self) -> EngineSettings:
+        return self.inner.settings
+
+    @settings.setter
+    def settings(self, settings: EngineSettings):
+        self.inner.settings = settings
+
+    @property
+    def last_path(self) -> Optional[str]:
+        return self.inner.last_path
+
+    @property
+    def held(self) -> int:
+        """Tokens in the cache, stale ones included (the inner cache's index space)."""
+        return self.inner.offset
+
+    @property
+    def nbytes(self) -> int:
+        return self.inner.nbytes
+
+    def size(self):
+        return min(self.offset, self.max_size)
+
+    def empty(self):
+        return self.offset == 0
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def _plan(self):
+        """(tokens to evict, codes to drop from the store, stale codes after) before the next update."""
+        evict = max(0, self.held - self.stale - (self.max_size - 1))
+        if evict == 0:
+            return 0, 0, self.stale
+        block = self.inner.block
+        codes = self.inner.encoded
+        if self.stale + evict > codes:
+            raise RuntimeError(
+                f"the sliding window would evict fp16 window tokens ({self.stale + evict} > {codes} codes); "
+                "residual_length is checked against max_size when the cache is set up"
+            )
+        dropped = (self.stale + evict) // block * block
+        return evict, dropped, self.stale + evict - dropped
+
+    def _evict(self):
+        _, dropped, stale = self._plan()
+        if dropped:
+            self.inner.store.drop_front(dropped)
+            self.inner.offset -= dropped
+        self.stale = stale
+
+    def _check_window(self):
+        """The fp16 window must leave codes to evict: up to residual_length + block - 1 tokens
+        wait in it, and eviction keeps keep + max_size - 1 - keep."""
+        block, window = self.inner.block, self.config.residual_length
+        if self.keep + window + block > self.max_size:
+            raise ValueError(
+                f"residual_length {window} (+ token block {block} + keep {self.keep}) does not fit a sliding "
+                f"window of {self.max_size} tokens: use a residual_length of at most {self.max_size - self.keep - block}"
+            )
+
+    # ---- mlx-lm cache protocol ----------------------------------------------------------------
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if self.inner.key_codec is None:
+            self.inner._setup(keys, values)
+            self._check_window()
+            # Grow by at most the window, as mlx-lm's RotatingKVCache does.
+            self.inner.store.step = min(self.inner.store.step, self.max_size)
+        self._evict()
+        self.offset += keys.shape[2]
+        return self.inner.update_and_fetch(keys, values)
+
+    def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
+        return self.inner.attend(queries, scale=scale, mask=mask)
+
+    def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
+        """mlx-lm's `RotatingKVCache.make_mask`, with the planned stale codes masked out."""
+        _, _, stale = self._plan() if self.inner.key_codec is not None else (0, 0, 0)
+        held = min(self.max_size - 1, self.offset)  # what mlx-lm holds after its trim
+        window_size = window_size or self.max_size
+        if N > 1:
+            if not stale and not return_array and held + N <= window_size:
+                return "causal"
+            mask = create_causal_mask(N, held, window_size=window_size)
+        else:
+            if window_size < self.max_size and self.offset >= window_size:
+                size = min(self.offset + 1, self.max_size)
+                mask = (mx.arange(size) >= size - window_size)[None]
+            elif stale or return_array:
+                mask = mx.ones((1, held + 1), dtype=mx.bool_)
+            else:
+                return None
+        if stale:
+            sinks = min(self.keep, self.offset)
+            mask = mx.concatenate(
+                [mask[:, :sinks], mx.zeros((N, stale), dtype=mx.bool_), mask[:, sinks:]], axis=1
+            )
+        return mask
+
+    def is_trimmable(self):
+        return self.offset < self.max_size
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens; like mlx-lm's, only before anything was evicted."""
+        if not self.is_trimmable():
+            return 0
+        n = self.inner.trim(n)
+        self.offset -= n
+        return n
+
+    def merge(self, caches):
+        """mlx-lm's batch_generate merges prompt caches into one batch cache: not built for
+        sliding windows yet (mlx-lm's BatchRotatingKVCache has no compressed counterpart)."""
+        raise NotImplementedError(
+            "batching compressed sliding-window caches is not supported yet: use mlx_lm.generate per prompt"
+        )
+
+    def dequantized(self):
+        """(keys, values) held, in time order, as attention sees them (fp32; for tests)."""
+        keys, values = self.inner.dequantized()
+        if self.stale:
+            sinks = self.inner.sinks
+            keep = lambda x: mx.concatenate([x[..., :sinks, :], x[..., sinks + self.stale :, :]], axis=2)  # noqa: E731
+            keys, values = keep(keys), keep(values)
+        return keys, values
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, copy.deepcopy(value, memo) if name == "inner" else value)
+        return new
+
+    # ---- save / load ----------------------------------------------------------------------------
+    @property
+    def state(self):
+        header = {"format": ROTATING_FORMAT_VERSION, "max_size": self.max_size, "keep": self.keep,
+                  "offset": self.offset, "stale": self.stale, "config": self.config.to_json()}
+        inner_header, arrays = self.inner.state
+        return [json.dumps(header), inner_header, arrays]
+
+    @state.setter
+    def state(self, state):
+        try:
+            header_text, inner_header, arrays = state
+            header = json.loads(header_text)
+            version = header["format"]
+            config = KVCacheConfig.from_json(header["config"])
+        except Exception as error:
+            raise CacheFormatError(f"not a VeloxQuant rotating cache layer (unreadable header: {error})") from None
+        if version != ROTATING_FORMAT_VERSION:
+            raise CacheFormatError(f"rotating cache format {version} is not supported")
+        self.__init__(config.replace(artifact_dir=None), header["max_size"], header["keep"])
+        self.inner.state = [inner_header, arrays]
+        self.offset, self.stale = header["offset"], header["stale"]
+        if self.offset < self.held - self.stale or self.held - self.stale > self.max_size:
+            raise CacheFormatError(
+                f"corrupted rotating cache layer: {self.held} held ({self.stale} stale) for offset {self.offset}, "
+                f"max_size {self.max_size}"
+            )
+
+    @classmethod
+    def from_state(cls, state):
+        cache = cls.__new__(cls)
+        cache.state = state
+        return cache
