@@ -77,7 +77,8 @@ class QuantizedLinear(nn.Module):
     """y = x W^T + b with W stored as `bits`-bit codes of rotated, normalised rows."""
 
     def __init__(self, in_features: int, out_features: int, bits: int, *, codes: mx.array, scales: mx.array,
-                 codebook: mx.array, rotation: StructuredRotation, bias: Optional[mx.array] = None):
+                 codebook: mx.array, rotation: StructuredRotation, bias: Optional[mx.array] = None,
+                 input_scales: Optional[mx.array] = None):
         super().__init__()
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
@@ -98,6 +99,10 @@ class QuantizedLinear(nn.Module):
         if rotation.perms is not None:
             self.rotation_perms = rotation.perms
         self._rotation = rotation  # a plain attribute: its arrays are the two above
+        if input_scales is not None:
+            if input_scales.shape != (in_features,):
+                raise ValueError(f"input_scales must have shape ({in_features},), got {input_scales.shape}")
+            self.input_scales = input_scales
         if bias is not None:
             self.bias = bias
         self.freeze()
@@ -113,10 +118,25 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: mx.array, bits: int, seed: int = 0, group_size: Optional[int] = None,
-                    stages: int = 2, bias: Optional[mx.array] = None) -> "QuantizedLinear":
+                    stages: int = 2, bias: Optional[mx.array] = None,
+                    rotation: Optional[StructuredRotation] = None,
+                    column_alpha: float = 0.0) -> "QuantizedLinear":
+        """`rotation` overrides the seeded one (benchmarks compare others through it).
+        `column_alpha` > 0 divides column j by c_j = rms(W[:, j])^alpha before rotating and
+        multiplies the input by c once per call, so that columns of small weights (the input
+        channels of large activations, typically) keep proportionally small errors."""
         out_features, in_features = weight.shape
+        input_scales = None
+        if column_alpha:
+            w = weight.astype(mx.float32)
+            rms = mx.sqrt((w * w).mean(axis=0))
+            input_scales = mx.power(mx.maximum(rms, 1e-8) / mx.maximum(rms.mean(), 1e-8), column_alpha)
+            input_scales = input_scales.astype(mx.float16)
+            weight = w / input_scales.astype(mx.float32)
+            mx.eval(weight, input_scales)
         groups = _group_count(in_features, group_size)
-        rotation = StructuredRotation.seeded(in_features, seed, stages)
+        if rotation is None:
+            rotation = StructuredRotation.seeded(in_features, seed, stages)
         centroids = unit_codebook(bits)
         chunk = max(1, QUANTIZE_CHUNK_ELEMENTS // in_features)
         codes, scales = [], []
@@ -128,7 +148,7 @@ class QuantizedLinear(nn.Module):
         codes = codes[0] if len(codes) == 1 else mx.concatenate(codes)
         scales = scales[0] if len(scales) == 1 else mx.concatenate(scales)
         return cls(in_features, out_features, bits, codes=codes, scales=scales, codebook=centroids,
-                   rotation=rotation, bias=bias)
+                   rotation=rotation, bias=bias, input_scales=input_scales)
 
     # ---- views ---------------------------------------------------------------
 
@@ -145,6 +165,8 @@ class QuantizedLinear(nn.Module):
         which every format keeps alike)."""
         arrays = [self.codes, self.scales, self.codebook]
         arrays += list(self.rotation.state().values())
+        if "input_scales" in self:
+            arrays.append(self.input_scales)
         return sum(a.nbytes for a in arrays)
 
     def bits_per_weight(self) -> float:
@@ -163,6 +185,8 @@ class QuantizedLinear(nn.Module):
     # ---- forward ---------------------------------------------------------------
 
     def __call__(self, x: mx.array) -> mx.array:
+        if "input_scales" in self:
+            x = x * self.input_scales.astype(x.dtype)
         rotated = self.rotation.apply(x)
         from . import kernel
 

@@ -55,7 +55,8 @@ def layer_seed(seed: int, path: str) -> int:
 
 
 def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
-                   group_size: Optional[int] = None, stages: int = 2, progress: bool = True) -> nn.Module:
+                   group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
+                   progress: bool = True) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
 
@@ -71,7 +72,8 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     for path in tqdm(paths, desc=f"quantizing to {bits} bits", unit="layer", disable=not progress):
         module = modules.pop(path)
         layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
-                                            group_size=group_size, stages=stages, bias=module.get("bias"))
+                                            group_size=group_size, stages=stages, bias=module.get("bias"),
+                                            column_alpha=column_alpha)
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
     return model

@@ -55,7 +55,7 @@ class ReservoirError(ValueError):
 
 def _dtype_name(a: mx.array) -> str:
     for name, dtype in _MLX.items():
-        if a.dtype == dtype and name != "uint16":
+        if a.dtype == dtype:
             return name
     raise ReservoirError(f"cannot store dtype {a.dtype}")
 
@@ -74,8 +74,9 @@ def _layer_tensors(layer: QuantizedLinear) -> Dict[str, mx.array]:
     tensors = {"codes": layer.codes, "scales": layer.scales, "codebook": layer.codebook}
     for key, value in layer.rotation.state().items():
         tensors["rotation." + key] = value
-    if "bias" in layer:
-        tensors["bias"] = layer.bias
+    for optional in ("input_scales", "bias"):
+        if optional in layer:
+            tensors[optional] = layer[optional]
     return tensors
 
 
@@ -163,7 +164,7 @@ def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, QuantizedLinear
             layers[name] = QuantizedLinear(entry["in_features"], entry["out_features"], entry["bits"],
                                            codes=arrays["codes"], scales=arrays["scales"],
                                            codebook=arrays["codebook"], rotation=rotation,
-                                           bias=arrays.get("bias"))
+                                           bias=arrays.get("bias"), input_scales=arrays.get("input_scales"))
     return layers, header
 
 
