@@ -178,8 +178,11 @@ def build_parser() -> argparse.ArgumentParser:
     from . import gguf
     from .evaluation import register_cli as register_evaluation
 
+    from .weights.cli import register_cli as register_weights
+
     gguf.register_cli(sub)
     register_evaluation(sub)
+    register_weights(sub)
     return parser
 
 
