@@ -26,8 +26,8 @@ from veloxquant_mlx.weights import QuantizedLinear, StructuredRotation, quantize
 from veloxquant_mlx.weights import model as weights_model
 from veloxquant_mlx.weights.rotation import dense_rotation_matrix
 
-DEFAULT_SPECS = ("ref,vq:2,vq:3,vq:4,vq:3:alpha=0,vq:3:g=64,vq:3:rot=dense,"
-                 "affine:2:32,affine:2:64,affine:3:32,affine:3:64,affine:4:32,affine:4:64,mxfp4,nvfp4")
+DEFAULT_SPECS = ("ref,vq:3,affine:3:64,affine:2:32,vq:4,affine:4:64,mxfp4,nvfp4,affine:3:32,vq:2,affine:2:64,"
+                 "vq:3:g=64,vq:3:alpha=0,vq:3:rot=dense")
 
 
 class DenseBaselineRotation(StructuredRotation):
@@ -156,6 +156,11 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
         del model
+        write(out, args, rows)
+
+
+def write(out: Path, args, rows) -> None:
+    """results.json and results.md of the rows so far (rewritten after every spec)."""
     meta = {"model": args.model, "text": args.text, "ctx": args.ctx, "windows": args.windows, "seed": args.seed,
             "tokens_scored": args.windows * (args.ctx - 1), "device": str(mx.default_device())}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -167,7 +172,6 @@ def main() -> None:
         lines.append(f"| {r['spec']} | {r['bits_per_weight']:.3f} | {r['ppl']:.3f} | {vs} | "
                      f"{r['top1_agreement']:.3f} | {r['quantize_seconds']:.1f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
