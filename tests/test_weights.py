@@ -207,7 +207,7 @@ def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator():
 
     if emulator.compiler() is None:
         pytest.skip("no C++20 compiler for the kernel emulator")
-    for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 64, 1)):
+    for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 16, 1)):
         layer = QuantizedLinear.from_weight(_weight(37, dim, seed=bits), bits, group_size=group)
         x = layer.rotation.apply(_weight(rows, dim, seed=7))
         expected = np.array(layer.tiled_matmul(x))
@@ -229,3 +229,24 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
     loaded, _ = directory.load_quantized_dir(tmp_path / "q")
     linear = [m for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
     assert len(linear) == 14 and all(isinstance(m, QuantizedLinear) for m in linear)
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
+def test_lut_kernel_cuda_source_compiles_with_nvcc(tmp_path):
+    """The CUDA translation unit MLX would build compiles for sm_90 without spills."""
+    import subprocess
+
+    from veloxquant_mlx.kernels import templates
+    from veloxquant_mlx.weights import kernel
+
+    for i, (plan, x) in enumerate(((kernel.plan(1, 4096, 4096, 4, 1, "float16", "float16"), "float16"),
+                                   (kernel.plan(5, 576, 300, 3, 9, "float32", "float32"), "float32"))):
+        src = tmp_path / f"lut{i}.cu"
+        ins = {"x": x, "codes": "uint32", "scales": "float16", "lut": "float32"}
+        src.write_text(templates.render_cuda("lut_matmul", plan.template, ins, {"out": x}, mlx_header=False))
+        result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
+                                 str(tmp_path / f"lut{i}.o"), str(src)], capture_output=True, text=True)
+        if result.returncode != 0 and "cannot find" in (result.stderr + result.stdout).lower():
+            pytest.skip("nvcc without a usable CUDA toolkit")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]

@@ -6,11 +6,12 @@ there as ``lut_matmul`` when this module is imported), so that
 same text with the same constants (`launch.run_mlx` / `launch.run_emulator`).
 
 Work split (a GEMV for decode-sized batches): a block of NT threads has NT / 32
-warps, one output row n each; lane l of a warp decodes the 32-code blocks
-l, l + 32, ... of row n (block k is words [k*BITS, (k+1)*BITS)), looks every code
-up in the 2^BITS-entry table in shared memory, multiplies it by the rotated input
-of up to MT batch rows and a warp sum gives y[m, n] (times the row scale, or with
-the group scale applied per 32-code block when groups are on: GS % 32 == 0).
+warps, one output row n each; lane l of a warp decodes codes l, l + 32, ... of row n
+(code i sits at bits [i*BITS, (i+1)*BITS) of the row's words, so the 32 lanes of one
+step read BITS consecutive words and 32 consecutive inputs: coalesced), looks each
+code up in the 2^BITS-entry table in shared memory, times its group scale when groups
+are on, multiplies it by the rotated input of up to MT batch rows, and a warp sum
+gives y[m, n] (times the row scale when there are no groups).
 """
 
 from __future__ import annotations
@@ -40,21 +41,16 @@ LUT_MATMUL = r"""
   for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
   if (n < N) {
     const VQ_GLOBAL uint32_t* row = codes + (size_t)n * W;
-    for (int k = lane; k * 32 < D; k += 32) {
-      uint32_t blk[BITS];
-      for (int b = 0; b < BITS; ++b) blk[b] = (k * BITS + b < W) ? row[k * BITS + b] : 0u;
-      const float gs = (NG > 1) ? VQ_F(scales[(size_t)n * NG + (k * 32) / GS]) : 1.0f;
-      const int count = VQ_MINI(32, D - k * 32);
-      for (int j = 0; j < count; ++j) {
-        const int bit = j * BITS;
-        const int sh = bit & 31;
-        uint32_t c = blk[bit >> 5] >> sh;
-        if (sh + BITS > 32) c |= blk[(bit >> 5) + 1] << (32 - sh);
-        const float wv = lut_s[c & MASK] * gs;
-        const int i = k * 32 + j;
-        for (int m = 0; m < MT; ++m) {
-          if (m0 + m < M) acc[m] += VQ_F(x[(size_t)(m0 + m) * D + i]) * wv;
-        }
+    for (int i = lane; i < D; i += 32) {
+      const int bit = i * BITS;
+      const int wi = bit >> 5;
+      const int sh = bit & 31;
+      uint32_t c = row[wi] >> sh;
+      if (sh + BITS > 32) c |= row[wi + 1] << (32 - sh);
+      float wv = lut_s[c & MASK];
+      if (NG > 1) wv *= VQ_F(scales[(size_t)n * NG + i / GS]);
+      for (int m = 0; m < MT; ++m) {
+        if (m0 + m < M) acc[m] += VQ_F(x[(size_t)(m0 + m) * D + i]) * wv;
       }
     }
   }
@@ -79,8 +75,6 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
          out_dtype: str, threads: int = THREADS) -> launch.Plan:
     """Constants and grid of one launch: `rows` batch rows of a (out, in) layer."""
     group_size = in_features // groups
-    if groups > 1 and group_size % 32:
-        raise ValueError(f"the LUT kernel needs a group size that is a multiple of 32, got {group_size}")
     mt = min(rows, MAX_ROWS)
     nwarp = threads // 32
     template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", -(-in_features * bits // 32)),
