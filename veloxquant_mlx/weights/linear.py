@@ -31,7 +31,7 @@ SUPPORTED_BITS = (2, 3, 4)
 # Weights decoded at once by the tiled forward (rows = this // in_features).
 TILE_ELEMENTS = int(os.environ.get("VELOXQUANT_WEIGHT_TILE", 1 << 18))
 # Rows quantised at once (bounds the working set of quantize_weight).
-QUANTIZE_CHUNK_ELEMENTS = 1 << 21
+QUANTIZE_CHUNK_ELEMENTS = 1 << 18
 
 
 def unit_codebook(bits: int) -> mx.array:

@@ -7,7 +7,8 @@ Layout (little-endian):
     12  uint32    header length h
     16  32 bytes  SHA-256 of the header
     48  h bytes   JSON header
-    ... zero padding to a page boundary; then every tensor starts on its own page.
+    ... zero padding to a page boundary; then the data: every tensor of a page or more
+              starts on a page boundary, smaller ones follow at 64-byte alignment.
 
 The header names, for each layer path, its shape, bits, rotation blocks and every
 tensor's dtype, shape, byte offset and length, plus the model fingerprint
@@ -41,6 +42,7 @@ from .rotation import StructuredRotation
 MAGIC = b"VQWRSV\x00\x01"
 FORMAT_VERSION = 1
 PAGE = 4096
+SMALL_ALIGN = 64
 _PREFIX = struct.Struct("<8sII32s")
 
 _NUMPY = {"uint32": np.uint32, "int8": np.int8, "float16": np.float16, "float32": np.float32,
@@ -85,17 +87,22 @@ def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
     layers = quantized_layers(model)
     if not layers:
         raise ValueError("the model has no QuantizedLinear layers: run quantize_model first")
-    entries, blobs, offset = {}, [], 0
+    entries, pieces = {}, []
     for name, layer in layers:
-        tensors = {}
-        for key, value in _layer_tensors(layer).items():
-            data = _raw(value)
-            tensors[key] = {"dtype": _dtype_name(value), "shape": list(value.shape), "offset": offset,
-                            "nbytes": len(data), "crc32": zlib.crc32(data)}
-            blobs.append((offset, data))
-            offset = _align(offset + len(data))
         entries[name] = {"in_features": layer.in_features, "out_features": layer.out_features,
-                         "bits": layer.bits, "rotation": layer.rotation.meta(), "tensors": tensors}
+                         "bits": layer.bits, "rotation": layer.rotation.meta(), "tensors": {}}
+        for key, value in _layer_tensors(layer).items():
+            pieces.append((name, key, value, _raw(value)))
+    # Tensors of a page or more start on a page (they come first); the small ones (scales,
+    # codebooks, rotation signs, ...) follow, packed at SMALL_ALIGN, so padding stays small.
+    pieces.sort(key=lambda p: len(p[3]) < PAGE)
+    blobs, offset = [], 0
+    for name, key, value, data in pieces:
+        offset = _align(offset) if len(data) >= PAGE else -(-offset // SMALL_ALIGN) * SMALL_ALIGN
+        entries[name]["tensors"][key] = {"dtype": _dtype_name(value), "shape": list(value.shape), "offset": offset,
+                                         "nbytes": len(data), "crc32": zlib.crc32(data)}
+        blobs.append((offset, data))
+        offset += len(data)
     header = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint(model), "meta": meta or {},
               "data_bytes": offset, "layers": entries}
     text = json.dumps(header, sort_keys=True).encode()
