@@ -49,9 +49,9 @@ def step(layers, x_hidden, x_mlp):
     return outs
 
 
-def time_block(layers, dtype, steps: int, warmup: int, repeats: int) -> float:
-    x_hidden = mx.random.normal((1, 1, 4096)).astype(dtype)
-    x_mlp = mx.random.normal((1, 1, 14336)).astype(dtype)
+def time_block(layers, dtype, steps: int, warmup: int, repeats: int, tokens: int = 1) -> float:
+    x_hidden = mx.random.normal((1, tokens, 4096)).astype(dtype)
+    x_mlp = mx.random.normal((1, tokens, 14336)).astype(dtype)
     for _ in range(warmup):
         mx.eval(step(layers, x_hidden, x_mlp))
     results = []
@@ -73,13 +73,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--kinds", default="fp16,affine,vq")
+    parser.add_argument("--tokens", type=int, default=1, help="rows per matmul (1: decode; e.g. 512: prefill)")
     parser.add_argument("--out", default="benchmarks/results/gpu/weights-decode")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     rows = []
     for kind in args.kinds.split(","):
         layers = build(kind, args.bits, dtype)
-        seconds = time_block(layers, dtype, args.steps, args.warmup, args.repeats)
+        seconds = time_block(layers, dtype, args.steps, args.warmup, args.repeats, args.tokens)
         rows.append({"kind": kind, "bits": None if kind == "fp16" else args.bits, "ms_per_block": 1e3 * seconds})
         print(json.dumps(rows[-1]), flush=True)
         del layers
@@ -91,7 +92,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"device": str(mx.default_device()), "args": vars(args),
                                                   "rows": rows}, indent=2))
-    lines = ["| weights | ms per Llama-3.1-8B block (decode, M=1) | speed vs affine |", "|---|---|---|"]
+    lines = [f"| weights | ms per Llama-3.1-8B block ({args.tokens} token(s)) | speed vs affine |", "|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['ms_per_block']:.4f} | {r.get('speed_vs_affine', float('nan')):.2f}x |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
