@@ -30,8 +30,9 @@ from veloxquant_mlx.weights.model import linear_paths
 _CHILD = r"""
 import sys, time, mlx.core as mx
 from veloxquant_mlx.weights import load_reservoir
-layers, _ = load_reservoir(sys.argv[1])
-mx.eval([l.parameters() for l in layers.values()])
+if sys.argv[1] != "-":  # "-": the baseline, same imports, nothing loaded
+    layers, _ = load_reservoir(sys.argv[1])
+    mx.eval([l.parameters() for l in layers.values()])
 print("loaded", flush=True)
 time.sleep(float(sys.argv[2]))
 """
@@ -50,10 +51,11 @@ def _smaps(pid: int) -> dict:
 
 
 def page_sharing(path: Path, hold: float = 6.0) -> dict:
-    """Start two processes that load the same reservoir; read their smaps while both hold it."""
+    """Start two processes that load the same reservoir and a baseline one that loads nothing;
+    read their smaps while all hold on."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(path), str(hold)], stdout=subprocess.PIPE, env=env)
-             for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, arg, str(hold)], stdout=subprocess.PIPE, env=env)
+             for arg in (str(path), str(path), "-")]
     for p in procs:
         assert p.stdout.readline().strip() == b"loaded"
     stats = [_smaps(p.pid) for p in procs]
@@ -151,10 +153,10 @@ def main() -> None:
                      f"{r['file_over_codes']:.3f} | {r['logits_bit_identical']} | {r['model_bytes_before'] / mb:.1f} | "
                      f"{r['largest_layer_bytes'] / mb:.2f} | {r['peak_bytes_quantize'] / mb:.1f} |")
     lines += ["", f"Page sharing: two processes loading the same {sharing['file_bytes'] / mb:.1f} MB reservoir "
-              "(smaps_rollup while both hold it):", "",
+              "and a baseline process with the same imports that loads nothing (smaps_rollup while all hold on):", "",
               "| process | Rss MB | Pss MB | Shared_Clean MB | Private_Dirty MB |", "|---|---|---|---|---|"]
     for i, p in enumerate(sharing["processes"]):
-        lines.append(f"| {i} | {p['Rss'] / mb:.1f} | {p['Pss'] / mb:.1f} | {p['Shared_Clean'] / mb:.1f} | "
+        lines.append(f"| {('loader 1', 'loader 2', 'baseline')[i]} | {p['Rss'] / mb:.1f} | {p['Pss'] / mb:.1f} | {p['Shared_Clean'] / mb:.1f} | "
                      f"{p['Private_Dirty'] / mb:.1f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
