@@ -41,9 +41,13 @@ def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterab
     from .model import quantize_model
     from .reservoir import save_reservoir
 
-    source = model_source(model_name)
-    if Path(source).is_dir():
-        source = str(Path(source).resolve())
+    # The default model and hub ids are kept by name (the folder then works on another
+    # machine); local folders and GGUF files by absolute path.
+    source = str(model_name)
+    local = Path(source).expanduser()
+    if local.exists():
+        source = str(local.resolve())
+    model_source(model_name)  # fails early for a missing model
     model, _ = load_model(model_name)
     mx.eval(model.parameters())
     start = time.perf_counter()
