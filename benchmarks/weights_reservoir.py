@@ -29,11 +29,22 @@ from veloxquant_mlx.weights import graft_reservoir, load_reservoir, quantize_mod
 from veloxquant_mlx.weights.model import linear_paths
 
 _CHILD = r"""
-import sys, time, mlx.core as mx
+import mmap, sys, time, mlx.core as mx, numpy as np
 from veloxquant_mlx.weights import load_reservoir
-if sys.argv[3] != "none":  # "none": the baseline, same imports, nothing loaded
-    layers, _ = load_reservoir(sys.argv[1], zero_copy=sys.argv[3] == "mapped")
+from veloxquant_mlx.weights.reservoir import _NUMPY, read_header
+mode = sys.argv[3]
+if mode == "copied":  # load_reservoir
+    layers, _ = load_reservoir(sys.argv[1])
     mx.eval([l.parameters() for l in layers.values()])
+elif mode == "mapped":  # the candidate zero-copy path: mx.from_dlpack of views of a file mapping
+    header, start = read_header(sys.argv[1])
+    f = open(sys.argv[1], "rb")
+    mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    arrays = [mx.from_dlpack(np.frombuffer(mm, dtype=_NUMPY[t["dtype"]], count=t["nbytes"] // np.dtype(_NUMPY[t["dtype"]]).itemsize,
+                                           offset=start + t["offset"]))
+              for e in header["layers"].values() for t in e["tensors"].values()]
+    mx.eval(arrays)
+# "none": the baseline, same imports, nothing loaded
 print("loaded", flush=True)
 time.sleep(float(sys.argv[2]))
 """
@@ -135,10 +146,15 @@ def main() -> None:
     parser.add_argument("--bits", default="2,3,4")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="load/graft timings (median)")
+    parser.add_argument("--render", action="store_true", help="only rewrite results.md from OUT/results.json")
     parser.add_argument("--out", default="benchmarks/results/weights-reservoir-smollm2")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        saved = json.loads((out / "results.json").read_text())
+        render(out, saved["rows"], saved["page_sharing"])
+        return
     with tempfile.TemporaryDirectory() as tmp:
         rows = []
         for b in args.bits.split(","):
@@ -149,6 +165,10 @@ def main() -> None:
         print(json.dumps(sharing), flush=True)
     (out / "results.json").write_text(json.dumps({"rows": rows, "page_sharing": sharing,
                                                    "device": str(mx.default_device())}, indent=2))
+    render(out, rows, sharing)
+
+
+def render(out: Path, rows, sharing) -> None:
     mb = 1e6
     lines = ["| bits | bits/weight | quantize s | graft s (load + verify + swap, median) | speedup | CPU-time speedup "
              "| reservoir MB | packed codes MB | file / codes | logits bit-identical | model MB before | largest layer MB "
@@ -159,9 +179,10 @@ def main() -> None:
                      f"{r['graft_speedup_vs_quantize']:.0f}x | {r['graft_cpu_speedup']:.0f}x | {r['file_bytes'] / mb:.2f} | {r['packed_code_bytes'] / mb:.2f} | "
                      f"{r['file_over_codes']:.3f} | {r['logits_bit_identical']} | {r['model_bytes_before'] / mb:.1f} | "
                      f"{r['largest_layer_bytes'] / mb:.2f} | {r['peak_bytes_quantize'] / mb:.1f} |")
-    lines += ["", f"Page sharing: five processes at once, two loading the same {sharing['file_bytes'] / mb:.1f} MB "
-              "reservoir mapped (zero-copy, the CPU default), two copying it, and a baseline with the same imports "
-              "that loads nothing (smaps_rollup while all hold on):", "",
+    lines += ["", f"Page sharing: five processes at once on the same {sharing['file_bytes'] / mb:.1f} MB reservoir: "
+              "two `mapped` (mx.from_dlpack of NumPy views of a file mapping, the candidate zero-copy path), "
+              "two `copied` (load_reservoir), and a baseline with the same imports that loads nothing "
+              "(smaps_rollup while all hold on):", "",
               "| process | Rss MB | Pss MB | Shared_Clean MB | Private_Dirty MB |", "|---|---|---|---|---|"]
     for i, p in enumerate(sharing["processes"]):
         lines.append(f"| {p['mode']} {i} | {p['Rss'] / mb:.1f} | {p['Pss'] / mb:.1f} | {p['Shared_Clean'] / mb:.1f} | "

@@ -150,10 +150,6 @@ def test_reservoir_round_trip_is_bit_identical(saved):
     assert mx.array_equal(fresh(tokens), expected).item()
     layers, header = load_reservoir(path)
     assert header["meta"] == {"bits": 3} and len(layers) == len(quantized_layers(model))
-    copied, _ = load_reservoir(path, zero_copy=False)
-    for name, layer in layers.items():  # mapped (CPU default) and copied loads compute the same
-        x = _weight(2, layer.in_features, seed=4)
-        assert mx.array_equal(layer(x), copied[name](x)).item()
     # Tensors of a page or more are page-aligned; all are aligned to 64 bytes.
     _, start = reservoir_module.read_header(path)
     assert start % reservoir_module.PAGE == 0

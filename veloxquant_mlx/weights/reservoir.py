@@ -148,50 +148,35 @@ def read_header(path) -> Tuple[dict, int]:
     return header, data_start
 
 
-def _zero_copy_default() -> bool:
-    # mx.from_dlpack adopts a host buffer without copying on the CPU back end; GPU back
-    # ends need their own memory, so there the bytes are copied (mx.array).
-    return mx.default_device() == mx.cpu
-
-
-def load_reservoir(path, verify: bool = True, zero_copy: Optional[bool] = None
-                   ) -> Tuple[Dict[str, QuantizedLinear], dict]:
+def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, QuantizedLinear], dict]:
     """The layers of a reservoir by path, and its header. `verify` checks every tensor's CRC-32.
 
-    With `zero_copy` (default on the CPU) the arrays are views of a private copy-on-write
-    mapping of the file (`mx.from_dlpack`), so processes loading one reservoir share its
-    pages through the page cache; otherwise the bytes are copied into MLX buffers.
+    The bytes are copied into MLX buffers: MLX 0.32.4 has no zero-copy path from a file
+    mapping on the CPU (`mx.array`, `mx.asarray` and `mx.from_dlpack` of a NumPy view all copy,
+    measured in benchmarks/weights_reservoir.py), so processes do not share these pages.
     """
     header, data_start = read_header(path)
-    if zero_copy is None:
-        zero_copy = _zero_copy_default()
     layers = {}
-    with open(path, "rb") as f:
-        # ACCESS_COPY: writable views (DLPack exports no read-only arrays) whose writes, if
-        # any, never reach the file. The mapping lives as long as an array viewing it.
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY if zero_copy else mmap.ACCESS_READ)
-    for name, entry in header["layers"].items():
-        arrays = {}
-        for key, t in entry["tensors"].items():
-            start = data_start + t["offset"]
-            if verify:
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for name, entry in header["layers"].items():
+            arrays = {}
+            for key, t in entry["tensors"].items():
+                start = data_start + t["offset"]
                 with memoryview(mm)[start:start + t["nbytes"]] as view:
-                    if zlib.crc32(view) != t["crc32"]:
+                    if verify and zlib.crc32(view) != t["crc32"]:
                         raise ReservoirError(f"{path}: data corrupted in {name}.{key} (CRC-32 mismatch)")
-            dtype = np.dtype(_NUMPY[t["dtype"]])
-            host = np.frombuffer(mm, dtype=dtype, count=t["nbytes"] // dtype.itemsize, offset=start)
-            host = host.reshape(t["shape"])
-            array = mx.from_dlpack(host) if zero_copy else mx.array(host)
-            if t["dtype"] == "bfloat16":
-                array = array.view(mx.bfloat16)
-            arrays[key] = array
-        rotation = StructuredRotation.from_state(
-            {"signs": arrays["rotation.signs"], "perms": arrays.get("rotation.perms")}, entry["rotation"])
-        layers[name] = QuantizedLinear(entry["in_features"], entry["out_features"], entry["bits"],
-                                       codes=arrays["codes"], scales=arrays["scales"],
-                                       codebook=arrays["codebook"], rotation=rotation,
-                                       bias=arrays.get("bias"), input_scales=arrays.get("input_scales"))
-    # The mapping closes when the last array viewing it (or, copied, the last NumPy view) goes.
+                    host = np.frombuffer(view, dtype=_NUMPY[t["dtype"]]).reshape(t["shape"])
+                    array = mx.array(host)  # copies, so the mapping can close
+                    del host
+                if t["dtype"] == "bfloat16":
+                    array = array.view(mx.bfloat16)
+                arrays[key] = array
+            rotation = StructuredRotation.from_state(
+                {"signs": arrays["rotation.signs"], "perms": arrays.get("rotation.perms")}, entry["rotation"])
+            layers[name] = QuantizedLinear(entry["in_features"], entry["out_features"], entry["bits"],
+                                           codes=arrays["codes"], scales=arrays["scales"],
+                                           codebook=arrays["codebook"], rotation=rotation,
+                                           bias=arrays.get("bias"), input_scales=arrays.get("input_scales"))
     return layers, header
 
 
