@@ -251,3 +251,16 @@ def test_lut_kernel_cuda_source_compiles_with_nvcc(tmp_path):
             pytest.skip("nvcc without a usable CUDA toolkit")
         assert result.returncode == 0, result.stderr[-3000:]
         assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
+
+
+def test_quantize_model_takes_mlx_quantized_layers():
+    """A model loaded quantized by MLX (the GPU default) is dequantized layer by layer first."""
+    model = _tiny(hidden=128)
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    tokens = mx.array([[1, 2, 3, 4]])
+    before = model(tokens)
+    fp = fingerprint(model)
+    quantize_model(model, 4, progress=False)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    assert fingerprint(model) == fp
+    assert (mx.argmax(model(tokens), -1) == mx.argmax(before, -1)).mean().item() > 0.5
