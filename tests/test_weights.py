@@ -264,3 +264,17 @@ def test_quantize_model_takes_mlx_quantized_layers():
     assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
     assert fingerprint(model) == fp
     assert (mx.argmax(model(tokens), -1) == mx.argmax(before, -1)).mean().item() > 0.5
+
+
+@pytest.mark.model
+def test_smollm2_folder_reloads_bit_identical(tmp_path):
+    """quantize-weights on the default model, then load_model(DIR): the same logits, bit for bit."""
+    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.weights.directory import quantize_to_dir
+
+    quantize_to_dir("smollm2", tmp_path / "q4", 4, progress=False)
+    fresh, _ = load_model("smollm2")
+    quantize_model(fresh, 4, progress=False)
+    loaded, _ = load_model(tmp_path / "q4")
+    tokens = mx.array([[1, 504, 3458, 314, 260, 1345]])
+    assert mx.array_equal(loaded(tokens), fresh(tokens)).item()
