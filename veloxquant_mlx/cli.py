@@ -349,9 +349,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     calibration.register_cli(sub, add_cache_arguments, DEFAULT_MODEL)
     planning.register_cli(sub, DEFAULT_MODEL)
+    from .weights.cli import register_cli as register_weights
 
     gguf.register_cli(sub)
     register_evaluation(sub)
+    register_weights(sub)
     return parser
 
 

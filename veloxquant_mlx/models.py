@@ -122,8 +122,13 @@ def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None
     """Load `(model, tokenizer)` from "smollm2", "gemma3-270m", a .gguf file, a folder or a hub id.
 
     `dequantize=None` dequantizes to float32 when MLX runs on the CPU, where
-    quantized matmuls are about 10x slower than float32 ones.
+    quantized matmuls are about 10x slower than float32 ones. A folder written by
+    `veloxquant quantize-weights` loads its base model and grafts the weight reservoir.
     """
+    from .weights.directory import is_quantized_dir, load_quantized_dir
+
+    if is_quantized_dir(model):
+        return load_quantized_dir(model, dequantize)
     loaded, tokenizer = mlx_lm.load(model_source(model))
     if dequantize is None:
         dequantize = mx.default_device() == mx.cpu

@@ -1,0 +1,280 @@
+"""Weight quantization: rotations, QuantizedLinear, quantize_model, the reservoir, the LUT kernel."""
+
+import json
+import struct
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from conftest import config_for, tiny_llama
+
+from veloxquant_mlx.codebooks import lloyd_max
+from veloxquant_mlx.rotations import hadamard_base
+from veloxquant_mlx.weights import (QuantizedLinear, ReservoirError, StructuredRotation, fingerprint,
+                                    graft_reservoir, load_reservoir, quantize_model, quantized_layers,
+                                    save_reservoir)
+from veloxquant_mlx.weights import reservoir as reservoir_module
+from veloxquant_mlx.weights.rotation import hadamard_blocks
+
+NON_HADAMARD_DIM = 176  # 11 * 16: mx.hadamard_transform does not support it
+
+
+def _weight(out, dim, seed=0):
+    return mx.array(np.random.default_rng(seed).standard_normal((out, dim)).astype(np.float32))
+
+
+def _dense(layer: QuantizedLinear) -> np.ndarray:
+    """The layer's effective float weight, decoded through its own forward on the identity."""
+    return np.array(layer(mx.eye(layer.in_features))).T
+
+
+@pytest.mark.parametrize("dim", [64, 96, 176, 200, 577])
+def test_structured_rotation_is_orthogonal(dim):
+    assert hadamard_base(NON_HADAMARD_DIM) is None
+    rotation = StructuredRotation.seeded(dim, seed=3)
+    assert sum(rotation.blocks) == dim
+    assert all(hadamard_base(b) is not None for b in rotation.blocks)
+    matrix = np.array(rotation.apply(mx.eye(dim)))
+    np.testing.assert_allclose(matrix @ matrix.T, np.eye(dim), atol=2e-5)
+    # It mixes: no output coordinate is a copy of one input coordinate.
+    assert np.abs(matrix).max() < 0.9
+    if hadamard_base(dim) is None:
+        assert rotation.stages == 2 and rotation.perms is not None
+    # State is O(dim) numbers, never a dense matrix.
+    assert sum(a.size for a in rotation.state().values()) <= 2 * rotation.stages * dim
+
+
+def test_hadamard_blocks_cover_dim():
+    assert hadamard_blocks(576) == (512, 64)
+    assert hadamard_blocks(4864) == (4096, 768)
+    assert hadamard_blocks(1536) == (1536,)
+    with pytest.raises(ValueError):
+        hadamard_blocks(0)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("dim", [128, NON_HADAMARD_DIM])
+def test_quantized_linear_packs_and_matches_its_codes(bits, dim):
+    weight = _weight(48, dim, seed=bits)
+    layer = QuantizedLinear.from_weight(weight, bits, seed=1, column_alpha=0.0)
+    # Truly packed: bits * dim bits per row, rounded up to whole 32-bit words.
+    assert layer.codes.dtype == mx.uint32
+    assert layer.codes.shape == (48, -(-dim * bits // 32))
+    assert layer.codes.nbytes * 8 / (48 * dim) <= bits + 32 / dim
+    overhead = layer.scales.nbytes + layer.codebook.nbytes + sum(a.nbytes for a in layer.rotation.state().values())
+    assert layer.storage_nbytes() == layer.codes.nbytes + overhead
+    # Forward = x (W_hat)^T for W_hat decoded from the codes.
+    x = mx.array(np.random.default_rng(9).standard_normal((3, 5, dim)).astype(np.float32))
+    w_hat = _dense(layer)
+    np.testing.assert_allclose(np.array(layer(x)), np.array(x) @ w_hat.T, rtol=1e-4, atol=1e-4)
+    # And W_hat is W up to the Lloyd-Max error of a Gaussian (the least-squares scale only lowers it).
+    error = np.linalg.norm(w_hat - np.array(weight)) ** 2 / np.linalg.norm(np.array(weight)) ** 2
+    assert error < 1.25 * lloyd_max("gaussian", bits).mse
+
+
+def test_bias_and_input_scales_are_applied():
+    weight, bias = _weight(16, 64), mx.arange(16).astype(mx.float32)
+    layer = QuantizedLinear.from_weight(weight, 4, bias=bias, column_alpha=0.5)
+    assert "input_scales" in layer
+    x = _weight(2, 64, seed=5)
+    np.testing.assert_allclose(np.array(layer(x)), np.array(x) @ _dense_no_bias(layer).T + np.array(bias),
+                               rtol=1e-4, atol=1e-4)
+
+
+def _dense_no_bias(layer):
+    return _dense(layer) - np.array(layer.bias)[:, None]
+
+
+def test_group_scales_lower_the_error_of_uneven_groups():
+    rng = np.random.default_rng(0)
+    # Rows whose rotated groups differ in scale cannot be fit by one row scale as well.
+    weight = mx.array(rng.standard_normal((64, 256)).astype(np.float32))
+    row = QuantizedLinear.from_weight(weight, 3, column_alpha=0.0)
+    grouped = QuantizedLinear.from_weight(weight, 3, group_size=64, column_alpha=0.0)
+    assert grouped.scales.shape == (64, 4)
+    w = np.array(weight)
+    assert np.linalg.norm(_dense(grouped) - w) <= np.linalg.norm(_dense(row) - w) * 1.001
+    with pytest.raises(ValueError):
+        QuantizedLinear.from_weight(weight, 3, group_size=100)
+    with pytest.raises(ValueError):
+        QuantizedLinear.from_weight(weight, 5)
+
+
+def _tiny(hidden=NON_HADAMARD_DIM):
+    return tiny_llama(hidden=hidden, heads=8, kv_heads=2, vocab=128)
+
+
+def test_quantize_model_replaces_linear_layers_in_place_and_skips():
+    model = _tiny()
+    tokens = mx.array([[1, 5, 9, 3, 7, 2]])
+    before = model(tokens)
+    fp = fingerprint(model)
+    out = quantize_model(model, 4, seed=0, skip=["o_proj"], progress=False)
+    assert out is model
+    names = [name for name, _ in quantized_layers(model)]
+    assert len(names) == 2 * 6 and not any("o_proj" in n for n in names)
+    assert isinstance(model.model.layers[0].self_attn.o_proj, nn.Linear)
+    assert fingerprint(model) == fp  # a quantized model still matches its base
+    after = model(tokens)
+    agree = (mx.argmax(after, -1) == mx.argmax(before, -1)).mean().item()
+    assert agree > 0.5 and mx.isfinite(after).all().item()
+
+
+def test_quantized_model_runs_with_a_compressed_kv_cache():
+    from veloxquant_mlx import KVCacheBuilder
+
+    model = quantize_model(_tiny(hidden=128), 3, progress=False)
+    tokens = mx.array([[1, 5, 9, 3, 7, 2, 4, 4]])
+    reference = model(tokens)
+    for method in ("fp16", "turboquant_mse"):
+        caches = KVCacheBuilder(config_for(method, 4)).for_model(model).build()
+        logits = model(tokens, cache=caches)
+        assert mx.isfinite(logits).all().item()
+        assert (mx.argmax(logits, -1) == mx.argmax(reference, -1)).mean().item() > 0.5
+
+
+@pytest.fixture()
+def saved(tmp_path):
+    model = quantize_model(_tiny(), 3, seed=2, group_size=16, progress=False)
+    path = save_reservoir(model, tmp_path / "model.vqw", meta={"bits": 3})
+    return model, path
+
+
+def test_reservoir_round_trip_is_bit_identical(saved):
+    model, path = saved
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    expected = model(tokens)
+    fresh = _tiny()
+    graft_reservoir(fresh, path)
+    assert mx.array_equal(fresh(tokens), expected).item()
+    layers, header = load_reservoir(path)
+    assert header["meta"] == {"bits": 3} and len(layers) == len(quantized_layers(model))
+    # Tensors of a page or more are page-aligned; all are aligned to 64 bytes.
+    _, start = reservoir_module.read_header(path)
+    assert start % reservoir_module.PAGE == 0
+    for entry in header["layers"].values():
+        for t in entry["tensors"].values():
+            assert t["offset"] % (reservoir_module.PAGE if t["nbytes"] >= reservoir_module.PAGE else 64) == 0
+
+
+def test_reservoir_rejects_truncated_files(saved):
+    _, path = saved
+    data = path.read_bytes()
+    for size in (10, 200, len(data) - 1):
+        path.write_bytes(data[:size])
+        with pytest.raises(ReservoirError, match="truncated"):
+            load_reservoir(path)
+
+
+def test_reservoir_rejects_corrupted_data_and_header(saved):
+    _, path = saved
+    data = bytearray(path.read_bytes())
+    header, start = reservoir_module.read_header(path)
+    codes = next(iter(header["layers"].values()))["tensors"]["codes"]
+    data[start + codes["offset"] + 3] ^= 0x10
+    path.write_bytes(bytes(data))
+    with pytest.raises(ReservoirError, match="corrupted in .*codes"):
+        load_reservoir(path)
+    data[start + codes["offset"] + 3] ^= 0x10
+    data[60] ^= 0x01  # inside the JSON header
+    path.write_bytes(bytes(data))
+    with pytest.raises(ReservoirError, match="header corrupted"):
+        load_reservoir(path)
+
+
+def test_reservoir_rejects_other_versions_and_models(saved):
+    _, path = saved
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<I", data, 8, reservoir_module.FORMAT_VERSION + 1)
+    other = path.with_name("v2.vqw")
+    other.write_bytes(bytes(data))
+    with pytest.raises(ReservoirError, match="format version"):
+        load_reservoir(other)
+    other.write_bytes(b"PK\x03\x04" + bytes(100))
+    with pytest.raises(ReservoirError, match="not a VeloxQuant"):
+        load_reservoir(other)
+    with pytest.raises(ReservoirError, match="another model"):
+        graft_reservoir(_tiny(hidden=128), path)
+    different_norms = _tiny()
+    different_norms.model.norm.weight = different_norms.model.norm.weight * 2
+    with pytest.raises(ReservoirError, match="another model"):
+        graft_reservoir(different_norms, path)
+
+
+def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator():
+    from veloxquant_mlx.kernels import emulator
+    from veloxquant_mlx.weights import kernel
+
+    if emulator.compiler() is None:
+        pytest.skip("no C++20 compiler for the kernel emulator")
+    for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 16, 1)):
+        layer = QuantizedLinear.from_weight(_weight(37, dim, seed=bits), bits, group_size=group)
+        x = layer.rotation.apply(_weight(rows, dim, seed=7))
+        expected = np.array(layer.tiled_matmul(x))
+        got = np.array(kernel.lut_matmul(x, layer, "emulator"))
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
+    from veloxquant_mlx import models
+    from veloxquant_mlx.cli import main
+    from veloxquant_mlx.weights import directory
+
+    monkeypatch.setattr(models, "load_model", lambda name, dequantize=None: (_tiny(hidden=128), None))
+    monkeypatch.setattr(models, "model_source", lambda name: name)
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "2", "--out", str(tmp_path / "q")]) == 0
+    config = json.loads((tmp_path / "q" / "weights.json").read_text())
+    assert config["bits"] == 2 and config["base_model"] == "tiny"
+    assert directory.is_quantized_dir(tmp_path / "q")
+    loaded, _ = directory.load_quantized_dir(tmp_path / "q")
+    linear = [m for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
+    assert len(linear) == 14 and all(isinstance(m, QuantizedLinear) for m in linear)
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
+def test_lut_kernel_cuda_source_compiles_with_nvcc(tmp_path):
+    """The CUDA translation unit MLX would build compiles for sm_90 without spills."""
+    import subprocess
+
+    from veloxquant_mlx.kernels import templates
+    from veloxquant_mlx.weights import kernel
+
+    for i, (plan, x) in enumerate(((kernel.plan(1, 4096, 4096, 4, 1, "float16", "float16"), "float16"),
+                                   (kernel.plan(5, 576, 300, 3, 9, "float32", "float32"), "float32"))):
+        src = tmp_path / f"lut{i}.cu"
+        ins = {"x": x, "codes": "uint32", "scales": "float16", "lut": "float32"}
+        src.write_text(templates.render_cuda("lut_matmul", plan.template, ins, {"out": x}, mlx_header=False))
+        result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
+                                 str(tmp_path / f"lut{i}.o"), str(src)], capture_output=True, text=True)
+        if result.returncode != 0 and "cannot find" in (result.stderr + result.stdout).lower():
+            pytest.skip("nvcc without a usable CUDA toolkit")
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
+
+
+def test_quantize_model_takes_mlx_quantized_layers():
+    """A model loaded quantized by MLX (the GPU default) is dequantized layer by layer first."""
+    model = _tiny(hidden=128)
+    nn.quantize(model, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    tokens = mx.array([[1, 2, 3, 4]])
+    before = model(tokens)
+    fp = fingerprint(model)
+    quantize_model(model, 4, progress=False)
+    assert not any(isinstance(m, nn.QuantizedLinear) for _, m in model.named_modules())
+    assert fingerprint(model) == fp
+    assert (mx.argmax(model(tokens), -1) == mx.argmax(before, -1)).mean().item() > 0.5
+
+
+@pytest.mark.model
+def test_smollm2_folder_reloads_bit_identical(tmp_path):
+    """quantize-weights on the default model, then load_model(DIR): the same logits, bit for bit."""
+    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.weights.directory import quantize_to_dir
+
+    quantize_to_dir("smollm2", tmp_path / "q4", 4, progress=False)
+    fresh, _ = load_model("smollm2")
+    quantize_model(fresh, 4, progress=False)
+    loaded, _ = load_model(tmp_path / "q4")
+    tokens = mx.array([[1, 504, 3458, 314, 260, 1345]])
+    assert mx.array_equal(loaded(tokens), fresh(tokens)).item()

@@ -1,0 +1,27 @@
+"""`veloxquant quantize-weights`: quantize a model's linear layers into a folder."""
+
+from __future__ import annotations
+
+
+def run_quantize_weights(args) -> None:
+    from .directory import quantize_to_dir
+
+    skip = [s for s in (args.skip or "").split(",") if s]
+    config = quantize_to_dir(args.model, args.out, args.bits, seed=args.seed, skip=skip, group_size=args.group_size,
+                             column_alpha=args.column_alpha)
+    print(f"quantized {config['base_model']} to {args.bits} bits in {config['quantize_seconds']:.1f} s; "
+          f"wrote {args.out} (load it with --model {args.out})")
+
+
+def register_cli(subparsers) -> None:
+    from ..models import DEFAULT_MODEL
+
+    p = subparsers.add_parser("quantize-weights", help="quantize linear layers to rotated Lloyd-Max codes")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="local path, .gguf file, hub id or 'smollm2'")
+    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4))
+    p.add_argument("--out", required=True, help="folder to write (weights.json + reservoir.vqw)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--group-size", type=int, default=None, help="per-group scales (default: one per row)")
+    p.add_argument("--column-alpha", type=float, default=0.5, help="column scaling exponent (0: off)")
+    p.add_argument("--skip", default="", help="comma-separated layer names/paths/patterns to keep in float")
+    p.set_defaults(func=run_quantize_weights)

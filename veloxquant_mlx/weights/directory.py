@@ -1,0 +1,75 @@
+"""A quantized-model folder: `weights.json` (what was done, to which model) and the reservoir.
+
+`veloxquant quantize-weights --model M --bits 3 --out DIR` writes one; `load_model(DIR)`
+(so `veloxquant generate --model DIR`, `veloxquant eval ppl --model DIR`) loads the base
+model M as usual and grafts the reservoir onto it, whatever KV cache runs on top.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+CONFIG_NAME = "weights.json"
+RESERVOIR_NAME = "reservoir.vqw"
+FORMAT = "veloxquant-weights"
+
+
+def is_quantized_dir(path) -> bool:
+    try:
+        return (Path(path).expanduser() / CONFIG_NAME).is_file()
+    except (TypeError, OSError):
+        return False
+
+
+def read_config(path) -> dict:
+    config = json.loads((Path(path).expanduser() / CONFIG_NAME).read_text())
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{path}/{CONFIG_NAME} is not a {FORMAT} config")
+    return config
+
+
+def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterable[str] = (),
+                    group_size: Optional[int] = None, column_alpha: float = 0.5, progress: bool = True) -> dict:
+    """Load `model_name`, quantize its linear layers and write `out/weights.json` + the reservoir."""
+    import time
+
+    import mlx.core as mx
+
+    from ..models import load_model, model_source
+    from .model import quantize_model
+    from .reservoir import save_reservoir
+
+    # The default model and hub ids are kept by name (the folder then works on another
+    # machine); local folders and GGUF files by absolute path.
+    source = str(model_name)
+    local = Path(source).expanduser()
+    if local.exists():
+        source = str(local.resolve())
+    model_source(model_name)  # fails early for a missing model
+    model, _ = load_model(model_name)
+    mx.eval(model.parameters())
+    start = time.perf_counter()
+    quantize_model(model, bits, seed=seed, skip=skip, group_size=group_size, column_alpha=column_alpha,
+                   progress=progress)
+    seconds = time.perf_counter() - start
+    config = {"format": FORMAT, "base_model": source, "reservoir": RESERVOIR_NAME, "bits": bits, "seed": seed,
+              "skip": list(skip), "group_size": group_size, "column_alpha": column_alpha,
+              "quantize_seconds": round(seconds, 3)}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_reservoir(model, out / RESERVOIR_NAME, meta=config)
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+    return config
+
+
+def load_quantized_dir(path, dequantize: Optional[bool] = None):
+    """(model, tokenizer): the base model named in `weights.json` with the reservoir grafted on."""
+    from ..models import load_model
+    from .reservoir import graft_reservoir
+
+    config = read_config(path)
+    model, tokenizer = load_model(config["base_model"], dequantize=dequantize)
+    graft_reservoir(model, Path(path).expanduser() / config["reservoir"])
+    return model, tokenizer

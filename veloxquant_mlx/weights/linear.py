@@ -1,0 +1,222 @@
+"""`QuantizedLinear`: rows normalised, rotated and coded with a Lloyd-Max codebook.
+
+Quantisation (HIGGS, arXiv 2411.17525, Alg. 1, with a per-row instead of a
+per-group scale by default): every row w of W is rotated, u = R w / ||w||; after
+a random rotation the coordinates of u are close to N(0, 1/n), so one Gaussian
+Lloyd-Max codebook c (Lloyd 1982; Max 1960) scaled per group to unit RMS codes
+them all. The stored scale of a group is the least-squares one,
+||w|| <u_g, c_g> / <c_g, c_g>, which minimises ||u_g ||w|| - s c_g||^2 for the
+chosen codes (it is ||w|| times the RMS factor when the codes are exact).
+
+Forward: x W^T = (x R^T)(W R^T)^T, so the input is rotated once and multiplied
+against the codes. On the CPU the codes are decoded a tile of rows at a time;
+on CUDA/Metal a small batch of rows goes through the LUT matmul kernel
+(`kernel.py`) and larger ones through the same tiles on the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..codebooks import lloyd_max
+from ..packing import pack, packed_words, unpack
+from .rotation import StructuredRotation
+
+SUPPORTED_BITS = (2, 3, 4)
+# Weights decoded at once by the tiled forward (rows = this // in_features): small on the
+# CPU (a tile stays in cache), larger on a GPU (fewer launches for prefill-sized batches).
+CPU_TILE_ELEMENTS = 1 << 18
+GPU_TILE_ELEMENTS = 1 << 22
+
+
+def tile_elements() -> int:
+    env = os.environ.get("VELOXQUANT_WEIGHT_TILE")
+    if env:
+        return int(env)
+    return CPU_TILE_ELEMENTS if mx.default_device() == mx.cpu else GPU_TILE_ELEMENTS
+# Rows quantised at once (bounds the working set of quantize_weight).
+QUANTIZE_CHUNK_ELEMENTS = 1 << 18
+
+
+def unit_codebook(bits: int) -> mx.array:
+    """Centroids of the Lloyd-Max quantizer of N(0, 1) at `bits` bits."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+    return lloyd_max("gaussian", bits).centroids
+
+
+def _group_count(in_features: int, group_size: Optional[int]) -> int:
+    if group_size is None or group_size == in_features:
+        return 1
+    if group_size < 1 or in_features % group_size:
+        raise ValueError(f"group_size {group_size} must divide in_features {in_features}")
+    return in_features // group_size
+
+
+def _codes_of(x: mx.array, centroids: mx.array) -> mx.array:
+    """Nearest-centroid index of every element: the count of midpoints it exceeds."""
+    midpoints = (centroids[1:] + centroids[:-1]) * 0.5
+    codes = mx.zeros(x.shape, dtype=mx.uint8)
+    for k in range(midpoints.shape[0]):
+        codes = codes + (x > midpoints[k]).astype(mx.uint8)
+    return codes
+
+
+def quantize_rows(weight: mx.array, rotation: StructuredRotation, centroids: mx.array, bits: int,
+                  groups: int) -> tuple[mx.array, mx.array]:
+    """Packed codes (out, words) uint32 and scales (out, groups) float16 of `weight` rows."""
+    out_features, in_features = weight.shape
+    w = weight.astype(mx.float32)
+    norms = mx.sqrt((w * w).sum(axis=-1, keepdims=True))
+    u = rotation.apply(w) / mx.maximum(norms, 1e-30)
+    u = u.reshape(out_features, groups, in_features // groups)
+    rms = mx.sqrt((u * u).mean(axis=-1, keepdims=True))
+    codes = _codes_of(u / mx.maximum(rms, 1e-30), centroids)
+    c = mx.take(centroids, codes)
+    scales = (u * c).sum(axis=-1) / mx.maximum((c * c).sum(axis=-1), 1e-30) * norms
+    return pack(codes.reshape(out_features, in_features), bits), scales.astype(mx.float16)
+
+
+class QuantizedLinear(nn.Module):
+    """y = x W^T + b with W stored as `bits`-bit codes of rotated, normalised rows."""
+
+    def __init__(self, in_features: int, out_features: int, bits: int, *, codes: mx.array, scales: mx.array,
+                 codebook: mx.array, rotation: StructuredRotation, bias: Optional[mx.array] = None,
+                 input_scales: Optional[mx.array] = None):
+        super().__init__()
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
+        words = packed_words(in_features, bits)
+        if codes.shape != (out_features, words) or codes.dtype != mx.uint32:
+            raise ValueError(f"codes must be uint32 of shape ({out_features}, {words}), got {codes.dtype} {codes.shape}")
+        if scales.ndim != 2 or scales.shape[0] != out_features or in_features % scales.shape[1]:
+            raise ValueError(f"scales of shape {scales.shape} do not fit ({out_features}, {in_features})")
+        if codebook.shape != (1 << bits,):
+            raise ValueError(f"a {bits}-bit codebook has {1 << bits} entries, got {codebook.shape}")
+        if rotation.dim != in_features:
+            raise ValueError(f"rotation of dim {rotation.dim} for {in_features} input features")
+        self.in_features, self.out_features, self.bits = in_features, out_features, bits
+        self.codes = codes
+        self.scales = scales
+        self.codebook = codebook.astype(mx.float32)
+        self.rotation_signs = rotation.signs
+        if rotation.perms is not None:
+            self.rotation_perms = rotation.perms
+        self._rotation = rotation  # a plain attribute: its arrays are the two above
+        if input_scales is not None:
+            if input_scales.shape != (in_features,):
+                raise ValueError(f"input_scales must have shape ({in_features},), got {input_scales.shape}")
+            self.input_scales = input_scales
+        if bias is not None:
+            self.bias = bias
+        self.freeze()
+
+    # ---- construction ------------------------------------------------------
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, bits: int, seed: int = 0, group_size: Optional[int] = None,
+                    stages: int = 2) -> "QuantizedLinear":
+        weight = linear.weight
+        return cls.from_weight(weight, bits, seed=seed, group_size=group_size, stages=stages,
+                               bias=linear.get("bias"))
+
+    @classmethod
+    def from_weight(cls, weight: mx.array, bits: int, seed: int = 0, group_size: Optional[int] = None,
+                    stages: int = 2, bias: Optional[mx.array] = None,
+                    rotation: Optional[StructuredRotation] = None,
+                    column_alpha: float = 0.0) -> "QuantizedLinear":
+        """`rotation` overrides the seeded one (benchmarks compare others through it).
+        `column_alpha` > 0 divides column j by c_j = rms(W[:, j])^alpha before rotating and
+        multiplies the input by c once per call, so that columns of small weights (the input
+        channels of large activations, typically) keep proportionally small errors."""
+        out_features, in_features = weight.shape
+        input_scales = None
+        if column_alpha:
+            w = weight.astype(mx.float32)
+            rms = mx.sqrt((w * w).mean(axis=0))
+            input_scales = mx.power(mx.maximum(rms, 1e-8) / mx.maximum(rms.mean(), 1e-8), column_alpha)
+            input_scales = input_scales.astype(mx.float16)
+            weight = w / input_scales.astype(mx.float32)
+            mx.eval(weight, input_scales)
+        groups = _group_count(in_features, group_size)
+        if rotation is None:
+            rotation = StructuredRotation.seeded(in_features, seed, stages)
+        centroids = unit_codebook(bits)
+        chunk = max(1, QUANTIZE_CHUNK_ELEMENTS // in_features)
+        codes, scales = [], []
+        for r0 in range(0, out_features, chunk):
+            c, s = quantize_rows(weight[r0:r0 + chunk], rotation, centroids, bits, groups)
+            mx.eval(c, s)
+            codes.append(c)
+            scales.append(s)
+        codes = codes[0] if len(codes) == 1 else mx.concatenate(codes)
+        scales = scales[0] if len(scales) == 1 else mx.concatenate(scales)
+        return cls(in_features, out_features, bits, codes=codes, scales=scales, codebook=centroids,
+                   rotation=rotation, bias=bias, input_scales=input_scales)
+
+    # ---- views ---------------------------------------------------------------
+
+    @property
+    def rotation(self) -> StructuredRotation:
+        return self._rotation
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+    def storage_nbytes(self) -> int:
+        """Bytes the weight matrix costs: codes, scales, codebook and rotation (not the bias,
+        which every format keeps alike)."""
+        arrays = [self.codes, self.scales, self.codebook]
+        arrays += list(self.rotation.state().values())
+        if "input_scales" in self:
+            arrays.append(self.input_scales)
+        return sum(a.nbytes for a in arrays)
+
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.storage_nbytes() / (self.in_features * self.out_features)
+
+    def rotated_weight(self, rows: slice = slice(None), dtype=mx.float32) -> mx.array:
+        """Decoded rows in the rotated domain, W R^T (tests and the tiled forward)."""
+        codes = unpack(self.codes[rows], self.bits, self.in_features)
+        w = mx.take(self.codebook, codes)
+        scales = self.scales[rows].astype(mx.float32)
+        groups = scales.shape[1]
+        n = w.shape[0]
+        w = (w.reshape(n, groups, self.in_features // groups) * scales[..., None]).reshape(n, self.in_features)
+        return w.astype(dtype)
+
+    # ---- forward ---------------------------------------------------------------
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if "input_scales" in self:
+            x = x * self.input_scales.astype(x.dtype)
+        rotated = self.rotation.apply(x)
+        from . import kernel
+
+        dialect = kernel.dialect_for(rotated)
+        if dialect is not None:
+            y = kernel.lut_matmul(rotated, self, dialect)
+        else:
+            y = self.tiled_matmul(rotated)
+        if "bias" in self:
+            y = y + self.bias
+        return y
+
+    def tiled_matmul(self, rotated: mx.array) -> mx.array:
+        """(x R^T) (W R^T)^T with the codes decoded `tile_elements()` weights at a time."""
+        rows = max(1, tile_elements() // self.in_features)
+        parts = []
+        for r0 in range(0, self.out_features, rows):
+            tile = self.rotated_weight(slice(r0, r0 + rows), rotated.dtype)
+            parts.append(rotated @ tile.T)
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
+
+    def _extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
+                f"group_size={self.group_size}, bias={'bias' in self}")

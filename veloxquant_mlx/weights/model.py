@@ -1,0 +1,99 @@
+"""`quantize_model`: swap a model's linear layers for `QuantizedLinear`, one at a time."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import zlib
+from typing import Iterable, List, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+
+from .linear import QuantizedLinear
+
+
+def _linear_shape(module) -> Optional[Tuple[int, int]]:
+    """(out, in) of a float or MLX-quantized linear layer, of a QuantizedLinear, else None."""
+    if isinstance(module, QuantizedLinear):
+        return module.out_features, module.in_features
+    if isinstance(module, nn.QuantizedLinear):
+        return module.weight.shape[0], module.weight.shape[1] * 32 // module.bits
+    if isinstance(module, nn.Linear):
+        return tuple(module.weight.shape)
+    return None
+
+
+def _float_weight(module) -> mx.array:
+    if isinstance(module, nn.QuantizedLinear):
+        return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
+                             module.bits, mode=getattr(module, "mode", "affine"))
+    return module.weight
+
+
+def _skipped(path: str, skip: Iterable[str]) -> bool:
+    return any(fnmatch.fnmatch(path, pattern) or pattern in path.split(".") or path.startswith(pattern + ".")
+               or path == pattern for pattern in skip)
+
+
+def linear_paths(model: nn.Module, skip: Iterable[str] = ()) -> List[str]:
+    """Paths of the linear layers quantize_model would replace (already-quantized ones excluded)."""
+    return [path for path, module in model.named_modules()
+            if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and not isinstance(module, QuantizedLinear)
+            and not _skipped(path, skip)]
+
+
+def quantized_layers(model: nn.Module) -> List[Tuple[str, QuantizedLinear]]:
+    return [(path, m) for path, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+
+
+def layer_seed(seed: int, path: str) -> int:
+    """Each layer's rotation seed: the model seed and a stable hash of its path."""
+    return (int(seed) * 1_000_003 + zlib.crc32(path.encode())) % (1 << 63)
+
+
+def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
+                   group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
+                   progress: bool = True) -> nn.Module:
+    """Replace every linear layer of `model` (but those matching `skip`: a name such as
+    "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
+
+    Layers are quantised one at a time and each float weight is dropped from the model
+    as soon as its codes exist, so peak memory stays near the model's size plus one
+    layer's working set. Embeddings are left as they are. Returns `model`.
+    """
+    from tqdm.auto import tqdm
+
+    skip = tuple(skip)
+    paths = linear_paths(model, skip)
+    modules = dict(model.named_modules())
+    for path in tqdm(paths, desc=f"quantizing to {bits} bits", unit="layer", disable=not progress):
+        module = modules.pop(path)
+        layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
+                                            group_size=group_size, stages=stages, bias=module.get("bias"),
+                                            column_alpha=column_alpha)
+        model.update_modules(tree_unflatten([(path, layer)]))
+        del module
+    return model
+
+
+def fingerprint(model: nn.Module) -> str:
+    """What a reservoir must match: the path and (out, in) shape of every linear layer
+    (float, MLX-quantized or ours alike) and the values of the 1-D norm weights, which
+    no quantizer touches and which tell two fine-tunes of one architecture apart."""
+    h = hashlib.sha256()
+    linear = []
+    for path, module in model.named_modules():
+        shape = _linear_shape(module)
+        if shape is not None:
+            linear.append([path, list(shape), "bias" in module])
+    h.update(json.dumps(sorted(linear)).encode())
+    linear_paths_set = {p for p, _, _ in linear}
+    for name, value in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
+        owner = name.rsplit(".", 1)[0]
+        if value.ndim == 1 and "norm" in name and owner not in linear_paths_set:
+            h.update(name.encode())
+            h.update(bytes(memoryview(value.astype(mx.float16))))
+    return h.hexdigest()

@@ -1,0 +1,197 @@
+"""The reservoir: one flat file holding a quantized model's layers, loaded without recomputing.
+
+Layout (little-endian):
+
+    0   8 bytes   magic b"VQWRSV\\0\\1"
+    8   uint32    format version
+    12  uint32    header length h
+    16  32 bytes  SHA-256 of the header
+    48  h bytes   JSON header
+    ... zero padding to a page boundary; then the data: every tensor of a page or more
+              starts on a page boundary, smaller ones follow at 64-byte alignment.
+
+The header names, for each layer path, its shape, bits, rotation blocks and every
+tensor's dtype, shape, byte offset and length, plus the model fingerprint
+(`model.fingerprint`) and the CRC-32 of each tensor's bytes. Codes, scales,
+codebooks and rotation signs/permutations are stored as they are in memory, so
+loading is reading bytes into arrays: no codebook is solved, no rotation is
+drawn. Rotations are O(n) numbers (`rotation.py`), so no dense rotation matrix is
+stored or rebuilt (the published `persist_rotation` has nothing left to persist).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import struct
+import zlib
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+from mlx.utils import tree_unflatten
+
+from .linear import QuantizedLinear
+from .model import fingerprint, quantized_layers
+from .rotation import StructuredRotation
+
+MAGIC = b"VQWRSV\x00\x01"
+FORMAT_VERSION = 1
+PAGE = 4096
+SMALL_ALIGN = 64
+_PREFIX = struct.Struct("<8sII32s")
+
+_NUMPY = {"uint32": np.uint32, "int8": np.int8, "float16": np.float16, "float32": np.float32,
+          "uint16": np.uint16, "bfloat16": np.uint16}
+_MLX = {"uint32": mx.uint32, "int8": mx.int8, "float16": mx.float16, "float32": mx.float32,
+        "uint16": mx.uint16, "bfloat16": mx.bfloat16}
+
+
+class ReservoirError(ValueError):
+    """A reservoir that cannot be used: truncated, corrupted, another format or model."""
+
+
+def _dtype_name(a: mx.array) -> str:
+    for name, dtype in _MLX.items():
+        if a.dtype == dtype:
+            return name
+    raise ReservoirError(f"cannot store dtype {a.dtype}")
+
+
+def _raw(a: mx.array) -> bytes:
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.ascontiguousarray(np.array(a)).tobytes()
+
+
+def _align(n: int) -> int:
+    return -(-n // PAGE) * PAGE
+
+
+def _layer_tensors(layer: QuantizedLinear) -> Dict[str, mx.array]:
+    tensors = {"codes": layer.codes, "scales": layer.scales, "codebook": layer.codebook}
+    for key, value in layer.rotation.state().items():
+        tensors["rotation." + key] = value
+    for optional in ("input_scales", "bias"):
+        if optional in layer:
+            tensors[optional] = layer[optional]
+    return tensors
+
+
+def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
+    """Write every `QuantizedLinear` of `model` to one reservoir file at `path`."""
+    layers = quantized_layers(model)
+    if not layers:
+        raise ValueError("the model has no QuantizedLinear layers: run quantize_model first")
+    entries, pieces = {}, []
+    for name, layer in layers:
+        entries[name] = {"in_features": layer.in_features, "out_features": layer.out_features,
+                         "bits": layer.bits, "rotation": layer.rotation.meta(), "tensors": {}}
+        for key, value in _layer_tensors(layer).items():
+            pieces.append((name, key, value, _raw(value)))
+    # Tensors of a page or more start on a page (they come first); the small ones (scales,
+    # codebooks, rotation signs, ...) follow, packed at SMALL_ALIGN, so padding stays small.
+    pieces.sort(key=lambda p: len(p[3]) < PAGE)
+    blobs, offset = [], 0
+    for name, key, value, data in pieces:
+        offset = _align(offset) if len(data) >= PAGE else -(-offset // SMALL_ALIGN) * SMALL_ALIGN
+        entries[name]["tensors"][key] = {"dtype": _dtype_name(value), "shape": list(value.shape), "offset": offset,
+                                         "nbytes": len(data), "crc32": zlib.crc32(data)}
+        blobs.append((offset, data))
+        offset += len(data)
+    header = {"format_version": FORMAT_VERSION, "fingerprint": fingerprint(model), "meta": meta or {},
+              "data_bytes": offset, "layers": entries}
+    text = json.dumps(header, sort_keys=True).encode()
+    data_start = _align(_PREFIX.size + len(text))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(_PREFIX.pack(MAGIC, FORMAT_VERSION, len(text), hashlib.sha256(text).digest()))
+        f.write(text)
+        for start, data in blobs:
+            f.seek(data_start + start)
+            f.write(data)
+        f.truncate(data_start + offset)
+    os.replace(tmp, path)
+    return path
+
+
+def read_header(path) -> Tuple[dict, int]:
+    """(header, data start) of a reservoir, after checking magic, version, header checksum and size."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(_PREFIX.size)
+        if len(prefix) < _PREFIX.size:
+            raise ReservoirError(f"{path}: truncated ({size} bytes, not even the {_PREFIX.size}-byte prefix)")
+        magic, version, length, digest = _PREFIX.unpack(prefix)
+        if magic != MAGIC:
+            raise ReservoirError(f"{path}: not a VeloxQuant weight reservoir (bad magic {magic!r})")
+        if version != FORMAT_VERSION:
+            raise ReservoirError(f"{path}: reservoir format version {version}; this VeloxQuant reads version "
+                                 f"{FORMAT_VERSION}: quantize the model again")
+        text = f.read(length)
+    if len(text) < length:
+        raise ReservoirError(f"{path}: truncated inside the header ({size} bytes)")
+    if hashlib.sha256(text).digest() != digest:
+        raise ReservoirError(f"{path}: header corrupted (SHA-256 mismatch)")
+    header = json.loads(text)
+    data_start = _align(_PREFIX.size + length)
+    expected = data_start + header["data_bytes"]
+    if size < expected:
+        raise ReservoirError(f"{path}: truncated: {size} bytes, the header describes {expected}")
+    return header, data_start
+
+
+def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, QuantizedLinear], dict]:
+    """The layers of a reservoir by path, and its header. `verify` checks every tensor's CRC-32.
+
+    The bytes are copied into MLX buffers: MLX 0.32.4 has no zero-copy path from a file
+    mapping on the CPU (`mx.array`, `mx.asarray` and `mx.from_dlpack` of a NumPy view all copy,
+    measured in benchmarks/weights_reservoir.py), so processes do not share these pages.
+    """
+    header, data_start = read_header(path)
+    layers = {}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        for name, entry in header["layers"].items():
+            arrays = {}
+            for key, t in entry["tensors"].items():
+                start = data_start + t["offset"]
+                with memoryview(mm)[start:start + t["nbytes"]] as view:
+                    if verify and zlib.crc32(view) != t["crc32"]:
+                        raise ReservoirError(f"{path}: data corrupted in {name}.{key} (CRC-32 mismatch)")
+                    host = np.frombuffer(view, dtype=_NUMPY[t["dtype"]]).reshape(t["shape"])
+                    array = mx.array(host)  # copies, so the mapping can close
+                    del host
+                if t["dtype"] == "bfloat16":
+                    array = array.view(mx.bfloat16)
+                arrays[key] = array
+            rotation = StructuredRotation.from_state(
+                {"signs": arrays["rotation.signs"], "perms": arrays.get("rotation.perms")}, entry["rotation"])
+            layers[name] = QuantizedLinear(entry["in_features"], entry["out_features"], entry["bits"],
+                                           codes=arrays["codes"], scales=arrays["scales"],
+                                           codebook=arrays["codebook"], rotation=rotation,
+                                           bias=arrays.get("bias"), input_scales=arrays.get("input_scales"))
+    return layers, header
+
+
+def graft_reservoir(model: nn.Module, path, verify: bool = True) -> nn.Module:
+    """Put a reservoir's layers into `model` (the unquantized model it was made from), in place."""
+    header, _ = read_header(path)
+    have = fingerprint(model)
+    if header["fingerprint"] != have:
+        raise ReservoirError(f"{path}: written for another model (fingerprint {header['fingerprint'][:12]}, "
+                             f"this model's is {have[:12]})")
+    modules = dict(model.named_modules())
+    missing = [name for name in header["layers"] if name not in modules]
+    if missing:
+        raise ReservoirError(f"{path}: layers {missing[:3]} are not in this model")
+    layers, _ = load_reservoir(path, verify=verify)
+    del modules
+    model.update_modules(tree_unflatten(list(layers.items())))
+    return model

@@ -1,0 +1,116 @@
+"""Structured orthogonal rotations of any input dimension, cheap to build and store.
+
+A weight row w and an input x are rotated by the same orthogonal R, so
+x . w = (R x) . (R w) and the layer can multiply rotated inputs against codes of
+rotated rows (QuaRot, arXiv 2404.00456, Sec. 3; HIGGS, arXiv 2411.17525, Sec. 3).
+
+Where `mx.hadamard_transform` supports the dimension (m * 2^k, m in 1, 12, 20, 28)
+R is one randomised Hadamard transform, H diag(s) / sqrt(n). Elsewhere the dimension
+is split into blocks that it does support (largest first) and R is a product of
+`stages` rounds of  x -> blockdiag(H_1, ..., H_k) P diag(s) x  with a seeded random
+sign vector s and permutation P per round: the permutations carry mass across
+blocks, so after two rounds every output coordinate depends on every input one.
+State is `stages` sign vectors and permutations (O(n) numbers, never an n x n
+matrix), which is what the reservoir stores: loading rebuilds nothing random.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from ..rotations import hadamard_base
+
+_STREAM = 11  # independent of the KV cache's rotation streams (rotations.py)
+DEFAULT_STAGES = 2
+
+
+def hadamard_blocks(dim: int) -> Tuple[int, ...]:
+    """`dim` as a sum of sizes `mx.hadamard_transform` supports, largest first."""
+    if dim < 1:
+        raise ValueError(f"dim must be positive, got {dim}")
+    blocks: List[int] = []
+    rest = dim
+    while rest:
+        size = max(n for n in _supported_up_to(rest))
+        blocks.append(size)
+        rest -= size
+    return tuple(blocks)
+
+
+def _supported_up_to(limit: int):
+    for m in (1, 12, 20, 28):
+        n = m
+        while n <= limit:
+            yield n
+            n *= 2
+
+
+class StructuredRotation:
+    """R = prod over stages of blockdiag(H) P diag(s) (see the module doc)."""
+
+    def __init__(self, dim: int, signs: mx.array, perms: mx.array | None, blocks: Tuple[int, ...]):
+        if sum(blocks) != dim:
+            raise ValueError(f"blocks {blocks} do not add up to dim {dim}")
+        if signs.ndim != 2 or signs.shape[1] != dim:
+            raise ValueError(f"signs must have shape (stages, {dim}), got {signs.shape}")
+        if perms is not None and perms.shape != signs.shape:
+            raise ValueError(f"perms must have shape {signs.shape}, got {perms.shape}")
+        self.dim = dim
+        self.blocks = tuple(int(b) for b in blocks)
+        self.signs = signs.astype(mx.float32)
+        # uint16 where it fits: the permutations are then 2 bytes per input feature per stage
+        index = mx.uint16 if dim <= 1 << 16 else mx.uint32
+        self.perms = None if perms is None else perms.astype(index)
+        self._offsets = np.concatenate([[0], np.cumsum(self.blocks)]).tolist()
+
+    @classmethod
+    def seeded(cls, dim: int, seed: int = 0, stages: int = DEFAULT_STAGES) -> "StructuredRotation":
+        rng = np.random.default_rng([int(seed), _STREAM, int(dim)])
+        if hadamard_base(dim) is not None:
+            signs = rng.choice([-1.0, 1.0], (1, dim)).astype(np.float32)
+            return cls(dim, mx.array(signs), None, (dim,))
+        if stages < 1:
+            raise ValueError(f"stages must be >= 1, got {stages}")
+        signs = rng.choice([-1.0, 1.0], (stages, dim)).astype(np.float32)
+        perms = np.stack([rng.permutation(dim) for _ in range(stages)]).astype(np.uint32)
+        return cls(dim, mx.array(signs), mx.array(perms), hadamard_blocks(dim))
+
+    @property
+    def stages(self) -> int:
+        return self.signs.shape[0]
+
+    def apply(self, x: mx.array) -> mx.array:
+        """R x for every vector along the last axis (orthonormal: norms are kept)."""
+        for stage in range(self.stages):
+            x = x * self.signs[stage].astype(x.dtype)
+            if self.perms is not None:
+                x = mx.take(x, self.perms[stage], axis=-1)
+            if len(self.blocks) == 1:
+                x = mx.hadamard_transform(x)
+            else:
+                o = self._offsets
+                x = mx.concatenate(
+                    [mx.hadamard_transform(x[..., o[i]:o[i + 1]]) for i in range(len(self.blocks))], axis=-1)
+        return x
+
+    def state(self) -> Dict[str, mx.array]:
+        state = {"signs": self.signs.astype(mx.int8)}
+        if self.perms is not None:
+            state["perms"] = self.perms
+        return state
+
+    def meta(self) -> Dict[str, object]:
+        return {"dim": self.dim, "blocks": list(self.blocks)}
+
+    @classmethod
+    def from_state(cls, state: Dict[str, mx.array], meta: Dict[str, object]) -> "StructuredRotation":
+        return cls(int(meta["dim"]), state["signs"], state.get("perms"), tuple(meta["blocks"]))
+
+
+def dense_rotation_matrix(dim: int, seed: int = 0) -> mx.array:
+    """A Haar-random orthogonal matrix: only the quality baseline of benchmarks."""
+    q, r = np.linalg.qr(np.random.default_rng([int(seed), _STREAM + 1, dim]).standard_normal((dim, dim)))
+    return mx.array((q * np.where(np.diag(r) < 0, -1.0, 1.0)).astype(np.float32))
