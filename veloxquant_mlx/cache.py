@@ -30,6 +30,7 @@ settings (`settings.EngineSettings`) resolved once when the cache is made.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import math
@@ -39,13 +40,13 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import engine
-from .artifacts import CodecSet
+from .artifacts import CodecSet, checksums, metadata_digest, verify_checksums
 from .attention import Segment
 from .config import KVCacheConfig
 from .settings import EngineSettings
 from .storage import RowStore, store_for
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums, layer index, model identity (see `state`)
 _DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
 
 
@@ -92,6 +93,8 @@ class CompressedKVCache(_BaseCache):
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
         self.last_path: Optional[str] = None  # the attention path of the last call
         self._routes = {}  # (phase, call shape) -> registered path or None: chosen once, not per token
+        self.layer: Optional[int] = None  # index in the model, when made for one (recorded when saved)
+        self.model_identity: Optional[dict] = None  # `artifacts.model_identity` of that model
 
     # Immutable or shared by every cache of a config (codebooks, compiled encoders): not copied.
     _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_row_encoder", "_settings", "window_dtype",
@@ -446,13 +449,20 @@ class CompressedKVCache(_BaseCache):
         return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.nbytes)
 
     # ---- save / load --------------------------------------------------------
+    # A saved layer is [header JSON, arrays]. The header holds the format version, the full
+    # config, the model identity and layer index (when the cache was made for a model), the
+    # checksums of the codecs' constant arrays, one CRC32 per tensor, and a digest of itself:
+    # a flipped, truncated, swapped or edited file is refused with the layer and tensor named.
     @property
     def state(self):
         header = {
             "format": FORMAT_VERSION,
-            "config": self.config.to_json(),
+            "config": json.loads(self.config.to_json()),
             "offset": self.offset,
             "encoded": self.encoded,
+            "layer": self.layer,
+            "model": self.model_identity,
+            "artifact": self.codecs.source,
         }
         arrays = {}
         if self.key_codec is not None:
@@ -461,6 +471,8 @@ class CompressedKVCache(_BaseCache):
                 shape=[self.batch, self.kv_heads, self.key_dim, self.value_dim],
                 window_dtype=str(self.window_dtype),
                 tokens_per_row=self.tokens_per_row,
+                codecs={"keys": self.codecs.checksum("keys", self.key_dim),
+                        "values": self.codecs.checksum("values", self.value_dim)},
             )
             for group in ("keys", "values"):
                 if self.encoded:
@@ -468,30 +480,57 @@ class CompressedKVCache(_BaseCache):
             for name in _DENSE_STATE:
                 if getattr(self, name) is not None and getattr(self, name).shape[2]:
                     arrays[name] = getattr(self, name)
+        header["tensors"] = checksums(_flat(arrays))
+        header["digest"] = metadata_digest(header)
         return [json.dumps(header), arrays]
 
     @state.setter
     def state(self, state):
+        header, arrays = _read_state(state)
+        where = "cache layer" if header.get("layer") is None else f"cache layer {header['layer']}"
         try:
-            header_text, arrays = state
-            header = json.loads(header_text)
-            version = header["format"]
-            config = KVCacheConfig.from_json(header["config"])
+            written_with = KVCacheConfig(**header["config"])
         except Exception as error:
-            raise CacheFormatError(f"not a VeloxQuant cache layer (unreadable header: {error})") from None
-        if version != FORMAT_VERSION:
-            raise CacheFormatError(f"cache format {version} is not supported (expected {FORMAT_VERSION})")
-        self.__init__(config.replace(artifact_dir=None))
-        arrays = arrays or {}
+            raise CacheFormatError(f"{where}: unusable config in the header ({error})") from None
+        caller = _LOADING.get()
+        if caller is not None:
+            # The caller's config decides; the header only has to agree with it.
+            config, codecs = caller
+            if not written_with.same_encoding(config):
+                raise CacheFormatError(f"{where} was written with {written_with.describe()}, "
+                                       f"not {config.describe()}")
+        else:
+            # No config given: the codecs come from where the file says they did (the seed or
+            # its artifact dir), and must match the checksums it recorded.
+            config = written_with.replace(artifact_dir=header.get("artifact") or None)
+            try:
+                codecs = CodecSet.for_config(config)
+            except ValueError as error:
+                raise CacheFormatError(f"{where} was written with codecs from {config.artifact_dir}: {error}") from None
+        verify_checksums(_flat(arrays), header.get("tensors") or {}, where, CacheFormatError)
+        self.__init__(config, codecs)
+        self.layer, self.model_identity = header.get("layer"), header.get("model")
         if "shape" not in header:
+            if header.get("offset") != 0:
+                raise CacheFormatError(f"{where}: offset {header.get('offset')} without any stored token")
             return
-        self.batch, self.kv_heads, self.key_dim, self.value_dim = header["shape"]
-        dtype = getattr(mx, header["window_dtype"].split(".")[-1])
+        try:
+            self.batch, self.kv_heads, self.key_dim, self.value_dim = (int(n) for n in header["shape"])
+            dtype = {str(d): d for d in (mx.float16, mx.bfloat16, mx.float32)}[header["window_dtype"]]
+            self.offset, encoded = int(header["offset"]), int(header["encoded"])
+            expected_codecs = dict(header["codecs"])
+        except Exception as error:
+            raise CacheFormatError(f"{where}: unusable header ({error!r})") from None
         self._setup(mx.zeros((self.batch, self.kv_heads, 0, self.key_dim), dtype=dtype),
                     mx.zeros((self.batch, self.kv_heads, 0, self.value_dim), dtype=dtype))
-        self.offset, encoded = header["offset"], header["encoded"]
+        for role, dim in (("keys", self.key_dim), ("values", self.value_dim)):
+            if expected_codecs.get(role) != codecs.checksum(role, dim):
+                source = f"artifact dir {codecs.source}" if codecs.source else f"seed {config.seed}"
+                raise CacheFormatError(
+                    f"{where}: the {role} codebooks/rotations differ from those it was written with "
+                    f"(written from {header.get('artifact') or 'the seed'}; these come from {source})")
         if header.get("tokens_per_row") != self.tokens_per_row:
-            raise CacheFormatError(f"corrupted cache layer: tokens per row {header.get('tokens_per_row')} "
+            raise CacheFormatError(f"corrupted {where}: tokens per row {header.get('tokens_per_row')} "
                                    f"!= the format's {self.tokens_per_row}")
         for name in _DENSE_STATE:
             if name in arrays:
@@ -500,7 +539,7 @@ class CompressedKVCache(_BaseCache):
         problems = self._check_fields(saved, encoded)
         if not problems:
             self.store.load(saved["keys"], saved["values"], encoded)
-        self._check_restored(problems)
+        self._check_restored(problems, where)
 
     def _check_fields(self, saved, encoded: int):
         """What does not fit the codecs' formats in saved fields of `encoded` tokens."""
@@ -512,7 +551,10 @@ class CompressedKVCache(_BaseCache):
                 problems.append(f"{group} fields {sorted(fields)} != {sorted(expected)}")
                 continue
             for name, buf in fields.items():
-                f = expected[name]
+                f = expected.get(name)
+                if f is None:
+                    problems.append(f"{group} has no field {name!r}")
+                    continue
                 rows = -(-encoded // f.tokens_per_row)
                 width = f.words if f.kind == "packed" else f.width
                 if buf.shape != (self.batch, self.kv_heads, rows, width):
@@ -520,25 +562,72 @@ class CompressedKVCache(_BaseCache):
                                     f"{(self.batch, self.kv_heads, rows, width)}")
         return problems
 
-    def _check_restored(self, problems):
+    def _check_restored(self, problems, where="cache layer"):
         if self.config.center and self.encoded and self.key_mean is None:
             problems.append("centered codes without their means")
         for name in _DENSE_STATE:
             arr = getattr(self, name)
-            if arr is not None and arr.shape[:2] != (self.batch, self.kv_heads):
+            dim = self.key_dim if "key" in name else self.value_dim
+            if arr is None:
+                continue
+            if arr.ndim != 4 or arr.shape[:2] != (self.batch, self.kv_heads) or arr.shape[3] != dim:
                 problems.append(f"{name} has shape {arr.shape}")
+            elif name.endswith("mean") and arr.shape[2] != 1:
+                problems.append(f"{name} has shape {arr.shape}")
+            elif not name.endswith("mean") and arr.dtype != self.window_dtype:
+                problems.append(f"{name} has dtype {arr.dtype}, expected {self.window_dtype}")
         if not problems and self.sinks + self.encoded + self.window != self.offset:
             problems.append(
                 f"sinks {self.sinks} + codes {self.encoded} + window {self.window} != offset {self.offset}"
             )
         if problems:
-            raise CacheFormatError("corrupted cache layer: " + "; ".join(problems))
+            raise CacheFormatError(f"corrupted {where}: " + "; ".join(problems))
 
     @classmethod
     def from_state(cls, state):
         cache = cls.__new__(cls)
         cache.state = state
         return cache
+
+
+# (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
+_LOADING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_loading", default=None)
+
+
+def _flat(arrays) -> dict:
+    """{"keys.codes": array, "window_keys": array, ...} of a saved layer's (nested) arrays."""
+    flat = {}
+    for name, value in (arrays or {}).items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _read_state(state):
+    """(header, arrays) of a saved layer, its header's digest verified."""
+    try:
+        header_text, arrays = state
+        header = json.loads(header_text)
+        version = header["format"]
+    except Exception as error:
+        raise CacheFormatError(f"not a VeloxQuant cache layer (unreadable header: {error!r})") from None
+    if version != FORMAT_VERSION:
+        raise CacheFormatError(f"cache format {version!r} is not supported (expected {FORMAT_VERSION}); "
+                               "save the cache again with this version")
+    if header.get("digest") != metadata_digest(header):
+        layer = header.get("layer")
+        raise CacheFormatError(f"cache layer{'' if layer is None else f' {layer}'}: the header fails its digest "
+                               "(corrupted or edited)")
+    if arrays is None:
+        arrays = {}
+    if not isinstance(arrays, dict) or not all(isinstance(v, (dict, mx.array)) for v in arrays.values()):
+        raise CacheFormatError("corrupted cache layer: its arrays are not a mapping of tensors")
+    for value in arrays.values():
+        if isinstance(value, dict) and not all(isinstance(v, mx.array) for v in value.values()):
+            raise CacheFormatError("corrupted cache layer: its fields are not tensors")
+    return header, arrays
 
 
 def _concat(a: Optional[mx.array], b: mx.array) -> mx.array:

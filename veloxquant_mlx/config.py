@@ -91,6 +91,8 @@ class KVCacheConfig:
         return mine == theirs
 
     def describe(self) -> str:
+        """A short label naming every setting that changes the codes (the defaults' group
+        size and seed left out), so that two configs that encode differently never read the same."""
         text = f"{self.method} K{self.bits}/V{self.value_bits}"
         if self.sink_tokens:
             text += f" sinks={self.sink_tokens}"
@@ -100,6 +102,10 @@ class KVCacheConfig:
             text += " centered"
         for key, value in sorted(self.options.items()):
             text += f" {key}={value}"
+        if self.group_size != KVCacheConfig.group_size:
+            text += f" group={self.group_size}"
+        if self.seed != KVCacheConfig.seed:
+            text += f" seed={self.seed}"
         return text
 
 
