@@ -213,7 +213,7 @@ def make_prompt_cache(model, config: KVCacheConfig) -> List[CompressedKVCache]:
     return KVCacheBuilder(config).for_model(model).build()
 
 
-INDEX_KEY = "veloxquant.index"  # file metadata: one digest per layer, in order
+INDEX_KEY = "veloxquant_index"  # file metadata: one digest per layer, in order (no dot: mlx-lm nests dotted keys)
 
 
 def _layer_digest(cache) -> str:
