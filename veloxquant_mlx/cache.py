@@ -54,6 +54,13 @@ class CacheFormatError(ValueError):
     """A saved cache that cannot be restored (corrupted, truncated or foreign)."""
 
 
+FP16_MAX = 65504.0  # the window, sinks and the codes' scales are fp16 (or bf16 for bf16 models)
+
+
+class CacheInputError(ValueError):
+    """Keys, values, queries or a trim that this cache cannot take (named in the message)."""
+
+
 class CompressedHistory:
     """Returned by `update_and_fetch` in place of fp16 keys/values.
 
@@ -161,8 +168,7 @@ class CompressedKVCache(_BaseCache):
         if not self.config.center:
             return keys, values
         if self.key_mean is None:
-            self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
-            self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
+            self.key_mean, self.value_mean = _finite_mean(keys), _finite_mean(values)
         return keys.astype(mx.float32) - self.key_mean, values.astype(mx.float32) - self.value_mean
 
     def _encode_rows(self, keys: mx.array, values: mx.array) -> mx.array:
@@ -175,7 +181,38 @@ class CompressedKVCache(_BaseCache):
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
     # ---- mlx-lm cache protocol ---------------------------------------------
+    def _check_update(self, keys, values):
+        """Refuse what would crash deep inside or corrupt the cache for good (see README, "Trust")."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError(f"keys and values must be mx.array, got {type(keys).__name__} and {type(values).__name__}")
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise CacheInputError(f"keys and values must be (batch, kv_heads, tokens, head_dim) with the same first "
+                                  f"three sizes, got {tuple(keys.shape)} and {tuple(values.shape)}")
+        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
+            raise CacheInputError(f"keys and values must be floating point, got {keys.dtype} and {values.dtype}")
+        if self.key_codec is not None:
+            got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+            held = (self.batch, self.kv_heads, self.key_dim, self.value_dim)
+            if got != held:
+                raise CacheInputError(
+                    f"this cache holds (batch, kv_heads, key dim, value dim) = {held} since its first update; got "
+                    f"{got}: a cache serves one layer of one model; make a new one")
+        check = self.settings.check_inputs
+        if keys.shape[2] and (check == "always" or (check == "prefill" and keys.shape[2] > 1)):
+            # Norms, not elements: the codes keep fp16 norms and scales. `<=` is False for NaN too,
+            # so one reduction and one sync cover NaN, Inf and overflow.
+            limit = FP16_MAX * FP16_MAX
+            healthy = (mx.all(mx.sum(mx.square(keys.astype(mx.float32)), axis=-1) <= limit)
+                       & mx.all(mx.sum(mx.square(values.astype(mx.float32)), axis=-1) <= limit))
+            if not healthy.item():
+                raise CacheInputError(
+                    f"keys or values hold NaN, Inf or a vector whose norm exceeds fp16's range ({FP16_MAX:g}), "
+                    "which the fp16 window, the means and the codes' fp16 norms and scales cannot hold; the cache "
+                    "is unchanged. (EngineSettings(check_inputs='off') or "
+                    "VELOXQUANT_CHECK_INPUTS=off skips this check)")
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check_update(keys, values)
         if self.key_codec is None:
             self._setup(keys, values)
         keys = keys.astype(self.window_dtype)
@@ -333,6 +370,18 @@ class CompressedKVCache(_BaseCache):
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
         """Attention of `queries` (B, n_heads, L, D) over everything this cache holds, through
         the first registered path that takes the call (`engine.py`); `last_path` names it."""
+        if self.store is None:
+            raise CacheInputError("attend() before any update_and_fetch(): the cache holds no tokens")
+        if not isinstance(queries, mx.array) or queries.ndim != 4:
+            raise CacheInputError(f"queries must be an mx.array (batch, heads, tokens, head_dim), got "
+                                  f"{getattr(queries, 'shape', type(queries).__name__)}")
+        B, heads, L, dim = queries.shape
+        if B != self.batch or heads % self.kv_heads or dim != self.key_dim:
+            raise CacheInputError(
+                f"queries {tuple(queries.shape)} do not fit this cache: batch {self.batch}, a multiple of "
+                f"{self.kv_heads} heads, head dim {self.key_dim}")
+        if L == 0:
+            return mx.zeros((B, heads, 0, self.value_dim), dtype=queries.dtype)
         store = self.store
         if store.pending is not None:
             path = self._route("decode_store", queries, mask)
@@ -402,6 +451,8 @@ class CompressedKVCache(_BaseCache):
         the window refills from new tokens only. If the trim cuts into a multi-token
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise CacheInputError(f"trim takes a number of tokens >= 0, got {n!r}")
         if self.store is None:
             return 0
         self.store.flush()
@@ -592,6 +643,17 @@ class CompressedKVCache(_BaseCache):
 
 # (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
 _LOADING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_loading", default=None)
+
+
+def _finite_mean(x: mx.array) -> mx.array:
+    """The mean over tokens (axis 2) of the finite entries: one NaN or Inf token (let through
+    with check_inputs off or on a decode step) must not make the means, and so every later
+    code, non-finite for good; trimming that token then leaves a healthy cache."""
+    x = x.astype(mx.float32)
+    finite = mx.isfinite(x)
+    kept = mx.sum(mx.where(finite, x, 0.0), axis=2, keepdims=True) / mx.maximum(
+        mx.sum(finite, axis=2, keepdims=True), 1)
+    return mx.where(mx.all(finite), mx.mean(x, axis=2, keepdims=True), kept).astype(x.dtype)
 
 
 def _flat(arrays) -> dict:

@@ -22,7 +22,7 @@ import mlx_lm.models.cache as mlx_cache
 from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
 from .settings import EngineSettings
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
-from .config import KVCacheConfig
+from .config import KVCacheConfig, follow_bits
 
 
 class UnsupportedModelError(ValueError):
@@ -159,13 +159,15 @@ class KVCacheBuilder:
     """
 
     def __init__(self, config: Optional[KVCacheConfig] = None, **changes):
+        if config is not None and not isinstance(config, KVCacheConfig):
+            raise TypeError(f"KVCacheBuilder takes a KVCacheConfig, got {type(config).__name__}")
         self._fields = dict(vars(config)) if config is not None else {}
-        self._fields.update(changes)
+        self._fields.update(follow_bits(self._fields, changes))
         self._model = None
         self._head_dim = None
 
     def _with(self, **changes) -> "KVCacheBuilder":
-        builder = KVCacheBuilder(**{**self._fields, **changes})
+        builder = KVCacheBuilder(**{**self._fields, **follow_bits(self._fields, changes)})
         builder._model, builder._head_dim = self._model, self._head_dim
         return builder
 
@@ -184,14 +186,18 @@ class KVCacheBuilder:
         return self._with(seed=seed)
 
     def with_options(self, **options):
-        return self._with(options={**self._fields.get("options", {}), **options})
+        return self._with(options={**(self._fields.get("options") or {}), **options})
 
     def with_head_dim(self, head_dim: int):
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         builder = self._with()
         builder._head_dim = head_dim
         return builder
 
     def for_model(self, model):
+        if not hasattr(model, "layers"):
+            raise TypeError(f"for_model expects an mlx-lm model (with .layers), got {type(model).__name__}")
         builder = self._with()
         builder._model = model
         return builder
