@@ -82,7 +82,10 @@ def read_gguf(gguf_path) -> tuple[dict, dict]:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (no GGUF magic bytes).")
-    return mx.load(str(path), format="gguf", return_metadata=True)
+    try:
+        return mx.load(str(path), format="gguf", return_metadata=True)
+    except RuntimeError as error:  # MLX's reader: truncated or corrupted files
+        raise ValueError(f"cannot read GGUF file {path}: {error}") from None
 
 
 def build_tokenizer(metadata: dict) -> Tokenizer:
