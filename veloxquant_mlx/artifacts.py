@@ -158,12 +158,31 @@ class CodecSet:
         method = get_method(self.config.method)
         make = method.key_codec if role == "keys" else method.value_codec
         codec = make(self.config, dim, params)
-        mx.eval(list(codec.params().values()) + [v for v in vars(codec).values() if isinstance(v, mx.array)])
+        mx.eval(_arrays_of(codec))
         return codec
 
     def overhead_bytes(self) -> int:
         """Bytes of the constant arrays (codebooks, rotations) shared by all layers."""
         return sum(a.nbytes for c in self._codecs.values() for a in c.params().values())
+
+
+def _arrays_of(obj, seen=None) -> list:
+    """Every mx.array a codec holds, in nested codecs and containers too (to evaluate them)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("veloxquant_mlx"):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [a for item in items for a in _arrays_of(item, seen)]
 
 
 @functools.lru_cache(maxsize=64)
