@@ -4,7 +4,7 @@ save/load and deepcopy, at batch 1 and 2, against mlx-lm's fp16 KVCache fed the 
 After every operation the compressed cache must (1) hold as many tokens as the reference,
 (2) attend exactly as attention over its own dequantized history does (the paths agree), and
 (3) stay within the method's tolerance of the reference's attention: ATTENTION_TOLERANCE, the
-relative error max|out - ref| / max|ref| at 4 bits on these inputs (Gaussian keys and values,
+relative error mean|out - ref| / mean|ref| at 4 bits on these inputs (Gaussian keys and values,
 head dim 32), recorded from `python tests/test_trust_properties.py` with a 1.5x margin.
 """
 
@@ -25,15 +25,19 @@ from veloxquant_mlx import CompressedKVCache, load_prompt_cache, save_prompt_cac
 DIM, KV_HEADS, Q_HEADS = 32, 2, 4
 SCALE = 1.5 / math.sqrt(DIM)  # a little sharper than 1/sqrt(d): errors in the scores show
 
-# Worst relative attention error seen over 300 random sequences per method (see __main__), x1.5.
+# Worst relative attention error over 150 random sequences per method (`python
+# tests/test_trust_properties.py 150`: fp16 0.0000, kivi 0.1222, polarquant 0.5070, qjl 1.2970,
+# turboquant_mse 0.2805, turboquant_prod 0.6457, turboquant_rvq 0.4002), x1.5; fp16 at float rounding.
+# Random values average out, so relative errors here are larger than on a model's attention;
+# the tight checks are (1) and (2).
 ATTENTION_TOLERANCE = {
-    "fp16": 2e-3,
-    "kivi": 0.16,
-    "polarquant": 0.45,
-    "qjl": 0.75,
-    "turboquant_mse": 0.30,
-    "turboquant_prod": 0.60,
-    "turboquant_rvq": 0.30,
+    "fp16": 1e-3,
+    "kivi": 0.19,
+    "polarquant": 0.76,
+    "qjl": 1.95,
+    "turboquant_mse": 0.42,
+    "turboquant_prod": 0.97,
+    "turboquant_rvq": 0.60,
 }
 
 operation = st.one_of(
@@ -61,7 +65,7 @@ def _own_attention(cache: CompressedKVCache, queries):
 
 
 def _relative(a, b) -> float:
-    return float(mx.max(mx.abs(a - b)).item() / max(mx.max(mx.abs(b)).item(), 1e-6))
+    return float(mx.mean(mx.abs(a - b)).item() / max(mx.mean(mx.abs(b)).item(), 1e-6))
 
 
 def run_sequence(method, batch, operations, tmp_path, rng_seed=0):
@@ -88,7 +92,7 @@ def run_sequence(method, batch, operations, tmp_path, rng_seed=0):
             save_prompt_cache(path, [cache])
             cache = load_prompt_cache(path, config=config)[0]
         elif op == "deepcopy":
-            before = None if cache.store is None else cache.attend(mx.ones((batch, Q_HEADS, 1, DIM)), scale=SCALE)
+            before = None if cache.offset == 0 else cache.attend(mx.ones((batch, Q_HEADS, 1, DIM)), scale=SCALE)
             twin = copy.deepcopy(cache)
             if before is not None:  # the copy is independent: feeding it leaves the original as it was
                 twin.update_and_fetch(mx.ones((batch, KV_HEADS, 1, DIM), dtype=mx.float16),
@@ -98,11 +102,11 @@ def run_sequence(method, batch, operations, tmp_path, rng_seed=0):
                 twin = copy.deepcopy(cache)
             cache = twin
         assert cache.offset == ref.offset, (step, op)
-        if cache.offset == 0 or cache.store is None:
+        if cache.offset == 0:
             continue
         q = mx.array(rng.standard_normal((batch, Q_HEADS, 1, DIM)).astype(np.float32))
         out = cache.attend(q, scale=SCALE)
-        assert _relative(out, _own_attention(cache, q)) < 2e-3, (step, op)
+        assert _relative(out, _own_attention(cache, q)) < 1e-3, (step, op)
         worst = max(worst, _relative(out, _reference_attention(ref, q)))
         assert bool(mx.all(mx.isfinite(out)).item())
     return worst

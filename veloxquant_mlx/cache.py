@@ -370,8 +370,8 @@ class CompressedKVCache(_BaseCache):
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
         """Attention of `queries` (B, n_heads, L, D) over everything this cache holds, through
         the first registered path that takes the call (`engine.py`); `last_path` names it."""
-        if self.store is None:
-            raise CacheInputError("attend() before any update_and_fetch(): the cache holds no tokens")
+        if self.store is None or self.offset == 0:
+            raise CacheInputError("attend() on an empty cache: it holds no tokens (none added, or all trimmed)")
         if not isinstance(queries, mx.array) or queries.ndim != 4:
             raise CacheInputError(f"queries must be an mx.array (batch, heads, tokens, head_dim), got "
                                   f"{getattr(queries, 'shape', type(queries).__name__)}")
@@ -670,6 +670,8 @@ def _flat(arrays) -> dict:
 def _read_state(state):
     """(header, arrays) of a saved layer, its header's digest verified."""
     try:
+        if isinstance(state, (list, tuple)) and len(state) == 1:
+            state = [state[0], {}]  # an empty cache: mlx-lm's save drops its empty arrays
         header_text, arrays = state
         header = json.loads(header_text)
         version = header["format"]
