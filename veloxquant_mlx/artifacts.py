@@ -10,32 +10,116 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import threading
+import zlib
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from .methods import get_method
 
-ARTIFACT_FORMAT = 1
+ARTIFACT_FORMAT = 2  # 2: every tensor and the metadata carry a CRC32 (`save_artifact_dir`)
 ARTIFACT_JSON = "artifacts.json"
 ARTIFACT_ARRAYS = "codecs.safetensors"
 
 
 class ArtifactError(ValueError):
-    """An artifact dir that does not fit the model or config it is used with."""
+    """An artifact dir that does not fit the model or config it is used with, or is corrupted."""
+
+
+def tensor_checksum(array: mx.array) -> str:
+    """CRC32 (zlib) of an array's dtype, shape and bytes, as 8 hex digits. The dtype and shape
+    are included so that a header edit reinterpreting the same bytes is caught too."""
+    data = np.ascontiguousarray(np.array(array.astype(mx.float32) if array.dtype == mx.bfloat16 else array))
+    crc = zlib.crc32(f"{array.dtype}{tuple(array.shape)}".encode())
+    return f"{zlib.crc32(data.tobytes(), crc):08x}"
+
+
+def checksums(arrays: Mapping[str, mx.array]) -> Dict[str, str]:
+    return {name: tensor_checksum(arrays[name]) for name in sorted(arrays)}
+
+
+def metadata_digest(meta: Mapping) -> str:
+    """CRC32 of a JSON document without its own "digest" key (canonical: sorted keys)."""
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return f"{zlib.crc32(json.dumps(body, sort_keys=True).encode()):08x}"
+
+
+def verify_checksums(arrays: Mapping[str, mx.array], expected: Mapping[str, str], where: str,
+                     error=ValueError) -> None:
+    """Raise `error` naming the first tensor that is missing, unexpected or whose checksum differs."""
+    missing = sorted(set(expected) - set(arrays))
+    extra = sorted(set(arrays) - set(expected))
+    if missing or extra:
+        raise error(f"{where}: tensors {missing} are missing and {extra} unexpected")
+    for name in sorted(expected):
+        try:
+            got = tensor_checksum(arrays[name])
+        except Exception as problem:  # an unreadable tensor
+            raise error(f"{where}: tensor {name!r} is unreadable ({problem})") from None
+        if got != expected[name]:
+            raise error(f"{where}: tensor {name!r} fails its checksum ({got} != {expected[name]}): corrupted")
+
+
+def save_artifact_dir(out_dir, arrays: Mapping[str, mx.array], meta: dict) -> Path:
+    """Write an artifact dir: `arrays` to codecs.safetensors and `meta` (plus the format, each
+    tensor's checksum and a digest of the whole) to artifacts.json. Every kind of artifact
+    (precomputed codecs, calibrated ones) goes through here and `load_artifact_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out / ARTIFACT_ARRAYS), dict(arrays))
+    meta = {**meta, "format": ARTIFACT_FORMAT, "tensors": checksums(arrays)}
+    meta["digest"] = metadata_digest(meta)
+    (out / ARTIFACT_JSON).write_text(json.dumps(meta, indent=2))
+    return out
+
+
+def load_artifact_dir(root) -> Tuple[dict, Dict[str, mx.array]]:
+    """(meta, arrays) of an artifact dir, every checksum verified; ArtifactError names what is wrong."""
+    root = Path(root)
+    try:
+        meta = json.loads((root / ARTIFACT_JSON).read_text())
+        arrays = mx.load(str(root / ARTIFACT_ARRAYS))
+    except FileNotFoundError as error:
+        raise ArtifactError(f"artifact dir {root} is incomplete: {error.filename} is missing") from None
+    except (ValueError, RuntimeError, UnicodeDecodeError) as error:
+        raise ArtifactError(f"artifact dir {root} is unreadable: {error}") from None
+    if not isinstance(meta, dict):
+        raise ArtifactError(f"artifact dir {root}: {ARTIFACT_JSON} is not a JSON object")
+    if meta.get("format") != ARTIFACT_FORMAT:
+        raise ArtifactError(f"artifact dir {root} has format {meta.get('format')!r}, expected {ARTIFACT_FORMAT}"
+                            " (rewrite it with the current version)")
+    if meta.get("digest") != metadata_digest(meta):
+        raise ArtifactError(f"artifact dir {root}: {ARTIFACT_JSON} fails its digest: corrupted or edited")
+    tensors = meta.get("tensors")
+    if not isinstance(tensors, dict):
+        raise ArtifactError(f"artifact dir {root}: {ARTIFACT_JSON} lists no tensor checksums")
+    verify_checksums(arrays, tensors, f"artifact dir {root}", ArtifactError)
+    return meta, arrays
 
 
 class CodecSet:
     """The key and value codecs of one config, one per head dim, shared by all layers."""
 
-    def __init__(self, config, params: Optional[Dict[Tuple[str, int], dict]] = None, source: str = "",
+    def __init__(self, config, params: Optional[Dict[tuple, dict]] = None, source: str = "",
                  layer: Optional[int] = None):
         self.config = config
         self._params = params
         self._source = source
         self._codecs = {}
+        self._checksums = {}
         self._layer = layer  # calibrated artifacts hold params per layer: keys (role, dim, layer)
+        # Caches of several threads share a CodecSet: one thread builds each codec, and its
+        # arrays are evaluated before any other thread sees them (a lazy array made in one
+        # thread names that thread's stream, which other threads do not have).
+        self._lock = threading.Lock()
+
+    @property
+    def source(self) -> str:
+        """The artifact dir the codecs came from ("" when built from the config's seed)."""
+        return self._source
 
     @property
     def per_layer(self) -> bool:
@@ -47,6 +131,14 @@ class CodecSet:
             return self
         return CodecSet(self.config, self._params, self._source, layer=index)
 
+    def _key(self, role: str, dim: int) -> tuple:
+        if not self.per_layer:
+            return (role, dim)
+        if self._layer is None:
+            raise ArtifactError(f"artifact dir {self._source} is calibrated per layer: build caches for "
+                                f"a whole model (KVCacheBuilder(config).for_model(model)), not a lone cache")
+        return (role, dim, self._layer)
+
     @classmethod
     def for_config(cls, config, fingerprint: Optional[dict] = None) -> "CodecSet":
         if config.artifact_dir is None:
@@ -54,30 +146,62 @@ class CodecSet:
         return load_artifacts(config, fingerprint)
 
     def get(self, role: str, dim: int):
-        key = (role, dim)
-        if self.per_layer:
-            if self._layer is None:
-                raise ArtifactError(f"artifact dir {self._source} is calibrated per layer: build caches for "
-                                    f"a whole model (KVCacheBuilder(config).for_model(model)), not a lone cache")
-            key = (role, dim, self._layer)
-        if key not in self._codecs:
-            params = None
-            if self._params is not None:
-                if key not in self._params:
-                    have = ", ".join(" ".join(map(str, k)) for k in sorted(self._params)[:6])
-                    raise ArtifactError(
-                        f"artifact dir {self._source} has no {role} codec for head dim {dim}"
-                        f"{'' if len(key) == 2 else f' in layer {self._layer}'} "
-                        f"(it has: {have}...); rerun `veloxquant precompute` / `calibrate` for this model"
-                    )
-                params = self._params[key]
-            method = get_method(self.config.method)
-            self._codecs[key] = method.codec(role, self.config, dim, params)
+        key = self._key(role, dim)
+        codec = self._codecs.get(key)
+        if codec is not None:
+            return codec
+        with self._lock:
+            if key not in self._codecs:
+                self._codecs[key] = self._build(key)
         return self._codecs[key]
+
+    def checksum(self, role: str, dim: int) -> str:
+        """CRC32 of the codec's constant arrays: what a saved cache records, so that it is never
+        read back with other codebooks or rotations than it was written with."""
+        key = self._key(role, dim)
+        if key not in self._checksums:
+            params = self.get(role, dim).params()
+            self._checksums[key] = metadata_digest(checksums(params))
+        return self._checksums[key]
+
+    def _build(self, key: tuple):
+        role, dim = key[:2]
+        params = None
+        if self._params is not None:
+            if key not in self._params:
+                have = ", ".join(" ".join(map(str, k)) for k in sorted(self._params)[:6])
+                raise ArtifactError(
+                    f"artifact dir {self._source} has no {role} codec for head dim {dim}"
+                    f"{'' if len(key) == 2 else f' in layer {self._layer}'} "
+                    f"(it has: {have}...); rerun `veloxquant precompute` / `calibrate` for this model"
+                )
+            params = self._params[key]
+        codec = get_method(self.config.method).codec(role, self.config, dim, params)
+        mx.eval(_arrays_of(codec))
+        return codec
 
     def overhead_bytes(self) -> int:
         """Bytes of the constant arrays (codebooks, rotations) shared by all layers."""
         return sum(a.nbytes for c in self._codecs.values() for a in c.params().values())
+
+
+def _arrays_of(obj, seen=None) -> list:
+    """Every mx.array a codec holds, in nested codecs and containers too (to evaluate them)."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, mx.array):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("veloxquant_mlx"):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [a for item in items for a in _arrays_of(item, seen)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -104,15 +228,20 @@ def layer_shapes(model) -> List[Tuple[int, int, int]]:
     return shapes
 
 
-def model_fingerprint(model) -> dict:
+def model_identity(model) -> dict:
+    """What names a model without running it (a saved cache records it): its type, layer
+    count and a hash of its arguments."""
     args = getattr(model, "args", None)
     described = json.dumps(vars(args) if args is not None else {}, sort_keys=True, default=str)
     return {
         "model_type": getattr(args, "model_type", type(model).__module__),
         "num_layers": len(model.layers),
-        "layer_shapes": layer_shapes(model),
         "args_sha256": hashlib.sha256(described.encode()).hexdigest(),
     }
+
+
+def model_fingerprint(model) -> dict:
+    return {**model_identity(model), "layer_shapes": layer_shapes(model)}
 
 
 def precompute(model, config, out_dir, layers: Optional[List[Optional[dict]]] = None,
@@ -120,8 +249,6 @@ def precompute(model, config, out_dir, layers: Optional[List[Optional[dict]]] = 
     """Write the codebooks and rotations `model`'s caches need under `config`. With `layers`
     (from `calibration.py`: per layer {"keys": params, "values": params} or None), each
     layer's params are stored under `layer.role.dim.` and `calibration` is recorded."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     fingerprint = model_fingerprint(model)
     arrays, entries = {}, []
     dims = {("keys", s[1]) for s in fingerprint["layer_shapes"] if s} | {
@@ -140,33 +267,26 @@ def precompute(model, config, out_dir, layers: Optional[List[Optional[dict]]] = 
         entries.append({"role": role, "dim": dim})
         for name, value in codecs.get(role, dim).params().items():
             arrays[f"{role}.{dim}.{name}"] = value
-    mx.save_safetensors(str(out / ARTIFACT_ARRAYS), arrays)
     meta = {
-        "format": ARTIFACT_FORMAT,
         "config": json.loads(config.replace(artifact_dir=None).to_json()),
         "fingerprint": fingerprint,
         "codecs": entries,
     }
     if calibration is not None:
         meta["calibration"] = calibration
-    (out / ARTIFACT_JSON).write_text(json.dumps(meta, indent=2))
-    return out
+    return save_artifact_dir(out_dir, arrays, meta)
 
 
 def load_artifacts(config, fingerprint: Optional[dict] = None) -> CodecSet:
     from .config import KVCacheConfig
 
     root = Path(config.artifact_dir)
+    meta, arrays = load_artifact_dir(root)
     try:
-        meta = json.loads((root / ARTIFACT_JSON).read_text())
-        arrays = mx.load(str(root / ARTIFACT_ARRAYS))
-    except FileNotFoundError as error:
-        raise ArtifactError(f"artifact dir {root} is incomplete: {error.filename} is missing") from None
-    except (ValueError, RuntimeError) as error:
-        raise ArtifactError(f"artifact dir {root} is unreadable: {error}") from None
-    if meta.get("format") != ARTIFACT_FORMAT:
-        raise ArtifactError(f"artifact dir {root} has format {meta.get('format')}, expected {ARTIFACT_FORMAT}")
-    made_for = KVCacheConfig(**meta["config"])
+        made_for = KVCacheConfig(**meta["config"])
+        entries = [dict(e, role=str(e["role"]), dim=int(e["dim"])) for e in meta["codecs"]]
+    except Exception as error:
+        raise ArtifactError(f"artifact dir {root} has an unusable description: {error}") from None
     # keyed on what the dir holds (codebooks, rotations): sinks, a window or centering may differ
     if made_for.codec_key() != config.codec_key():
         differ = [k for k, v in made_for.codec_key().items() if config.codec_key()[k] != v]
@@ -184,7 +304,7 @@ def load_artifacts(config, fingerprint: Optional[dict] = None) -> CodecSet:
                 f"{stored['num_layers']} layers); differs in: {', '.join(diffs)}"
             )
     params = {}
-    for entry in meta["codecs"]:
+    for entry in entries:
         prefix = f"{entry['role']}.{entry['dim']}."
         key = (entry["role"], entry["dim"])
         if "layer" in entry:

@@ -30,6 +30,7 @@ settings (`settings.EngineSettings`) resolved once when the cache is made.
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import json
 import math
@@ -39,18 +40,25 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import engine
-from .artifacts import CodecSet
+from .artifacts import CodecSet, checksums, metadata_digest, verify_checksums
 from .attention import Segment
 from .config import KVCacheConfig
 from .settings import EngineSettings
 from .storage import RowStore, store_for
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: checksums, layer index, model identity (see `state`)
 _DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
 
 
 class CacheFormatError(ValueError):
     """A saved cache that cannot be restored (corrupted, truncated or foreign)."""
+
+
+FP16_MAX = 65504.0  # the window, sinks and the codes' scales are fp16 (or bf16 for bf16 models)
+
+
+class CacheInputError(ValueError):
+    """Keys, values, queries or a trim that this cache cannot take (named in the message)."""
 
 
 class CompressedHistory:
@@ -92,6 +100,8 @@ class CompressedKVCache(_BaseCache):
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
         self.last_path: Optional[str] = None  # the attention path of the last call
         self._routes = {}  # (phase, call shape) -> registered path or None: chosen once, not per token
+        self.layer: Optional[int] = None  # index in the model, when made for one (recorded when saved)
+        self.model_identity: Optional[dict] = None  # `artifacts.model_identity` of that model
 
     # Immutable or shared by every cache of a config (codebooks, compiled encoders): not copied.
     _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_row_encoder", "_settings", "window_dtype",
@@ -158,8 +168,7 @@ class CompressedKVCache(_BaseCache):
         if not self.config.center:
             return keys, values
         if self.key_mean is None:
-            self.key_mean = mx.mean(keys.astype(mx.float32), axis=2, keepdims=True).astype(keys.dtype)
-            self.value_mean = mx.mean(values.astype(mx.float32), axis=2, keepdims=True).astype(values.dtype)
+            self.key_mean, self.value_mean = _finite_mean(keys), _finite_mean(values)
         return keys.astype(mx.float32) - self.key_mean, values.astype(mx.float32) - self.value_mean
 
     def _encode_rows(self, keys: mx.array, values: mx.array) -> mx.array:
@@ -172,7 +181,38 @@ class CompressedKVCache(_BaseCache):
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
     # ---- mlx-lm cache protocol ---------------------------------------------
+    def _check_update(self, keys, values):
+        """Refuse what would crash deep inside or corrupt the cache for good (see README, "Trust")."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError(f"keys and values must be mx.array, got {type(keys).__name__} and {type(values).__name__}")
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise CacheInputError(f"keys and values must be (batch, kv_heads, tokens, head_dim) with the same first "
+                                  f"three sizes, got {tuple(keys.shape)} and {tuple(values.shape)}")
+        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
+            raise CacheInputError(f"keys and values must be floating point, got {keys.dtype} and {values.dtype}")
+        if self.key_codec is not None:
+            got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+            held = (self.batch, self.kv_heads, self.key_dim, self.value_dim)
+            if got != held:
+                raise CacheInputError(
+                    f"this cache holds (batch, kv_heads, key dim, value dim) = {held} since its first update; got "
+                    f"{got}: a cache serves one layer of one model; make a new one")
+        check = self.settings.check_inputs
+        if keys.shape[2] and (check == "always" or (check == "prefill" and keys.shape[2] > 1)):
+            # Norms, not elements: the codes keep fp16 norms and scales. `<=` is False for NaN too,
+            # so one reduction and one sync cover NaN, Inf and overflow.
+            limit = FP16_MAX * FP16_MAX
+            healthy = (mx.all(mx.sum(mx.square(keys.astype(mx.float32)), axis=-1) <= limit)
+                       & mx.all(mx.sum(mx.square(values.astype(mx.float32)), axis=-1) <= limit))
+            if not healthy.item():
+                raise CacheInputError(
+                    f"keys or values hold NaN, Inf or a vector whose norm exceeds fp16's range ({FP16_MAX:g}), "
+                    "which the fp16 window, the means and the codes' fp16 norms and scales cannot hold; the cache "
+                    "is unchanged. (EngineSettings(check_inputs='off') or "
+                    "VELOXQUANT_CHECK_INPUTS=off skips this check)")
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check_update(keys, values)
         if self.key_codec is None:
             self._setup(keys, values)
         keys = keys.astype(self.window_dtype)
@@ -330,6 +370,18 @@ class CompressedKVCache(_BaseCache):
     def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
         """Attention of `queries` (B, n_heads, L, D) over everything this cache holds, through
         the first registered path that takes the call (`engine.py`); `last_path` names it."""
+        if self.store is None or self.offset == 0:
+            raise CacheInputError("attend() on an empty cache: it holds no tokens (none added, or all trimmed)")
+        if not isinstance(queries, mx.array) or queries.ndim != 4:
+            raise CacheInputError(f"queries must be an mx.array (batch, heads, tokens, head_dim), got "
+                                  f"{getattr(queries, 'shape', type(queries).__name__)}")
+        B, heads, L, dim = queries.shape
+        if B != self.batch or heads % self.kv_heads or dim != self.key_dim:
+            raise CacheInputError(
+                f"queries {tuple(queries.shape)} do not fit this cache: batch {self.batch}, a multiple of "
+                f"{self.kv_heads} heads, head dim {self.key_dim}")
+        if L == 0:
+            return mx.zeros((B, heads, 0, self.value_dim), dtype=queries.dtype)
         store = self.store
         if store.pending is not None:
             path = self._route("decode_store", queries, mask)
@@ -399,6 +451,8 @@ class CompressedKVCache(_BaseCache):
         the window refills from new tokens only. If the trim cuts into a multi-token
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise CacheInputError(f"trim takes a number of tokens >= 0, got {n!r}")
         if self.store is None:
             return 0
         self.store.flush()
@@ -461,13 +515,20 @@ class CompressedKVCache(_BaseCache):
         return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.used_nbytes)
 
     # ---- save / load --------------------------------------------------------
+    # A saved layer is [header JSON, arrays]. The header holds the format version, the full
+    # config, the model identity and layer index (when the cache was made for a model), the
+    # checksums of the codecs' constant arrays, one CRC32 per tensor, and a digest of itself:
+    # a flipped, truncated, swapped or edited file is refused with the layer and tensor named.
     @property
     def state(self):
         header = {
             "format": FORMAT_VERSION,
-            "config": self.config.to_json(),
+            "config": json.loads(self.config.to_json()),
             "offset": self.offset,
             "encoded": self.encoded,
+            "layer": self.layer,
+            "model": self.model_identity,
+            "artifact": self.codecs.source,
         }
         arrays = {}
         if self.key_codec is not None:
@@ -476,6 +537,8 @@ class CompressedKVCache(_BaseCache):
                 shape=[self.batch, self.kv_heads, self.key_dim, self.value_dim],
                 window_dtype=str(self.window_dtype),
                 tokens_per_row=self.tokens_per_row,
+                codecs={"keys": self.codecs.checksum("keys", self.key_dim),
+                        "values": self.codecs.checksum("values", self.value_dim)},
             )
             for group in ("keys", "values"):
                 if self.encoded:
@@ -483,30 +546,57 @@ class CompressedKVCache(_BaseCache):
             for name in _DENSE_STATE:
                 if getattr(self, name) is not None and getattr(self, name).shape[2]:
                     arrays[name] = getattr(self, name)
+        header["tensors"] = checksums(_flat(arrays))
+        header["digest"] = metadata_digest(header)
         return [json.dumps(header), arrays]
 
     @state.setter
     def state(self, state):
+        header, arrays = _read_state(state)
+        where = "cache layer" if header.get("layer") is None else f"cache layer {header['layer']}"
         try:
-            header_text, arrays = state
-            header = json.loads(header_text)
-            version = header["format"]
-            config = KVCacheConfig.from_json(header["config"])
+            written_with = KVCacheConfig(**header["config"])
         except Exception as error:
-            raise CacheFormatError(f"not a VeloxQuant cache layer (unreadable header: {error})") from None
-        if version != FORMAT_VERSION:
-            raise CacheFormatError(f"cache format {version} is not supported (expected {FORMAT_VERSION})")
-        self.__init__(config.replace(artifact_dir=None))
-        arrays = arrays or {}
+            raise CacheFormatError(f"{where}: unusable config in the header ({error})") from None
+        caller = _LOADING.get()
+        if caller is not None:
+            # The caller's config decides; the header only has to agree with it.
+            config, codecs = caller
+            if not written_with.same_encoding(config):
+                raise CacheFormatError(f"{where} was written with {written_with.describe()}, "
+                                       f"not {config.describe()}")
+        else:
+            # No config given: the codecs come from where the file says they did (the seed or
+            # its artifact dir), and must match the checksums it recorded.
+            config = written_with.replace(artifact_dir=header.get("artifact") or None)
+            try:
+                codecs = CodecSet.for_config(config)
+            except ValueError as error:
+                raise CacheFormatError(f"{where} was written with codecs from {config.artifact_dir}: {error}") from None
+        verify_checksums(_flat(arrays), header.get("tensors") or {}, where, CacheFormatError)
+        self.__init__(config, codecs)
+        self.layer, self.model_identity = header.get("layer"), header.get("model")
         if "shape" not in header:
+            if header.get("offset") != 0:
+                raise CacheFormatError(f"{where}: offset {header.get('offset')} without any stored token")
             return
-        self.batch, self.kv_heads, self.key_dim, self.value_dim = header["shape"]
-        dtype = getattr(mx, header["window_dtype"].split(".")[-1])
+        try:
+            self.batch, self.kv_heads, self.key_dim, self.value_dim = (int(n) for n in header["shape"])
+            dtype = {str(d): d for d in (mx.float16, mx.bfloat16, mx.float32)}[header["window_dtype"]]
+            self.offset, encoded = int(header["offset"]), int(header["encoded"])
+            expected_codecs = dict(header["codecs"])
+        except Exception as error:
+            raise CacheFormatError(f"{where}: unusable header ({error!r})") from None
         self._setup(mx.zeros((self.batch, self.kv_heads, 0, self.key_dim), dtype=dtype),
                     mx.zeros((self.batch, self.kv_heads, 0, self.value_dim), dtype=dtype))
-        self.offset, encoded = header["offset"], header["encoded"]
+        for role, dim in (("keys", self.key_dim), ("values", self.value_dim)):
+            if expected_codecs.get(role) != codecs.checksum(role, dim):
+                source = f"artifact dir {codecs.source}" if codecs.source else f"seed {config.seed}"
+                raise CacheFormatError(
+                    f"{where}: the {role} codebooks/rotations differ from those it was written with "
+                    f"(written from {header.get('artifact') or 'the seed'}; these come from {source})")
         if header.get("tokens_per_row") != self.tokens_per_row:
-            raise CacheFormatError(f"corrupted cache layer: tokens per row {header.get('tokens_per_row')} "
+            raise CacheFormatError(f"corrupted {where}: tokens per row {header.get('tokens_per_row')} "
                                    f"!= the format's {self.tokens_per_row}")
         for name in _DENSE_STATE:
             if name in arrays:
@@ -515,7 +605,7 @@ class CompressedKVCache(_BaseCache):
         problems = self._check_fields(saved, encoded)
         if not problems:
             self.store.load(saved["keys"], saved["values"], encoded)
-        self._check_restored(problems)
+        self._check_restored(problems, where)
 
     def _check_fields(self, saved, encoded: int):
         """What does not fit the codecs' formats in saved fields of `encoded` tokens."""
@@ -527,7 +617,10 @@ class CompressedKVCache(_BaseCache):
                 problems.append(f"{group} fields {sorted(fields)} != {sorted(expected)}")
                 continue
             for name, buf in fields.items():
-                f = expected[name]
+                f = expected.get(name)
+                if f is None:
+                    problems.append(f"{group} has no field {name!r}")
+                    continue
                 rows = -(-encoded // f.tokens_per_row)
                 width = f.words if f.kind == "packed" else f.width
                 if buf.shape != (self.batch, self.kv_heads, rows, width):
@@ -535,25 +628,85 @@ class CompressedKVCache(_BaseCache):
                                     f"{(self.batch, self.kv_heads, rows, width)}")
         return problems
 
-    def _check_restored(self, problems):
+    def _check_restored(self, problems, where="cache layer"):
         if self.config.center and self.encoded and self.key_mean is None:
             problems.append("centered codes without their means")
         for name in _DENSE_STATE:
             arr = getattr(self, name)
-            if arr is not None and arr.shape[:2] != (self.batch, self.kv_heads):
+            dim = self.key_dim if "key" in name else self.value_dim
+            if arr is None:
+                continue
+            if arr.ndim != 4 or arr.shape[:2] != (self.batch, self.kv_heads) or arr.shape[3] != dim:
                 problems.append(f"{name} has shape {arr.shape}")
+            elif name.endswith("mean") and arr.shape[2] != 1:
+                problems.append(f"{name} has shape {arr.shape}")
+            elif not name.endswith("mean") and arr.dtype != self.window_dtype:
+                problems.append(f"{name} has dtype {arr.dtype}, expected {self.window_dtype}")
         if not problems and self.sinks + self.encoded + self.window != self.offset:
             problems.append(
                 f"sinks {self.sinks} + codes {self.encoded} + window {self.window} != offset {self.offset}"
             )
         if problems:
-            raise CacheFormatError("corrupted cache layer: " + "; ".join(problems))
+            raise CacheFormatError(f"corrupted {where}: " + "; ".join(problems))
 
     @classmethod
     def from_state(cls, state):
         cache = cls.__new__(cls)
         cache.state = state
         return cache
+
+
+# (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
+_LOADING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_loading", default=None)
+
+
+def _finite_mean(x: mx.array) -> mx.array:
+    """The mean over tokens (axis 2) of the finite entries: one NaN or Inf token (let through
+    with check_inputs off or on a decode step) must not make the means, and so every later
+    code, non-finite for good; trimming that token then leaves a healthy cache."""
+    x = x.astype(mx.float32)
+    finite = mx.isfinite(x)
+    kept = mx.sum(mx.where(finite, x, 0.0), axis=2, keepdims=True) / mx.maximum(
+        mx.sum(finite, axis=2, keepdims=True), 1)
+    return mx.where(mx.all(finite), mx.mean(x, axis=2, keepdims=True), kept).astype(x.dtype)
+
+
+def _flat(arrays) -> dict:
+    """{"keys.codes": array, "window_keys": array, ...} of a saved layer's (nested) arrays."""
+    flat = {}
+    for name, value in (arrays or {}).items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _read_state(state):
+    """(header, arrays) of a saved layer, its header's digest verified."""
+    try:
+        if isinstance(state, (list, tuple)) and len(state) == 1:
+            state = [state[0], {}]  # an empty cache: mlx-lm's save drops its empty arrays
+        header_text, arrays = state
+        header = json.loads(header_text)
+        version = header["format"]
+    except Exception as error:
+        raise CacheFormatError(f"not a VeloxQuant cache layer (unreadable header: {error!r})") from None
+    if version != FORMAT_VERSION:
+        raise CacheFormatError(f"cache format {version!r} is not supported (expected {FORMAT_VERSION}); "
+                               "save the cache again with this version")
+    if header.get("digest") != metadata_digest(header):
+        layer = header.get("layer")
+        raise CacheFormatError(f"cache layer{'' if layer is None else f' {layer}'}: the header fails its digest "
+                               "(corrupted or edited)")
+    if arrays is None:
+        arrays = {}
+    if not isinstance(arrays, dict) or not all(isinstance(v, (dict, mx.array)) for v in arrays.values()):
+        raise CacheFormatError("corrupted cache layer: its arrays are not a mapping of tensors")
+    for value in arrays.values():
+        if isinstance(value, dict) and not all(isinstance(v, mx.array) for v in value.values()):
+            raise CacheFormatError("corrupted cache layer: its fields are not tensors")
+    return header, arrays
 
 
 def _concat(a: Optional[mx.array], b: mx.array) -> mx.array:

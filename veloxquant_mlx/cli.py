@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -47,17 +48,22 @@ def config_from_args(args, default_method: str = "turboquant_mse"):
     from .config import KVCacheConfig, parse_option_value
     from .presets import preset_config
 
+    from .methods import get_method
+
+    kv = getattr(args, "kv", None)
+    method = get_method(getattr(args, "method", None) or (preset_config(kv).method if kv else default_method))
+    declared = {**method.generic_options, **method.options}
     options = {}
     for item in args.option:
         key, sep, value = item.partition("=")
         if not sep:
-            raise SystemExit(f"--option expects KEY=VALUE, got {item!r}")
-        options[key] = parse_option_value(value)
+            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
+        options[key] = parse_option_value(value, declared.get(key))
     fields = {field: getattr(args, flag) for flag, field in _CACHE_FLAGS.items() if getattr(args, flag, None) is not None}
     if options:
         fields["options"] = options
-    if getattr(args, "kv", None):
-        return preset_config(args.kv, **fields)
+    if kv:
+        return preset_config(kv, **fields)
     fields.setdefault("method", default_method)
     return KVCacheConfig(**fields)
 
@@ -357,18 +363,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+# What a user's input can raise (bad values, files missing, unreadable or in the way): reported
+# in one line, exit 2. VELOXQUANT_TRACEBACK=1 shows the traceback instead.
+USER_ERRORS = (ValueError, TypeError, OSError)
+
+
+def failed_methods(outcome) -> list:
+    """Labels of the records of an eval/benchmark run whose method raised an error."""
+    if not isinstance(outcome, dict):
+        return []
+    return [str(r.get("label") or r.get("method")) for r in outcome.get("records") or []
+            if isinstance(r, dict) and r.get("status") == "error"]
+
+
+def run_command(args) -> int:
+    """Run a parsed command: 0 on success, 1 when a requested method failed, 2 on a user error."""
     start = time.perf_counter()
     try:
-        args.func(args)
-    except (ValueError, FileNotFoundError) as error:
+        outcome = args.func(args)
+    except USER_ERRORS as error:
+        if os.environ.get("VELOXQUANT_TRACEBACK"):
+            raise
         print(f"error: {error}", file=sys.stderr)
         return 2
     if getattr(args, "verbose", False):
         print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    failed = failed_methods(outcome)
+    if failed:
+        print(f"error: {len(failed)} requested method(s) failed: {', '.join(dict.fromkeys(failed))}",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+def main(argv=None) -> int:
+    return run_command(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

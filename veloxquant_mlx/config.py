@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import functools
 import json
+import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -56,8 +57,18 @@ class KVCacheConfig:
     def __post_init__(self):
         if self.value_bits is None:
             object.__setattr__(self, "value_bits", self.bits)
+        if not isinstance(self.method, str):
+            raise TypeError(f"method must be a method name (str), got {self.method!r}")
+        if not isinstance(self.options, Mapping):
+            raise TypeError(f"options must be a mapping of option names to values, e.g. {{'renorm': True}}, "
+                            f"got {self.options!r}")
         object.__setattr__(self, "options", dict(self.options))
+        for key in self.options:
+            if not isinstance(key, str):
+                raise TypeError(f"option names must be str, got {key!r}")
         if self.artifact_dir is not None:
+            if not isinstance(self.artifact_dir, (str, os.PathLike)):
+                raise TypeError(f"artifact_dir must be a path, got {self.artifact_dir!r}")
             object.__setattr__(self, "artifact_dir", str(self.artifact_dir))
         for name in ("bits", "value_bits", "group_size", "residual_length", "sink_tokens", "seed"):
             value = getattr(self, name)
@@ -67,6 +78,8 @@ class KVCacheConfig:
             raise TypeError(f"center must be a bool, got {self.center!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("residual_length", "sink_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -76,7 +89,10 @@ class KVCacheConfig:
         get_method(self.method).validate(self)
 
     def replace(self, **changes) -> "KVCacheConfig":
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`. A new `bits` (or `bit_width_inlier`) also sets `value_bits`
+        unless the two widths differed or `value_bits` is given too: K4/V4 with bits=2 is
+        K2/V2, K4/V8 with bits=2 is K2/V8."""
+        return dataclasses.replace(self, **follow_bits(vars(self), changes))
 
     def to_json(self) -> str:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -106,6 +122,8 @@ class KVCacheConfig:
                 "seed": self.seed, "options": options}
 
     def describe(self) -> str:
+        """A short label naming every setting that changes the codes (the defaults' group
+        size and seed left out), so that two configs that encode differently never read the same."""
         text = f"{self.method} K{self.bits}/V{self.value_bits}"
         if self.sink_tokens:
             text += f" sinks={self.sink_tokens}"
@@ -115,6 +133,10 @@ class KVCacheConfig:
             text += " centered"
         for key, value in sorted(self.options.items()):
             text += f" {key}={value}"
+        if self.group_size != KVCacheConfig.group_size:
+            text += f" group={self.group_size}"
+        if self.seed != KVCacheConfig.seed:
+            text += f" seed={self.seed}"
         return text
 
 
@@ -150,6 +172,17 @@ def _init_with_aliases(self, *args, **kwargs):
 
 
 KVCacheConfig.__init__ = _init_with_aliases
+
+
+def follow_bits(fields: Mapping[str, Any], changes: Mapping[str, Any]) -> dict:
+    """`changes` to a config's `fields`, with value_bits following a new key width when the
+    two widths were equal and no value width is given."""
+    changes = dict(changes)
+    new_bits = changes.get("bits", changes.get("bit_width_inlier"))
+    if new_bits is not None and changes.get("value_bits") is None and fields.get("value_bits") in (
+            None, fields.get("bits", KVCacheConfig.bits)):
+        changes["value_bits"] = None
+    return changes
 
 
 def parse_option_value(text: str, wanted: Optional[type] = None):

@@ -120,7 +120,10 @@ def read_gguf(gguf_path) -> tuple[dict, dict]:
     """Tensors and metadata of a GGUF file through MLX's loader, with clear errors for bad files."""
     path = Path(gguf_path)
     _check_file(path)
-    return mx.load(str(path), format="gguf", return_metadata=True)
+    try:
+        return mx.load(str(path), format="gguf", return_metadata=True)
+    except RuntimeError as error:  # MLX's reader: truncated or corrupted files
+        raise ValueError(f"cannot read GGUF file {path}: {error}") from None
 
 
 # ggml types MLX's loader reads as llama.cpp does: floats, and the legacy quants it keeps packed.
@@ -136,7 +139,10 @@ def _gguf_reader(path: Path):
             f"reading {path} needs the gguf package (it checks the tensor types and decodes K-quants, "
             "which MLX's loader misreads): pip install gguf"
         ) from None
-    return gguf, gguf.GGUFReader(str(path))
+    try:
+        return gguf, gguf.GGUFReader(str(path))
+    except (ValueError, IndexError, KeyError, OSError) as error:  # truncated or corrupted files
+        raise ValueError(f"cannot read GGUF file {path}: {error!r}") from None
 
 
 def gguf_tensor_types(gguf_path) -> set[str]:

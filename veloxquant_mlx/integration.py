@@ -10,6 +10,7 @@ shared function is refused with a clear error instead of crashing inside.
 
 from __future__ import annotations
 
+import json
 import sys
 import warnings
 from typing import List, Optional
@@ -18,11 +19,11 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
-from .artifacts import CodecSet, model_fingerprint
+from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
 from .settings import EngineSettings
 from .batch import BatchCompressedKVCache
-from .cache import CacheFormatError, CompressedKVCache
-from .config import KVCacheConfig
+from .cache import _LOADING, CacheFormatError, CompressedKVCache
+from .config import KVCacheConfig, follow_bits
 from .rotating import CompressedRotatingKVCache
 
 
@@ -81,9 +82,17 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
+    identity = model_identity(model)
     for i, cache in enumerate(base_caches(model)):
         if type(cache) is mlx_cache.KVCache:
-    if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)):
+            compressed = CompressedKVCache(config, codecs.layer(i), settings)
+            compressed.layer, compressed.model_identity = i, identity
+            caches.append(compressed)
+        elif type(cache) is mlx_cache.RotatingKVCache:
+            rotating = CompressedRotatingKVCache(config, cache.max_size, cache.keep, codecs.layer(i), settings)
+            rotating.inner.layer, rotating.inner.model_identity = i, identity
+            caches.append(rotating)
+        elif not hasattr(cache, "update_and_fetch"):
             caches.append(cache)
             kept.append(f"{i}:{type(cache).__name__}")
         else:
@@ -159,13 +168,15 @@ class KVCacheBuilder:
     """
 
     def __init__(self, config: Optional[KVCacheConfig] = None, **changes):
+        if config is not None and not isinstance(config, KVCacheConfig):
+            raise TypeError(f"KVCacheBuilder takes a KVCacheConfig, got {type(config).__name__}")
         self._fields = dict(vars(config)) if config is not None else {}
-        self._fields.update(changes)
+        self._fields.update(follow_bits(self._fields, changes))
         self._model = None
         self._head_dim = None
 
     def _with(self, **changes) -> "KVCacheBuilder":
-        builder = KVCacheBuilder(**{**self._fields, **changes})
+        builder = KVCacheBuilder(**{**self._fields, **follow_bits(self._fields, changes)})
         builder._model, builder._head_dim = self._model, self._head_dim
         return builder
 
@@ -184,14 +195,18 @@ class KVCacheBuilder:
         return self._with(seed=seed)
 
     def with_options(self, **options):
-        return self._with(options={**self._fields.get("options", {}), **options})
+        return self._with(options={**(self._fields.get("options") or {}), **options})
 
     def with_head_dim(self, head_dim: int):
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 1:
+            raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
         builder = self._with()
         builder._head_dim = head_dim
         return builder
 
     def for_model(self, model):
+        if not hasattr(model, "layers"):
+            raise TypeError(f"for_model expects an mlx-lm model (with .layers), got {type(model).__name__}")
         builder = self._with()
         builder._model = model
         return builder
@@ -213,29 +228,84 @@ def make_prompt_cache(model, config: KVCacheConfig) -> List[CompressedKVCache]:
     return KVCacheBuilder(config).for_model(model).build()
 
 
+INDEX_KEY = "veloxquant_index"  # file metadata: one digest per layer, in order (no dot: mlx-lm nests dotted keys)
+
+
+def _layer_digest(cache) -> str:
+    """A digest of one layer's saved state: its header's for our caches, a checksum of the
+    arrays for any other (mlx-lm's own caches of layers we leave uncompressed)."""
+    if isinstance(cache, CompressedKVCache):
+        return json.loads(cache.state[0])["digest"]
+    from mlx.utils import tree_flatten
+
+    arrays = {k: v for k, v in tree_flatten(cache.state) if isinstance(v, mx.array)}
+    return f"{type(cache).__name__}:{metadata_digest(checksums(arrays))}"
+
+
 def save_prompt_cache(path, caches: list, metadata: Optional[dict] = None) -> None:
-    """mlx-lm's `save_prompt_cache`; the file records each layer's method and config."""
+    """mlx-lm's `save_prompt_cache`; each compressed layer records its config, checksums and
+    index, and the file an index of every layer's digest (so swapped layers are refused)."""
+    metadata = dict(metadata or {})
+    if INDEX_KEY in metadata:
+        raise ValueError(f"metadata key {INDEX_KEY!r} is reserved")
+    metadata[INDEX_KEY] = json.dumps([_layer_digest(c) for c in caches])
     mlx_cache.save_prompt_cache(str(path), caches, metadata)
 
 
-def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metadata: bool = False):
-    """Load a prompt cache, refusing truncated or corrupted files and, when `config` is
-    given, files written by another method or settings."""
+def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metadata: bool = False,
+                      model=None):
+    """Load a prompt cache, verifying every layer's checksums and the layer order, and refusing
+    truncated, corrupted or edited files (`CacheFormatError` names the layer and tensor).
+
+    With `config`, files written with another method or settings are refused and the codecs
+    come from `config` (its artifact dir included), never from what the file says; without
+    it, from the seed or artifact dir the file names, checked against the checksums it
+    recorded. With `model`, files saved from another model's caches are refused."""
     install_attention_hook()
+    codecs = None
+    if config is not None:
+        try:
+            codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir and model else None)
+        except ValueError as error:
+            raise CacheFormatError(f"cannot load {path} with {config.describe()}: {error}") from None
+    token = _LOADING.set(None if config is None else (config, codecs))
     try:
         caches, metadata = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
-    except CacheFormatError:
-        raise
+    except CacheFormatError as error:
+        raise CacheFormatError(f"{path}: {error}") from None
     except Exception as error:
-        raise CacheFormatError(f"cannot read prompt cache {path}: {error}") from None
-    if config is not None:
-        for i, cache in enumerate(caches):
-            if not isinstance(cache, (CompressedKVCache, CompressedRotatingKVCache)):
-                raise CacheFormatError(
-                    f"{path} layer {i} holds a {type(cache).__name__}, not a cache made with {config.describe()}"
-                )
-            if not cache.config.same_encoding(config.replace(artifact_dir=None)):
-                raise CacheFormatError(
-                    f"{path} was written with {cache.config.describe()}, not {config.describe()}"
-                )
+        raise CacheFormatError(f"cannot read prompt cache {path}: {error!r}") from None
+    finally:
+        _LOADING.reset(token)
+    metadata = dict(metadata or {})
+    index = metadata.pop(INDEX_KEY, None)
+    if index is not None:
+        try:
+            index = json.loads(index)
+        except ValueError:
+            raise CacheFormatError(f"{path}: its layer index is unreadable (corrupted)") from None
+        if not isinstance(index, list) or len(index) != len(caches):
+            raise CacheFormatError(f"{path}: its layer index does not list its {len(caches)} layers (corrupted)")
+    identity = None if model is None else model_identity(model)
+    for i, cache in enumerate(caches):
+        if index is not None and _layer_digest(cache) != index[i]:
+            raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
+                                   "(layers swapped, or the file corrupted)")
+        compressed = cache.inner if isinstance(cache, CompressedRotatingKVCache) else cache
+        if config is not None and not isinstance(compressed, CompressedKVCache):
+            raise CacheFormatError(
+                f"{path} layer {i} holds a {type(cache).__name__}, not a cache made with {config.describe()}"
+            )
+        if not isinstance(compressed, CompressedKVCache):
+            continue
+        if compressed.layer is not None and compressed.layer != i:
+            raise CacheFormatError(f"{path} layer {i} holds the cache of layer {compressed.layer} (layers swapped)")
+        if (identity is not None and compressed.model_identity is not None
+                and compressed.model_identity != identity):
+            raise CacheFormatError(f"{path} was saved from the caches of another model "
+                                   f"({compressed.model_identity['model_type']}, "
+                                   f"{compressed.model_identity['num_layers']} layers), not this "
+                                   f"{identity['model_type']} of {identity['num_layers']} layers")
+    if model is not None and len(caches) != len(model.layers):
+        raise CacheFormatError(f"{path} holds {len(caches)} layers; the model has {len(model.layers)}")
     return (caches, metadata) if return_metadata else caches

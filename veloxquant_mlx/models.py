@@ -134,4 +134,7 @@ def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None
         dequantize = mx.default_device() == mx.cpu
     if dequantize:
         dequantize_model(loaded)
+    # Materialised now: lazy weights would be computed on the stream of whichever thread first
+    # uses them, and other threads generating with the model fail ("no Stream(cpu, 0) in current thread").
+    mx.eval(loaded.parameters())
     return loaded, tokenizer

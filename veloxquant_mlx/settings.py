@@ -11,6 +11,7 @@ on the per-token path reads the environment.
 | `compile_step` | `VELOXQUANT_COMPILE_STEP` (1) | replay decode steps from `mx.compile`d graphs |
 | `metal_kernels` | `VELOXQUANT_METAL_KERNELS` (1) | Metal kernels on an Apple GPU; each is checked against the portable path at first use |
 | `split_tokens` | `VELOXQUANT_SPLIT_TOKENS` (None) | tokens per decode split (None: planned from the GPU's size) |
+| `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (prefill) | refuse NaN, Inf and beyond-fp16 keys/values: "prefill" checks chunks of more than one token (one sync per layer and chunk), "always" every update (a sync per layer per decode step), "off" none |
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import mlx.core as mx
 
 BACKENDS = ("cuda", "metal", "native", "portable", "emulator")
 CPU_BACKENDS = ("native", "portable")
+CHECK_INPUTS = ("always", "prefill", "off")
 GPU_BACKENDS = ("cuda", "metal")
 
 
@@ -42,12 +44,15 @@ class EngineSettings:
     metal_kernels: bool = True
     split_tokens: Optional[int] = None
     gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
+    check_inputs: str = "prefill"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}")
         if self.split_tokens is not None and (not isinstance(self.split_tokens, int) or self.split_tokens < 1):
             raise ValueError(f"split_tokens must be a positive int, got {self.split_tokens!r}")
+        if self.check_inputs not in CHECK_INPUTS:
+            raise ValueError(f"check_inputs must be one of {', '.join(CHECK_INPUTS)}, got {self.check_inputs!r}")
 
     @property
     def gpu(self) -> bool:
@@ -78,6 +83,8 @@ class EngineSettings:
         if "split_tokens" not in explicit:
             env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
             explicit["split_tokens"] = int(env) if env else None
+        if "check_inputs" not in explicit:
+            explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "prefill").strip().lower()
         device = mx.default_device()
         if "gpu_device" not in explicit:
             explicit["gpu_device"] = device.type == mx.DeviceType.gpu

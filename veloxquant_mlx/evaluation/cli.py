@@ -13,8 +13,12 @@ DEFAULT_BENCHMARK_METHODS = "fp16,mlx-q8,mlx-q4,turboquant_mse:4"
 
 
 def _methods(args):
+    """The requested method specs, after checking (before any model is loaded) that --out can be a folder."""
     from .specs import parse_method_list
 
+    out = getattr(args, "out", None)
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the results")
     return parse_method_list(",".join(args.methods))
 
 
@@ -24,7 +28,7 @@ def _load(args):
     return load_model(args.model)
 
 
-def _finish(out_dir, results, draw: bool) -> None:
+def _finish(out_dir, results, draw: bool) -> dict:
     from .figures import draw_figures
     from .results import save_results
 
@@ -38,6 +42,7 @@ def _finish(out_dir, results, draw: bool) -> None:
     print(f"wrote {path}, {Path(out_dir) / 'results.md'}"
           + (f" and {len(results['figures'])} figure(s)" if results["figures"] else ""), file=sys.stderr)
     print((Path(out_dir) / "results.md").read_text())
+    return results
 
 
 def _saver(out_dir, results):
@@ -77,7 +82,7 @@ def run_ppl(args) -> None:
         progress=not args.no_progress, on_update=_saver(args.out, results),
     )
     results["duration_s"] = round(time.perf_counter() - start, 2)
-    _finish(args.out, results, not args.no_figures)
+    return _finish(args.out, results, not args.no_figures)
 
 
 def run_needle(args) -> None:
@@ -107,7 +112,7 @@ def run_needle(args) -> None:
         on_update=_saver(args.out, results),
     )
     results["duration_s"] = round(time.perf_counter() - start, 2)
-    _finish(args.out, results, not args.no_figures)
+    return _finish(args.out, results, not args.no_figures)
 
 
 def _benchmark_model(args):
@@ -164,7 +169,7 @@ def run_benchmark_command(args) -> None:
         on_update=_saver(args.out, results), seed=args.seed, batch=args.batch,
     )
     results["duration_s"] = round(time.perf_counter() - start, 2)
-    _finish(args.out, results, not args.no_figures)
+    return _finish(args.out, results, not args.no_figures)
 
 
 def run_report(args) -> None:
@@ -264,10 +269,6 @@ def main(argv=None) -> int:
     """Standalone entry point (`python -m veloxquant_mlx.evaluation ...`)."""
     parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
     register_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    try:
-        args.func(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    return 0
+    from ..cli import run_command
+
+    return run_command(parser.parse_args(argv))

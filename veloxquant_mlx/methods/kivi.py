@@ -47,13 +47,18 @@ def affine_quantize(x: mx.array, bits: int, axis: int):
     float32 rounding.
     """
     levels = (1 << bits) - 1
-    lo = _fp16_round_down(mx.min(x, axis=axis, keepdims=True))
-    hi = mx.max(x, axis=axis, keepdims=True)
+    # A NaN/Inf element (e.g. one bad token of a key group) is left out of its group's range,
+    # so it spoils only its own code and trimming its token leaves the group's others intact.
+    finite = mx.isfinite(x)
+    lo = mx.min(mx.where(finite, x, mx.inf), axis=axis, keepdims=True)
+    hi = mx.max(mx.where(finite, x, -mx.inf), axis=axis, keepdims=True)
+    lo, hi = mx.where(mx.isfinite(lo), lo, 0.0), mx.where(mx.isfinite(hi), hi, 0.0)
+    lo = _fp16_round_down(lo)
     scale = ((hi - lo.astype(mx.float32)) / levels).astype(mx.float16)
     lo32, scale32 = lo.astype(mx.float32), scale.astype(mx.float32)
     # A constant group has scale 0: every element is `min` itself, code 0.
     q = mx.round((x - lo32) / mx.where(scale32 > 0, scale32, 1.0))
-    codes = mx.clip(q, 0, levels).astype(mx.uint8)
+    codes = mx.clip(mx.where(finite, q, 0), 0, levels).astype(mx.uint8)
     return codes, scale, lo
 
 
