@@ -277,3 +277,22 @@ def test_calibrate_command_on_smollm2(tmp_path, capsys):
     assert main(["generate", "--bits", "3", "--option", "outliers=4", "--artifact-dir", str(out), "-m", "8",
                  "--prompt", "Hello"]) == 0
     assert "KV cache (turboquant_mse K3/V3 outliers=4)" in capsys.readouterr().out
+
+
+def test_calibrated_prompt_cache_saves_and_loads(small, tmp_path):
+    """A prompt cache of per-layer calibrated codecs reloads with each layer's own codecs, with the
+    caller's config or from the artifact dir the file names (both gave CalibrationRequiredError)."""
+    from veloxquant_mlx.integration import load_prompt_cache, save_prompt_cache
+
+    config = KVCacheConfig(method="ratequant", bits=3, options={"kbudget": 2.5, "vbudget": 3.0})
+    calibrate(small, config, _sequences(), tmp_path / "art", progress=False)
+    config = config.replace(artifact_dir=str(tmp_path / "art"))
+    tokens = _sequences(1, 80, seed=5)[0]
+    _, caches = _forward(small, config, tokens)
+    save_prompt_cache(tmp_path / "c.safetensors", caches)
+    nxt = mx.array([[7]])
+    expected = small(nxt, cache=caches)
+    for kwargs in ({"config": config, "model": small}, {}):
+        loaded = load_prompt_cache(tmp_path / "c.safetensors", **kwargs)
+        assert [c.key_codec.width for c in loaded] == [c.key_codec.width for c in caches]
+        assert mx.array_equal(small(nxt, cache=loaded), expected).item()

@@ -574,6 +574,10 @@ class CompressedKVCache(_BaseCache):
             except ValueError as error:
                 raise CacheFormatError(f"{where} was written with codecs from {config.artifact_dir}: {error}") from None
         verify_checksums(_flat(arrays), header.get("tensors") or {}, where, CacheFormatError)
+        if codecs.per_layer:  # calibrated per layer: this layer's codecs
+            if not isinstance(header.get("layer"), int):
+                raise CacheFormatError(f"{where}: per-layer codecs, but the header names no layer")
+            codecs = codecs.layer(header["layer"])
         self.__init__(config, codecs)
         self.layer, self.model_identity = header.get("layer"), header.get("model")
         if "shape" not in header:

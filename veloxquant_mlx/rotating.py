@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
 from .artifacts import CodecSet
-from .cache import CacheFormatError, CompressedKVCache
+from .cache import _LOADING, CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 from .settings import EngineSettings
 
@@ -204,7 +204,18 @@ class CompressedRotatingKVCache(_BaseCache):
         if version != ROTATING_FORMAT_VERSION:
             raise CacheFormatError(f"rotating cache format {version} is not supported")
         self.__init__(config.replace(artifact_dir=None), header["max_size"], header["keep"])
-        self.inner.state = [inner_header, arrays]
+        caller = _LOADING.get()
+        if caller is not None:  # the caller's config, with the sinks this cache gives its inner one
+            caller_config, codecs = caller
+            if not config.same_encoding(caller_config):
+                raise CacheFormatError(f"rotating cache layer was written with {config.describe()}, "
+                                       f"not {caller_config.describe()}")
+            token = _LOADING.set((caller_config.replace(sink_tokens=header["keep"]), codecs))
+        try:
+            self.inner.state = [inner_header, arrays]
+        finally:
+            if caller is not None:
+                _LOADING.reset(token)
         self.offset, self.stale = header["offset"], header["stale"]
         if self.offset < self.held - self.stale or self.held - self.stale > self.max_size:
             raise CacheFormatError(
