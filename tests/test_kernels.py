@@ -282,6 +282,19 @@ def test_backend_selection(monkeypatch):
     assert cache.last_path == "generic"  # off: the generic path
 
 
+def test_cpu_without_the_extension_warns_that_it_takes_the_portable_path(monkeypatch):
+    from veloxquant_mlx import settings
+
+    monkeypatch.delenv("VELOXQUANT_KERNELS", raising=False)
+    monkeypatch.setattr(native, "available", lambda: False)
+    settings.detect_backend.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="CPU kernels .* are not built"):
+            assert settings.detect_backend("", True, mx.Device(mx.cpu)) == "portable"
+    finally:
+        settings.detect_backend.cache_clear()
+
+
 def test_selftest_cli_runs_portable(capsys):
     assert selftest.main(["--backend", "portable"]) == 0
     assert "0 failed" in capsys.readouterr().out

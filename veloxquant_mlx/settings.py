@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -110,7 +111,13 @@ def detect_backend(forced: str, metal_kernels: bool, device) -> str:
     except Exception:  # pragma: no cover
         on_gpu = False
     if not on_gpu:
-        return "native" if native.available() else "portable"
+        if native.available():
+            return "native"
+        warnings.warn("veloxquant_mlx: the C++ CPU kernels (veloxquant_mlx._native) are not built, so "
+                      "turboquant_mse and KIVI decode on the CPU through the portable MLX-ops path (slower). "
+                      "Reinstall with cmake and a C++ compiler present, or run scripts/build_native.sh; "
+                      "VELOXQUANT_KERNELS=portable chooses it without this warning.", RuntimeWarning, stacklevel=3)
+        return "portable"
     cuda = getattr(mx, "cuda", None)
     try:
         has_cuda = bool(cuda is not None and cuda.is_available())
