@@ -227,3 +227,21 @@ def test_batch_merge_is_refused_with_a_clear_error():
     caches = [CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=4), MAX_SIZE) for _ in range(2)]
     with pytest.raises(NotImplementedError, match="sliding-window"):
         caches[0].merge(caches)
+
+
+def test_max_kv_size_gives_full_attention_layers_mlx_lm_rotating_caches():
+    """`--max-kv-size N` (generate): as mlx-lm's make_prompt_cache(model, N) for a model without
+    its own make_cache, every layer is a rotating cache of N tokens keeping the first 4; fp16
+    codes give mlx-lm's outputs."""
+    from conftest import tiny_llama
+    from veloxquant_mlx.integration import KVCacheBuilder
+
+    model = tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2)
+    caches = KVCacheBuilder(KVCacheConfig(method="fp16", bits=16)).for_model(model).build(max_kv_size=24)
+    assert all(isinstance(c, CompressedRotatingKVCache) and c.max_size == 24 and c.keep == 4 for c in caches)
+    tokens = mx.random.randint(0, 512, (1, 80))
+    chunks = [30, 20] + [1] * 30
+    expected = _logits(model, tokens, [RotatingKVCache(max_size=24, keep=4) for _ in model.layers], chunks)
+    got = _logits(model, tokens, caches, chunks)
+    assert mx.abs(got - expected).max().item() < 2e-2 * mx.abs(expected).max().item()
+    assert all(c.held == 24 for c in caches)

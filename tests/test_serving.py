@@ -80,9 +80,11 @@ def test_generate_help_lists_cache_flags(capsys):
         assert flag in out
 
 
-def test_max_kv_size_is_refused_not_ignored(capsys):
-    assert main(["generate", "--max-kv-size", "512"]) == 2
-    assert "--max-kv-size" in capsys.readouterr().err
+@pytest.mark.parametrize("command", ["chat", "serve", "cache-prompt"])
+def test_max_kv_size_is_refused_where_it_cannot_work_not_ignored(command, capsys):
+    extra = ["--prompt-file", "x.txt", "--out", "x.safetensors"] if command == "cache-prompt" else []
+    assert main([command, "--max-kv-size", "512", *extra]) == 2
+    assert "--max-kv-size is not supported by this command" in capsys.readouterr().err
 
 
 class _Tokenizer:

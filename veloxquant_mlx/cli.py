@@ -106,14 +106,13 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 100, 
     parser.add_argument("--chat-template-config", default=None,
                         help="JSON of extra arguments for the chat template, as in mlx_lm.generate (default: none)")
     parser.add_argument("--max-kv-size", type=int, default=None,
-                        help="mlx-lm's rotating-cache size. Compressed caches do not rotate yet, so any value "
-                             "is refused rather than ignored (default: none)")
+                        help="keep only the last N tokens (and the first 4) in a rotating compressed cache, as "
+                             "mlx_lm.generate does; `generate` only (default: every token)")
 
 
-def _check_max_kv_size(args):
+def _check_max_kv_size(args, why: str):
     if getattr(args, "max_kv_size", None) is not None:
-        raise ValueError("--max-kv-size (a rotating cache of the last N tokens) is not supported by compressed "
-                         "caches yet; leave it out to keep every token")
+        raise ValueError(f"--max-kv-size is not supported by this command: {why}")
 
 
 def _template_kwargs(args) -> dict:
@@ -142,7 +141,8 @@ def run_generate(args) -> None:
     from .integration import KVCacheBuilder
     from .models import load_model
 
-    _check_max_kv_size(args)
+    if args.max_kv_size is not None and (args.max_kv_size < 5 or args.prompt_cache_file is not None):
+        raise ValueError("--max-kv-size needs N >= 5 (4 first tokens are kept) and no --prompt-cache-file")
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
@@ -161,7 +161,7 @@ def run_generate(args) -> None:
             prompt = tokenizer.encode(prompt, add_special_tokens=False)
         print(f"[prompt cache {args.prompt_cache_file}: {caches[0].offset} tokens, {config.describe()}]")
     else:
-        caches = KVCacheBuilder(config).for_model(model).build()
+        caches = KVCacheBuilder(config).for_model(model).build(max_kv_size=args.max_kv_size)
         if use_template:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
             messages.append({"role": "user", "content": prompt})
@@ -192,7 +192,8 @@ def run_chat(args) -> None:
     from .chat import ChatSession, run_chat as chat_loop
     from .models import load_model
 
-    _check_max_kv_size(args)
+    _check_max_kv_size(args, "a chat reuses its cache across turns by trimming it to the shared prefix, "
+                             "which a cache that has dropped tokens cannot do")
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
@@ -208,7 +209,7 @@ def run_cache_prompt(args) -> None:
     from .models import load_model
     from .prompt_cache import cache_prompt
 
-    _check_max_kv_size(args)
+    _check_max_kv_size(args, "a document cache keeps the whole document")
     text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
@@ -226,7 +227,8 @@ def run_cache_prompt(args) -> None:
 def run_serve(args) -> None:
     from .server import serve, server_arguments
 
-    _check_max_kv_size(args)
+    _check_max_kv_size(args, "the server batches its caches, and rotating compressed caches have no batch "
+                             "merge yet")
     config = config_from_args(args)
     serve(server_arguments(args, config), config)
 
@@ -316,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--out", required=True, help="the prompt-cache file to write, .safetensors (required)")
     cache.add_argument("--prefill-step-size", type=int, default=512, help="prefill chunk in tokens (default: 512)")
     cache.add_argument("--max-kv-size", type=int, default=None,
-                       help="mlx-lm's rotating-cache size: refused, compressed caches do not rotate yet (default: none)")
+                       help="mlx-lm's rotating-cache size: refused, a document cache keeps every token (default: none)")
     add_cache_arguments(cache)
     cache.set_defaults(func=run_cache_prompt)
 
@@ -325,7 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx-lm's) with compressed caches")
     serve.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     serve.add_argument("--max-kv-size", type=int, default=None,
-                       help="mlx-lm's rotating-cache size: refused, compressed caches do not rotate yet (default: none)")
+                       help="mlx-lm's rotating-cache size: refused, rotating compressed caches cannot be batched yet "
+                            "(default: none)")
     add_server_arguments(serve)
     add_cache_arguments(serve)
     serve.set_defaults(func=run_serve)

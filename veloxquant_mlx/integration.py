@@ -74,16 +74,20 @@ def base_caches(model) -> list:
 
 
 def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None,
-                      settings: Optional[EngineSettings] = None) -> list:
+                      settings: Optional[EngineSettings] = None, max_kv_size: Optional[int] = None) -> list:
     """One compressed cache per attention layer (a `CompressedRotatingKVCache` where the model
     asks for mlx-lm's sliding-window `RotatingKVCache`, with its max_size and keep); `settings`
-    (default: resolved now, once for every layer) choose the back end and attention paths."""
+    (default: resolved now, once for every layer) choose the back end and attention paths.
+    `max_kv_size`: as mlx-lm's `make_prompt_cache`, full-attention layers keep only the last
+    `max_kv_size` tokens (and the first 4) in a rotating cache."""
     install_attention_hook(model)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
     identity = model_identity(model)
     for i, cache in enumerate(base_caches(model)):
+        if type(cache) is mlx_cache.KVCache and max_kv_size is not None:
+            cache = mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4)
         if type(cache) is mlx_cache.KVCache:
             compressed = CompressedKVCache(config, codecs.layer(i), settings)
             compressed.layer, compressed.model_identity = i, identity
@@ -214,11 +218,12 @@ class KVCacheBuilder:
     def config(self) -> KVCacheConfig:
         return KVCacheConfig(**self._fields)
 
-    def build(self, settings: Optional[EngineSettings] = None):
-        """The caches; `settings` override the engine's (`settings.EngineSettings`)."""
+    def build(self, settings: Optional[EngineSettings] = None, max_kv_size: Optional[int] = None):
+        """The caches; `settings` override the engine's (`settings.EngineSettings`); `max_kv_size`
+        as in `compressed_caches`."""
         config = self.config()
         if self._model is not None:
-            return compressed_caches(self._model, config, settings=settings)
+            return compressed_caches(self._model, config, settings=settings, max_kv_size=max_kv_size)
         if self._head_dim is not None:
             return SingleHeadCache(config, self._head_dim)
         raise ValueError("call for_model(model) or with_head_dim(d) before build()")
