@@ -159,6 +159,8 @@ class CompressedRotatingKVCache(_BaseCache):
         self.offset -= n
         return n
 
+    batchable = False  # `merge` only explains why (the server then serves requests one by one)
+
     def merge(self, caches):
         """mlx-lm's batch_generate merges prompt caches into one batch cache: not built for
         sliding windows yet (mlx-lm's BatchRotatingKVCache has no compressed counterpart)."""

@@ -71,7 +71,7 @@ class VeloxModelProvider(mlx_server.ModelProvider):
             patch_model(model, self.kv_config)
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
-        self.is_batchable = all(hasattr(c, "merge") for c in make_prompt_cache(model))
+        self.is_batchable = all(getattr(c, "batchable", hasattr(c, "merge")) for c in make_prompt_cache(model))
 
 
 class VeloxResponseGenerator(mlx_server.ResponseGenerator):
