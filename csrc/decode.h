@@ -1,8 +1,11 @@
 // Shared by the CPU kernels (mse_attention.cpp, kivi_attention.cpp): decoding 32 packed
-// codes at a time through a table, fp16 scalars, and a dot product in 8 lanes.
+// codes at a time through a table, fp16 scalars, a dot product in 8 lanes, the online-softmax
+// step of a block of tokens, and the (kv row, split) work items on a thread pool.
 #pragma once
 
 #include <algorithm>
+#include <cmath>
+#include <thread>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -58,27 +61,6 @@ inline void decode32_avx2(const uint32_t* words, const float* centroids, float* 
 
 using Decoder = void (*)(const uint32_t*, const float*, float*);
 
-inline Decoder decoder_for(int bits) {
-#if defined(__AVX2__)
-  switch (bits) {
-    case 1: return decode32_avx2<1>;
-    case 2: return decode32_avx2<2>;
-    case 3: return decode32_avx2<3>;
-    case 4: return decode32_avx2<4>;
-  }
-#endif
-  switch (bits) {
-    case 1: return decode32<1>;
-    case 2: return decode32<2>;
-    case 3: return decode32<3>;
-    case 4: return decode32<4>;
-    case 5: return decode32<5>;
-    case 6: return decode32<6>;
-    case 7: return decode32<7>;
-    case 8: return decode32<8>;
-  }
-  throw std::invalid_argument("bits must be in 1..8");
-}
 
 inline float half_to_float(uint16_t h) {
   mx::float16_t v;
@@ -114,6 +96,59 @@ inline Decoder scalar_decoder_for(int bits) {
     case 8: return decode32<8>;
   }
   throw std::invalid_argument("bits must be in 1..8");
+}
+
+inline Decoder decoder_for(int bits) {
+#if defined(__AVX2__)
+  switch (bits) {
+    case 1: return decode32_avx2<1>;
+    case 2: return decode32_avx2<2>;
+    case 3: return decode32_avx2<3>;
+    case 4: return decode32_avx2<4>;
+  }
+#endif
+  return scalar_decoder_for(bits);
+}
+
+// One block of nb scores s per query head of an online softmax (Milakov & Gimelshein,
+// arXiv 1805.02867): the running max m and sum l updated, s replaced by exp(s - m), and the
+// R x D accumulator rescaled to the new max.
+inline void softmax_block(float* scores, int stride, int nb, int R, int D, float* m, float* l, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    float* s = scores + r * stride;
+    float top = m[r];
+    for (int t = 0; t < nb; ++t) top = std::max(top, s[t]);
+    const float alpha = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - top);
+    m[r] = top;
+    float sum = 0.0f;
+    for (int t = 0; t < nb; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    l[r] = l[r] * alpha + sum;
+    if (alpha != 1.0f)
+      for (int j = 0; j < D; ++j) acc[r * D + j] *= alpha;
+  }
+}
+
+// work(item, n, t0, t1) for each (kv row n, split) item of `rows` x `splits`, tokens [t0, t1)
+// of [0, tokens) cut into equal splits, on up to hardware_concurrency threads.
+template <class Work>
+void for_each_split(int rows, int splits, int tokens, Work work) {
+  const int items = rows * splits;
+  const int per_split = (tokens + splits - 1) / splits;
+  auto run = [&](int first, int stride) {
+    for (int item = first; item < items; item += stride) {
+      const int n = item / splits, split = item % splits;
+      const int t0 = std::min(tokens, split * per_split), t1 = std::min(tokens, t0 + per_split);
+      work(item, n, t0, t1);
+    }
+  };
+  const int threads = std::max(1, std::min<int>(items, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int i = 1; i < threads; ++i) pool.emplace_back(run, i, threads);
+  run(0, threads);
+  for (auto& t : pool) t.join();
 }
 
 }  // namespace vq_native

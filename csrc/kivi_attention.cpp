@@ -87,21 +87,7 @@ void attend_split(const KiviLayout& L, const float* q, const Row& in, const floa
       for (int c = 0; c < D / 32; ++c) decode(words + c * kb32, ktab, buf.data() + c * 32);
       for (int r = 0; r < R; ++r) scores[r * kBlock + t] = qm[r] + dot(qs.data() + r * D, buf.data(), D);
     }
-    for (int r = 0; r < R; ++r) {
-      float* s = scores.data() + r * kBlock;
-      float top = m[r];
-      for (int t = 0; t < nb; ++t) top = std::max(top, s[t]);
-      const float alpha = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - top);
-      m[r] = top;
-      float sum = 0.0f;
-      for (int t = 0; t < nb; ++t) {
-        s[t] = std::exp(s[t] - top);
-        sum += s[t];
-      }
-      l[r] = l[r] * alpha + sum;
-      if (alpha != 1.0f)
-        for (int j = 0; j < D; ++j) acc[r * D + j] *= alpha;
-    }
+    softmax_block(scores.data(), kBlock, nb, R, D, m.data(), l.data(), acc.data());
     for (int t = 0; t < nb; ++t) {
       const int token = b0 + t;
       const Decoder decode = (in.last && token == L.C - 1) ? value_safe : value_fast;
@@ -166,25 +152,14 @@ class KiviAttentionPartials : public mx::Primitive {
                       vs = vs.data<mx::float16_t>(), vm = vm.data<mx::float16_t>(), o = o.data<float>(),
                       ml = ml.data<float>()]() {
       const std::vector<float> ktab = identity_table(L.key_bits), vtab = identity_table(L.value_bits);
-      const int items = N * L.splits;
-      const int per_split = (L.tokens + L.splits - 1) / L.splits;
-      auto work = [&](int first, int stride) {
-        for (int item = first; item < items; item += stride) {
-          const int n = item / L.splits, split = item % L.splits;
-          const int t0 = std::min(L.tokens, split * per_split), t1 = std::min(L.tokens, t0 + per_split);
-          const Row in{kc + size_t(n) * L.C * L.key_words, vc + size_t(n) * value_rows * L.value_words,
-                       ks + size_t(n) * key_rows * L.D, km + size_t(n) * key_rows * L.D,
-                       vs + size_t(n) * value_rows * L.value_groups, vm + size_t(n) * value_rows * L.value_groups,
-                       n == N - 1};
-          attend_split(L, q + size_t(n) * L.R * L.D, in, ktab.data(), vtab.data(), t0, t1,
-                       o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
-        }
-      };
-      const int threads = std::max(1, std::min<int>(items, std::thread::hardware_concurrency()));
-      std::vector<std::thread> pool;
-      for (int i = 1; i < threads; ++i) pool.emplace_back(work, i, threads);
-      work(0, threads);
-      for (auto& t : pool) t.join();
+      for_each_split(N, L.splits, L.tokens, [&](int item, int n, int t0, int t1) {
+        const Row in{kc + size_t(n) * L.C * L.key_words, vc + size_t(n) * value_rows * L.value_words,
+                     ks + size_t(n) * key_rows * L.D, km + size_t(n) * key_rows * L.D,
+                     vs + size_t(n) * value_rows * L.value_groups, vm + size_t(n) * value_rows * L.value_groups,
+                     n == N - 1};
+        attend_split(L, q + size_t(n) * L.R * L.D, in, ktab.data(), vtab.data(), t0, t1,
+                     o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
+      });
     });
   }
 

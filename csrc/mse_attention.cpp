@@ -75,22 +75,9 @@ void attend_split(const Layout& L, const float* q, const uint32_t* rows, const f
       for (int c = 0; c < D / 32; ++c) decode_key(row + L.key_offset + c * kb32, kcent, buf.data() + c * 32);
       for (int r = 0; r < R; ++r) scores[r * kBlock + t] = knorm * dot(q + r * D, buf.data(), D);
     }
-    for (int r = 0; r < R; ++r) {
-      float* s = scores.data() + r * kBlock;
-      float top = m[r];
-      for (int t = 0; t < nb; ++t) top = std::max(top, s[t]);
-      const float alpha = m[r] == -INFINITY ? 0.0f : std::exp(m[r] - top);
-      m[r] = top;
-      float sum = 0.0f;
-      for (int t = 0; t < nb; ++t) {
-        const float p = std::exp(s[t] - top);
-        sum += p;
-        s[t] = p * vnorm[t];
-      }
-      l[r] = l[r] * alpha + sum;
-      if (alpha != 1.0f)
-        for (int j = 0; j < D; ++j) acc[r * D + j] *= alpha;
-    }
+    softmax_block(scores.data(), kBlock, nb, R, D, m.data(), l.data(), acc.data());
+    for (int r = 0; r < R; ++r)
+      for (int t = 0; t < nb; ++t) scores[r * kBlock + t] *= vnorm[t];  // p times the value norm: the value codes decode a unit vector
     for (int t = 0; t < nb; ++t) {
       const uint32_t* row = rows + size_t(b0 + t) * L.W + L.value_offset;
       for (int c = 0; c < D / 32; ++c) decode_value(row + c * vb32, vcent, buf.data() + c * 32);
@@ -154,21 +141,10 @@ class MSEAttentionPartials : public mx::Primitive {
       const Decoder decode_key = decoder_for(L.key_bits), decode_value = decoder_for(L.value_bits);
       const std::vector<float> ktable = padded_table(kcent, L.key_bits);
       const std::vector<float> vtable = padded_table(vcent, L.value_bits);
-      const int items = N * L.splits;
-      const int per_split = (L.tokens + L.splits - 1) / L.splits;
-      auto work = [&](int first, int stride) {
-        for (int item = first; item < items; item += stride) {
-          const int n = item / L.splits, split = item % L.splits;
-          const int t0 = std::min(L.tokens, split * per_split), t1 = std::min(L.tokens, t0 + per_split);
-          attend_split(L, q + size_t(n) * L.R * L.D, rows + size_t(n) * L.C * L.W, ktable.data(), vtable.data(),
-                       decode_key, decode_value, t0, t1, o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
-        }
-      };
-      const int threads = std::max(1, std::min<int>(items, std::thread::hardware_concurrency()));
-      std::vector<std::thread> pool;
-      for (int i = 1; i < threads; ++i) pool.emplace_back(work, i, threads);
-      work(0, threads);
-      for (auto& t : pool) t.join();
+      for_each_split(N, L.splits, L.tokens, [&](int item, int n, int t0, int t1) {
+        attend_split(L, q + size_t(n) * L.R * L.D, rows + size_t(n) * L.C * L.W, ktable.data(), vtable.data(),
+                     decode_key, decode_value, t0, t1, o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
+      });
     });
   }
 
