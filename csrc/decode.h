@@ -131,6 +131,25 @@ inline void softmax_block(float* scores, int stride, int nb, int R, int D, float
   }
 }
 
+// acc[r] += p[r] * value for the R query heads; p[r] = scores[r * stride].
+inline void accumulate(const float* scores, int stride, int R, int D, const float* value, float* acc) {
+  for (int r = 0; r < R; ++r) {
+    const float w = scores[r * stride];
+    float* a = acc + r * D;
+    for (int j = 0; j < D; ++j) a[j] += w * value[j];
+  }
+}
+
+// A split's partial result: o (R, D) and ml (R, 2) = (max, sum).
+inline void write_partial(const std::vector<float>& acc, const std::vector<float>& m, const std::vector<float>& l,
+                          float* o, float* ml) {
+  std::copy(acc.begin(), acc.end(), o);
+  for (size_t r = 0; r < m.size(); ++r) {
+    ml[2 * r] = m[r];
+    ml[2 * r + 1] = l[r];
+  }
+}
+
 // work(item, n, t0, t1) for each (kv row n, split) item of `rows` x `splits`, tokens [t0, t1)
 // of [0, tokens) cut into equal splits, on up to hardware_concurrency threads.
 template <class Work>

@@ -99,18 +99,10 @@ void attend_split(const KiviLayout& L, const float* q, const Row& in, const floa
         const float lo = static_cast<float>(low[g]), step = static_cast<float>(scale[g]);
         for (int j = g * L.value_group; j < (g + 1) * L.value_group; ++j) buf[j] = lo + step * buf[j];
       }
-      for (int r = 0; r < R; ++r) {
-        const float w = scores[r * kBlock + t];
-        float* a = acc.data() + r * D;
-        for (int j = 0; j < D; ++j) a[j] += w * buf[j];
-      }
+      accumulate(scores.data() + t, kBlock, R, D, buf.data(), acc.data());
     }
   }
-  std::copy(acc.begin(), acc.end(), o);
-  for (int r = 0; r < R; ++r) {
-    ml[2 * r] = m[r];
-    ml[2 * r + 1] = l[r];
-  }
+  write_partial(acc, m, l, o, ml);
 }
 
 class KiviAttentionPartials : public mx::Primitive {

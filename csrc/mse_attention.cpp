@@ -81,18 +81,10 @@ void attend_split(const Layout& L, const float* q, const uint32_t* rows, const f
     for (int t = 0; t < nb; ++t) {
       const uint32_t* row = rows + size_t(b0 + t) * L.W + L.value_offset;
       for (int c = 0; c < D / 32; ++c) decode_value(row + c * vb32, vcent, buf.data() + c * 32);
-      for (int r = 0; r < R; ++r) {
-        const float w = scores[r * kBlock + t];
-        float* a = acc.data() + r * D;
-        for (int j = 0; j < D; ++j) a[j] += w * buf[j];
-      }
+      accumulate(scores.data() + t, kBlock, R, D, buf.data(), acc.data());
     }
   }
-  std::copy(acc.begin(), acc.end(), o);
-  for (int r = 0; r < R; ++r) {
-    ml[2 * r] = m[r];
-    ml[2 * r + 1] = l[r];
-  }
+  write_partial(acc, m, l, o, ml);
 }
 
 class MSEAttentionPartials : public mx::Primitive {
