@@ -241,12 +241,6 @@ def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=
     return Launch((prog.kernel, template, kv_rows, rep, prog.value_dim, splits), tuple(arrays) + (prog.tables, meta))
 
 
-def partials(run, launch_: Launch, q_domain: mx.array):
-    """(o (BH, S, REP, value domain), ml (BH, S, REP, 2)); `q_domain`: (B, kv heads, REP,
-    key domain), scaled, in the key codec's domain."""
-    return run(launch_.plan, [q_domain.astype(mx.float32)] + list(launch_.inputs))
-
-
 @functools.lru_cache(maxsize=256)
 def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
              has_fp16: bool, centered: bool, compiled: bool):
