@@ -204,7 +204,7 @@ class KIVI(Method):
     summary = "min/max integer codes, keys per channel over groups of group_size tokens"
     status = "baseline"
     status_note = ("the published KIVI method; with 32-token groups it beats plain turboquant_mse at similar "
-                   "measured bits, not the protected config, and it decodes slower than fp16 (no CPU kernel)")
+                   "measured bits, not the protected config; it prefills slower than fp16 (README's results)")
     values_summary = "min/max integer codes per token, groups of group_size channels"
 
     @classmethod
