@@ -33,6 +33,18 @@ def test_short_prompt_memory_counts_used_bytes_not_capacity():
     assert "allocated" in text and "10 tokens" in text
 
 
+def test_memory_report_of_rotating_caches_compares_with_mlx_lms_rotating_cache():
+    """Regression: with --max-kv-size the fp16 side read 0 MB (rotating caches were not counted)."""
+    model = tiny_llama()
+    caches = KVCacheBuilder(config_for("turboquant_mse", 4)).for_model(model).build(max_kv_size=32)
+    model(mx.arange(50)[None] % 500, cache=caches)
+    inner = caches[0].inner
+    fp16 = len(caches) * 2 * inner.kv_heads * 32 * (inner.key_dim + inner.value_dim)  # mlx-lm keeps 32 tokens
+    used = sum(c.used_nbytes for c in caches)
+    ratio = float(memory_report(caches).split(": ")[-1].split("x")[0])
+    assert ratio == pytest.approx(fp16 / used, abs=0.01) and ratio > 1
+
+
 def test_used_bytes_of_block_formats_count_started_blocks():
     caches = _filled(config_for("kivi", 4, residual_length=0), 40)  # 32-token key groups
     for c in caches:

@@ -72,8 +72,9 @@ def fp16_bytes(caches) -> int:
     """What mlx-lm's fp16 KVCache would hold for the same tokens (2 bytes per element)."""
     total = 0
     for cache in caches:
-        if getattr(cache, "key_codec", None) is not None:
-            total += 2 * cache.batch * cache.kv_heads * cache.offset * (cache.key_dim + cache.value_dim)
+        inner = getattr(cache, "inner", cache)  # a rotating cache: mlx-lm's holds its last size() tokens
+        if getattr(inner, "key_codec", None) is not None:
+            total += 2 * inner.batch * inner.kv_heads * cache.size() * (inner.key_dim + inner.value_dim)
     return total
 
 

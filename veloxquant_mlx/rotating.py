@@ -71,6 +71,10 @@ class CompressedRotatingKVCache(_BaseCache):
     def nbytes(self) -> int:
         return self.inner.nbytes
 
+    @property
+    def used_nbytes(self) -> int:
+        return self.inner.used_nbytes
+
     def size(self):
         return min(self.offset, self.max_size)
 
