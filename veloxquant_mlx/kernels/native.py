@@ -16,6 +16,7 @@ import warnings
 
 import mlx.core as mx
 
+from ..storage import FieldStore
 from . import ops, portable
 
 MIN_TOKENS_PER_SPLIT = 512
@@ -70,7 +71,7 @@ def kivi_supported(h) -> bool:
     field store, whole 32-code blocks, groups dividing the head dim, and a module that has
     the KIVI kernel."""
     kc, vc = h.key_codec, h.value_codec
-    if (kc.format.name, vc.format.name) != ("affine_channel", "affine_token") or not hasattr(h.store, "buffers"):
+    if (kc.format.name, vc.format.name) != ("affine_channel", "affine_token") or not isinstance(h.store, FieldStore):
         return False
     mod = module()
     return (mod is not None and hasattr(mod, "kivi_attention_partials") and kc.dim == vc.dim and kc.dim % 32 == 0
