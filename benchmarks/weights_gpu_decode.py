@@ -43,23 +43,30 @@ def build(kind: str, bits: int, dtype):
     return layers
 
 
-def step(layers, x_hidden, x_mlp):
-    outs = [layers[n](x_hidden) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")]
-    outs.append(layers["down_proj"](x_mlp))
+def step(layers, x_hidden, x_mlp, rotation_only: bool = False):
+    def run(layer, x):
+        return layer.rotation.apply(x) if rotation_only else layer(x)
+
+    outs = [run(layers[n], x_hidden) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")]
+    outs.append(run(layers["down_proj"], x_mlp))
     return outs
 
 
-def time_block(layers, dtype, steps: int, warmup: int, repeats: int, tokens: int = 1) -> float:
+def time_block(layers, dtype, steps: int, warmup: int, repeats: int, tokens: int = 1,
+               rotation_only: bool = False, one_graph: bool = False) -> float:
     x_hidden = mx.random.normal((1, tokens, 4096)).astype(dtype)
     x_mlp = mx.random.normal((1, tokens, 14336)).astype(dtype)
     for _ in range(warmup):
-        mx.eval(step(layers, x_hidden, x_mlp))
+        mx.eval(step(layers, x_hidden, x_mlp, rotation_only))
     results = []
     for _ in range(repeats):
         mx.synchronize()
         start = time.perf_counter()
-        for _ in range(steps):
-            mx.eval(step(layers, x_hidden, x_mlp))
+        if one_graph:  # as in a model's decode step: many blocks' matmuls in one graph
+            mx.eval([step(layers, x_hidden, x_mlp, rotation_only) for _ in range(steps)])
+        else:
+            for _ in range(steps):
+                mx.eval(step(layers, x_hidden, x_mlp, rotation_only))
         mx.synchronize()
         results.append((time.perf_counter() - start) / steps)
     return statistics.median(results)
@@ -72,15 +79,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--kinds", default="fp16,affine,vq")
+    parser.add_argument("--kinds", default="fp16,affine,vq",
+                        help="fp16, affine, vq, and vq-rotation (the input rotations of the vq layers alone)")
+    parser.add_argument("--one-graph", action="store_true",
+                        help="evaluate all --steps blocks in one graph (no host sync between blocks)")
     parser.add_argument("--tokens", type=int, default=1, help="rows per matmul (1: decode; e.g. 512: prefill)")
     parser.add_argument("--out", default="benchmarks/results/gpu/weights-decode")
     args = parser.parse_args()
     dtype = getattr(mx, args.dtype)
     rows = []
     for kind in args.kinds.split(","):
-        layers = build(kind, args.bits, dtype)
-        seconds = time_block(layers, dtype, args.steps, args.warmup, args.repeats, args.tokens)
+        layers = build("vq" if kind == "vq-rotation" else kind, args.bits, dtype)
+        seconds = time_block(layers, dtype, args.steps, args.warmup, args.repeats, args.tokens,
+                             rotation_only=kind == "vq-rotation", one_graph=args.one_graph)
         rows.append({"kind": kind, "bits": None if kind == "fp16" else args.bits, "ms_per_block": 1e3 * seconds})
         print(json.dumps(rows[-1]), flush=True)
         del layers
@@ -92,7 +103,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"device": str(mx.default_device()), "args": vars(args),
                                                   "rows": rows}, indent=2))
-    lines = [f"| weights | ms per Llama-3.1-8B block ({args.tokens} token(s)) | speed vs affine |", "|---|---|---|"]
+    graph = "all blocks in one graph" if args.one_graph else "one graph per block"
+    lines = [f"| weights | ms per Llama-3.1-8B block ({args.tokens} token(s), {graph}) | speed vs affine |", "|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['kind']} | {r['ms_per_block']:.4f} | {r.get('speed_vs_affine', float('nan')):.2f}x |")
     (out / "results.md").write_text("\n".join(lines) + "\n")

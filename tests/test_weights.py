@@ -208,7 +208,8 @@ def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator():
 
     if emulator.compiler() is None:
         pytest.skip("no C++20 compiler for the kernel emulator")
-    for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 16, 1)):
+    # 100 at 3 bits ends in a partial chunk of codes (32 per chunk); 4 bits packs 8 per word
+    for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 16, 1), (3, 100, None, 2), (4, 256, None, 8)):
         layer = QuantizedLinear.from_weight(_weight(37, dim, seed=bits), bits, group_size=group)
         x = layer.rotation.apply(_weight(rows, dim, seed=7))
         expected = np.array(layer.tiled_matmul(x))

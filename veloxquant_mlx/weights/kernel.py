@@ -6,16 +6,20 @@ there as ``lut_matmul`` when this module is imported), so that
 same text with the same constants (`launch.run_mlx` / `launch.run_emulator`).
 
 Work split (a GEMV for decode-sized batches): a block of NT threads has NT / 32
-warps, one output row n each; lane l of a warp decodes codes l, l + 32, ... of row n
-(code i sits at bits [i*BITS, (i+1)*BITS) of the row's words, so the 32 lanes of one
-step read BITS consecutive words and 32 consecutive inputs: coalesced), looks each
-code up in the 2^BITS-entry table in shared memory, times its group scale when groups
-are on, multiplies it by the rotated input of up to MT batch rows, and a warp sum
-gives y[m, n] (times the row scale when there are no groups).
+warps, one output row n each. A row's codes are cut into chunks of C codes, the fewest
+that fill whole words (C = 32 / gcd(32, BITS): 8 codes in one word at 4 bits, 32 codes in
+three words at 3 bits). Lane l of a warp takes chunks l, l + 32, ...: it loads the CW
+words of its chunk once and decodes its C codes with shifts the compiler knows (the
+loop is unrolled), looks each code up in the 2^BITS-entry table in shared memory, times
+its group scale when groups are on, and multiplies it by the rotated input of up to MT
+batch rows. A warp sum gives y[m, n] (times the row scale when there are no groups).
+Decoding a word at a time, rather than one code per lane from a word it shares with
+other lanes, cuts the instructions per weight: the kernel is instruction-bound.
 """
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 from typing import Optional
 
@@ -41,16 +45,23 @@ LUT_MATMUL = r"""
   for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
   if (n < N) {
     const VQ_GLOBAL uint32_t* row = codes + (size_t)n * W;
-    for (int i = lane; i < D; i += 32) {
-      const int bit = i * BITS;
-      const int wi = bit >> 5;
-      const int sh = bit & 31;
-      uint32_t c = row[wi] >> sh;
-      if (sh + BITS > 32) c |= row[wi + 1] << (32 - sh);
-      float wv = lut_s[c & MASK];
-      if (NG > 1) wv *= VQ_F(scales[(size_t)n * NG + i / GS]);
-      for (int m = 0; m < MT; ++m) {
-        if (m0 + m < M) acc[m] += VQ_F(x[(size_t)(m0 + m) * D + i]) * wv;
+    for (int q = lane; q < NCHUNK; q += 32) {
+      uint32_t words[CW];
+      VQ_UNROLL
+      for (int k = 0; k < CW; ++k) words[k] = (q * CW + k < W) ? row[q * CW + k] : 0u;
+      const int e0 = q * C;
+      VQ_UNROLL
+      for (int j = 0; j < C; ++j) {
+        const int bit = j * BITS;
+        uint32_t c = words[bit >> 5] >> (bit & 31);
+        if ((bit & 31) + BITS > 32) c |= words[(bit >> 5) + 1] << (32 - (bit & 31));
+        float wv = lut_s[c & MASK];
+        if (NG > 1) wv *= VQ_F(scales[(size_t)n * NG + (e0 + j) / GS]);
+        if (e0 + j < D) {
+          for (int m = 0; m < MT; ++m) {
+            if (m0 + m < M) acc[m] += VQ_F(x[(size_t)(m0 + m) * D + e0 + j]) * wv;
+          }
+        }
       }
     }
   }
@@ -77,7 +88,9 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
     group_size = in_features // groups
     mt = min(rows, MAX_ROWS)
     nwarp = threads // 32
+    chunk = 32 // math.gcd(32, bits)  # codes in the fewest whole words
     template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", -(-in_features * bits // 32)),
+                ("C", chunk), ("CW", chunk * bits // 32), ("NCHUNK", -(-in_features // chunk)),
                 ("M", rows), ("MT", mt), ("NT", threads), ("NG", groups), ("GS", group_size),
                 ("TX", x_dtype), ("TO", out_dtype)]
     grid = (-(-out_features // nwarp) * threads, -(-rows // mt), 1)
