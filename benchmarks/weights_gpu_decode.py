@@ -45,7 +45,7 @@ def build(kind: str, bits: int, dtype):
 
 def step(layers, x_hidden, x_mlp, rotation_only: bool = False):
     def run(layer, x):
-        return layer.rotation.apply(x) if rotation_only else layer(x)
+        return layer.rotation.apply(x, layer.get("input_scales")) if rotation_only else layer(x)
 
     outs = [run(layers[n], x_hidden) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj")]
     outs.append(run(layers["down_proj"], x_mlp))

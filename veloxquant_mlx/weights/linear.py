@@ -194,9 +194,7 @@ class QuantizedLinear(nn.Module):
     # ---- forward ---------------------------------------------------------------
 
     def __call__(self, x: mx.array) -> mx.array:
-        if "input_scales" in self:
-            x = x * self.input_scales.astype(x.dtype)
-        rotated = self.rotation.apply(x)
+        rotated = self.rotation.apply(x, self.get("input_scales"))
         from . import kernel
 
         dialect = kernel.dialect_for(rotated)

@@ -82,10 +82,14 @@ class StructuredRotation:
     def stages(self) -> int:
         return self.signs.shape[0]
 
-    def apply(self, x: mx.array) -> mx.array:
-        """R x for every vector along the last axis (orthonormal: norms are kept)."""
+    def apply(self, x: mx.array, scale: mx.array | None = None) -> mx.array:
+        """R x for every vector along the last axis (orthonormal: norms are kept); with
+        `scale`, R (scale * x), the scale folded into the first stage's signs."""
         for stage in range(self.stages):
-            x = x * self.signs[stage].astype(x.dtype)
+            if stage == 0 and scale is not None:
+                x = _scaled_signs(x, self.signs[0], scale)
+            else:
+                x = x * self.signs[stage].astype(x.dtype)
             if self.perms is not None:
                 x = mx.take(x, self.perms[stage], axis=-1)
             if len(self.blocks) == 1:
@@ -108,6 +112,12 @@ class StructuredRotation:
     @classmethod
     def from_state(cls, state: Dict[str, mx.array], meta: Dict[str, object]) -> "StructuredRotation":
         return cls(int(meta["dim"]), state["signs"], state.get("perms"), tuple(meta["blocks"]))
+
+
+@mx.compile
+def _scaled_signs(x: mx.array, signs: mx.array, scale: mx.array) -> mx.array:
+    # One fused kernel: the signs are +-1, so x * (signs * scale) rounds as x * scale does.
+    return x * (signs * scale).astype(x.dtype)
 
 
 def dense_rotation_matrix(dim: int, seed: int = 0) -> mx.array:
