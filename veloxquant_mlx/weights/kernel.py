@@ -98,9 +98,16 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
 
 
 def _plan_for(rotated: mx.array, layer) -> launch.Plan:
+    # Kept on the layer per (rows, dtype): a decode step launches every layer once, and
+    # the plan's lookup would otherwise cost host time on each.
+    plans = layer.__dict__.setdefault("_plans", {})
     rows = rotated.size // layer.in_features
-    name = launch.dtype_name(rotated.dtype)
-    return plan(rows, layer.in_features, layer.out_features, layer.bits, layer.scales.shape[1], name, name)
+    found = plans.get((rows, rotated.dtype))
+    if found is None:
+        name = launch.dtype_name(rotated.dtype)
+        found = plan(rows, layer.in_features, layer.out_features, layer.bits, layer.scales.shape[1], name, name)
+        plans[(rows, rotated.dtype)] = found
+    return found
 
 
 def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:

@@ -65,6 +65,7 @@ class StructuredRotation:
         index = mx.uint16 if dim <= 1 << 16 else mx.uint32
         self.perms = None if perms is None else perms.astype(index)
         self._offsets = np.concatenate([[0], np.cumsum(self.blocks)]).tolist()
+        self._sign_cache = {}
 
     @classmethod
     def seeded(cls, dim: int, seed: int = 0, stages: int = DEFAULT_STAGES) -> "StructuredRotation":
@@ -86,10 +87,7 @@ class StructuredRotation:
         """R x for every vector along the last axis (orthonormal: norms are kept); with
         `scale`, R (scale * x), the scale folded into the first stage's signs."""
         for stage in range(self.stages):
-            if stage == 0 and scale is not None:
-                x = _scaled_signs(x, self.signs[0], scale)
-            else:
-                x = x * self.signs[stage].astype(x.dtype)
+            x = x * self._signs(stage, x.dtype, scale if stage == 0 else None)
             if self.perms is not None:
                 x = mx.take(x, self.perms[stage], axis=-1)
             if len(self.blocks) == 1:
@@ -99,6 +97,18 @@ class StructuredRotation:
                 x = mx.concatenate(
                     [mx.hadamard_transform(x[..., o[i]:o[i + 1]]) for i in range(len(self.blocks))], axis=-1)
         return x
+
+    def _signs(self, stage: int, dtype, scale: mx.array | None) -> mx.array:
+        """signs[stage] (times `scale`) in `dtype`, kept from call to call: a decode step
+        calls every layer once, and rebuilding these would cost a kernel and host time
+        per layer. The signs are +-1, so x * (signs * scale) rounds as x * scale does."""
+        key = (stage, dtype, None if scale is None else id(scale))
+        cached = self._sign_cache.get(key)
+        if cached is None or cached[0] is not scale:
+            vector = self.signs[stage] if scale is None else self.signs[stage] * scale.astype(mx.float32)
+            cached = (scale, vector.astype(dtype))
+            self._sign_cache[key] = cached
+        return cached[1]
 
     def state(self) -> Dict[str, mx.array]:
         state = {"signs": self.signs.astype(mx.int8)}
@@ -112,12 +122,6 @@ class StructuredRotation:
     @classmethod
     def from_state(cls, state: Dict[str, mx.array], meta: Dict[str, object]) -> "StructuredRotation":
         return cls(int(meta["dim"]), state["signs"], state.get("perms"), tuple(meta["blocks"]))
-
-
-@mx.compile
-def _scaled_signs(x: mx.array, signs: mx.array, scale: mx.array) -> mx.array:
-    # One fused kernel: the signs are +-1, so x * (signs * scale) rounds as x * scale does.
-    return x * (signs * scale).astype(x.dtype)
 
 
 def dense_rotation_matrix(dim: int, seed: int = 0) -> mx.array:
