@@ -181,6 +181,19 @@ def test_benchmark_tiny_shape(tmp_path):
     assert "turboquant_mse:4" in text and "](bench/speed_vs_context.png)" in text
 
 
+def test_benchmark_bits_per_coordinate_count_every_sequence_of_a_batch(tmp_path):
+    bits = {}
+    for batch in (1, 3):
+        out = tmp_path / f"batch{batch}"
+        run_cli("benchmark", "--shape", "tiny", "--contexts", "128", "--decode-tokens", "2", "--repeats", "1",
+                "--warmup", "0", "--batch", str(batch), "--methods", "fp16,turboquant_mse:4", "--min-free-gb", "0",
+                "--no-figures", "--out", out)
+        bits[batch] = {r["label"]: r["bits_per_coord"] for r in load(out)["records"]}
+    # bytes per coordinate do not depend on the batch (counting one sequence's tokens gave 3x)
+    for label, value in bits[1].items():
+        assert bits[3][label] == pytest.approx(value, rel=0.05), (label, bits)
+
+
 def test_watchdog_stops_configurations(tmp_path):
     out = tmp_path / "guarded"
     run_cli("benchmark", "--shape", "tiny", "--contexts", "64,128", "--decode-tokens", "2",

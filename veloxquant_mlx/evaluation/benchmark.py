@@ -181,8 +181,9 @@ class ConfigRuns:
             peak_memory_bytes=int(median("peak_memory_bytes")),
             kv_bytes=kv_bytes,
             kv_tokens=kv_tokens,
-            fp16_kv_bytes=layout.fp16_bytes(kv_tokens),
-            bits_per_coord=finite(layout.bits_per_coordinate(kv_bytes, kv_tokens)),
+            # kv_bytes hold every sequence of the batch; kv_tokens count one sequence
+            fp16_kv_bytes=layout.fp16_bytes(batch * kv_tokens),
+            bits_per_coord=finite(layout.bits_per_coordinate(kv_bytes, batch * kv_tokens)),
             runs=[{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in runs],
         )
         return record
