@@ -348,6 +348,34 @@ def test_fused_step_equals_store_then_attend(center, bits, value_bits, renorm):
 
 
 @needs_cxx
+@pytest.mark.parametrize("sinks,window,center", [(2, 8, True), (0, 5, False), (3, 0, False)])
+def test_fused_step_takes_the_token_leaving_the_window(sinks, window, center):
+    """With fp16 sinks / a window, a decode step defers the token that leaves the window; the
+    fused step encodes, attends to (from its codes) and stores it, and merges the fp16 partial."""
+    from veloxquant_mlx import EngineSettings
+
+    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, center=center, sink_tokens=sinks,
+                        residual_length=window)
+    k = mx.random.normal((1, 2, 303, 64), key=mx.random.key(1)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 303, 64), key=mx.random.key(2)).astype(mx.float16)
+    ref = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="portable"))
+    fused = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="emulator"))
+    for cache in (ref, fused):
+        cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
+    for t in range(300, 303):
+        q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(t)).astype(mx.float16)
+        for cache in (ref, fused):
+            cache.update_and_fetch(k[..., t:t + 1, :], v[..., t:t + 1, :])
+        assert fused.store.pending is not None and ref.store.pending is None
+        expected = ref.attend(q, 0.125)
+        out = fused.attend(q, 0.125)
+        assert fused.last_path == "mse_fused_step" and fused.store.pending is None
+        assert selftest._rel(np.array(out.astype(mx.float32)), np.array(expected.astype(mx.float32))) < 2e-3
+        assert fused.encoded == ref.encoded and fused.window == ref.window == window
+        assert mx.array_equal(fused.store.rows[..., :fused.encoded, :], ref.store.rows[..., :ref.encoded, :]).item()
+
+
+@needs_cxx
 def test_deferred_tokens_decode_like_the_op_by_op_path(model):
     # On a GPU a decode token waits in the store (`pending`) for the attention call, whose
     # "decode_store" path encodes, attends to and stores it; here the same protocol runs with

@@ -230,6 +230,9 @@ class CompressedKVCache(_BaseCache):
                 self.store.append(keys, values)
             return self.history()
 
+        # Positions below count the codes, so a token still waiting for its attention call
+        # (an update with no attention between, as in tests or a prefill after decode) is stored first.
+        self.store.flush()
         to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
         if to_sinks > 0:
             # Copies: a view would keep the whole chunk alive (and out of `nbytes`).
@@ -250,11 +253,15 @@ class CompressedKVCache(_BaseCache):
                     self.window_values[..., :flush, :],
                     self.sinks + self.encoded,
                 )
+            # A decode step pushes one token out of the window: like a token of the plain cache,
+            # it may wait for the attention call's "decode_store" path, which encodes,
+            # attends to and stores it in one kernel (the query no longer sees it in fp16).
+            store = self.store.defer if flush == 1 and self._route("defer", None, None) else self.store.append
             if flush == self.window:  # all of it (the usual decode step without a window): no slicing
-                self.store.append(self.window_keys, self.window_values)
+                store(self.window_keys, self.window_values)
                 self.window_keys = self.window_values = None
             else:
-                self.store.append(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
+                store(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
                 kept_keys, kept_values = self.window_keys[..., flush:, :], self.window_values[..., flush:, :]
                 if flush > kept_keys.shape[2]:
                     # A view would keep the whole flushed span alive (and out of `nbytes`): copy the rest.

@@ -116,7 +116,7 @@ def _decode_call(queries, mask) -> bool:
 def _fused_supports(h, queries, mask) -> bool:
     if not (h.settings.compile_step and h.settings.backend in KERNEL_BACKENDS and _mse(h)):
         return False
-    if h.key_codec.dim != h.value_codec.dim or h.fp16 is not None:
+    if h.key_codec.dim != h.value_codec.dim:
         return False
     if ops.constants(h.key_codec)["signs"] is None or ops.constants(h.value_codec)["signs"] is None:
         return False  # the merge encodes the new token: both rotations in-kernel (power-of-two dim)

@@ -36,7 +36,7 @@ def _cases():
 
 _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_partial + merge (fp16 partial)",
             "check_prefill": "mse_dequant", "encode": "mse_encode", "dequant": "the formats' dequant kernel",
-            "partial": "the formats' partial kernel"}
+            "partial": "the formats' partial kernel", "fused": "mse_partial + merge_encode (fused decode step)"}
 
 
 def _dequant_record(backend: str) -> dict:
@@ -81,7 +81,8 @@ def _run(backend: str) -> bool:
 
     failures = []
     jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, False, tokens=8)),
-            ("dequant", lambda: _dequant_record(backend)), ("partial", lambda: partial.check_record(backend))]
+            ("dequant", lambda: _dequant_record(backend)), ("partial", lambda: partial.check_record(backend)),
+            ("fused", lambda: selftest.run_fused(backend))]
     jobs += [(case.name, lambda case=case: selftest.run_case(case, backend)) for case in _cases()]
     for name, job in jobs:
         try:
@@ -90,7 +91,8 @@ def _run(backend: str) -> bool:
             failures.append(f"{name} ({_KERNELS[name]}): {error!r}"[:500])
             continue
         if record.get("status") == "FAIL":
-            errors = {k: v for k, v in record.items() if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error")}
+            errors = {k: v for k, v in record.items()
+                      if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error", "rows_equal", "path")}
             failures.append(f"{name} ({_KERNELS[name]}): outside tolerance {errors}")
     if failures:
         from .. import engine

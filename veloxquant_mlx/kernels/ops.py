@@ -186,9 +186,11 @@ def mse_dequant(run: Runner, codec, layout, role: str, rows: mx.array, tokens: i
 
 
 def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
-                 key_codec, value_codec, scale: float, out_dtype, key_mean=None, value_mean=None):
+                 key_codec, value_codec, scale: float, out_dtype, key_mean=None, value_mean=None,
+                 plain: Optional[Tuple[mx.array, mx.array]] = None):
     """`merge` that also encodes the new token (keys / values (B, H, 1, D)) and attends to
-    it from its codes: (out (B, Hq, 1, D), its row (B, H, 1, RW) for `rows.py`)."""
+    it from its codes, and merges `plain` (a partial over fp16 tokens, as `merge` takes):
+    (out (B, Hq, 1, D), its row (B, H, 1, RW) for `rows.py`)."""
     bh, splits, rep, dim = o.shape
     kc, vc = constants(key_codec), constants(value_codec)
     if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
@@ -196,11 +198,13 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
     centered = key_mean is not None
     plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, bool(key_codec.renorm)),
                                     (value_codec.bits, bool(value_codec.renorm)), center=centered,
-                                    x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype))
+                                    x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype),
+                                    plain=plain is not None)
     B, H = keys.shape[:2]
     out, rec = run(plan, [
         o, ml, queries, keys, values, kc["signs"], vc["signs"], kc["boundaries"], vc["boundaries"],
         kc["centroids"], vc["centroids"], small_array((splits,)), small_array((float(scale),), mx.float32),
         key_mean if centered else _dummy(), value_mean if centered else _dummy(),
+        plain[0] if plain is not None else _dummy(), plain[1] if plain is not None else _dummy(),
     ], [tuple(queries.shape), (B, H, 1, plan.output_shapes[1][1])])
     return out, rec

@@ -217,6 +217,36 @@ def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, renorm: bool, t
             "codes_equal": equal, "norm_rel_error": norm_err, "status": "ok" if ok else "FAIL"}
 
 
+def run_fused(backend: str, sinks: int = 2, window: int = 8, tokens: int = 200) -> Dict:
+    """The fused decode step (partial + merge_encode + one store) through the cache, as a decode
+    token takes it: with fp16 sinks, a window and centering, against the portable path."""
+    from ..cache import CompressedKVCache
+    from ..config import KVCacheConfig
+    from ..settings import EngineSettings
+
+    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, center=True, sink_tokens=sinks,
+                        residual_length=window)
+    rng = np.random.default_rng([sinks, window, tokens])
+    k = mx.array(rng.standard_normal((1, 2, tokens + 1, 128)).astype(np.float32)).astype(mx.float16)
+    v = mx.array(rng.standard_normal((1, 2, tokens + 1, 128)).astype(np.float32)).astype(mx.float16)
+    q = mx.array(rng.standard_normal((1, 8, 1, 128)).astype(np.float32)).astype(mx.float16)
+    ref = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="portable"))
+    fused = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend=backend))
+    outputs = []
+    for cache in (ref, fused):
+        cache.update_and_fetch(k[..., :tokens, :], v[..., :tokens, :])
+        cache.update_and_fetch(k[..., tokens:, :], v[..., tokens:, :])
+        outputs.append(np.array(cache.attend(q, 128 ** -0.5).astype(mx.float32)))
+    tolerance = TOLERANCES["float16"]
+    if backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
+        tolerance = max(tolerance, TF32_TOLERANCE)  # the fp16 partial is an MLX matmul
+    error = _rel(outputs[1], outputs[0])
+    rows_equal = bool(mx.array_equal(fused.store.rows[..., :fused.encoded, :], ref.store.rows[..., :ref.encoded, :]))
+    ok = fused.last_path == "mse_fused_step" and error <= tolerance and rows_equal
+    return {"case": "fused_window_center", "backend": backend, "path": fused.last_path, "vs_portable": error,
+            "rows_equal": rows_equal, "tolerance": tolerance, "status": "ok" if ok else "FAIL"}
+
+
 def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = True, safe: bool = False) -> List[Dict]:
     """All records; with `safe`, a case that raises is recorded as an error, not raised."""
     jobs = []
@@ -227,6 +257,7 @@ def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = Tru
         from . import partial
 
         jobs.append(("format_partial", lambda: partial.check_record(backend)))
+        jobs.append(("fused_window_center", lambda: run_fused(backend)))
     records = []
     for name, job in jobs:
         try:

@@ -58,10 +58,11 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
         return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain,
                          value_mean=value_mean if centered else None)
 
-    def fused(queries, rows, meta, key_mean, value_mean, keys, values):
+    def fused(queries, rows, meta, key_mean, value_mean, keys, values, fp16_keys=None, fp16_values=None):
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
+        plain = plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
         return ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
-                                key_mean if centered else None, value_mean if centered else None)
+                                key_mean if centered else None, value_mean if centered else None, plain=plain)
 
     step = attend if kind == "attend" else fused
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.
@@ -74,7 +75,7 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     centered = h.key_mean is not None
     plan, fn = _step_fn(kind, runner_name, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
-                        centered, kind == "attend" and h.fp16 is not None)
+                        centered, h.fp16 is not None)
     _, chunk, capacity, splits = plan.meta["meta"]
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
@@ -91,6 +92,10 @@ def attend(runner_name: str, h, queries: mx.array, scale: float) -> mx.array:
 def fused(runner_name: str, h, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
     """One decode step in three ops: the partial kernel over the stored tokens, a merge that
     also encodes the new token (`keys` / `values` (B, H, 1, D)) and attends to it from its
-    codes, and one slice update storing its row. (attention output, new rows)."""
-    out, row = _run_step("fused", runner_name, h, queries, scale, keys, values)
+    codes (and merges the fp16 sinks / window, if any), and one slice update storing its
+    row. (attention output, new rows).
+
+    With an fp16 window the token encoded here is the one that just left the window (the
+    cache defers it, `cache.py`), which the decode query sees from its codes."""
+    out, row = _run_step("fused", runner_name, h, queries, scale, keys, values, *(h.fp16 or ()))
     return out, store(h.store.rows, row, h.count)

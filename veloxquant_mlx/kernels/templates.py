@@ -560,6 +560,19 @@ _FWHT_BUF = r"""
     }
 """
 
+# A partial over fp16 tokens (po, pml of output row `row`, already in the output
+# domain) merged into the running (acc, M, L) of value coordinate d.
+_MERGE_PLAIN = r"""  if (HAS_PLAIN) {
+    const float mp = pml[(size_t)row * 2];
+    const float lp = pml[(size_t)row * 2 + 1];
+    const float Mp = VQ_MAXF(M, mp);
+    const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - Mp);
+    const float ep = (mp == VQ_NEG_INF) ? 0.0f : VQ_EXP(mp - Mp);
+    acc = acc * ec + po[(size_t)row * D + d] * ep;
+    L = L * ec + lp * ep;
+  }
+"""
+
 # Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
 # value sum with the value codec's seeded-sign FWHT; needs D a power of two),
 # HAS_PLAIN (merge a partial over fp16 tokens, already in the output domain),
@@ -575,16 +588,7 @@ MERGE = r"""
 """ + _FWHT_BUF + r"""    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   }
   if (HAS_VMEAN) acc += L * vmean[(size_t)bh * D + d];
-  if (HAS_PLAIN) {
-    const float mp = pml[(size_t)row * 2];
-    const float lp = pml[(size_t)row * 2 + 1];
-    const float M2 = VQ_MAXF(M, mp);
-    const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - M2);
-    const float ep = (mp == VQ_NEG_INF) ? 0.0f : VQ_EXP(mp - M2);
-    acc = acc * ec + po[(size_t)row * D + d] * ep;
-    L = L * ec + lp * ep;
-  }
-  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+""" + _MERGE_PLAIN + r"""  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
 
 # One decode step's last kernel when the new token is stored by the step itself:
@@ -594,10 +598,12 @@ MERGE = r"""
 # with the splits and un-rotates. Template constants: D (a power of two; both
 # roles rotate in-kernel), REP, K*/V* as in `_ENCODE_ROLE` (KD = VD = KP2 = VP2 =
 # D), NTH (= D), RW, HAS_CENTER (subtract kmean / vmean before encoding, add
-# L * vmean to the output), TX (new key / value dtype), TO (output dtype).
+# L * vmean to the output), HAS_PLAIN (merge a partial over fp16 sinks / window,
+# as `merge` does), TX (new key / value dtype), TO (output dtype).
 # Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, q (BH*REP, D), kx, vx
 # (BH, D) TX, ksigns, vsigns (D) f32, kbnd, vbnd, kcent, vcent f32, meta int32
-# [S], qscale f32 [scale], kmean, vmean (BH, D). Outputs: out (BH*REP, D) TO,
+# [S], qscale f32 [scale], kmean, vmean (BH, D), po (BH*REP, D) f32, pml
+# (BH*REP, 2) f32. Outputs: out (BH*REP, D) TO,
 # rec (BH, RW) u32. Grid: (D, BH*REP) threads in blocks of D.
 _KEY_RESULT = "kcode_out = code; knorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
 _VALUE_RESULT = "vcode_out = code; vnorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
@@ -637,7 +643,8 @@ MERGE_ENCODE = r"""
   VQ_SYNC();
 """ + _FWHT_BUF + r"""  acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   if (HAS_CENTER) acc += L * VQ_F(vmean[(size_t)bh * D + t]);
-  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+  M = M2;
+""" + _MERGE_PLAIN + r"""  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
 
 # Template constants: D, BITS, W (= ceil(D*BITS/32)), NT (threads per block),
@@ -685,7 +692,7 @@ KERNELS: Dict[str, dict] = {
     "merge_encode": {
         "body": MERGE_ENCODE,
         "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
-                   "qscale", "kmean", "vmean"),
+                   "qscale", "kmean", "vmean", "po", "pml"),
         "outputs": ("out", "rec"),
     },
     "merge": {
