@@ -5,6 +5,7 @@
     turboquant_prod:4             a registered VeloxQuant method at 4 key bits
     kivi:2:group=32,residual=32   ... with config fields or method options
     turboquant_mse:3:backend=portable   ... on another engine back end (`settings.EngineSettings`)
+    turboquant_mse:3:check_inputs=off   ... without the prefill chunks' input check (one sync per layer)
 """
 
 from __future__ import annotations
@@ -181,6 +182,12 @@ def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, s
             if value not in BACKENDS:
                 raise MethodSpecError(f"{spec!r}: backend must be one of {', '.join(BACKENDS)}, got {value!r}")
             engine["backend"] = value
+        elif key == "check_inputs":
+            from ..settings import CHECK_INPUTS
+
+            if value not in CHECK_INPUTS:
+                raise MethodSpecError(f"{spec!r}: check_inputs must be one of {', '.join(CHECK_INPUTS)}, got {value!r}")
+            engine["check_inputs"] = value
         elif key in CONFIG_KEYS:
             fields[CONFIG_KEYS[key]] = _int(spec, key, value)
         elif key == "center":
