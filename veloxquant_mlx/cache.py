@@ -278,6 +278,7 @@ class CompressedKVCache(_BaseCache):
             store=self.store, key_codec=self.key_codec, value_codec=self.value_codec, kv_heads=self.kv_heads,
             offset=self.offset, sinks=self.sinks, window=self.window, key_mean=self.key_mean,
             value_mean=self.value_mean, settings=self.settings, fp16=self._fp16_tokens, segments=self.segments,
+            fp16_parts=self._fp16_parts,
             band=self.just_encoded is not None, pending=pending, recent=self._recent_tokens,
             fp16_from=self._fp16_from,
         )
@@ -292,6 +293,11 @@ class CompressedKVCache(_BaseCache):
             keys = mx.concatenate([keys, self.window_keys], axis=2)
             values = mx.concatenate([values, self.window_values], axis=2)
         return self._centered(keys), values, first
+
+    def _fp16_parts(self):
+        """The sinks' and the window's (keys, values) as held (keys not centered), present ones only."""
+        return tuple((k, v) for k, v in ((self.sink_keys, self.sink_values), (self.window_keys, self.window_values))
+                     if k is not None and k.shape[2])
 
     def _fp16_tokens(self):
         parts = [(self.sink_keys, self.sink_values), (self.window_keys, self.window_values)]

@@ -41,12 +41,14 @@ class History:
     def __init__(self, *, store, key_codec, value_codec, kv_heads: int, offset: int, sinks: int, window: int,
                  key_mean, value_mean, settings: EngineSettings, fp16: Callable[[], Optional[Tuple]],
                  segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None,
-                 recent: Optional[Callable[[], Optional[Tuple]]] = None, fp16_from: Optional[Callable] = None):
+                 recent: Optional[Callable[[], Optional[Tuple]]] = None, fp16_from: Optional[Callable] = None,
+                 fp16_parts: Optional[Callable[[], Tuple]] = None):
         self.store, self.key_codec, self.value_codec = store, key_codec, value_codec
         self.kv_heads, self.offset, self.sinks, self.window = kv_heads, offset, sinks, window
         self.key_mean, self.value_mean, self.settings = key_mean, value_mean, settings
         self._fp16, self.segments, self.band, self.pending = fp16, segments, band, pending
         self._recent, self.fp16_from = recent, fp16_from
+        self._fp16_parts = fp16_parts
 
     @property
     def count(self) -> int:
@@ -61,6 +63,16 @@ class History:
     def fp16(self) -> Optional[Tuple[mx.array, mx.array]]:
         """(keys, values) of the sinks and the window in position order (keys centered), or None."""
         return self._fp16()
+
+    def fp16_inputs(self) -> Tuple[int, List[mx.array]]:
+        """(parts, arrays) for a compiled decode step: the fp16 sinks' and window's keys and
+        values as held, which `fp16_tokens` centres and joins inside the step's graph (op by
+        op outside it, as `fp16` does, they would cost launches on every step). parts: 0-2."""
+        if self._fp16_parts is None:  # a history made without the raw parts
+            fp16 = self.fp16
+            return (0, []) if fp16 is None else (-1, list(fp16))
+        parts = self._fp16_parts()
+        return len(parts), [a for part in parts for a in part]
 
     def recent(self) -> Optional[Tuple[mx.array, mx.array, int]]:
         """With a band: (keys (centered), values, first position) of the tokens this update
@@ -229,6 +241,20 @@ def merge_partials(o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int,
     return out.reshape(out_shape).astype(out_dtype)
 
 
+def fp16_tokens(parts: int, arrays: List[mx.array], key_mean: Optional[mx.array]):
+    """Inside a compiled step: the (keys (centred), values) of `History.fp16_inputs`, as
+    `History.fp16` gives them; None for no fp16 tokens."""
+    if parts == 0:
+        return None
+    if parts < 0:  # already joined and centred
+        return arrays[0], arrays[1]
+    keys = [arrays[2 * i] if key_mean is None else arrays[2 * i].astype(mx.float32) - key_mean for i in range(parts)]
+    values = [arrays[2 * i + 1] for i in range(parts)]
+    if parts == 1:
+        return keys[0], values[0]
+    return mx.concatenate([k.astype(mx.float32) for k in keys], axis=2), mx.concatenate(values, axis=2)
+
+
 def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float):
     """A partial over fp16 tokens (sinks + window): (o (B*Hq, Dv), ml (B*Hq, 2)), float32."""
     B, n_heads, L, dim = queries.shape
@@ -248,14 +274,14 @@ def _slice_fields(fields, per_row, start: int, stop: int):
 
 @functools.lru_cache(maxsize=128)
 def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], per_row, capacity: int,
-               out_shape: Tuple[int, ...], out_dtype, scale: float, has_fp16: bool, centered: bool,
+               out_shape: Tuple[int, ...], out_dtype, scale: float, fp16_parts: int, centered: bool,
                compiled: bool = True):
     key_names, value_names = names
     key_per_row, value_per_row = dict(per_row[0]), dict(per_row[1])
     block = math.lcm(key_codec.token_block, value_codec.token_block)
     split = -(-DECODE_SPLIT // block) * block
 
-    def step(queries, key_bufs, value_bufs, count, fp16_keys, fp16_values, value_mean):
+    def step(queries, key_bufs, value_bufs, count, fp16, key_mean, value_mean):
         key_fields, value_fields = dict(zip(key_names, key_bufs)), dict(zip(value_names, value_bufs))
         B, n_heads, _, dim = queries.shape
         kv_heads = key_bufs[0].shape[1]
@@ -273,7 +299,8 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
             stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))
         o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep, -1)
         ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
-        plain = plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
+        tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
+        plain = None if tokens is None else plain_partial(queries, *tokens, scale)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                               value_mean=value_mean if centered else None)
 
@@ -295,19 +322,19 @@ def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, comp
     key_fields, value_fields = store.fields("keys", 0, capacity), store.fields("values", 0, capacity)
     names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
     per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
-    fp16, centered = h.fp16, h.value_mean is not None
+    parts, fp16 = h.fp16_inputs()
+    centered = h.value_mean is not None
     fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, capacity, tuple(queries.shape), queries.dtype,
-                    float(scale), fp16 is not None, centered, compiled)
+                    float(scale), parts, centered, compiled)
     none = small_array((0.0,), mx.float32)
     return fn(queries, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]],
-              small_array((h.count,)), *(fp16 if fp16 is not None else (none, none)),
-              h.value_mean if centered else none)
+              small_array((h.count,)), fp16, h.key_mean if centered else none, h.value_mean if centered else none)
 
 
 @functools.lru_cache(maxsize=128)
 def _attend_decoded_fn(key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
-                       has_fp16: bool, centered: bool):
-    def step(queries, keys, values, count, fp16_keys, fp16_values, value_mean):
+                       fp16_parts: int, centered: bool):
+    def step(queries, keys, values, count, fp16, key_mean, value_mean):
         B, n_heads, _, dim = queries.shape
         kv_heads = keys.shape[1]
         rep = n_heads // kv_heads
@@ -318,7 +345,8 @@ def _attend_decoded_fn(key_codec, value_codec, out_shape: Tuple[int, ...], out_d
         p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
         o = (p @ values.astype(mx.float32)).reshape(B * kv_heads, 1, rep, -1)
         ml = mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1).reshape(B * kv_heads, 1, rep, 2)
-        plain = plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
+        tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
+        plain = None if tokens is None else plain_partial(queries, *tokens, scale)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                               value_mean=value_mean if centered else None)
 
@@ -329,11 +357,12 @@ def attend_decoded(h: History, queries: mx.array, scale: float, keys: mx.array, 
     """Decode attention over decoded keys / values (B, H, capacity, domain) of which the first
     `h.count` are tokens, with the fp16 sinks/window merged: one compiled graph whose shapes
     change only when the store grows (for domains that MLX's fused attention cannot take)."""
-    fp16, centered = h.fp16, h.value_mean is not None
+    parts, fp16 = h.fp16_inputs()
+    centered = h.value_mean is not None
     fn = _attend_decoded_fn(h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype, float(scale),
-                            fp16 is not None, centered)
+                            parts, centered)
     none = small_array((0.0,), mx.float32)
-    return fn(queries, keys, values, small_array((h.count,)), *(fp16 if fp16 is not None else (none, none)),
+    return fn(queries, keys, values, small_array((h.count,)), fp16, h.key_mean if centered else none,
               h.value_mean if centered else none)
 
 

@@ -243,17 +243,18 @@ def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=
 
 @functools.lru_cache(maxsize=256)
 def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
-             has_fp16: bool, centered: bool, compiled: bool):
+             fp16_parts: int, centered: bool, compiled: bool):
     from .ops import runner
 
     run, plan_ = runner(backend), plan(*plan_key)
 
-    def step(queries, inputs, fp16_keys, fp16_values, value_mean):
+    def step(queries, inputs, fp16, key_mean, value_mean):
         B, n_heads, _, dim = queries.shape
         kv_rows, rep = plan_.grid[1], plan_.output_shapes[0][2]
         q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_rows // B, rep, dim))
         o, ml = run(plan_, [q.astype(mx.float32)] + list(inputs))
-        plain = engine.plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
+        tokens = engine.fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
+        plain = None if tokens is None else engine.plain_partial(queries, *tokens, scale)
         return engine.merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                                      value_mean=value_mean if centered else None)
 
@@ -268,11 +269,12 @@ def decode(h, queries: mx.array, scale: float, chunk=None) -> mx.array:
     rep = n_heads // h.kv_heads
     launch_ = prepare(h.store, h.key_codec, h.value_codec, B * h.kv_heads, rep, h.count, chunk)
     backend = h.settings.backend
-    fp16, centered = h.fp16, h.value_mean is not None
+    parts, fp16 = h.fp16_inputs()
+    centered = h.value_mean is not None
     fn = _step_fn(backend, launch_.plan_key, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
-                  float(scale), fp16 is not None, centered, backend != "emulator" and h.settings.compile_step)
+                  float(scale), parts, centered, backend != "emulator" and h.settings.compile_step)
     none = engine.small_array((0.0,), mx.float32)
-    return fn(queries, list(launch_.inputs), *(fp16 if fp16 is not None else (none, none)),
+    return fn(queries, list(launch_.inputs), fp16, h.key_mean if centered else none,
               h.value_mean if centered else none)
 
 

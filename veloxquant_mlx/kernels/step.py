@@ -16,7 +16,8 @@ shape and constant in it is fixed between steps:
 * the token count reaches the kernels through a small int32 array shared by all
   layers of a step;
 * the fp16 sinks and window (a fixed number of tokens once the window is full) are
-  a plain partial inside the same graph, merged by the merge kernel;
+  a plain partial inside the same graph, merged by the merge kernel; they enter as
+  held, and are centred and joined inside the graph (`engine.fp16_tokens`);
 * the new row is stored outside the compiled graph (`store`), at a constant
   position: MLX's CUDA back end copies the whole buffer for a slice update at an
   array-valued position (62 us per layer for K3/V4 rows at 32K, results/gpu/run10)
@@ -31,7 +32,7 @@ import functools
 
 import mlx.core as mx
 
-from ..engine import plain_partial, small_array
+from ..engine import fp16_tokens, plain_partial, small_array
 from . import launch, ops
 
 
@@ -43,7 +44,7 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 
 @functools.lru_cache(maxsize=64)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
-             scale: float, kv_rows: int, capacity: int, centered: bool, has_fp16: bool = False):
+             scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0):
     """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
     encodes, attends to and stores the new one (`fused`)."""
     run = ops.runner(runner_name)
@@ -52,17 +53,20 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
     plan = launch.partial_plan(kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity, capacity,
                                rotate_query=rotate_query, q_dtype=q_dtype if rotate_query else "float32")
 
-    def attend(queries, rows, meta, key_mean, value_mean, fp16_keys=None, fp16_values=None):
+    def plain(queries, fp16, key_mean):
+        tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
+        return None if tokens is None else plain_partial(queries, *tokens, scale)
+
+    def attend(queries, rows, meta, key_mean, value_mean, fp16):
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
-        plain = plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
-        return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain,
+        return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain(queries, fp16, key_mean),
                          value_mean=value_mean if centered else None)
 
-    def fused(queries, rows, meta, key_mean, value_mean, keys, values, fp16_keys=None, fp16_values=None):
+    def fused(queries, rows, meta, key_mean, value_mean, fp16, keys, values):
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
-        plain = plain_partial(queries, fp16_keys, fp16_values, scale) if has_fp16 else None
         return ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
-                                key_mean if centered else None, value_mean if centered else None, plain=plain)
+                                key_mean if centered else None, value_mean if centered else None,
+                                plain=plain(queries, fp16, key_mean))
 
     step = attend if kind == "attend" else fused
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.
@@ -73,20 +77,21 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     rows = h.store.rows
     q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
     centered = h.key_mean is not None
+    parts, fp16 = h.fp16_inputs()
     plan, fn = _step_fn(kind, runner_name, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
-                        centered, h.fp16 is not None)
+                        centered, parts)
     _, chunk, capacity, splits = plan.meta["meta"]
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
     return fn(queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
-              h.value_mean if centered else none, *extra)
+              h.value_mean if centered else none, fp16, *extra)
 
 
 def attend(runner_name: str, h, queries: mx.array, scale: float) -> mx.array:
     """Decode attention of `queries` (B, Hq, 1, D) over the history's codes and fp16 tokens,
     through one compiled graph planned from the store's capacity."""
-    return _run_step("attend", runner_name, h, queries, scale, *(h.fp16 or ()))
+    return _run_step("attend", runner_name, h, queries, scale)
 
 
 def fused(runner_name: str, h, queries: mx.array, keys: mx.array, values: mx.array, scale: float):
@@ -97,5 +102,5 @@ def fused(runner_name: str, h, queries: mx.array, keys: mx.array, values: mx.arr
 
     With an fp16 window the token encoded here is the one that just left the window (the
     cache defers it, `cache.py`), which the decode query sees from its codes."""
-    out, row = _run_step("fused", runner_name, h, queries, scale, keys, values, *(h.fp16 or ()))
+    out, row = _run_step("fused", runner_name, h, queries, scale, keys, values)
     return out, store(h.store.rows, row, h.count)
