@@ -250,7 +250,7 @@ def test_artifacts_and_prompt_cache_round_trip(calibrated, tmp_path):
 
 @pytest.mark.model
 def test_generates_coherent_text_on_smollm2(smollm2, tmp_path):
-    """Calibrated on a short text, 2-bit keys / 4-bit values: the greedy continuation is text the
+    """Calibrated on a short text, 1-bit keys / 4-bit values: the greedy continuation is text the
     fp16 model finds likely (its mean negative log-likelihood under fp16 stays low)."""
     from mlx_lm import generate
 
@@ -258,7 +258,7 @@ def test_generates_coherent_text_on_smollm2(smollm2, tmp_path):
 
     model, tokenizer = smollm2
     text = (Path(__file__).parents[1] / "veloxquant_mlx" / "data" / "python-reference.txt").read_text()
-    config = KVCacheConfig(method="commvq", bits=2, value_bits=4)
+    config = KVCacheConfig(method="commvq", bits=1, value_bits=4)
     calibrate(model, config, calibration_tokens(tokenizer, text, 1, 256), tmp_path / "art", progress=False)
     config = config.replace(artifact_dir=str(tmp_path / "art"))
     prompt = "The history of the city of London begins"
