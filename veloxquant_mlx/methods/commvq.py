@@ -287,9 +287,9 @@ class CommVQ(Method):
     positional = True
     generic_options = {}  # outlier channels would split RoPE pairs: not offered
     status = "experimental"
-    status_note = ("llama family only, calibrated; on SmolLM2 better than turboquant_mse at 2.75-3.25 bits "
-                   "(K2/V4: KL 0.18 vs 0.29 for turboquant_mse:3), kivi:3:group=32 better at 4 bits; "
-                   "no decode kernel, speed not measured (docs/calibrated.md)")
+    status_note = ("llama family only, calibrated; on SmolLM2 the best measured at 2.25-3.25 bits (K2/V2: KL 0.38 "
+                   "vs 1.35 for turboquant_mse:2; K2/V4: 0.18 vs 0.29 for turboquant_mse:3), kivi:3:group=32 "
+                   "better at 4 bits; no decode kernel, speed not measured (docs/calibrated.md)")
     summary = "keys before RoPE, RoPE-commuting residual codebooks learned by EM (calibrated) + fp16 norm"
     values_summary = "turboquant_mse at value_bits"
 
