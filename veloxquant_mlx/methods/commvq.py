@@ -36,7 +36,6 @@ build; anything else is refused by name (`check_model`).
 
 from __future__ import annotations
 
-import math
 from typing import List, Optional
 
 import mlx.core as mx
