@@ -43,6 +43,7 @@ from . import engine
 from .artifacts import CodecSet, checksums, metadata_digest, verify_checksums
 from .attention import Segment
 from .config import KVCacheConfig
+from .methods.base import at_positions
 from .settings import EngineSettings
 from .storage import RowStore, store_for
 
@@ -171,13 +172,21 @@ class CompressedKVCache(_BaseCache):
             self.key_mean, self.value_mean = _finite_mean(keys), _finite_mean(values)
         return keys.astype(mx.float32) - self.key_mean, values.astype(mx.float32) - self.value_mean
 
+    def _position_free(self, keys: mx.array) -> mx.array:
+        """What a positional key codec encodes: the keys about to be stored (at positions from
+        sinks + encoded on) with their position's map taken off (`Codec.positional`)."""
+        if not self.key_codec.positional:
+            return keys
+        return self.key_codec.position_free(keys, self.sinks + self.store.count)
+
     def _encode_rows(self, keys: mx.array, values: mx.array) -> mx.array:
+        keys = self._position_free(keys)
         if keys.shape[2] == 1 and (self.key_mean is not None or not self.config.center):
             return self._row_encoder.one(keys, values, self.key_mean, self.value_mean)
         return self._row_encoder.many(*self._centered_inputs(keys, values))
 
     def _encode_fields(self, keys: mx.array, values: mx.array):
-        keys, values = self._centered_inputs(keys, values)
+        keys, values = self._centered_inputs(self._position_free(keys), values)
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
     # ---- mlx-lm cache protocol ---------------------------------------------
@@ -340,7 +349,8 @@ class CompressedKVCache(_BaseCache):
             if query_len and self.just_encoded is not None and self.sinks + stop > first:
                 only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
             yield Segment(
-                self.key_codec.decode(self.store.fields("keys", start, stop)),
+                self.key_codec.decode(at_positions(self.key_codec, self.store.fields("keys", start, stop),
+                                                   self.sinks + start)),
                 None,
                 self.sinks + start,
                 encoded=True,
@@ -497,7 +507,8 @@ class CompressedKVCache(_BaseCache):
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
         """Decode the first tokens of a block back into fp16 (their originals are gone)."""
         codec, mean = (self.key_codec, self.key_mean) if role == "keys" else (self.value_codec, self.value_mean)
-        rows = self.store.fields(role, block_start, block_start + self.block)
+        rows = at_positions(codec, self.store.fields(role, block_start, block_start + self.block),
+                            self.sinks + block_start)
         decoded = codec.reconstruct(rows)[..., : stop - block_start, :]
         if mean is not None:
             decoded = decoded + mean

@@ -65,7 +65,8 @@ def calibration_tokens(tokenizer, text: str, sequences: int = CALIBRATION_SEQUEN
 
 def capture(model, sequences: Sequence[mx.array], progress: bool = True) -> List[Optional[Dict[str, mx.array]]]:
     """Per layer: float32 "queries" (Hq, N, D), "keys" (H, N, D), "values" (H, N, Dv) over all
-    sequences (N = their total length); None for layers whose cache is not a plain KVCache."""
+    sequences (N = their total length) and each token's "positions" (N,) in its sequence; None
+    for layers whose cache is not a plain KVCache."""
     from mlx_lm.models.cache import KVCache
     from tqdm import tqdm
 
@@ -95,7 +96,8 @@ def capture(model, sequences: Sequence[mx.array], progress: bool = True) -> List
             layers.append(None)
             continue
         q, k, v = (mx.concatenate([p[j] for p in parts], axis=1) for j in range(3))
-        layers.append({"queries": q, "keys": k, "values": v})
+        positions = mx.concatenate([mx.arange(p[1].shape[1]) for p in parts])
+        layers.append({"queries": q, "keys": k, "values": v, "positions": positions})
     return layers
 
 
@@ -148,8 +150,13 @@ def learn(config, layers, progress: bool = True) -> List[Optional[dict]]:
 def calibrate(model, config, sequences: Sequence[mx.array], out_dir, source: str = "",
               progress: bool = True) -> dict:
     """Capture, learn and write an artifact dir; returns the calibration record (also in its JSON)."""
+    method = get_method(config.method)
+    method.check_model(model)
     start = time.perf_counter()
+    extra = method.calibration_inputs(model)
     layers = capture(model, sequences, progress=progress)
+    if extra is not None:
+        layers = [None if layer is None else {**layer, **more} for layer, more in zip(layers, extra)]
     captured = time.perf_counter()
     learned = learn(config, layers, progress=progress)
     mx.eval([list(entry[r].values()) for entry in learned if entry for r in entry])

@@ -27,6 +27,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import mlx.core as mx
 
 from .attention import Segment, attend as generic_attend
+from .methods.base import at_positions
 from .settings import EngineSettings
 
 PHASES = ("decode", "prefill", "decode_store")
@@ -275,7 +276,7 @@ def _slice_fields(fields, per_row, start: int, stop: int):
 @functools.lru_cache(maxsize=128)
 def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], per_row, capacity: int,
                out_shape: Tuple[int, ...], out_dtype, scale: float, fp16_parts: int, centered: bool,
-               compiled: bool = True):
+               compiled: bool = True, first_position: int = 0):
     key_names, value_names = names
     key_per_row, value_per_row = dict(per_row[0]), dict(per_row[1])
     block = math.lcm(key_codec.token_block, value_codec.token_block)
@@ -290,7 +291,8 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
         outs, stats = [], []
         for start in range(0, capacity, split):
             stop = min(start + split, capacity)
-            scores = key_codec.score(q, _slice_fields(key_fields, key_per_row, start, stop))  # (B, H, REP, n)
+            fields = at_positions(key_codec, _slice_fields(key_fields, key_per_row, start, stop), first_position + start)
+            scores = key_codec.score(q, fields)  # (B, H, REP, n)
             scores = mx.where(mx.arange(start, stop) < count, scores, -mx.inf)
             m = mx.max(scores, axis=-1, keepdims=True)
             p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
@@ -325,7 +327,7 @@ def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, comp
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
     fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, capacity, tuple(queries.shape), queries.dtype,
-                    float(scale), parts, centered, compiled)
+                    float(scale), parts, centered, compiled, h.sinks if h.key_codec.positional else 0)
     none = small_array((0.0,), mx.float32)
     return fn(queries, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]],
               small_array((h.count,)), fp16, h.key_mean if centered else none, h.value_mean if centered else none)
@@ -370,7 +372,7 @@ def attend_decoded(h: History, queries: mx.array, scale: float, keys: mx.array, 
 
 def decode_with_codec(h: History, role: str, dtype) -> mx.array:
     codec = h.key_codec if role == "keys" else h.value_codec
-    return codec.decode(h.store.fields(role)).astype(dtype)
+    return codec.decode(at_positions(codec, h.store.fields(role), h.sinks)).astype(dtype)
 
 
 SDPA_MASK_BYTES = 256 << 20  # scores an explicit-mask SDPA call may hold (queries x keys x heads x 4 bytes)

@@ -24,6 +24,7 @@ from .settings import EngineSettings
 from .batch import BatchCompressedKVCache
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig, follow_bits
+from .methods import get_method
 from .rotating import CompressedRotatingKVCache
 
 
@@ -81,6 +82,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `max_kv_size`: as mlx-lm's `make_prompt_cache`, full-attention layers keep only the last
     `max_kv_size` tokens (and the first 4) in a rotating cache."""
     install_attention_hook(model)
+    get_method(config.method).check_model(model)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
@@ -115,6 +117,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
 
 def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None):
     """Make `model.make_cache()` (and so plain `mlx_lm.generate`) return fresh compressed caches."""
+    get_method(config.method).check_model(model)
     codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     compressed_caches(model, config, codecs, settings)  # fail now, not at the first generate
     model.make_cache = lambda: compressed_caches(model, config, codecs, settings)

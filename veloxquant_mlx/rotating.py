@@ -34,6 +34,7 @@ from mlx_lm.models.cache import _BaseCache, create_causal_mask
 from .artifacts import CodecSet
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
+from .methods import get_method
 from .settings import EngineSettings
 
 ROTATING_FORMAT_VERSION = 1
@@ -44,6 +45,10 @@ class CompressedRotatingKVCache(_BaseCache):
                  settings: Optional[EngineSettings] = None):
         if not 0 <= keep < max_size - 1:
             raise ValueError(f"keep ({keep}) must be >= 0 and below max_size - 1 ({max_size - 1})")
+        if get_method(config.method).positional:
+            raise ValueError(f"{config.method} codes each key at its position (RoPE applied at attention time), "
+                             "which a sliding window's eviction would shift: a rotating cache (sliding-window "
+                             "layers, --max-kv-size) cannot hold it")
         self.config, self.max_size, self.keep = config, max_size, keep
         self.inner = CompressedKVCache(config.replace(sink_tokens=keep), codecs, settings)
         self.offset = 0  # tokens seen (RoPE positions); the inner cache's offset counts those held

@@ -26,6 +26,19 @@ from ..formats import Format
 Fields = Dict[str, mx.array]
 Params = Dict[str, mx.array]
 
+POSITIONS = "positions"  # the extra entry `at_positions` gives a positional codec's fields
+
+
+def at_positions(codec: "Codec", fields: Fields, first: int) -> Fields:
+    """`fields` of consecutive tokens at absolute positions first, first + 1, ... as `codec`
+    decodes them: a positional codec (`Codec.positional`) reads the positions from an extra
+    entry (the store does not hold them: a token's position is its place in the history);
+    any other codec gets `fields` unchanged."""
+    if not codec.positional:
+        return fields
+    count = next(iter(fields.values())).shape[2]
+    return {**fields, POSITIONS: mx.arange(first, first + count)}
+
 
 class Codec:
     """Compresses one stream (keys or values) of vectors of size `dim`."""
@@ -33,6 +46,11 @@ class Codec:
     dim: int
     domain_dim: int
     format: Format  # what it stores (`formats.py`); set by each codec's constructor
+    # A positional codec applies a position-dependent map itself (commvq: RoPE at attention
+    # time): the cache hands `encode` `position_free(keys, first)`, and every reader passes the
+    # fields through `at_positions`. Only for per-token formats whose tokens stay in position
+    # order (no sliding-window eviction).
+    positional: bool = False
 
     @property
     def token_block(self) -> int:
@@ -40,6 +58,11 @@ class Codec:
 
     def encode(self, x: mx.array) -> Fields:
         raise NotImplementedError
+
+    def position_free(self, x: mx.array, first: int) -> mx.array:
+        """A positional codec's input: tokens (B, H, T, D) at positions first.. with the
+        position's map taken off (what `encode` codes)."""
+        return x
 
     def decode(self, fields: Fields) -> mx.array:
         """Decoded vectors in the codec's domain, float32 (..., T, domain_dim)."""
@@ -89,6 +112,8 @@ class Method:
     # what an artifact dir is keyed on, `KVCacheConfig.codec_key`)
     encode_options: ClassVar[frozenset] = frozenset()
     calibrated: ClassVar[bool] = False
+    # its key codec is positional (`Codec.positional`): caches that evict tokens refuse it
+    positional: ClassVar[bool] = False
     # "recommended", "baseline" (a published method, for comparison), "reference" (fp16) or
     # "experimental" (works and is tested, but worse than the recommended method); `status_note`
     # says why. A method registered without one is "experimental".
@@ -128,6 +153,17 @@ class Method:
         for key in cls.generic_options:
             if config.options.get(key, 0) < 0:
                 raise ValueError(f"option {key} must be >= 0, got {config.options[key]}")
+
+    @classmethod
+    def check_model(cls, model) -> None:
+        """Raise `integration.UnsupportedModelError` naming a model this method cannot serve
+        (called before calibrating and when caches are built for a model)."""
+
+    @classmethod
+    def calibration_inputs(cls, model) -> Optional[list]:
+        """Per layer, extra arrays of the model itself that `calibrate` needs (commvq: the RoPE
+        frequencies), merged into that layer's captured activations; None for none."""
+        return None
 
     @classmethod
     def key_codec(cls, config, dim: int, params: Optional[Params] = None) -> Codec:

@@ -1,0 +1,344 @@
+"""CommVQ: keys coded before RoPE by RoPE-commuting codebooks (Li et al., arXiv 2506.18879).
+
+RoPE rotates each pair of a head vector (channels (j, j + D/2), or (2j, 2j + 1) for
+"traditional" RoPE) by the angle t*w_j at position t: on pair j it is the 2x2 matrix
+R(t w_j). A 2x2 matrix commutes with every rotation iff it is [[a, -b], [b, a]], i.e. a
+complex number a + ib (paper Sec. 3.2, eq. 6-7). The codebooks here are built from such
+blocks: each residual stage s codes a unit pre-RoPE key as
+
+    c_s(A, B) = a_{s,A} + J b_{s,B}        A, B in 0..15 (4 bits each, 8 bits per stage)
+
+where a and b hold one 2-vector per pair (the codeword block [[a_x, -a_y], [a_y, a_x]]
+applied to the shared basis vector e_1) and J = [[0, -1], [1, 0]] on every pair: the
+paper's product codebook of 2^8 codewords from 2 x 16 learned vectors (its matrix T).
+Because every block commutes with R, R(t w) c = sum_s a_s R(t w) e_1 + J b_s R(t w) e_1,
+so a key's RoPE is applied to its code at attention time, exactly:
+
+    score(q, t) = q . R_t (||k|| sum_s c_s)          (R_t: RoPE at the key's position t)
+
+encode:  k~ = R_t^T k (the key before RoPE: the cache holds post-RoPE keys, the codec takes
+         RoPE's exact inverse off with the token's position, `position_free`), u = k~/||k~||,
+         then greedy residual stages: (A_s, B_s) = argmin ||r_s - c_s(A, B)||, r_{s+1} = r_s - c_s;
+store:   `codes` (2 x 4 bits per stage, bits*D/8 stages: `bits` per key coordinate) + fp16 norm;
+decode:  R_t ||k|| sum_s c_s(A_s, B_s), with t from the positions the engine passes
+         (`base.at_positions`): RoPE applied at attention time, never stored;
+calibrate: per layer and kv head, each stage's a, b by EM on the pre-RoPE unit keys
+         (soft assignments at a falling temperature, then hard; reference code's
+         quantize_key_cache.py): the M step is the least-squares fit of a and b
+         (block coordinate descent, exact per block since J is orthogonal).
+
+Values use TurboQuant-MSE at `value_bits` (its seeded rotation, stored in the artifact).
+
+Supported: llama-family models (mlx-lm's `llama` module), whose RoPE is a per-pair rotation
+linear in the position, checked on the model's own RoPE module at calibration and cache
+build; anything else is refused by name (`check_model`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import mlx.core as mx
+
+from ..formats import Format, fp16, packed
+from ..packing import pack, unpack
+from .base import POSITIONS, Codec, Method, register_method
+from .outliers import calibration_needed
+from .turboquant_mse import MSECodec
+
+HALF_BITS = 4  # bits of A and of B in one stage
+HALF_CODES = 1 << HALF_BITS
+STAGE_BITS = 2 * HALF_BITS
+SUPPORTED_MODULES = ("mlx_lm.models.llama",)
+EM_SOFT_STEPS = 8
+EM_HARD_STEPS = 4
+EM_COORDINATE_STEPS = 2
+
+
+# ---- RoPE on pairs ------------------------------------------------------------------------------
+
+def _halves(x: mx.array, traditional: bool):
+    """(x-coordinates, y-coordinates) of every RoPE pair, (..., D/2) each."""
+    if traditional:
+        return x[..., 0::2], x[..., 1::2]
+    half = x.shape[-1] // 2
+    return x[..., :half], x[..., half:]
+
+
+def _join(re: mx.array, im: mx.array, traditional: bool) -> mx.array:
+    if traditional:
+        return mx.stack([re, im], axis=-1).reshape(*re.shape[:-1], 2 * re.shape[-1])
+    return mx.concatenate([re, im], axis=-1)
+
+
+def rotate(x: mx.array, angles: mx.array, traditional: bool) -> mx.array:
+    """Each pair j of x (..., T, D) rotated by angles (T, D/2): RoPE's R(angle)."""
+    cos, sin = mx.cos(angles), mx.sin(angles)
+    re, im = _halves(x, traditional)
+    return _join(re * cos - im * sin, re * sin + im * cos, traditional)
+
+
+def quarter_turn(x: mx.array, traditional: bool) -> mx.array:
+    """J x: every pair turned by 90 degrees ([[0, -1], [1, 0]], which commutes with RoPE)."""
+    re, im = _halves(x, traditional)
+    return _join(-im, re, traditional)
+
+
+def rope_angles(positions: mx.array, inv_freq: mx.array) -> mx.array:
+    return positions.astype(mx.float32)[:, None] * inv_freq[None, :]
+
+
+# ---- the codec ----------------------------------------------------------------------------------
+
+class CommVQKeyCodec(Codec):
+    positional = True
+
+    def __init__(self, dim: int, bits: int, params):
+        self.dim = self.domain_dim = dim
+        self.bits = bits
+        self.books = params["heads.codebook"].astype(mx.float32)  # (H, S, 2, 16, D): a then b per stage
+        self.inv_freq = params["rope.inv_freq"].astype(mx.float32)  # (D/2,)
+        self.traditional = bool(int(params["rope.traditional"].item()))
+        self.heads, self.stages = self.books.shape[0], self.books.shape[1]
+        if self.stages * STAGE_BITS != bits * dim or self.books.shape[-1] != dim:
+            raise ValueError(f"commvq codebook of {self.stages} stages for dim {self.books.shape[-1]} does not "
+                             f"give {bits} bits per coordinate of dim {dim}")
+        a, b = self.books[:, :, 0], self.books[:, :, 1]
+        # rows k * 16 + v of the decode table: code k of a token (A of stage k/2, or B) at value v
+        table = mx.stack([a, quarter_turn(b, self.traditional)], axis=2)  # (H, S, 2, 16, D)
+        self.table = table.reshape(self.heads, -1, dim)
+        # every codeword of every stage, for the encoder's nearest search: (H, S, 256, D)
+        self.codewords = (a[:, :, :, None, :] + quarter_turn(b, self.traditional)[:, :, None, :, :]).reshape(
+            self.heads, self.stages, HALF_CODES * HALF_CODES, dim)
+        self.codeword_norms = mx.sum(self.codewords * self.codewords, axis=-1)  # (H, S, 256)
+        self.format = Format(f"commvq_{bits}", dim, dim, (packed("codes", 2 * self.stages, HALF_BITS), fp16("norm")))
+        self._params = params
+
+    def position_free(self, x: mx.array, first: int) -> mx.array:
+        """Keys (B, H, T, D) at positions first.. with RoPE taken off: R_t^T k (exact: R_t is orthogonal)."""
+        positions = mx.arange(first, first + x.shape[2])
+        return rotate(x.astype(mx.float32), -rope_angles(positions, self.inv_freq), self.traditional)
+
+    def encode(self, x):
+        if x.shape[1] != self.heads:
+            raise ValueError(f"commvq was calibrated for {self.heads} kv heads, got {x.shape[1]}")
+        x = x.astype(mx.float32)
+        norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+        residual = x / mx.maximum(norm, 1e-30)
+        codes = []
+        for s in range(self.stages):
+            words = self.codewords[:, s]  # (H, 256, D)
+            distance = self.codeword_norms[None, :, None, s] - 2 * (residual @ words[None].swapaxes(-1, -2))
+            index = mx.argmin(distance, axis=-1)  # (B, H, T)
+            residual = residual - mx.take_along_axis(words[None], index[..., None].astype(mx.int32), axis=2)
+            codes += [index // HALF_CODES, index % HALF_CODES]
+        codes = mx.stack(codes, axis=-1).astype(mx.uint32)
+        return {"codes": pack(codes, HALF_BITS), "norm": norm.astype(mx.float16)}
+
+    def decode_position_free(self, fields) -> mx.array:
+        """||k|| sum_s c_s: the key before RoPE, (B, H, T, D) float32."""
+        codes = unpack(fields["codes"], HALF_BITS, 2 * self.stages)  # (B, H, T, 2S)
+        onehot = (codes[..., None] == mx.arange(HALF_CODES)).astype(mx.float32)
+        onehot = onehot.reshape(*codes.shape[:-1], 2 * self.stages * HALF_CODES)
+        return (onehot @ self.table[None]) * fields["norm"].astype(mx.float32)
+
+    def decode(self, fields):
+        if POSITIONS not in fields:
+            raise ValueError("commvq keys decode only at their positions (RoPE is applied at attention time): "
+                             "pass the fields through methods.base.at_positions")
+        keys = self.decode_position_free(fields)
+        return rotate(keys, rope_angles(fields[POSITIONS], self.inv_freq), self.traditional)
+
+    def params(self):
+        return dict(self._params)
+
+
+# ---- calibration: EM per stage ------------------------------------------------------------------
+
+def _stage_codewords(a: mx.array, b: mx.array, traditional: bool) -> mx.array:
+    """(H, 16, D) a and b -> (H, 256, D) codewords a_A + J b_B (row A * 16 + B)."""
+    return (a[:, :, None, :] + quarter_turn(b, traditional)[:, None, :, :]).reshape(a.shape[0], -1, a.shape[-1])
+
+
+def _distances(r: mx.array, words: mx.array) -> mx.array:
+    """Squared distances (H, N, 256) of residuals r (H, N, D) to words (H, 256, D)."""
+    return (mx.sum(r * r, axis=-1, keepdims=True) - 2 * (r @ words.swapaxes(-1, -2))
+            + mx.sum(words * words, axis=-1)[:, None, :])
+
+
+def _m_step(r: mx.array, p: mx.array, a: mx.array, b: mx.array, traditional: bool):
+    """Least-squares a, b given assignments p (H, N, 16, 16): sum_n sum_AB p ||r_n - a_A - J b_B||^2,
+    by block coordinate descent (each block's minimiser is a weighted mean)."""
+    weight_a, weight_b = mx.sum(p, axis=3), mx.sum(p, axis=2)  # (H, N, 16)
+    joint = mx.sum(p, axis=1)  # (H, 16, 16)
+    sum_a = weight_a.swapaxes(1, 2) @ r  # (H, 16, D)
+    sum_b = weight_b.swapaxes(1, 2) @ r
+    mass_a = mx.sum(weight_a, axis=1)[..., None]
+    mass_b = mx.sum(weight_b, axis=1)[..., None]
+    for _ in range(EM_COORDINATE_STEPS):
+        fitted = (sum_a - joint @ quarter_turn(b, traditional)) / mx.maximum(mass_a, 1e-9)
+        a = mx.where(mass_a > 1e-6, fitted, a)
+        turned = (sum_b - joint.swapaxes(1, 2) @ a) / mx.maximum(mass_b, 1e-9)  # J b
+        fitted = -quarter_turn(turned, traditional)  # J^T = -J
+        b = mx.where(mass_b > 1e-6, fitted, b)
+    return a, b
+
+
+def learn_stage(r: mx.array, traditional: bool, key) -> tuple:
+    """EM for one stage's (a, b) on residuals r (H, N, D): soft then hard assignments."""
+    heads, count, dim = r.shape
+    pick = mx.random.randint(0, count, (heads, HALF_CODES), key=key)
+    a = mx.take_along_axis(r, pick[..., None], axis=1)
+    b = mx.zeros_like(a)
+    distances = _distances(r, _stage_codewords(a, b, traditional))
+    # temperature relative to the typical gap to the nearest codeword, falling tenfold per soft step pair
+    scale = mx.mean(mx.min(distances, axis=-1), axis=1)[:, None, None] + 1e-12
+    best, best_error = (a, b), None
+    for step in range(EM_SOFT_STEPS + EM_HARD_STEPS):
+        if step < EM_SOFT_STEPS:
+            temperature = scale * 10 ** (-0.5 * step)
+            p = mx.softmax(-distances / temperature, axis=-1)
+        else:
+            p = (distances == mx.min(distances, axis=-1, keepdims=True)).astype(mx.float32)
+            p = p / mx.sum(p, axis=-1, keepdims=True)
+        a, b = _m_step(r, p.reshape(heads, count, HALF_CODES, HALF_CODES), a, b, traditional)
+        distances = _distances(r, _stage_codewords(a, b, traditional))
+        error = mx.mean(mx.min(distances, axis=-1))
+        mx.eval(a, b, error)
+        if best_error is None or error.item() < best_error:
+            best, best_error = (a, b), error.item()
+    a, b = best
+    words = _stage_codewords(a, b, traditional)
+    index = mx.argmin(_distances(r, words), axis=-1)
+    return a, b, r - mx.take_along_axis(words, index[..., None].astype(mx.int32), axis=1)
+
+
+def learn_codebook(keys: mx.array, positions: mx.array, inv_freq: mx.array, traditional: bool, bits: int,
+                   seed: int) -> dict:
+    """keys (H, N, D) after RoPE at `positions` (N,) -> {"heads.codebook": (H, S, 2, 16, D)} and the
+    residual error of the unit pre-RoPE keys after all stages."""
+    heads, _, dim = keys.shape
+    if (bits * dim) % STAGE_BITS:
+        raise ValueError(f"commvq needs bits * head_dim divisible by {STAGE_BITS}, got {bits} x {dim}")
+    pre = rotate(keys.astype(mx.float32), -rope_angles(positions, inv_freq), traditional)
+    residual = pre / mx.maximum(mx.sqrt(mx.sum(pre * pre, axis=-1, keepdims=True)), 1e-30)
+    stages = []
+    key = mx.random.key(seed)
+    for _ in range(bits * dim // STAGE_BITS):
+        key, sub = mx.random.split(key)
+        a, b, residual = learn_stage(residual, traditional, sub)
+        stages.append(mx.stack([a, b], axis=1))  # (H, 2, 16, D)
+        mx.eval(stages[-1], residual)
+    error = mx.mean(mx.sum(residual * residual, axis=-1))
+    return {"heads.codebook": mx.stack(stages, axis=1)}, float(error.item())
+
+
+# ---- the model's RoPE ---------------------------------------------------------------------------
+
+def _unsupported(message: str):
+    from ..integration import UnsupportedModelError
+
+    return UnsupportedModelError(message)
+
+
+def check_model(model) -> None:
+    """Refuse, by name, a model whose keys commvq cannot code before RoPE."""
+    module = type(model).__module__
+    model_type = getattr(getattr(model, "args", None), "model_type", module)
+    if module not in SUPPORTED_MODULES:
+        raise _unsupported(
+            f"commvq codes keys before RoPE and supports llama-family models ({', '.join(SUPPORTED_MODULES)}); "
+            f"this model is {model_type} ({module}), which it does not support")
+
+
+def rope_of(model, layer: int) -> dict:
+    """{"rope.inv_freq": (D/2,), "rope.traditional": (1,)} of a layer's RoPE, checked against the
+    module itself at a few positions (a per-pair rotation linear in the position, every channel)."""
+    rope = model.layers[layer].self_attn.rope
+    attention = model.layers[layer].self_attn
+    dim = attention.head_dim
+    dims = getattr(rope, "dims", dim)
+    if dims != dim:
+        raise _unsupported(f"commvq: layer {layer}'s RoPE rotates {dims} of {dim} channels (partial rotary)")
+    traditional = bool(getattr(rope, "traditional", False))
+    if hasattr(rope, "_freqs"):
+        inv_freq = getattr(rope, "scale", 1.0) / rope._freqs.astype(mx.float32)
+    elif hasattr(rope, "base") and rope.base is not None:
+        inv_freq = getattr(rope, "scale", 1.0) * mx.power(mx.array(float(rope.base)),
+                                                          -mx.arange(0, dim, 2, dtype=mx.float32) / dim)
+    else:
+        raise _unsupported(f"commvq: layer {layer}'s RoPE ({type(rope).__name__}) has no frequencies it can read")
+    probe = mx.random.normal((1, 1, 3, dim), key=mx.random.key(layer))
+    for offset in (1, 777, 4093):
+        theirs = rope(probe, offset=offset)
+        ours = rotate(probe, rope_angles(mx.arange(offset, offset + 3), inv_freq), traditional)
+        if mx.max(mx.abs(theirs - ours)).item() > 1e-3:
+            raise _unsupported(f"commvq: layer {layer}'s RoPE ({type(rope).__name__}) is not the per-pair "
+                               f"rotation it applies (offset {offset})")
+    return {"rope.inv_freq": inv_freq.astype(mx.float32), "rope.traditional": mx.array([int(traditional)], mx.int32)}
+
+
+@register_method("commvq")
+class CommVQ(Method):
+    key_bits = range(1, 5)
+    value_bits = range(1, 9)
+    calibrated = True
+    positional = True
+    generic_options = {}  # outlier channels would split RoPE pairs: not offered
+    status = "experimental"
+    status_note = ("llama family only, calibrated; on SmolLM2 the best measured at 2.25-3.25 bits (K2/V2: KL 0.38 "
+                   "vs 1.35 for turboquant_mse:2; K2/V4: 0.18 vs 0.29 for turboquant_mse:3), kivi:3:group=32 "
+                   "better at 4 bits; no decode kernel, speed not measured (docs/calibrated.md)")
+    summary = "keys before RoPE, RoPE-commuting residual codebooks learned by EM (calibrated) + fp16 norm"
+    values_summary = "turboquant_mse at value_bits"
+
+    @classmethod
+    def validate(cls, config) -> None:
+        super().validate(config)
+        if config.center:
+            raise ValueError("commvq codes keys before RoPE: centering (a mean of keys after RoPE) is not offered")
+
+    @classmethod
+    def check_model(cls, model) -> None:
+        check_model(model)
+
+    @classmethod
+    def key_codec(cls, config, dim, params=None):
+        if not params or "heads.codebook" not in params:
+            raise calibration_needed("commvq (keys)")
+        return CommVQKeyCodec(dim, config.bits, params)
+
+    @classmethod
+    def value_codec(cls, config, dim, params=None):
+        if not params:
+            raise calibration_needed("commvq (values)")
+        return MSECodec(dim, config.value_bits, config.seed + 1, params)
+
+    @classmethod
+    def calibration_inputs(cls, model) -> List[dict]:
+        """Per layer: its RoPE's frequencies (what the codec applies at attention time)."""
+        check_model(model)
+        return [rope_of(model, i) for i in range(len(model.layers))]
+
+    @classmethod
+    def calibrate(cls, config, layers, progress=None) -> Optional[List[dict]]:
+        from tqdm import tqdm
+
+        out = []
+        for index, layer in enumerate(tqdm(layers, desc="commvq EM", unit="layer", disable=not progress)):
+            if layer is None:
+                out.append(None)
+                continue
+            traditional = bool(int(layer["rope.traditional"].item()))
+            book, error = learn_codebook(layer["keys"], layer["positions"], layer["rope.inv_freq"], traditional,
+                                         config.bits, config.seed + 1000 * index)
+            keys = {**book, "rope.inv_freq": layer["rope.inv_freq"], "rope.traditional": layer["rope.traditional"],
+                    "error": mx.array([error], mx.float32)}
+            values = MSECodec(layer["values"].shape[-1], config.value_bits, config.seed + 1).params()
+            out.append({"keys": keys, "values": values})
+        return out
+
+    @classmethod
+    def calibration_summary(cls, learned) -> dict:
+        errors = [entry["keys"]["error"].item() for entry in learned if entry]
+        return {"key_unit_mse_mean": round(sum(errors) / max(len(errors), 1), 5)}
