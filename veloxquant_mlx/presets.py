@@ -20,9 +20,9 @@ from .config import KVCacheConfig
 _PROTECTED = dict(sink_tokens=4, center=True, options={"renorm": True})
 
 KV_PRESETS: Dict[str, dict] = {
-    "vq4": dict(method="turboquant_mse", bits=4, value_bits=3, residual_length=16, **_PROTECTED),
-    "vq3": dict(method="turboquant_mse", bits=3, value_bits=2, residual_length=16, **_PROTECTED),
-    "vq2": dict(method="turboquant_mse", bits=2, value_bits=1, residual_length=16, **_PROTECTED),
+    "vq4": dict(method="turboquant_mse", bits=4, value_bits=3, residual_length=32, **_PROTECTED),
+    "vq3": dict(method="turboquant_mse", bits=3, value_bits=2, residual_length=32, **_PROTECTED),
+    "vq2": dict(method="turboquant_mse", bits=2, value_bits=1, residual_length=24, **_PROTECTED),
 }
 
 # The most bits per coordinate each preset's caches hold at any context >= MIN_CONTEXT tokens.
