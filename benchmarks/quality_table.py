@@ -54,6 +54,7 @@ def main():
             if r["label"] in rows and r.get("accuracy") is not None:
                 rows[r["label"]]["needle"] = r["accuracy"]
                 rows[r["label"]]["needle_grid"] = r.get("grid")
+                rows[r["label"]]["needle_cells"] = r.get("scored_cases")
     if args.llama_cpp:
         data = load(args.llama_cpp)
         for r in data["records"]:
@@ -71,12 +72,13 @@ def main():
              "and mlx-lm's against mlx-lm's KVCache in the same run, llama.cpp's against its own f16 cache on the same "
              "tokens. Bits/coord: the caches' allocated bytes at the end of a window (llama.cpp: ggml's block layout); "
              "'max used >= 2K': the presets' used bytes, the most at any context from 2048 tokens "
-             "(`presets-bits`). Needle: share of 5 depths x the lengths in its folder answered.", "",
+             "(`presets-bits`). Needle: share of the (length, depth) cells answered, of 5 depths x 1K and 2K tokens "
+             "(cells the run finished).", "",
              "| cache | engine | bits/coord | max used >= 2K | PPL | ΔPPL | KL mean | top-1 | needle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in ordered:
         used = f"{r['bits_used_max_2k']:.2f}" if "bits_used_max_2k" in r else "—"
-        needle = f"{r['needle']:.2f}" if "needle" in r else "—"
+        needle = f"{r['needle']:.2f} ({r['needle_cells']} cells)" if "needle" in r else "—"
         lines.append(f"| `{r['cache']}` | {r['engine']} | {r['bits_allocated']:.2f} | {used} | {r['ppl']:.2f} | "
                      f"{100 * r['delta_ppl']:+.2f}% | {r['kl']:.4f} | {100 * r['top1']:.1f}% | {needle} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
