@@ -351,8 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--text", default=None, help="text file to score (default: the packaged sample, Python Language Reference text, PSF License)")
     demo.add_argument("--ctx", type=int, default=2048)
     add_cache_arguments(demo)
-    # The recommended protections (the demo also turns on `renorm` where the method has it).
-    demo.set_defaults(func=run_demo, sink_tokens=4, residual_length=64, center=True)
+    demo.set_defaults(func=run_demo)
 
     from . import calibration, gguf, planning
     from .evaluation import register_cli as register_evaluation

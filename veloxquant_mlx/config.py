@@ -88,6 +88,13 @@ class KVCacheConfig:
 
         get_method(self.method).validate(self)
 
+    @classmethod
+    def preset(cls, name: str, **changes) -> "KVCacheConfig":
+        """A named configuration (`vq4`, `vq3`, `vq2`: see `veloxquant_mlx/presets.py`) with `changes` on top."""
+        from .presets import preset_config
+
+        return preset_config(name, **changes)
+
     def replace(self, **changes) -> "KVCacheConfig":
         """A copy with `changes`. A new `bits` (or `bit_width_inlier`) also sets `value_bits`
         unless the two widths differed or `value_bits` is given too: K4/V4 with bits=2 is

@@ -24,6 +24,9 @@ def demo_text_path(text=None) -> Path:
     return path
 
 
+DEMO_PROTECTIONS = {"sink_tokens": 4, "residual_length": 64, "center": True}
+
+
 def run_demo(args) -> None:
     from mlx_lm import stream_generate
 
@@ -37,8 +40,14 @@ def run_demo(args) -> None:
     from .models import load_model
 
     text_path = demo_text_path(args.text)
+    if not getattr(args, "kv", None):
+        # Without a preset, the recommended protections fill the flags left unset (and `renorm` below).
+        for flag, value in DEMO_PROTECTIONS.items():
+            if getattr(args, flag, None) is None:
+                setattr(args, flag, value)
     config = config_from_args(args)
-    if "renorm" in get_method(config.method).options and "renorm" not in config.options:
+    if not getattr(args, "kv", None) and "renorm" in get_method(config.method).options \
+            and "renorm" not in config.options:
         config = config.replace(options={**config.options, "renorm": True})
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)

@@ -1,10 +1,12 @@
-"""`--kv PRESET`: named cache configurations, so a user need not know the options.
+"""Named cache configurations (`--kv vq3`, `KVCacheConfig.preset("vq3")`, the spec `vq3` in `veloxquant eval`),
+so that a user need not know the options.
 
-Every preset is a zero-calibration configuration whose quality this project has
-measured (README "Results", `benchmarks/results/ppl-all-methods-smollm2-cpu`):
-`turboquant_mse` at 4/3/2 bits with the recommended protections (4 fp16 sink
-tokens, a 64-token fp16 window, centering, `renorm`). Change the table here; the
-CLI help and the README list whatever it holds.
+`vq4`, `vq3` and `vq2` are the configurations that measured best at 4, 3 and 2 effective bits per coordinate
+on SmolLM2 (`benchmarks/results/presets-sweep`, tuned on WikiText-2 from token 200000 on; reported on the
+text's first windows, `benchmarks/results/presets-eval`). Each one's `PRESET_BITS` is an upper bound on the
+caches' bytes per coordinate at every context of 2048 tokens or more (the fp16 sinks and window cost most at
+2048 and less after), which `tests/test_presets.py` measures from the caches' bytes. None needs calibration.
+Change the table here; the CLI help and `describe_presets` list whatever it holds.
 """
 
 from __future__ import annotations
@@ -13,19 +15,25 @@ from typing import Dict
 
 from .config import KVCacheConfig
 
-_PROTECTED = dict(sink_tokens=4, residual_length=64, center=True, options={"renorm": True})
+# Every preset: 4 fp16 sink tokens, a short fp16 window of the newest tokens, centred keys and values,
+# and TurboQuant-MSE's `renorm` (norms rescaled so the decoded vector keeps the true norm).
+_PROTECTED = dict(sink_tokens=4, center=True, options={"renorm": True})
 
 KV_PRESETS: Dict[str, dict] = {
-    "vq4": dict(method="turboquant_mse", bits=4, **_PROTECTED),
-    "vq3": dict(method="turboquant_mse", bits=3, **_PROTECTED),
-    "vq2": dict(method="turboquant_mse", bits=2, **_PROTECTED),
+    "vq4": dict(method="turboquant_mse", bits=4, value_bits=3, residual_length=32, **_PROTECTED),
+    "vq3": dict(method="turboquant_mse", bits=3, value_bits=2, residual_length=32, **_PROTECTED),
+    "vq2": dict(method="turboquant_mse", bits=2, value_bits=1, residual_length=24, **_PROTECTED),
 }
+
+# The most bits per coordinate each preset's caches hold at any context >= MIN_CONTEXT tokens.
+PRESET_BITS: Dict[str, float] = {"vq4": 4.0, "vq3": 3.0, "vq2": 2.0}
+MIN_CONTEXT = 2048
 
 
 def preset_config(name: str, **changes) -> KVCacheConfig:
     """The preset's config with `changes` on top (an unknown name is a ValueError naming the known ones)."""
     if name not in KV_PRESETS:
-        raise ValueError(f"unknown --kv preset {name!r}; known: {', '.join(KV_PRESETS)}")
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(KV_PRESETS)}")
     fields = dict(KV_PRESETS[name])
     if "options" in changes:
         changes["options"] = {**fields.get("options", {}), **changes["options"]}
@@ -34,4 +42,34 @@ def preset_config(name: str, **changes) -> KVCacheConfig:
 
 
 def describe_presets() -> str:
-    return "; ".join(f"{name} = {preset_config(name).describe()}" for name in KV_PRESETS)
+    return "; ".join(f"{name} = {preset_config(name).describe()} (<= {PRESET_BITS[name]:g} bits/coord from "
+                     f"{MIN_CONTEXT} tokens)" for name in KV_PRESETS)
+
+
+def measured_bits(config: KVCacheConfig, model, contexts, chunk: int = 512, seed: int = 0) -> Dict[int, float]:
+    """Bits per coordinate of `config`'s caches for `model` at each of `contexts` (token counts), from the bytes
+    the held tokens take (`used_nbytes`: the store's spare capacity, which grows in steps, left out).
+
+    The caches are filled with random keys and values of the model's shapes, `chunk` tokens at a time as a
+    prefill would: byte counts depend on the token count, never on the values."""
+    import mlx.core as mx
+
+    from .evaluation.kvlayout import kv_layout
+    from .integration import KVCacheBuilder
+
+    layout = kv_layout(model)
+    caches = KVCacheBuilder(config).for_model(model).build()
+    key = mx.random.key(seed)
+    held, bits = 0, {}
+    for target in sorted(contexts):
+        while held < target:
+            step = min(chunk, target - held)
+            for cache, (heads, key_dim, value_dim) in zip(caches, layout.layers):
+                key, k1, k2 = mx.random.split(key, 3)
+                keys = mx.random.normal((1, heads, step, key_dim), key=k1).astype(mx.float16)
+                values = mx.random.normal((1, heads, step, value_dim), key=k2).astype(mx.float16)
+                mx.eval(cache.update_and_fetch(keys, values))
+            held += step
+        used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
+        bits[target] = layout.bits_per_coordinate(used, target)
+    return bits

@@ -67,12 +67,16 @@ def run_ppl(args) -> None:
         raise ValueError(f"--windows must be >= 1, got {args.windows}")
     text = load_text(args.text, args.dataset)
     model, tokenizer = _load(args)
-    windows = make_windows(tokenize_prefix(tokenizer, text, args.ctx * args.windows), args.ctx, args.windows)
+    skip = getattr(args, "skip_tokens", 0)
+    if skip < 0:
+        raise ValueError(f"--skip-tokens must be >= 0, got {skip}")
+    ids = tokenize_prefix(tokenizer, text, skip + args.ctx * args.windows)[skip:]
+    windows = make_windows(ids, args.ctx, args.windows)
     layout = kv_layout(model)
     results = new_results("eval ppl", args, model_record(model, str(args.model), layout))
     results["settings"] = {
         "text_source": Path(args.text).name if args.text else args.dataset,
-        "ctx": args.ctx, "windows": args.windows, "chunk": args.chunk,
+        "ctx": args.ctx, "windows": args.windows, "chunk": args.chunk, "skip_tokens": skip,
         "scored_tokens": args.windows * (args.ctx - 1 - args.ctx // 2),
         "min_free_gb": args.min_free_gb,
     }
@@ -224,6 +228,9 @@ def register_eval_cli(subparsers) -> None:
     ppl.add_argument("--ctx", type=int, default=2048, help="tokens per window")
     ppl.add_argument("--windows", type=int, default=3, help="consecutive windows to evaluate")
     ppl.add_argument("--chunk", type=int, default=512, help="tokens fed per forward pass")
+    ppl.add_argument("--skip-tokens", type=int, default=0,
+                     help="start this many tokens into the text, e.g. to tune on a part the reported windows "
+                          "never read (default: 0)")
     ppl.set_defaults(func=run_ppl)
 
     needle = sub.add_parser("needle", help="retrieve a passcode hidden at several depths of a long text")

@@ -6,6 +6,7 @@
     kivi:2:group=32,residual=32   ... with config fields or method options
     turboquant_mse:3:backend=portable   ... on another engine back end (`settings.EngineSettings`)
     turboquant_mse:3:check_inputs=off   ... without the prefill chunks' input check (one sync per layer)
+    vq3, vq3:window=32            a preset (`veloxquant_mlx/presets.py`), with config fields on top
 """
 
 from __future__ import annotations
@@ -163,17 +164,9 @@ def _baseline(spec: str, name: str, bits: Optional[str], settings: Dict[str, str
     return MethodSpec(spec, label, BASELINE, name, q_bits, q_bits, group_size=group)
 
 
-def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, str]) -> MethodSpec:
-    methods = available_methods()
-    if name not in methods:
-        known = ", ".join(["fp16", "mlx-q8", "mlx-q4", "mlx-q3", "mlx-q2"] + sorted(methods))
-        raise MethodSpecError(f"{spec!r}: unknown method {name!r}; known: {known}")
-    method = methods[name]
-    fields: Dict[str, Any] = {"method": name}
-    if bits is not None:
-        fields["bits"] = _int(spec, "bits", bits)
-    elif 4 not in method.key_bits:
-        fields["bits"] = method.key_bits.stop - 1
+def _settings_fields(spec: str, method, settings: Dict[str, str]):
+    """`key=value` settings as (config fields, method options, engine settings)."""
+    fields: Dict[str, Any] = {}
     options, engine = {}, {}
     for key, value in settings.items():
         if key == "backend":
@@ -199,6 +192,22 @@ def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, s
                 options[key] = parse_option_value(value, method.options.get(key))
             except ValueError as error:
                 raise MethodSpecError(f"{spec!r}: option {key!r}: {error}") from None
+    return fields, options, engine
+
+
+def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, str]) -> MethodSpec:
+    methods = available_methods()
+    if name not in methods:
+        known = ", ".join(["fp16", "mlx-q8", "mlx-q4", "mlx-q3", "mlx-q2"] + sorted(methods))
+        raise MethodSpecError(f"{spec!r}: unknown method {name!r}; known: {known}")
+    method = methods[name]
+    fields: Dict[str, Any] = {"method": name}
+    if bits is not None:
+        fields["bits"] = _int(spec, "bits", bits)
+    elif 4 not in method.key_bits:
+        fields["bits"] = method.key_bits.stop - 1
+    more, options, engine = _settings_fields(spec, method, settings)
+    fields.update(more)
     try:
         config = KVCacheConfig(**fields, options=options)
     except (TypeError, ValueError) as error:
@@ -212,6 +221,24 @@ def _veloxquant(spec: str, name: str, bits: Optional[str], settings: Dict[str, s
     )
 
 
+def _preset(spec: str, name: str, bits: Optional[str], settings: Dict[str, str]) -> MethodSpec:
+    from ..presets import KV_PRESETS
+
+    if bits is not None:
+        raise MethodSpecError(f"{spec!r}: a preset's widths are part of it; change them with {name}:vbits=N")
+    method = available_methods()[KV_PRESETS[name]["method"]]
+    fields, options, engine = _settings_fields(spec, method, settings)
+    if options:
+        fields["options"] = options
+    try:
+        config = KVCacheConfig.preset(name, **fields)
+    except (TypeError, ValueError) as error:
+        raise MethodSpecError(f"{spec!r}: {error}") from None
+    label = name + (":" + ",".join(f"{k}={v}" for k, v in settings.items()) if settings else "")
+    return MethodSpec(spec, label, VELOXQUANT, config.method, config.bits, config.value_bits,
+                      group_size=config.group_size, config=config, settings=dict(settings), engine=engine)
+
+
 def parse_method_spec(spec: str) -> MethodSpec:
     """Parse `name[:bits[:key=value,...]]` (see the module docstring)."""
     if not isinstance(spec, str) or not spec.strip():
@@ -222,6 +249,10 @@ def parse_method_spec(spec: str) -> MethodSpec:
         raise MethodSpecError(f"{spec!r}: missing method name")
     if name == "fp16" or re.fullmatch(r"mlx-q\d+", name):
         return _baseline(spec, name, bits, settings)
+    from ..presets import KV_PRESETS
+
+    if name in KV_PRESETS:
+        return _preset(spec, name, bits, settings)
     return _veloxquant(spec, name, bits, settings)
 
 
