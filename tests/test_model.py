@@ -78,7 +78,14 @@ QJL_INCOHERENT = pytest.mark.xfail(
 )
 
 
-@pytest.mark.parametrize("method", [pytest.param(m, marks=QJL_INCOHERENT) if m == "qjl" else m for m in ALL_METHODS])
+# Measured: rabitq K4/V4 answers this prompt (greedy) with "L'Étoile, la Marseur, la Cité, la Nation, la
+# France, ..." although its 4-bit KL (0.058) is below turboquant_mse's; K2/V4 answers "Paris"
+# (tests/test_rabitq.py::test_generates_coherent_text_on_smollm2).
+RABITQ_DRIFTS = pytest.mark.xfail(strict=True, reason="rabitq K4/V4's greedy answer drifts into French place names")
+MARKS = {"qjl": QJL_INCOHERENT, "rabitq": RABITQ_DRIFTS}
+
+
+@pytest.mark.parametrize("method", [pytest.param(m, marks=MARKS[m]) if m in MARKS else m for m in ALL_METHODS])
 def test_generated_text_stays_coherent(smollm2, method):
     model, tokenizer = smollm2
     prompt = tokenizer.apply_chat_template(
