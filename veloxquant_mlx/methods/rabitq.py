@@ -4,18 +4,18 @@ encode:  o' = P k / ||k||, P the seeded randomized Hadamard rotation (`rotations
          c = 0 (the cache's `center` option subtracts a mean where one is wanted). The code is a
          point y of the grid {-(2^B-1)/2, ..., (2^B-1)/2}^D stored as x_u = y + (2^B-1)/2:
          * B = 1: x_u = [o' >= 0], so o_bar = P^T y/||y|| = P^T sign(o')/sqrt(D) (2405.12497 Sec. 3.1);
-         * B > 1 (2409.09913 Sec. 3.2): the grid point nearest in angle to o'. It is the rounding
+         * B > 1 (2409.09913 Sec. 3): the grid point nearest in angle to o'. It is the rounding
            of t|o'| for the best rescaling t, |y_i| = min(floor(t|o'_i|), 2^(B-1) - 1) + 1/2 with
            sign(y_i) = sign(o'_i). The paper enumerates every critical t; here the best of
            `SCALE_CANDIDATES` values of t is kept, which only picks a slightly worse code when
            the grid misses the optimum (the estimator stays unbiased for any code rule);
 store:   `codes` (D*B bits, packed) and RaBitQ's two corrective scalars per vector (fp16):
          `norm` = ||k|| and `alignment` = <o_bar, o> = <y, o'>/||y||;
-attend:  the unbiased estimator (2405.12497 Sec. 3.2.1, Thm 3.2; 2409.09913 Sec. 3.3)
+attend:  the unbiased estimator (2405.12497 Sec. 3.2, Thm 3.2; the same estimator in 2409.09913)
              <k, q> ~ ||k|| <o_bar, q> / <o_bar, o>,
          in the rotated domain q' = P q (the query is not quantized):
              score = ||k|| / (||y|| <o_bar, o>) * (<x_u, q'> - (2^B-1)/2 sum_i q'_i)
-         (2405.12497 Eq. 19's split of <x_bar, q'> into the code bits and the sum of q').
+         (2405.12497 Sec. 3.3: <x_bar, q'> split into the code bits and the sum of q').
          `score` works on the stored words: codes come out of them by shift-and-mask
          (`packing.unpack`), are multiplied unscaled with the queries, and the per-token
          correction is applied to the scores. The codes are not multiplied by popcount: that
