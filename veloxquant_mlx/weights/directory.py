@@ -31,8 +31,10 @@ def read_config(path) -> dict:
 
 
 def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterable[str] = (),
-                    group_size: Optional[int] = None, column_alpha: float = 0.5, progress: bool = True) -> dict:
-    """Load `model_name`, quantize its linear layers and write `out/weights.json` + the reservoir."""
+                    group_size: Optional[int] = None, column_alpha: float = 0.5, embeddings: bool = False,
+                    progress: bool = True) -> dict:
+    """Load `model_name`, quantize its linear layers (and with `embeddings` its embedding
+    tables) and write `out/weights.json` + the reservoir."""
     import time
 
     import mlx.core as mx
@@ -52,11 +54,11 @@ def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterab
     mx.eval(model.parameters())
     start = time.perf_counter()
     quantize_model(model, bits, seed=seed, skip=skip, group_size=group_size, column_alpha=column_alpha,
-                   progress=progress)
+                   embeddings=embeddings, progress=progress)
     seconds = time.perf_counter() - start
     config = {"format": FORMAT, "base_model": source, "reservoir": RESERVOIR_NAME, "bits": bits, "seed": seed,
               "skip": list(skip), "group_size": group_size, "column_alpha": column_alpha,
-              "quantize_seconds": round(seconds, 3)}
+              "embeddings": embeddings, "quantize_seconds": round(seconds, 3)}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_reservoir(model, out / RESERVOIR_NAME, meta=config)

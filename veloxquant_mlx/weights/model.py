@@ -12,11 +12,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
 
 
 def _linear_shape(module) -> Optional[Tuple[int, int]]:
-    """(out, in) of a float or MLX-quantized linear layer, of a QuantizedLinear, else None."""
+    """(out, in) of a float or MLX-quantized linear layer, of a QuantizedLinear, else None
+    (embeddings, quantized or not, are not linear layers here)."""
+    if isinstance(module, QuantizedEmbedding):
+        return None
     if isinstance(module, QuantizedLinear):
         return module.out_features, module.in_features
     if isinstance(module, nn.QuantizedLinear):
@@ -27,7 +31,7 @@ def _linear_shape(module) -> Optional[Tuple[int, int]]:
 
 
 def _float_weight(module) -> mx.array:
-    if isinstance(module, nn.QuantizedLinear):
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
                              module.bits, mode=getattr(module, "mode", "affine"))
     return module.weight
@@ -45,6 +49,12 @@ def linear_paths(model: nn.Module, skip: Iterable[str] = ()) -> List[str]:
             and not _skipped(path, skip)]
 
 
+def embedding_paths(model: nn.Module, skip: Iterable[str] = ()) -> List[str]:
+    """Paths of the embedding tables quantize_model(embeddings=True) would replace."""
+    return [path for path, module in model.named_modules()
+            if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)) and not _skipped(path, skip)]
+
+
 def quantized_layers(model: nn.Module) -> List[Tuple[str, QuantizedLinear]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, QuantizedLinear)]
 
@@ -56,24 +66,33 @@ def layer_seed(seed: int, path: str) -> int:
 
 def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
                    group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
-                   progress: bool = True) -> nn.Module:
+                   embeddings: bool = False, progress: bool = True) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
 
     Layers are quantised one at a time and each float weight is dropped from the model
     as soon as its codes exist, so peak memory stays near the model's size plus one
-    layer's working set. Embeddings are left as they are. Returns `model`.
+    layer's working set. With `embeddings=True` the embedding tables become
+    `QuantizedEmbedding`s with the same codec (a tied output layer goes with them:
+    it calls the table's `as_linear`); otherwise they are left as they are. Returns `model`.
     """
     from tqdm.auto import tqdm
 
     skip = tuple(skip)
     paths = linear_paths(model, skip)
+    tables = set(embedding_paths(model, skip)) if embeddings else set()
+    paths += sorted(tables)
     modules = dict(model.named_modules())
     for path in tqdm(paths, desc=f"quantizing to {bits} bits", unit="layer", disable=not progress):
         module = modules.pop(path)
-        layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
-                                            group_size=group_size, stages=stages, bias=module.get("bias"),
-                                            column_alpha=column_alpha)
+        if path in tables:
+            layer = QuantizedEmbedding.from_embedding(_float_weight(module), bits, seed=layer_seed(seed, path),
+                                                      group_size=group_size, stages=stages,
+                                                      column_alpha=column_alpha)
+        else:
+            layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
+                                                group_size=group_size, stages=stages, bias=module.get("bias"),
+                                                column_alpha=column_alpha)
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
     return model
