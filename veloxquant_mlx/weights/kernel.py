@@ -16,6 +16,7 @@ gives y[m, n] (times the row scale when there are no groups).
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 from typing import Optional
 
@@ -120,3 +121,31 @@ def dialect_for(rotated: mx.array) -> Optional[str]:
     if rotated.dtype not in (mx.float32, mx.float16, mx.bfloat16):
         return None
     return dialect
+
+
+_PORTABLE = ("portable", "off", "generic", "0", "none", "emulator")
+
+
+def native_cpu_for(rotated: mx.array, layer) -> bool:
+    """Whether the C++ CPU LUT matmul (csrc/lut_matmul.cpp) takes this call: the CPU, at most
+    MAX_ROWS batch rows, the module built, and VELOXQUANT_KERNELS not forcing the portable path."""
+    if mx.default_device() != mx.cpu or rotated.size // rotated.shape[-1] > MAX_ROWS:
+        return False
+    if os.environ.get("VELOXQUANT_KERNELS", "").strip().lower() in _PORTABLE:
+        return False
+    if layer.scales.shape[1] > 1 and layer.group_size % 32:
+        return False
+    from ..kernels import native
+
+    module = native.module()
+    return module is not None and hasattr(module, "lut_matmul")
+
+
+def native_lut_matmul(rotated: mx.array, layer) -> mx.array:
+    """x W^T from the packed codes on the CPU, no decoded weight matrix (up to MAX_ROWS rows)."""
+    from ..kernels import native
+
+    lead = rotated.shape[:-1]
+    x = rotated.reshape(-1, layer.in_features).astype(mx.float32)
+    y = native.module().lut_matmul(x, layer.codes, layer.scales.astype(mx.float16), layer.codebook, layer.bits)
+    return y.astype(rotated.dtype).reshape(*lead, layer.out_features)

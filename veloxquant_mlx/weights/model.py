@@ -66,7 +66,8 @@ def layer_seed(seed: int, path: str) -> int:
 
 def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
                    group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
-                   embeddings: bool = False, progress: bool = True) -> nn.Module:
+                   embeddings: bool = False, calibration: Optional[mx.array] = None,
+                   progress: bool = True) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
 
@@ -74,7 +75,11 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     as soon as its codes exist, so peak memory stays near the model's size plus one
     layer's working set. With `embeddings=True` the embedding tables become
     `QuantizedEmbedding`s with the same codec (a tied output layer goes with them:
-    it calls the table's `as_linear`); otherwise they are left as they are. Returns `model`.
+    it calls the table's `as_linear`); otherwise they are left as they are.
+
+    `calibration` (batch, tokens) token ids selects data-aware GPTQ codes (`gptq.py`): the
+    model runs once on them and each linear layer is quantized when its inputs arrive,
+    on those inputs (embedding tables are coded without data). Returns `model`.
     """
     from tqdm.auto import tqdm
 
@@ -82,6 +87,9 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     paths = linear_paths(model, skip)
     tables = set(embedding_paths(model, skip)) if embeddings else set()
     paths += sorted(tables)
+    if calibration is not None:
+        return _quantize_calibrated(model, bits, seed, paths, sorted(tables), calibration, group_size=group_size,
+                                    stages=stages, column_alpha=column_alpha, progress=progress)
     modules = dict(model.named_modules())
     for path in tqdm(paths, desc=f"quantizing to {bits} bits", unit="layer", disable=not progress):
         module = modules.pop(path)
@@ -95,6 +103,41 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
                                                 column_alpha=column_alpha)
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
+    return model
+
+
+def _quantize_calibrated(model, bits, seed, paths, tables, calibration, *, group_size, stages, column_alpha,
+                         progress) -> nn.Module:
+    from tqdm.auto import tqdm
+
+    from .gptq import CalibratingLinear
+
+    if calibration.ndim != 2 or calibration.size == 0:
+        raise ValueError(f"calibration must be (batch, tokens) token ids, got shape {calibration.shape}")
+    if tables:
+        quantize_model(model, bits, seed, skip=[p for p in linear_paths(model)], group_size=group_size,
+                       stages=stages, column_alpha=column_alpha, embeddings=True, progress=False)
+    linear = [p for p in paths if p not in tables]
+    modules = dict(model.named_modules())
+    bar = tqdm(total=len(linear), desc=f"quantizing to {bits} bits (GPTQ)", unit="layer", disable=not progress)
+
+    def maker(path, module):
+        def make(inputs):
+            layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
+                                                group_size=group_size, stages=stages, bias=module.get("bias"),
+                                                column_alpha=column_alpha, calibration_inputs=inputs)
+            bar.update(1)
+            return layer
+        return make
+
+    stand_ins = [(path, CalibratingLinear(maker(path, modules.pop(path)))) for path in linear]
+    model.update_modules(tree_unflatten(stand_ins))
+    mx.eval(model(calibration))
+    bar.close()
+    idle = [path for path, s in stand_ins if s.quantized is None]
+    if idle:
+        raise ValueError(f"layers {idle[:3]} received no calibration input (not used by the forward pass?)")
+    model.update_modules(tree_unflatten([(path, s.quantized) for path, s in stand_ins]))
     return model
 
 
