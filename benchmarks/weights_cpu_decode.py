@@ -96,7 +96,13 @@ def main() -> None:
     _, tokenizer = load_model(args.model)
     prompt = mx.array(tokenize_prefix(tokenizer, load_text(str(sample_text_path())), args.prompt))
     names = args.variants.split(",")
-    models = {name: build(name, args.model) for name in names}
+    # a -tiled variant runs the model of its base variant with the C++ kernel turned off
+    built = {}
+    for name in names:
+        base = name.removesuffix("-tiled")
+        if base not in built:
+            built[base] = build(base, args.model)
+    models = {name: built[name.removesuffix("-tiled")] for name in names}
     rates = {name: [] for name in names}
     for name in names:  # warm-up round, untimed
         run_once(name, models[name], prompt, 2)

@@ -138,7 +138,21 @@ def native_cpu_for(rotated: mx.array, layer) -> bool:
     from ..kernels import native
 
     module = native.module()
-    return module is not None and hasattr(module, "lut_matmul")
+    if module is None:
+        return False
+    if not hasattr(module, "lut_matmul"):
+        _warn_stale_native()
+        return False
+    return True
+
+
+@lru_cache(maxsize=1)
+def _warn_stale_native() -> None:
+    import warnings
+
+    warnings.warn("veloxquant_mlx._native was built before csrc/lut_matmul.cpp existed: weight layers decode "
+                  "their codes in tiles on the CPU (slow). Rebuild it with scripts/build_native.sh.",
+                  RuntimeWarning, stacklevel=3)
 
 
 def native_lut_matmul(rotated: mx.array, layer) -> mx.array:
