@@ -359,6 +359,13 @@ def test_quantize_model_with_calibration_quantizes_every_layer():
     assert (mx.argmax(model(tokens), -1) == mx.argmax(before, -1)).mean().item() > 0.5
     with pytest.raises(ValueError, match="batch, tokens"):
         quantize_model(_tiny(hidden=128), 4, calibration=mx.array([1, 2, 3]), progress=False)
+    # with the embedding table (coded without data) and a skipped layer
+    from veloxquant_mlx.weights import QuantizedEmbedding
+
+    model = quantize_model(_tiny(hidden=128), 4, calibration=calibration, embeddings=True, skip=["o_proj"],
+                           progress=False)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert len(quantized_layers(model)) == 1 + 12 and isinstance(model.model.layers[1].self_attn.o_proj, nn.Linear)
 
 
 @pytest.mark.parametrize("bits,dim,group,rows", [(4, 576, None, 1), (3, NON_HADAMARD_DIM, None, 3),

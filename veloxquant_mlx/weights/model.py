@@ -114,11 +114,13 @@ def _quantize_calibrated(model, bits, seed, paths, tables, calibration, *, group
 
     if calibration.ndim != 2 or calibration.size == 0:
         raise ValueError(f"calibration must be (batch, tokens) token ids, got shape {calibration.shape}")
-    if tables:
-        quantize_model(model, bits, seed, skip=[p for p in linear_paths(model)], group_size=group_size,
-                       stages=stages, column_alpha=column_alpha, embeddings=True, progress=False)
-    linear = [p for p in paths if p not in tables]
     modules = dict(model.named_modules())
+    for path in tables:  # data-free, before the pass, so that the layers see the quantized table
+        table = QuantizedEmbedding.from_embedding(_float_weight(modules.pop(path)), bits,
+                                                  seed=layer_seed(seed, path), group_size=group_size,
+                                                  stages=stages, column_alpha=column_alpha)
+        model.update_modules(tree_unflatten([(path, table)]))
+    linear = [p for p in paths if p not in tables]
     bar = tqdm(total=len(linear), desc=f"quantizing to {bits} bits (GPTQ)", unit="layer", disable=not progress)
 
     def maker(path, module):
