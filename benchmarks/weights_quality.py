@@ -176,7 +176,14 @@ def main() -> None:
     parser.add_argument("--specs", default=DEFAULT_SPECS)
     parser.add_argument("--out", default="benchmarks/results/weights-quality-smollm2")
     parser.add_argument("--resume", action="store_true", help="keep the rows of OUT/results.json, run the rest")
+    parser.add_argument("--render", action="store_true", help="only rewrite OUT/results.md from OUT/results.json")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        for key in ("model", "text", "ctx", "windows", "seed"):
+            setattr(args, key, saved["meta"][key])
+        write(Path(args.out), args, saved["rows"])
+        return
 
     _, tokenizer = load_model(args.model)
     ids = tokenize_prefix(tokenizer, load_text(args.text), args.ctx * args.windows)
@@ -224,8 +231,10 @@ def write(out: Path, args, rows) -> None:
             "tokens_scored": args.windows * (args.ctx - 1), "device": str(mx.default_device())}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"WikiText-2 perplexity, {args.model}, {args.windows} windows of {args.ctx} tokens "
-             f"({meta['tokens_scored']} scored), linear layers only; reference = the dequantized Q4_1 weights.", "",
-             "| method | bits/weight (linear layers) | weights MB | ppl | vs ref | top-1 agreement with ref | quantize s |",
+             f"({meta['tokens_scored']} scored); linear layers quantized, and the embedding table (tied to the output "
+             "layer) too in `emb=1` rows; reference = the dequantized Q4_1 weights. bits/weight: over the quantized "
+             "matrices, scales counted; weights MB: every matrix of the model as stored (float at 16 bits).", "",
+             "| method | bits/weight | weights MB | ppl | vs ref | top-1 agreement with ref | quantize s |",
              "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["bits_per_weight"]):
         vs = "" if r["ppl_vs_ref"] is None else f"{100 * r['ppl_vs_ref']:+.1f}%"
