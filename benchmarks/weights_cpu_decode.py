@@ -64,7 +64,8 @@ def weights_mb(model) -> float:
     return weights_megabytes(model)
 
 
-def run_once(name: str, model, prompt: mx.array, tokens: int) -> float:
+def run_once(name: str, model, prompt: mx.array, tokens: int) -> tuple[float, float]:
+    """(tokens per second of wall clock, CPU seconds of this process, all threads, per token)."""
     env = os.environ.get("VELOXQUANT_KERNELS")
     if name.endswith("-tiled"):
         os.environ["VELOXQUANT_KERNELS"] = "portable"
@@ -73,9 +74,9 @@ def run_once(name: str, model, prompt: mx.array, tokens: int) -> float:
         logits = model(prompt[None], cache=cache)
         first = mx.argmax(logits[:, -1, :], axis=-1)
         mx.eval(first)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         decode(model, cache, first, tokens, lambda: None)
-        return tokens / (time.perf_counter() - start)
+        return tokens / (time.perf_counter() - start), (time.process_time() - cpu) / tokens
     finally:
         if env is None:
             os.environ.pop("VELOXQUANT_KERNELS", None)
@@ -104,18 +105,25 @@ def main() -> None:
             built[base] = build(base, args.model)
     models = {name: built[name.removesuffix("-tiled")] for name in names}
     rates = {name: [] for name in names}
+    cpu_per_token = {name: [] for name in names}
     for name in names:  # warm-up round, untimed
         run_once(name, models[name], prompt, 2)
     for _ in range(args.repeats):
         for name in names:
-            rates[name].append(run_once(name, models[name], prompt, args.tokens))
-            print(name, f"{rates[name][-1]:.2f} tok/s", flush=True)
+            rate, cpu = run_once(name, models[name], prompt, args.tokens)
+            rates[name].append(rate)
+            cpu_per_token[name].append(cpu)
+            print(name, f"{rate:.2f} tok/s, {1e3 * cpu:.0f} CPU ms/token", flush=True)
     ref = statistics.median(rates["ref"]) if "ref" in rates else None
+    ref_cpu = statistics.median(cpu_per_token["ref"]) if "ref" in rates else None
     rows = []
     for name in names:
         median = statistics.median(rates[name])
         rows.append({"variant": name, "tokens_per_s": round(median, 3), "runs": [round(r, 3) for r in rates[name]],
                      "vs_ref": round(median / ref, 3) if ref else None,
+                     "cpu_ms_per_token": round(1e3 * statistics.median(cpu_per_token[name]), 1),
+                     "cpu_speedup_vs_ref": (round(ref_cpu / statistics.median(cpu_per_token[name]), 3)
+                                            if ref_cpu else None),
                      "weights_mb": round(weights_mb(models[name]), 1)})
     meta = {"model": args.model, "prompt": args.prompt, "tokens": args.tokens, "repeats": args.repeats,
             "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
@@ -125,10 +133,15 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"CPU decode, {args.model}, {args.prompt}-token prompt, {args.tokens} tokens greedy, median of "
              f"{args.repeats} (shared {os.cpu_count()}-core CPU: noisy).", "",
-             "| variant | tokens/s | vs ref | weights MB | runs |", "|---|---|---|---|---|"]
+             "CPU ms/token: CPU time of the process (all threads) per decoded token, steadier than wall clock "
+             "under load.", "",
+             "| variant | tokens/s | vs ref | CPU ms/token | CPU-time speedup vs ref | weights MB | runs (tokens/s) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         vs = "" if r["vs_ref"] is None else f"{r['vs_ref']:.2f}x"
-        lines.append(f"| {r['variant']} | {r['tokens_per_s']:.2f} | {vs} | {r['weights_mb']:.1f} | "
+        cs = "" if r["cpu_speedup_vs_ref"] is None else f"{r['cpu_speedup_vs_ref']:.2f}x"
+        lines.append(f"| {r['variant']} | {r['tokens_per_s']:.2f} | {vs} | {r['cpu_ms_per_token']:.0f} | {cs} | "
+                     f"{r['weights_mb']:.1f} | "
                      f"{', '.join(f'{x:.2f}' for x in r['runs'])} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
