@@ -230,6 +230,13 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
     loaded, _ = directory.load_quantized_dir(tmp_path / "q")
     linear = [m for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
     assert len(linear) == 14 and all(isinstance(m, QuantizedLinear) for m in linear)
+    assert isinstance(loaded.model.embed_tokens, nn.Embedding)
+    from veloxquant_mlx.weights import QuantizedEmbedding
+
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "3", "--embeddings", "--out", str(tmp_path / "e")]) == 0
+    assert json.loads((tmp_path / "e" / "weights.json").read_text())["embeddings"] is True
+    loaded, _ = directory.load_quantized_dir(tmp_path / "e")
+    assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
