@@ -39,18 +39,27 @@ struct LutLayout {
   int M, D, N, W, G, bits;
 };
 
+// 8-lane partial sums, reduced once per group (or row): no horizontal sum per 32 codes.
+inline float reduce8(const float* lanes) {
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
 // Rows [n0, n1) of y for all M batch rows.
 void lut_rows(const LutLayout& L, const float* x, const uint32_t* codes, const mx::float16_t* scales,
               const float* table, int n0, int n1, float* y) {
   const Decoder fast = decoder_for(L.bits);
   const int blocks = (L.D + 31) / 32, group = L.D / L.G;
   alignas(32) float w[32];
+  alignas(32) float lanes[kMaxRows][8];
   std::vector<uint32_t> tail(L.bits + 1);
-  float acc[kMaxRows], part[kMaxRows];
+  float acc[kMaxRows];
   for (int n = n0; n < n1; ++n) {
     const uint32_t* row = codes + size_t(n) * L.W;
     const mx::float16_t* s = scales + size_t(n) * L.G;
-    for (int m = 0; m < L.M; ++m) acc[m] = part[m] = 0.0f;
+    for (int m = 0; m < L.M; ++m) {
+      acc[m] = 0.0f;
+      for (int l = 0; l < 8; ++l) lanes[m][l] = 0.0f;
+    }
     for (int b = 0; b < blocks; ++b) {
       const int j0 = b * 32, count = std::min(32, L.D - j0);
       if (b + 1 < blocks) {
@@ -59,28 +68,30 @@ void lut_rows(const LutLayout& L, const float* x, const uint32_t* codes, const m
         std::fill(tail.begin(), tail.end(), 0u);
         std::memcpy(tail.data(), row + b * L.bits, sizeof(uint32_t) * (L.W - b * L.bits));
         scalar_decoder_for(L.bits)(tail.data(), table, w);
+        for (int k = count; k < 32; ++k) w[k] = 0.0f;
       }
       for (int m = 0; m < L.M; ++m) {
         const float* xm = x + size_t(m) * L.D + j0;
-        float sum = 0.0f;
+        float* lane = lanes[m];
         if (count == 32) {
-          sum = dot(w, xm, 32);
+#pragma GCC unroll 4
+          for (int k = 0; k < 32; k += 8)
+            for (int l = 0; l < 8; ++l) lane[l] += w[k + l] * xm[k + l];
         } else {
-          for (int k = 0; k < count; ++k) sum += w[k] * xm[k];
+          for (int k = 0; k < count; ++k) lane[k & 7] += w[k] * xm[k];
         }
-        part[m] += sum;
       }
       // group boundaries fall on block boundaries (group % 32 == 0) or at the row's end
       if (L.G > 1 && ((j0 + count) % group == 0)) {
         const float scale = static_cast<float>(s[(j0 + count) / group - 1]);
         for (int m = 0; m < L.M; ++m) {
-          acc[m] += scale * part[m];
-          part[m] = 0.0f;
+          acc[m] += scale * reduce8(lanes[m]);
+          for (int l = 0; l < 8; ++l) lanes[m][l] = 0.0f;
         }
       }
     }
     const float row_scale = L.G > 1 ? 1.0f : static_cast<float>(s[0]);
-    for (int m = 0; m < L.M; ++m) y[size_t(m) * L.N + n] = L.G > 1 ? acc[m] : row_scale * part[m];
+    for (int m = 0; m < L.M; ++m) y[size_t(m) * L.N + n] = L.G > 1 ? acc[m] : row_scale * reduce8(lanes[m]);
   }
 }
 
