@@ -3,8 +3,10 @@
 
     python benchmarks/weights_quality.py --windows 3 --ctx 512 --out benchmarks/results/weights-quality-smollm2
 
-Specs: `ref` (the dequantized Q4_1 weights), `vq:BITS[:g=GROUP][:stages=K][:alpha=A][:rot=dense]` (alpha: column_alpha, default 0.5 as in quantize_model),
-`affine:BITS:GROUP`, `mxfp4`, `nvfp4`. MLX-quantized layers are evaluated as float layers holding their dequantized weights (the
+Specs: `ref` (the dequantized Q4_1 weights), `vq:BITS[:g=GROUP][:stages=K][:alpha=A][:rot=dense][:gptq=N][:emb=1]` (alpha: column_alpha, default 0.5 as in quantize_model;
+gptq=N: GPTQ codes calibrated on the first N tokens of the packaged python-reference.txt, never on WikiText; emb=1: the embedding table too),
+`affine:BITS:GROUP[:emb=1]`, `mxfp4`, `nvfp4`. `weights MB` counts every matrix of the model (linear layers and
+the embedding table, float ones at 16 bits) as stored. MLX-quantized layers are evaluated as float layers holding their dequantized weights (the
 same function; MLX's quantized matmul is ~10x slower on the CPU). Only linear layers are quantized by every method
 (SmolLM2's embedding is tied to its output layer and stays as loaded). MLX keeps scales and
 biases in the model's dtype (float32 here on the CPU); they are counted at 16 bits, as they
@@ -25,6 +27,7 @@ from veloxquant_mlx.evaluation.data import load_text, tokenize_prefix
 from veloxquant_mlx.models import load_model
 from veloxquant_mlx.weights import QuantizedLinear, StructuredRotation, quantize_model
 from veloxquant_mlx.weights import model as weights_model
+from veloxquant_mlx.weights.gptq import calibration_tokens
 from veloxquant_mlx.weights.rotation import dense_rotation_matrix
 
 DEFAULT_SPECS = ("ref,vq:3,affine:3:64,affine:2:32,vq:4,affine:4:64,mxfp4,nvfp4,affine:3:32,vq:2,affine:2:64,"
@@ -55,10 +58,13 @@ def parse(spec: str) -> dict:
             out[key] = value
     elif parts[0] == "affine":
         out["bits"], out["group"] = int(parts[1]), int(parts[2])
+        for item in parts[3:]:
+            key, _, value = item.partition("=")
+            out[key] = value
     return out
 
 
-def quantize_vq(model, spec: dict, seed: int) -> None:
+def quantize_vq(model, spec: dict, seed: int, tokenizer=None) -> None:
     group = int(spec["g"]) if "g" in spec else None
     stages = int(spec.get("stages", 2))
     if spec.get("rot") == "dense":
@@ -69,13 +75,15 @@ def quantize_vq(model, spec: dict, seed: int) -> None:
                                                 column_alpha=float(spec.get("alpha", 0.5)))
             model.update_modules(weights_model.tree_unflatten([(path, layer)]))
         return
+    calibration = calibration_tokens(tokenizer, int(spec["gptq"])) if "gptq" in spec else None
     quantize_model(model, spec["bits"], seed=seed, group_size=group, stages=stages,
-                   column_alpha=float(spec.get("alpha", 0.5)), progress=False)
+                   column_alpha=float(spec.get("alpha", 0.5)), embeddings=spec.get("emb") == "1",
+                   calibration=calibration, progress=False)
 
 
 def quantize_mlx(model, spec: dict) -> None:
     def only_linear(_path, module):
-        return isinstance(module, nn.Linear)
+        return isinstance(module, nn.Linear) or (spec.get("emb") == "1" and isinstance(module, nn.Embedding))
 
     if spec["kind"] == "affine":
         nn.quantize(model, group_size=spec["group"], bits=spec["bits"], class_predicate=only_linear)
@@ -88,7 +96,12 @@ def dequantize_mlx_layers(model) -> None:
     same function, computed with float matmuls (quantized matmuls are ~10x slower on the CPU)."""
     swaps = []
     for path, module in model.named_modules():
-        if isinstance(module, nn.QuantizedLinear):
+        if isinstance(module, nn.QuantizedEmbedding):
+            table = nn.Embedding(module.num_embeddings, module.dims)
+            table.weight = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
+                                         module.bits, mode=module.mode)
+            swaps.append((path, table))
+        elif isinstance(module, nn.QuantizedLinear):
             weight = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
                                    module.bits, mode=module.mode)
             linear = nn.Linear(weight.shape[1], weight.shape[0], bias="bias" in module)
@@ -97,6 +110,23 @@ def dequantize_mlx_layers(model) -> None:
                 linear.bias = module.bias
             swaps.append((path, linear))
     model.update_modules(weights_model.tree_unflatten(swaps))
+
+
+def weights_megabytes(model) -> float:
+    """Bytes of every weight matrix (linear layers and embedding tables) as stored, float at 16 bits."""
+    total = 0.0
+    for _, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            total += module.storage_nbytes()
+        elif isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            total += module.weight.size * 4
+            for name in ("scales", "biases"):
+                if name in module:
+                    a = module[name]
+                    total += a.size * (1 if a.dtype == mx.uint8 else 2)
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            total += module.weight.size * 2
+    return total / 1e6
 
 
 def bits_per_weight(model) -> float:
@@ -146,7 +176,14 @@ def main() -> None:
     parser.add_argument("--specs", default=DEFAULT_SPECS)
     parser.add_argument("--out", default="benchmarks/results/weights-quality-smollm2")
     parser.add_argument("--resume", action="store_true", help="keep the rows of OUT/results.json, run the rest")
+    parser.add_argument("--render", action="store_true", help="only rewrite OUT/results.md from OUT/results.json")
     args = parser.parse_args()
+    if args.render:
+        saved = json.loads((Path(args.out) / "results.json").read_text())
+        for key in ("model", "text", "ctx", "windows", "seed"):
+            setattr(args, key, saved["meta"][key])
+        write(Path(args.out), args, saved["rows"])
+        return
 
     _, tokenizer = load_model(args.model)
     ids = tokenize_prefix(tokenizer, load_text(args.text), args.ctx * args.windows)
@@ -166,19 +203,20 @@ def main() -> None:
         mx.eval(model.parameters())
         start = time.perf_counter()
         if spec["kind"] == "vq":
-            quantize_vq(model, spec, args.seed)
+            quantize_vq(model, spec, args.seed, tokenizer)
         elif spec["kind"] != "ref":
             quantize_mlx(model, spec)
         mx.eval(model.parameters())
         seconds = time.perf_counter() - start
         bpw = bits_per_weight(model)
+        megabytes = weights_megabytes(model)
         dequantize_mlx_layers(model)
         ppl, top1, agree = perplexity(model, windows, ref_top1)
         if spec["kind"] == "ref":
             ref_top1, ref_ppl = top1, ppl
             if "ref" in done:
                 continue
-        row = {"spec": spec_text, "bits_per_weight": round(bpw, 4), "ppl": round(ppl, 4),
+        row = {"spec": spec_text, "bits_per_weight": round(bpw, 4), "weights_mb": round(megabytes, 2), "ppl": round(ppl, 4),
                "ppl_vs_ref": round(ppl / ref_ppl - 1, 4) if ref_ppl else None,
                "top1_agreement": round(agree, 4), "quantize_seconds": round(seconds, 2)}
         rows.append(row)
@@ -193,11 +231,15 @@ def write(out: Path, args, rows) -> None:
             "tokens_scored": args.windows * (args.ctx - 1), "device": str(mx.default_device())}
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"WikiText-2 perplexity, {args.model}, {args.windows} windows of {args.ctx} tokens "
-             f"({meta['tokens_scored']} scored), linear layers only; reference = the dequantized Q4_1 weights.", "",
-             "| method | bits/weight | ppl | vs ref | top-1 agreement with ref | quantize s |", "|---|---|---|---|---|---|"]
+             f"({meta['tokens_scored']} scored); linear layers quantized, and the embedding table (tied to the output "
+             "layer) too in `emb=1` rows; reference = the dequantized Q4_1 weights. bits/weight: over the quantized "
+             "matrices, scales counted; weights MB: every matrix of the model as stored (float at 16 bits).", "",
+             "| method | bits/weight | weights MB | ppl | vs ref | top-1 agreement with ref | quantize s |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: r["bits_per_weight"]):
         vs = "" if r["ppl_vs_ref"] is None else f"{100 * r['ppl_vs_ref']:+.1f}%"
-        lines.append(f"| {r['spec']} | {r['bits_per_weight']:.3f} | {r['ppl']:.3f} | {vs} | "
+        mb = f"{r['weights_mb']:.1f}" if "weights_mb" in r else "n/m"
+        lines.append(f"| {r['spec']} | {r['bits_per_weight']:.3f} | {mb} | {r['ppl']:.3f} | {vs} | "
                      f"{r['top1_agreement']:.3f} | {r['quantize_seconds']:.1f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 

@@ -195,6 +195,7 @@ std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::arra
 
 namespace vq_native {
 void register_kivi(nb::module_& m);  // kivi_attention.cpp
+void register_lut(nb::module_& m);   // lut_matmul.cpp
 }
 
 NB_MODULE(_native, m) {
@@ -205,4 +206,5 @@ NB_MODULE(_native, m) {
         "stream"_a = nb::none(),
         "Per-split (o, ml) of decode attention over turboquant_mse rows; see csrc/mse_attention.cpp.");
   vq_native::register_kivi(m);
+  vq_native::register_lut(m);
 }

@@ -231,6 +231,13 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
     loaded, _ = directory.load_quantized_dir(tmp_path / "q")
     linear = [m for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
     assert len(linear) == 14 and all(isinstance(m, QuantizedLinear) for m in linear)
+    assert isinstance(loaded.model.embed_tokens, nn.Embedding)
+    from veloxquant_mlx.weights import QuantizedEmbedding
+
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "3", "--embeddings", "--out", str(tmp_path / "e")]) == 0
+    assert json.loads((tmp_path / "e" / "weights.json").read_text())["embeddings"] is True
+    loaded, _ = directory.load_quantized_dir(tmp_path / "e")
+    assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
@@ -279,3 +286,113 @@ def test_smollm2_folder_reloads_bit_identical(tmp_path):
     loaded, _ = load_model(tmp_path / "q4")
     tokens = mx.array([[1, 504, 3458, 314, 260, 1345]])
     assert mx.array_equal(loaded(tokens), fresh(tokens)).item()
+
+
+@pytest.mark.parametrize("dim", [64, 640, NON_HADAMARD_DIM, 112])
+def test_rotation_transpose_undoes_the_rotation(dim):
+    # 640 = 20 * 32 and 112 = 28 * 4: mx.hadamard_transform's matrix is not symmetric there
+    rotation = StructuredRotation.seeded(dim, seed=5)
+    x = _weight(3, dim, seed=4)
+    np.testing.assert_allclose(np.array(rotation.apply_transpose(rotation.apply(x))), np.array(x), atol=2e-5)
+    np.testing.assert_allclose(np.array(rotation.apply(rotation.apply_transpose(x))), np.array(x), atol=2e-5)
+
+
+@pytest.mark.parametrize("bits", [3, 4])
+def test_quantized_embedding_lookups_decode_the_rows_as_linear_does(bits):
+    from veloxquant_mlx.weights import QuantizedEmbedding
+
+    table = _weight(300, NON_HADAMARD_DIM, seed=bits)
+    emb = QuantizedEmbedding.from_embedding(table, bits, seed=3, column_alpha=0.5)
+    ids = mx.array([[0, 17, 299], [5, 5, 120]])
+    rows = emb(ids)
+    assert rows.shape == (2, 3, NON_HADAMARD_DIM) and rows.dtype == table.dtype
+    dense = np.array(emb.as_linear(mx.eye(NON_HADAMARD_DIM))).T  # (vocab, dims) through the tied head, x E^T
+    np.testing.assert_allclose(np.array(rows).reshape(-1, NON_HADAMARD_DIM), dense[np.array(ids).reshape(-1)],
+                               atol=2e-5)
+    picked = np.array(table)[np.array(ids).reshape(-1)]
+    error = np.linalg.norm(np.array(rows).reshape(-1, NON_HADAMARD_DIM) - picked) ** 2 / np.linalg.norm(picked) ** 2
+    assert error < 1.5 * lloyd_max("gaussian", bits).mse
+
+
+def test_quantize_model_embeddings_tied_head_and_reservoir_round_trip(tmp_path):
+    from veloxquant_mlx.weights import QuantizedEmbedding
+
+    model = _tiny()
+    assert model.args.tie_word_embeddings
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    before = model(tokens)
+    fp = fingerprint(model)
+    quantize_model(model, 4, seed=1, embeddings=True, progress=False)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert fingerprint(model) == fp
+    expected = model(tokens)
+    assert (mx.argmax(expected, -1) == mx.argmax(before, -1)).mean().item() > 0.5
+    path = save_reservoir(model, tmp_path / "emb.vqw")
+    header, _ = reservoir_module.read_header(path)
+    assert header["layers"]["model.embed_tokens"]["kind"] == "embedding"
+    fresh = _tiny()
+    graft_reservoir(fresh, path)
+    assert isinstance(fresh.model.embed_tokens, QuantizedEmbedding)
+    assert mx.array_equal(fresh(tokens), expected).item()
+    # Without the option the table stays float.
+    plain = quantize_model(_tiny(), 4, progress=False)
+    assert isinstance(plain.model.embed_tokens, nn.Embedding)
+
+
+def test_gptq_codes_lower_the_output_error_on_their_inputs():
+    rng = np.random.default_rng(0)
+    weight = mx.array(rng.standard_normal((64, NON_HADAMARD_DIM)).astype(np.float32))
+    # inputs with uneven channel scales, as activations have
+    x = mx.array((rng.standard_normal((512, NON_HADAMARD_DIM)) * np.exp(rng.standard_normal(NON_HADAMARD_DIM)))
+                 .astype(np.float32))
+    reference = np.array(x @ weight.T)
+    errors = {}
+    for name, inputs in (("nearest", None), ("gptq", x)):
+        layer = QuantizedLinear.from_weight(weight, 3, seed=1, column_alpha=0.5, calibration_inputs=inputs)
+        assert layer.codes.shape == (64, -(-NON_HADAMARD_DIM * 3 // 32)) and layer.scales.shape == (64, 1)
+        errors[name] = np.linalg.norm(np.array(layer(x)) - reference) / np.linalg.norm(reference)
+    assert errors["gptq"] < 0.8 * errors["nearest"]
+    with pytest.raises(ValueError, match="one scale per row"):
+        QuantizedLinear.from_weight(weight, 3, group_size=16, calibration_inputs=x)
+
+
+def test_quantize_model_with_calibration_quantizes_every_layer():
+    model = _tiny(hidden=128)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    before = model(tokens)
+    calibration = mx.array(np.random.default_rng(1).integers(0, 128, (2, 64)))
+    quantize_model(model, 4, calibration=calibration, progress=False)
+    assert len(quantized_layers(model)) == 14
+    assert not any(type(m).__name__ == "CalibratingLinear" for _, m in model.named_modules())
+    assert (mx.argmax(model(tokens), -1) == mx.argmax(before, -1)).mean().item() > 0.5
+    with pytest.raises(ValueError, match="batch, tokens"):
+        quantize_model(_tiny(hidden=128), 4, calibration=mx.array([1, 2, 3]), progress=False)
+    # with the embedding table (coded without data) and a skipped layer
+    from veloxquant_mlx.weights import QuantizedEmbedding
+
+    model = quantize_model(_tiny(hidden=128), 4, calibration=calibration, embeddings=True, skip=["o_proj"],
+                           progress=False)
+    assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
+    assert len(quantized_layers(model)) == 1 + 12 and isinstance(model.model.layers[1].self_attn.o_proj, nn.Linear)
+
+
+@pytest.mark.parametrize("bits,dim,group,rows", [(4, 576, None, 1), (3, NON_HADAMARD_DIM, None, 3),
+                                                 (2, 128, 32, 8), (4, 1536, 64, 2), (3, 100, None, 1)])
+def test_native_cpu_lut_matmul_matches_the_tiled_path(bits, dim, group, rows):
+    from veloxquant_mlx.kernels import native
+    from veloxquant_mlx.weights import kernel
+
+    if not native.available() or not hasattr(native.module(), "lut_matmul"):
+        pytest.skip("veloxquant_mlx._native (with lut_matmul) not built")
+    layer = QuantizedLinear.from_weight(_weight(1100, dim, seed=bits), bits, group_size=group, column_alpha=0.5)
+    x = layer.rotation.apply(_weight(rows, dim, seed=7))
+    assert kernel.native_cpu_for(x, layer)
+    expected = np.array(layer.tiled_matmul(x))
+    got = np.array(kernel.native_lut_matmul(x, layer))
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    # the forward takes it for decode-sized batches, the tiled path beyond MAX_ROWS
+    assert not kernel.native_cpu_for(mx.zeros((kernel.MAX_ROWS + 1, dim)), layer)
+    single = _weight(1, dim, seed=2)[None]
+    np.testing.assert_allclose(np.array(layer(single))[0],
+                               np.array(layer.tiled_matmul(layer.rotation.apply(single * layer.input_scales)))[0],
+                               rtol=1e-5, atol=1e-4)

@@ -1,12 +1,13 @@
-"""Weight quantization: rotated, row-normalised Lloyd-Max codes (`QuantizedLinear`),
+"""Weight quantization: rotated, row-normalised Lloyd-Max codes (`QuantizedLinear`, `QuantizedEmbedding`),
 `quantize_model`, and the reservoir file that reloads a quantized model without redoing
 any of the work (`save_reservoir`, `load_reservoir`, `graft_reservoir`). See docs/weights.md."""
 
+from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear, SUPPORTED_BITS
 from .model import fingerprint, quantize_model, quantized_layers
 from .reservoir import (FORMAT_VERSION, ReservoirError, graft_reservoir, load_reservoir, save_reservoir)
 from .rotation import StructuredRotation
 
-__all__ = ["QuantizedLinear", "SUPPORTED_BITS", "StructuredRotation", "quantize_model", "quantized_layers",
+__all__ = ["QuantizedLinear", "QuantizedEmbedding", "SUPPORTED_BITS", "StructuredRotation", "quantize_model", "quantized_layers",
            "fingerprint", "save_reservoir", "load_reservoir", "graft_reservoir", "ReservoirError",
            "FORMAT_VERSION"]

@@ -8,7 +8,8 @@ def run_quantize_weights(args) -> None:
 
     skip = [s for s in (args.skip or "").split(",") if s]
     config = quantize_to_dir(args.model, args.out, args.bits, seed=args.seed, skip=skip, group_size=args.group_size,
-                             column_alpha=args.column_alpha)
+                             column_alpha=args.column_alpha, embeddings=args.embeddings,
+                             calibration_tokens=args.calibration_tokens, calibration_text=args.calibration_text)
     print(f"quantized {config['base_model']} to {args.bits} bits in {config['quantize_seconds']:.1f} s; "
           f"wrote {args.out} (load it with --model {args.out})")
 
@@ -23,5 +24,11 @@ def register_cli(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--group-size", type=int, default=None, help="per-group scales (default: one per row)")
     p.add_argument("--column-alpha", type=float, default=0.5, help="column scaling exponent (0: off)")
+    p.add_argument("--embeddings", action="store_true",
+                   help="quantize the embedding tables too (with a tied output layer, that layer as well)")
+    p.add_argument("--calibration-tokens", type=int, default=0,
+                   help="GPTQ codes calibrated on this many tokens (a multiple of 256; 0: data-free codes)")
+    p.add_argument("--calibration-text", default=None,
+                   help="text file for --calibration-tokens (default: the packaged sample text)")
     p.add_argument("--skip", default="", help="comma-separated layer names/paths/patterns to keep in float")
     p.set_defaults(func=run_quantize_weights)

@@ -140,3 +140,45 @@ def dialect_for(rotated: mx.array) -> Optional[str]:
     if rotated.dtype not in (mx.float32, mx.float16, mx.bfloat16):
         return None
     return dialect
+
+
+def native_cpu_for(rotated: mx.array, layer) -> bool:
+    """Whether the C++ CPU LUT matmul (csrc/lut_matmul.cpp) takes this call: the CPU, at most
+    MAX_ROWS batch rows, grouped scales in whole 32-code steps, and the engine's CPU back end
+    "native" (the extension built; VELOXQUANT_KERNELS=portable turns it off)."""
+    if rotated.size // rotated.shape[-1] > MAX_ROWS or not _native_cpu():
+        return False
+    return layer.scales.shape[1] == 1 or layer.group_size % 32 == 0
+
+
+@lru_cache(maxsize=1)
+def _native_cpu() -> bool:
+    """Resolved once per process, as the engine's settings are."""
+    from ..kernels import native
+    from ..settings import EngineSettings
+
+    if mx.default_device() != mx.cpu or EngineSettings.resolve().backend != "native":
+        return False
+    if not hasattr(native.module(), "lut_matmul"):
+        _warn_stale_native()
+        return False
+    return True
+
+
+@lru_cache(maxsize=1)
+def _warn_stale_native() -> None:
+    import warnings
+
+    warnings.warn("veloxquant_mlx._native was built before csrc/lut_matmul.cpp existed: weight layers decode "
+                  "their codes in tiles on the CPU (slow). Rebuild it with scripts/build_native.sh.",
+                  RuntimeWarning, stacklevel=3)
+
+
+def native_lut_matmul(rotated: mx.array, layer) -> mx.array:
+    """x W^T from the packed codes on the CPU, no decoded weight matrix (up to MAX_ROWS rows)."""
+    from ..kernels import native
+
+    lead = rotated.shape[:-1]
+    x = rotated.reshape(-1, layer.in_features).astype(mx.float32)
+    y = native.module().lut_matmul(x, layer.codes, layer.scales.astype(mx.float16), layer.codebook, layer.bits)
+    return y.astype(rotated.dtype).reshape(*lead, layer.out_features)

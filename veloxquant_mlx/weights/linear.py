@@ -9,9 +9,10 @@ them all. The stored scale of a group is the least-squares one,
 chosen codes (it is ||w|| times the RMS factor when the codes are exact).
 
 Forward: x W^T = (x R^T)(W R^T)^T, so the input is rotated once and multiplied
-against the codes. On the CPU the codes are decoded a tile of rows at a time;
-on CUDA/Metal a small batch of rows goes through the LUT matmul kernel
-(`kernel.py`) and larger ones through the same tiles on the GPU.
+against the codes. Up to `kernel.MAX_ROWS` batch rows (decode) go through a LUT
+matmul kernel that reads the packed codes directly: on CUDA/Metal the one of
+`kernel.py`, on the CPU the C++ one of csrc/lut_matmul.cpp (when built). Larger
+batches (prefill) decode the codes a tile of rows at a time and use float matmuls.
 """
 
 from __future__ import annotations
@@ -129,11 +130,13 @@ class QuantizedLinear(nn.Module):
     def from_weight(cls, weight: mx.array, bits: int, seed: int = 0, group_size: Optional[int] = None,
                     stages: int = 2, bias: Optional[mx.array] = None,
                     rotation: Optional[StructuredRotation] = None,
-                    column_alpha: float = 0.0) -> "QuantizedLinear":
+                    column_alpha: float = 0.0, calibration_inputs: Optional[mx.array] = None) -> "QuantizedLinear":
         """`rotation` overrides the seeded one (benchmarks compare others through it).
         `column_alpha` > 0 divides column j by c_j = rms(W[:, j])^alpha before rotating and
         multiplies the input by c once per call, so that columns of small weights (the input
-        channels of large activations, typically) keep proportionally small errors."""
+        channels of large activations, typically) keep proportionally small errors.
+        `calibration_inputs` (tokens, in), inputs the layer sees, select GPTQ codes (`gptq.py`)
+        instead of nearest-centroid ones; the stored format is the same."""
         out_features, in_features = weight.shape
         input_scales = None
         if column_alpha:
@@ -147,6 +150,9 @@ class QuantizedLinear(nn.Module):
         if rotation is None:
             rotation = StructuredRotation.seeded(in_features, seed, stages)
         centroids = unit_codebook(bits)
+        if calibration_inputs is not None:
+            return cls._from_inputs(weight, bits, calibration_inputs, rotation, centroids, bias, input_scales,
+                                    groups)
         chunk = max(1, QUANTIZE_CHUNK_ELEMENTS // in_features)
         codes, scales = [], []
         for r0 in range(0, out_features, chunk):
@@ -158,6 +164,25 @@ class QuantizedLinear(nn.Module):
         scales = scales[0] if len(scales) == 1 else mx.concatenate(scales)
         return cls(in_features, out_features, bits, codes=codes, scales=scales, codebook=centroids,
                    rotation=rotation, bias=bias, input_scales=input_scales)
+
+    @classmethod
+    def _from_inputs(cls, weight, bits, inputs, rotation, centroids, bias, input_scales,
+                     groups) -> "QuantizedLinear":
+        import numpy as np
+
+        from .gptq import gptq_codes, rotated_hessian
+
+        out_features, in_features = weight.shape
+        if groups != 1:
+            raise ValueError("GPTQ codes (calibration_inputs) support one scale per row only (group_size=None)")
+        if inputs.ndim != 2 or inputs.shape[1] != in_features:
+            raise ValueError(f"calibration_inputs must have shape (tokens, {in_features}), got {inputs.shape}")
+        rotated = np.array(rotation.apply(weight.astype(mx.float32)), dtype=np.float64)
+        hessian = rotated_hessian(inputs, rotation, input_scales)
+        codes, scales = gptq_codes(rotated, hessian, np.array(centroids, dtype=np.float64))
+        return cls(in_features, out_features, bits, codes=pack(mx.array(codes), bits),
+                   scales=mx.array(scales[:, None].astype(np.float16)), codebook=centroids, rotation=rotation,
+                   bias=bias, input_scales=input_scales)
 
     # ---- views ---------------------------------------------------------------
 
@@ -200,6 +225,8 @@ class QuantizedLinear(nn.Module):
         dialect = kernel.dialect_for(rotated)
         if dialect is not None:
             y = kernel.lut_matmul(rotated, self, dialect)
+        elif kernel.native_cpu_for(rotated, self):
+            y = kernel.native_lut_matmul(rotated, self)
         else:
             y = self.tiled_matmul(rotated)
         if "bias" in self:

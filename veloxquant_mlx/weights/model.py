@@ -12,11 +12,15 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
 
 
 def _linear_shape(module) -> Optional[Tuple[int, int]]:
-    """(out, in) of a float or MLX-quantized linear layer, of a QuantizedLinear, else None."""
+    """(out, in) of a float or MLX-quantized linear layer, of a QuantizedLinear, else None
+    (embeddings, quantized or not, are not linear layers here)."""
+    if isinstance(module, QuantizedEmbedding):
+        return None
     if isinstance(module, QuantizedLinear):
         return module.out_features, module.in_features
     if isinstance(module, nn.QuantizedLinear):
@@ -27,7 +31,7 @@ def _linear_shape(module) -> Optional[Tuple[int, int]]:
 
 
 def _float_weight(module) -> mx.array:
-    if isinstance(module, nn.QuantizedLinear):
+    if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
         return mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
                              module.bits, mode=getattr(module, "mode", "affine"))
     return module.weight
@@ -45,6 +49,12 @@ def linear_paths(model: nn.Module, skip: Iterable[str] = ()) -> List[str]:
             and not _skipped(path, skip)]
 
 
+def embedding_paths(model: nn.Module, skip: Iterable[str] = ()) -> List[str]:
+    """Paths of the embedding tables quantize_model(embeddings=True) would replace."""
+    return [path for path, module in model.named_modules()
+            if isinstance(module, (nn.Embedding, nn.QuantizedEmbedding)) and not _skipped(path, skip)]
+
+
 def quantized_layers(model: nn.Module) -> List[Tuple[str, QuantizedLinear]]:
     return [(path, m) for path, m in model.named_modules() if isinstance(m, QuantizedLinear)]
 
@@ -56,26 +66,80 @@ def layer_seed(seed: int, path: str) -> int:
 
 def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
                    group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
+                   embeddings: bool = False, calibration: Optional[mx.array] = None,
                    progress: bool = True) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
 
     Layers are quantised one at a time and each float weight is dropped from the model
     as soon as its codes exist, so peak memory stays near the model's size plus one
-    layer's working set. Embeddings are left as they are. Returns `model`.
+    layer's working set. With `embeddings=True` the embedding tables become
+    `QuantizedEmbedding`s with the same codec (a tied output layer goes with them:
+    it calls the table's `as_linear`); otherwise they are left as they are.
+
+    `calibration` (batch, tokens) token ids selects data-aware GPTQ codes (`gptq.py`): the
+    model runs once on them and each linear layer is quantized when its inputs arrive,
+    on those inputs (embedding tables are coded without data). Returns `model`.
     """
     from tqdm.auto import tqdm
 
     skip = tuple(skip)
     paths = linear_paths(model, skip)
+    tables = set(embedding_paths(model, skip)) if embeddings else set()
+    paths += sorted(tables)
+    if calibration is not None:
+        return _quantize_calibrated(model, bits, seed, paths, sorted(tables), calibration, group_size=group_size,
+                                    stages=stages, column_alpha=column_alpha, progress=progress)
     modules = dict(model.named_modules())
     for path in tqdm(paths, desc=f"quantizing to {bits} bits", unit="layer", disable=not progress):
         module = modules.pop(path)
-        layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
-                                            group_size=group_size, stages=stages, bias=module.get("bias"),
-                                            column_alpha=column_alpha)
+        if path in tables:
+            layer = QuantizedEmbedding.from_embedding(_float_weight(module), bits, seed=layer_seed(seed, path),
+                                                      group_size=group_size, stages=stages,
+                                                      column_alpha=column_alpha)
+        else:
+            layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
+                                                group_size=group_size, stages=stages, bias=module.get("bias"),
+                                                column_alpha=column_alpha)
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
+    return model
+
+
+def _quantize_calibrated(model, bits, seed, paths, tables, calibration, *, group_size, stages, column_alpha,
+                         progress) -> nn.Module:
+    from tqdm.auto import tqdm
+
+    from .gptq import CalibratingLinear
+
+    if calibration.ndim != 2 or calibration.size == 0:
+        raise ValueError(f"calibration must be (batch, tokens) token ids, got shape {calibration.shape}")
+    modules = dict(model.named_modules())
+    for path in tables:  # data-free, before the pass, so that the layers see the quantized table
+        table = QuantizedEmbedding.from_embedding(_float_weight(modules.pop(path)), bits,
+                                                  seed=layer_seed(seed, path), group_size=group_size,
+                                                  stages=stages, column_alpha=column_alpha)
+        model.update_modules(tree_unflatten([(path, table)]))
+    linear = [p for p in paths if p not in tables]
+    bar = tqdm(total=len(linear), desc=f"quantizing to {bits} bits (GPTQ)", unit="layer", disable=not progress)
+
+    def maker(path, module):
+        def make(inputs):
+            layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
+                                                group_size=group_size, stages=stages, bias=module.get("bias"),
+                                                column_alpha=column_alpha, calibration_inputs=inputs)
+            bar.update(1)
+            return layer
+        return make
+
+    stand_ins = [(path, CalibratingLinear(maker(path, modules.pop(path)))) for path in linear]
+    model.update_modules(tree_unflatten(stand_ins))
+    mx.eval(model(calibration))
+    bar.close()
+    idle = [path for path, s in stand_ins if s.quantized is None]
+    if idle:
+        raise ValueError(f"layers {idle[:3]} received no calibration input (not used by the forward pass?)")
+    model.update_modules(tree_unflatten([(path, s.quantized) for path, s in stand_ins]))
     return model
 
 

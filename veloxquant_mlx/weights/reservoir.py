@@ -35,6 +35,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
 from .model import fingerprint, quantized_layers
 from .rotation import StructuredRotation
@@ -49,6 +50,10 @@ _NUMPY = {"uint32": np.uint32, "int8": np.int8, "float16": np.float16, "float32"
           "uint16": np.uint16, "bfloat16": np.uint16}
 _MLX = {"uint32": mx.uint32, "int8": mx.int8, "float16": mx.float16, "float32": mx.float32,
         "uint16": mx.uint16, "bfloat16": mx.bfloat16}
+
+_MLX_NAMES = {dtype: name for name, dtype in _MLX.items()}
+# A layer entry's "kind" (absent in files written before embeddings: linear).
+_KINDS = {"linear": QuantizedLinear, "embedding": QuantizedEmbedding}
 
 
 class ReservoirError(ValueError):
@@ -83,7 +88,7 @@ def _layer_tensors(layer: QuantizedLinear) -> Dict[str, mx.array]:
 
 
 def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
-    """Write every `QuantizedLinear` of `model` to one reservoir file at `path`."""
+    """Write every `QuantizedLinear` (and `QuantizedEmbedding`) of `model` to one reservoir file at `path`."""
     layers = quantized_layers(model)
     if not layers:
         raise ValueError("the model has no QuantizedLinear layers: run quantize_model first")
@@ -91,6 +96,9 @@ def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
     for name, layer in layers:
         entries[name] = {"in_features": layer.in_features, "out_features": layer.out_features,
                          "bits": layer.bits, "rotation": layer.rotation.meta(), "tensors": {}}
+        if isinstance(layer, QuantizedEmbedding):
+            entries[name]["kind"] = "embedding"
+            entries[name]["dtype"] = _MLX_NAMES[layer.dtype]
         for key, value in _layer_tensors(layer).items():
             pieces.append((name, key, value, _raw(value)))
     # Tensors of a page or more start on a page (they come first); the small ones (scales,
@@ -173,10 +181,14 @@ def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, QuantizedLinear
                 arrays[key] = array
             rotation = StructuredRotation.from_state(
                 {"signs": arrays["rotation.signs"], "perms": arrays.get("rotation.perms")}, entry["rotation"])
-            layers[name] = QuantizedLinear(entry["in_features"], entry["out_features"], entry["bits"],
-                                           codes=arrays["codes"], scales=arrays["scales"],
-                                           codebook=arrays["codebook"], rotation=rotation,
-                                           bias=arrays.get("bias"), input_scales=arrays.get("input_scales"))
+            kind = entry.get("kind", "linear")
+            if kind not in _KINDS:
+                raise ReservoirError(f"{path}: layer {name} is of unknown kind {kind!r}")
+            extra = {"dtype": _MLX[entry["dtype"]]} if kind == "embedding" else {}
+            layers[name] = _KINDS[kind](entry["in_features"], entry["out_features"], entry["bits"],
+                                        codes=arrays["codes"], scales=arrays["scales"],
+                                        codebook=arrays["codebook"], rotation=rotation,
+                                        bias=arrays.get("bias"), input_scales=arrays.get("input_scales"), **extra)
     return layers, header
 
 

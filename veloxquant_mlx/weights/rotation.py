@@ -16,6 +16,7 @@ matrix), which is what the reservoir stores: loading rebuilds nothing random.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, Tuple
 
 import mlx.core as mx
@@ -110,6 +111,27 @@ class StructuredRotation:
             self._sign_cache[key] = cached
         return cached[1]
 
+    def apply_transpose(self, y: mx.array) -> mx.array:
+        """R^T y along the last axis: the stages undone in reverse (embedding lookups decode
+        rotated rows back to the model's basis with it)."""
+        for stage in reversed(range(self.stages)):
+            o = self._offsets
+            if len(self.blocks) == 1:
+                y = _hadamard_transpose(y)
+            else:
+                y = mx.concatenate([_hadamard_transpose(y[..., o[i]:o[i + 1]]) for i in range(len(self.blocks))],
+                                   axis=-1)
+            if self.perms is not None:
+                y = mx.take(y, self._inverse_perm(stage), axis=-1)
+            y = y * self._signs(stage, y.dtype, None)
+        return y
+
+    def _inverse_perm(self, stage: int) -> mx.array:
+        if not hasattr(self, "_inverse"):
+            self._inverse = [mx.argsort(self.perms[s].astype(mx.uint32)).astype(mx.uint32)
+                             for s in range(self.stages)]
+        return self._inverse[stage]
+
     def state(self) -> Dict[str, mx.array]:
         state = {"signs": self.signs.astype(mx.int8)}
         if self.perms is not None:
@@ -122,6 +144,28 @@ class StructuredRotation:
     @classmethod
     def from_state(cls, state: Dict[str, mx.array], meta: Dict[str, object]) -> "StructuredRotation":
         return cls(int(meta["dim"]), state["signs"], state.get("perms"), tuple(meta["blocks"]))
+
+
+@functools.lru_cache(maxsize=None)
+def _base_matrix(m: int) -> mx.array:
+    return mx.hadamard_transform(mx.eye(m))
+
+
+def _hadamard_transpose(y: mx.array) -> mx.array:
+    """The inverse of `mx.hadamard_transform` (row vectors: T(x) = x A with A = H_m kron H_2^k,
+    orthonormal). A is symmetric for m in (1, 12); for m = 20, 28 the inverse x = y A^T is, with
+    y as an (m, 2^k) matrix Y, H_m (Y H_2^k): one power-of-two transform and an m x m product."""
+    n = y.shape[-1]
+    m = hadamard_base(n)
+    if m is None:
+        raise ValueError(f"mx.hadamard_transform does not support {n}")
+    if m in (1, 12):
+        return mx.hadamard_transform(y)
+    lead = y.shape[:-1]
+    z = y.reshape(*lead, m, n // m)
+    if n // m > 1:
+        z = mx.hadamard_transform(z)
+    return (_base_matrix(m).astype(y.dtype) @ z).reshape(*lead, n)
 
 
 def dense_rotation_matrix(dim: int, seed: int = 0) -> mx.array:
