@@ -242,8 +242,8 @@ def test_coherent_generation_on_smollm2(tmp_path):
     from veloxquant_mlx.evaluation.data import SAMPLE_TEXT
 
     model, tokenizer = load_model("smollm2")
-    config = KVCacheConfig(method="vecinfer", bits=2, options={"values": "vq"})
-    calibrate(model, config, calibration_tokens(tokenizer, SAMPLE_TEXT.read_text(), 2, 512), tmp_path, progress=False)
+    config = KVCacheConfig(method="vecinfer", bits=2)
+    calibrate(model, config, calibration_tokens(tokenizer, SAMPLE_TEXT.read_text(), 1, 512), tmp_path, progress=False)
     prompt = tokenizer.encode("The capital of France is Paris. The capital of Germany is")
 
     def greedy(caches, n=12):

@@ -42,7 +42,8 @@ from ..rotations import HadamardRotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
 from .outliers import calibration_needed, per_head
 
-KMEANS_ITERATIONS = 25
+KMEANS_ITERATIONS = 10
+_KMEANS_STREAM = 7  # numpy rng stream of the k-means++ draws (rotations use 1..3)
 # Elements of one distance (or one-hot) block: groups x tokens x centroids, bounded by chunking tokens.
 BLOCK_ELEMENTS = 1 << 22
 VALUE_CODECS = ("mse", "vq")
@@ -54,6 +55,11 @@ def token_chunk(groups: int, centroids: int) -> int:
     return max(1, BLOCK_ELEMENTS // max(1, groups * centroids))
 
 
+@mx.compile
+def _nearest_block(x, transposed, norms):
+    return mx.argmin(norms - 2.0 * (x @ transposed), axis=-1)
+
+
 def nearest_centroid(x: mx.array, centroids: mx.array) -> mx.array:
     """x (G, N, d), centroids (G, K, d) -> (G, N) uint32 indices of the nearest centroid.
 
@@ -63,51 +69,50 @@ def nearest_centroid(x: mx.array, centroids: mx.array) -> mx.array:
     norms = mx.sum(centroids * centroids, axis=-1)[:, None, :]  # (G, 1, K)
     transposed = centroids.swapaxes(-1, -2)
     chunk = token_chunk(groups, centroids.shape[1])
-    parts = [mx.argmin(norms - 2.0 * (x[:, a : a + chunk] @ transposed), axis=-1) for a in range(0, n, chunk)]
+    parts = [_nearest_block(x[:, a : a + chunk], transposed, norms) for a in range(0, n, chunk)]
     codes = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return codes.astype(mx.uint32)
 
 
 def centroid_sums(x: mx.array, codes: mx.array, count: int):
-    """Per centroid: the sum of its points (G, K, d) and how many there are (G, K), from one-hot
-    matmuls over chunks of tokens (no (G, N, K, d) tensor)."""
-    groups, n, _ = x.shape
-    chunk = token_chunk(groups, count)
-    ids = mx.arange(count, dtype=mx.uint32)
-    sums, counts = 0.0, 0.0
-    for a in range(0, n, chunk):
-        onehot = (codes[:, a : a + chunk, None] == ids).astype(mx.float32)  # (G, chunk, K)
-        sums = sums + onehot.swapaxes(-1, -2) @ x[:, a : a + chunk]
-        counts = counts + mx.sum(onehot, axis=1)
-    return sums, counts
+    """Per centroid: the sum of its points (G, K, d) and how many there are (G, K), by a
+    scatter-add over every point (no (G, N, K) one-hot, no (G, N, K, d) tensor)."""
+    groups, n, d = x.shape
+    rows = (codes + mx.arange(groups, dtype=mx.uint32)[:, None] * count).reshape(-1)
+    sums = mx.zeros((groups * count, d), mx.float32).at[rows].add(x.reshape(-1, d))
+    counts = mx.zeros((groups * count,), mx.float32).at[rows].add(1.0)
+    return sums.reshape(groups, count, d), counts.reshape(groups, count)
 
 
-def kmeans_plus_plus(x: mx.array, count: int, seed: int = 0) -> mx.array:
+def kmeans_plus_plus(x: np.ndarray, count: int, seed: int = 0) -> np.ndarray:
     """Greedy k-means++ seeding (Arthur & Vassilvitskii 2007, Sec. 6; as scikit-learn) in every
     group at once: each step draws 2 + ln(count) candidates with probability proportional to
     their squared distance to the nearest centroid so far and keeps the one that lowers the
-    total distance most. x (G, N, d) -> (G, count, d)."""
+    total distance most. x (G, N, d) -> (G, count, d). numpy: `count` small sequential steps
+    (calibration only)."""
     groups, n, _ = x.shape
     trials = 2 + int(math.log(count))
-    keys = mx.random.split(mx.random.key(seed), count)
-    squares = mx.sum(x * x, axis=-1)  # (G, N)
+    rng = np.random.default_rng([int(seed), _KMEANS_STREAM])
+    rows = np.arange(groups)
+    squares = np.sum(x * x, axis=-1)  # (G, N)
 
     def distances(points):  # (G, L, d) -> squared distances (G, N, L), by the norm expansion
-        return mx.maximum(squares[..., None] + mx.sum(points * points, axis=-1)[:, None, :]
-                          - 2.0 * (x @ points.swapaxes(-1, -2)), 0.0)
+        return np.maximum(squares[..., None] + np.sum(points * points, axis=-1)[:, None, :]
+                          - 2.0 * (x @ points.transpose(0, 2, 1)), 0.0)
 
-    chosen = [mx.take_along_axis(x, mx.random.randint(0, n, (groups, 1, 1), key=keys[0]), axis=1)]
-    dist = distances(chosen[0])[..., 0]  # (G, N)
+    chosen = np.empty((groups, count, x.shape[-1]), np.float32)
+    chosen[:, 0] = x[rows, rng.integers(0, n, groups)]
+    dist = distances(chosen[:, :1])[..., 0]
     for i in range(1, count):
-        picks = mx.random.categorical(mx.log(mx.maximum(dist, 1e-30)), num_samples=trials, key=keys[i])  # (G, L)
-        candidates = mx.take_along_axis(x, picks[..., None], axis=1)  # (G, L, d)
-        after = mx.minimum(dist[..., None], distances(candidates))  # (G, N, L)
-        best = mx.argmin(mx.sum(after, axis=1), axis=-1)[:, None]  # (G, 1)
-        chosen.append(mx.take_along_axis(candidates, best[..., None], axis=1))
-        dist = mx.take_along_axis(after, best[:, None, :], axis=-1)[..., 0]
-        if i % 16 == 0:
-            mx.eval(dist, chosen[-1])
-    return mx.concatenate(chosen, axis=1)
+        cumulative = np.cumsum(dist, axis=1)
+        draws = rng.random((groups, trials, 1)) * cumulative[:, None, -1:]
+        picks = np.minimum(np.sum(cumulative[:, None, :] < draws, axis=-1), n - 1)  # (G, L)
+        candidates = x[rows[:, None], picks]  # (G, L, d)
+        after = np.minimum(dist[..., None], distances(candidates))  # (G, N, L)
+        best = np.argmin(after.sum(axis=1), axis=-1)
+        chosen[:, i] = candidates[rows, best]
+        dist = after[rows, :, best]
+    return chosen
 
 
 def kmeans(x: mx.array, count: int, iterations: int = KMEANS_ITERATIONS, seed: int = 0) -> mx.array:
@@ -115,10 +120,9 @@ def kmeans(x: mx.array, count: int, iterations: int = KMEANS_ITERATIONS, seed: i
     (G, count, d). A centroid that loses all its points keeps its place."""
     if x.shape[1] < count:
         raise ValueError(f"k-means with {count} centroids needs at least {count} calibration tokens, got {x.shape[1]}")
-    centroids = kmeans_plus_plus(x, count, seed)
+    centroids = mx.array(kmeans_plus_plus(np.array(x, dtype=np.float32), count, seed))
     for _ in range(iterations):
-        codes = nearest_centroid(x, centroids)
-        sums, counts = centroid_sums(x, codes, count)
+        sums, counts = centroid_sums(x, nearest_centroid(x, centroids), count)
         centroids = mx.where(counts[..., None] > 0, sums / mx.maximum(counts, 1.0)[..., None], centroids)
         mx.eval(centroids)
     return centroids
