@@ -50,6 +50,7 @@ SPECS = {
     "vi-k1.5-vq2": "vecinfer:2:sub_dim=4,centroid_bits=6,values=vq",
     "vi-k2-mse2": "vecinfer:2",
     "vi-k2-mse3": "vecinfer:2:vbits=3",
+    "vi-k2-mse3-nosmooth": "vecinfer:2:vbits=3,smooth=false",
     "vi-k2-vq2-nosmooth": "vecinfer:2:values=vq,smooth=false",
 }
 
