@@ -44,6 +44,14 @@ SPECS = {
     "sq2": "spectralquant:2",
     "sq3": "spectralquant:3",
     "sq4": "spectralquant:4",
+    # vecinfer (issue 11 item 5): key bits per coordinate = centroid_bits / sub_dim
+    "vi-k2-vq2": "vecinfer:2:values=vq",
+    "vi-k1-vq1": "vecinfer:1:values=vq",
+    "vi-k1.5-vq2": "vecinfer:2:sub_dim=4,centroid_bits=6,values=vq",
+    "vi-k2-mse2": "vecinfer:2",
+    "vi-k2-mse3": "vecinfer:2:vbits=3",
+    "vi-k2-mse3-nosmooth": "vecinfer:2:vbits=3,smooth=false",
+    "vi-k2-vq2-nosmooth": "vecinfer:2:values=vq,smooth=false",
 }
 
 
@@ -91,7 +99,7 @@ def main():
         record["configs"][name] = entry
         specs.append(full)
         print(f"{name}: learned in {seconds:.1f} s -> {target}", flush=True)
-    (out / "calibration.json").write_text(json.dumps(record, indent=2))
+        (out / "calibration.json").write_text(json.dumps(record, indent=2))  # after each: a long run keeps what it did
     print(",".join(specs))
 
 

@@ -20,11 +20,11 @@ def short(spec: str) -> str:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("folders", nargs="+")
-    parser.add_argument("--calibration", required=True)
+    parser.add_argument("--calibration", required=True, nargs="+", help="calibration.json files")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    calibration = json.loads(Path(args.calibration).read_text())["configs"]
-    seconds = {short(c["spec"]): c["calibration_seconds"] for c in calibration.values()}
+    seconds = {short(c["spec"]): c["calibration_seconds"] for path in args.calibration
+               for c in json.loads(Path(path).read_text())["configs"].values()}
     rows, settings, fp16 = [], None, None
     for folder in args.folders:
         result = json.loads((Path(folder) / "results.json").read_text())

@@ -52,7 +52,7 @@ def test_methods_give_each_method_its_measured_status(capsys):
               for name in available_methods()}
     assert status["turboquant_mse"] == "recommended" and status["fp16"] == "reference"
     assert status["kivi"] == "baseline"
-    for name in ("qjl", "turboquant_prod", "turboquant_rvq", "polarquant", "rabitq"):
+    for name in ("qjl", "turboquant_prod", "turboquant_rvq", "polarquant", "rabitq", "vecinfer", "commvq"):
         assert status[name] == "experimental"
     assert "stable" not in status.values()
     assert "qjl (experimental): far too noisy" in out

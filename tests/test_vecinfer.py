@@ -1,0 +1,259 @@
+"""VecInfer: smoothing + Hadamard + product VQ of keys, LUT scores, calibrated codebooks."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from conftest import tiny_llama
+
+from veloxquant_mlx.calibration import calibrate
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.integration import KVCacheBuilder
+from veloxquant_mlx.methods.outliers import CalibrationRequiredError
+from veloxquant_mlx.methods.vecinfer import (ProductVQCodec, kmeans, learn_codebooks, nearest_centroid,
+                                             smoothing_factors)
+
+
+def _sequences(n=2, length=256, vocab=512, seed=0):
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.integers(0, vocab, length)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    return tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2)
+
+
+def _forward(model, config, tokens):
+    caches = KVCacheBuilder(config).for_model(model).build()
+    return model(tokens[None], cache=caches), caches
+
+
+def _skewed_keys(heads=2, n=1024, dim=32, seed=0):
+    """Keys with a few large channels (as real keys have) and queries of another spread."""
+    scale = np.linspace(0.2, 1.0, dim).astype(np.float32)
+    scale[[3, 17]] = 12.0
+    keys = mx.random.normal((heads, n, dim), key=mx.random.key(seed)) * mx.array(scale)
+    queries = mx.random.normal((2 * heads, n, dim), key=mx.random.key(seed + 1)) * 2.0
+    return keys, queries
+
+
+@pytest.fixture(scope="module")
+def key_codec():
+    keys, queries = _skewed_keys()
+    return ProductVQCodec(32, 8, learn_codebooks(keys, 4, 8, 0, smoothing_factors(keys, queries, 0.5))), keys
+
+
+def test_lut_score_equals_dequantize_then_dot(key_codec):
+    codec, keys = key_codec
+    fields = codec.encode(keys[None, :, :300])
+    q = codec.to_domain(mx.random.normal((1, 2, 5, 32), key=mx.random.key(3)))
+    lut = codec.score(q, fields)
+    dense = q @ codec.decode(fields).swapaxes(-1, -2)
+    assert lut.shape == (1, 2, 5, 300)
+    np.testing.assert_allclose(np.array(lut), np.array(dense), rtol=1e-5, atol=1e-4)
+    # the table itself: entry (m, c) is the query's sub-vector m dotted with centroid c of head h
+    tables = np.array(codec.lookup_tables(q)).reshape(1, 2, 5, 8, 256)
+    books = np.array(codec.codebooks)
+    qs = np.array(q).reshape(1, 2, 5, 8, 4)
+    np.testing.assert_allclose(tables[0, 1, 2, 6], books[1, 6] @ qs[0, 1, 2, 6], rtol=1e-5, atol=1e-5)
+
+
+def test_smooth_scaling_preserves_q_dot_k_and_inverts(key_codec):
+    codec, keys = key_codec
+    assert not codec.format.orthogonal_domain and float(mx.max(mx.abs(codec.smooth - 1)).item()) > 0.5
+    k = keys[None, :, :40]
+    q = mx.random.normal((1, 2, 3, 32), key=mx.random.key(4)) * 3.0
+    exact = q @ k.swapaxes(-1, -2)
+    mapped = codec.to_domain(q) @ codec.encode_map(k).swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(mapped), np.array(exact), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.array(codec.from_domain(codec.encode_map(k))), np.array(k), rtol=1e-4, atol=1e-4)
+    # query heads (GQA: head h // rep) take their kv head's factors
+    q_heads = mx.random.normal((1, 4, 3, 32), key=mx.random.key(5))
+    mapped = codec.to_domain(q_heads).reshape(1, 2, 6, 32) @ codec.encode_map(k).swapaxes(-1, -2)
+    np.testing.assert_allclose(np.array(mapped), np.array(q_heads.reshape(1, 2, 6, 32) @ k.swapaxes(-1, -2)),
+                               rtol=1e-4, atol=1e-3)
+    # and the smoothing spreads the large channels: the smoothed keys' channel maxima are flatter
+    spread = lambda x: float((mx.max(mx.abs(x), axis=(0, 1)).max() / mx.max(mx.abs(x), axis=(0, 1)).min()).item())
+    assert spread(keys / codec.smooth[:, None, :]) < spread(keys) / 3
+
+
+def test_nearest_centroid_never_builds_the_difference_tensor():
+    """65536 tokens x 256 centroids x 8 coordinates is 512 MiB of float32 differences: the search
+    must stay far below that (and agree with the brute-force answer)."""
+    x = mx.random.normal((1, 65536, 8), key=mx.random.key(6))
+    c = mx.random.normal((1, 256, 8), key=mx.random.key(7))
+    mx.eval(x, c)
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    codes = nearest_centroid(x, c)
+    mx.eval(codes)
+    peak = mx.get_peak_memory() - before
+    assert peak < (65536 * 256 * 8 * 4) / 4, peak
+    sub = x[:, :2048]
+    brute = mx.argmin(mx.sum((sub[:, :, None] - c[:, None]) ** 2, axis=-1), axis=-1)
+    assert mx.array_equal(codes[:, :2048], brute.astype(mx.uint32)).item()
+
+
+def test_kmeans_finds_separated_clusters():
+    centers = mx.random.normal((3, 16, 4), key=mx.random.key(8)) * 10
+    points = mx.repeat(centers, 64, axis=1) + 0.1 * mx.random.normal((3, 1024, 4), key=mx.random.key(9))
+    error = lambda books: float(mx.mean(mx.min(mx.sum((points[:, :, None] - books[:, None]) ** 2, -1), -1)).item())
+    books = kmeans(points, 16, iterations=10, seed=1)
+    assert error(books) < 0.1  # every true cluster found (noise: 4 coordinates of variance 0.01)
+    assert error(books) <= error(kmeans(points, 16, iterations=0, seed=1))  # Lloyd steps never hurt
+
+
+def test_missing_calibration_raises(small):
+    for config in (KVCacheConfig(method="vecinfer", bits=2),
+                   KVCacheConfig(method="vecinfer", bits=1, options={"values": "vq"})):
+        with pytest.raises(CalibrationRequiredError, match="vecinfer"):
+            _forward(small, config, mx.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="set bits to 2"):
+        KVCacheConfig(method="vecinfer", bits=1, options={"sub_dim": 4, "centroid_bits": 6})
+    with pytest.raises(ValueError, match="values must be"):
+        KVCacheConfig(method="vecinfer", bits=2, options={"values": "fp16"})
+
+
+@pytest.mark.parametrize("bits,options,key_bits,value_bits", [
+    (2, {}, 2 * 32, 2 * 32 + 16),  # K: 8 codes of 8 bits; V: turboquant_mse:2 (codes + fp16 norm)
+    (2, {"values": "vq"}, 2 * 32, 2 * 32),
+    (1, {"values": "vq"}, 1 * 32, 1 * 32),  # 4 codes of 8 bits (256 centroids of 8 coordinates)
+    # 8 codes of 6 bits at head dim 32 fill 2 whole words (at head dim 64, 16 codes fill 3: 1.5 bits)
+    (2, {"sub_dim": 4, "centroid_bits": 6}, 64, 2 * 32 + 16),
+])
+def test_bytes_per_token_match_the_stated_width(small, tmp_path, bits, options, key_bits, value_bits):
+    config = KVCacheConfig(method="vecinfer", bits=bits, options=options)
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    _, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 512, seed=2)[0])
+    stated = sum(c.kv_heads * 512 * (key_bits + value_bits) / 8 for c in caches)
+    assert caches[0].key_codec.format.bits_per_token == key_bits
+    assert caches[0].value_codec.format.bits_per_token == value_bits
+    measured = sum(c.nbytes for c in caches)
+    assert abs(measured - stated) / stated < 0.03, (measured, stated)
+
+
+def test_vq_beats_scalar_codes_at_equal_bits(key_codec):
+    """On keys with outlier channels, smoothing + Hadamard + product VQ at 2 bits scores closer to
+    the exact q.k than TurboQuant-MSE at 2 bits (which also spends 16 bits on a norm)."""
+    from veloxquant_mlx.methods.turboquant_mse import MSECodec
+
+    codec, keys = key_codec
+    held_out, queries = _skewed_keys(seed=11)
+    k, q = held_out[None, :, :512], queries[None, :2, :64]
+    exact = q @ k.swapaxes(-1, -2)
+    vq = codec.score(codec.to_domain(q), codec.encode(k))
+    mse = MSECodec(32, 2, 0)
+    scalar = mse.score(mse.to_domain(q), mse.encode(k))
+    err = lambda s: float(mx.mean((s - exact) ** 2).item())
+    assert err(vq) < err(scalar)
+
+
+SPECS = {
+    "keys-vq": KVCacheConfig(method="vecinfer", bits=2, sink_tokens=2),
+    "kv-vq-centered": KVCacheConfig(method="vecinfer", bits=2, center=True, options={"values": "vq"}),
+    "window": KVCacheConfig(method="vecinfer", bits=2, residual_length=8, sink_tokens=2, options={"values": "vq"}),
+    "no-smooth": KVCacheConfig(method="vecinfer", bits=1, options={"smooth": False, "values": "vq"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_engine_paths_agree(small, tmp_path, name):
+    """The compiled decode step (LUT scores), the generic blockwise path and attention over the
+    dequantized cache agree; the fused SDPA prefill too where the key domain is orthogonal."""
+    from veloxquant_mlx import EngineSettings, engine
+
+    config = SPECS[name]
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    settings = EngineSettings.resolve(backend="portable")
+    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(settings=settings)
+    tokens = _sequences(1, 100, seed=8)[0]
+    small(tokens[None, :90], cache=caches)
+    for i in range(90, 100):
+        small(tokens[None, i : i + 1], cache=caches)
+    cache = caches[1]
+    assert cache.last_path == "compiled_decode"
+
+    def generic(q, mask=None):
+        cache.settings = settings.replace(kernels=False)
+        try:
+            return cache.attend(q, 0.2, mask)
+        finally:
+            cache.settings = settings
+
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
+    out, ref = engine.compiled_decode(cache._history(), q, 0.2), generic(q)
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    q = mx.random.normal((1, 4, 100, 32), key=mx.random.key(4))
+    history = cache._history()
+    if engine.sdpa_prefill_applies(history, q, "causal") and not cache.config.residual_length:
+        out, ref = engine.sdpa_prefill(history, q, 0.2, "causal"), generic(q, "causal")
+        assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    # the smoothed key domain is not orthogonal: fp16 keys cannot join decoded ones in one SDPA call
+    assert engine.sdpa_prefill_applies(history, q, "causal") == cache.key_codec.format.orthogonal_domain
+    keys, values = cache.dequantized()
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
+    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
+    assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
+
+
+def test_artifacts_and_prompt_cache_round_trip(small, tmp_path):
+    from veloxquant_mlx.integration import load_prompt_cache, save_prompt_cache
+
+    config = KVCacheConfig(method="vecinfer", bits=2, options={"values": "vq"})
+    record = calibrate(small, config, _sequences(), tmp_path / "art", progress=False)
+    assert record["tokens"] == 512
+    meta = json.loads((tmp_path / "art" / "artifacts.json").read_text())
+    assert {e["layer"] for e in meta["codecs"]} == {0, 1}
+    stored = mx.load(str(tmp_path / "art" / "codecs.safetensors"))
+    assert stored["1.keys.32.heads.codebooks"].shape == (2, 8, 256, 4)  # per head and sub-vector
+    config = config.replace(artifact_dir=str(tmp_path / "art"))
+    _, caches = _forward(small, config, _sequences(1, 80, seed=5)[0])
+    assert mx.array_equal(caches[1].key_codec.codebooks, stored["1.keys.32.heads.codebooks"]).item()
+    assert not mx.array_equal(caches[0].key_codec.codebooks, caches[1].key_codec.codebooks).item()
+    save_prompt_cache(tmp_path / "c.safetensors", caches)
+    nxt = mx.array([[7]])
+    expected = small(nxt, cache=caches)
+    for kwargs in ({"config": config, "model": small}, {}):
+        loaded = load_prompt_cache(tmp_path / "c.safetensors", **kwargs)
+        assert mx.array_equal(small(nxt, cache=loaded), expected).item()
+
+
+def test_quality_on_a_random_model_beats_scalar_codes(small, tmp_path):
+    """End to end: logits with vecinfer K2/V2 (values=vq) are nearer fp16 than turboquant_mse:2."""
+    config = KVCacheConfig(method="vecinfer", bits=2, options={"values": "vq"})
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    tokens = _sequences(1, 120, seed=12)[0]
+    fp16 = small(tokens[None])
+    vq, _ = _forward(small, config.replace(artifact_dir=str(tmp_path)), tokens)
+    scalar, _ = _forward(small, KVCacheConfig(method="turboquant_mse", bits=2), tokens)
+    err = lambda a: float(mx.mean((a - fp16) ** 2).item())
+    assert err(vq) < err(scalar)
+
+
+@pytest.mark.model
+def test_coherent_generation_on_smollm2(tmp_path):
+    from mlx_lm.generate import generate_step
+
+    from veloxquant_mlx.calibration import calibration_tokens
+    from veloxquant_mlx.models import load_model
+    from veloxquant_mlx.evaluation.data import SAMPLE_TEXT
+
+    model, tokenizer = load_model("smollm2")
+    config = KVCacheConfig(method="vecinfer", bits=2)
+    calibrate(model, config, calibration_tokens(tokenizer, SAMPLE_TEXT.read_text(), 1, 512), tmp_path, progress=False)
+    prompt = tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+
+    def greedy(caches, n=12):
+        out = []
+        for token, _ in generate_step(mx.array(prompt), model, max_tokens=n, prompt_cache=caches):
+            out.append(int(token))
+        return out
+
+    fp16 = greedy(None)
+    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(model).build()
+    got = greedy(caches)
+    assert got[:2] == fp16[:2], (tokenizer.decode(got), tokenizer.decode(fp16))
+    assert "Berlin" in tokenizer.decode(got)
