@@ -70,3 +70,41 @@ def smollm2():
     from veloxquant_mlx.models import load_model
 
     return load_model("smollm2")
+
+
+def assert_engine_paths_agree(model, config, tokens, settings=None):
+    """Caches of `config` on `model` fed `tokens` (90 prefill, 10 decode): the compiled decode,
+    the generic path, the SDPA prefill (the GPU path, run on the CPU, where the domains are
+    orthogonal and there is no window) and attention over the dequantized cache agree."""
+    from veloxquant_mlx import EngineSettings, KVCacheBuilder, engine
+
+    settings = settings or EngineSettings.resolve(backend="portable")
+    caches = KVCacheBuilder(config).for_model(model).build(settings=settings)
+    model(tokens[None, :90], cache=caches)
+    for i in range(90, 100):
+        model(tokens[None, i : i + 1], cache=caches)
+    cache = caches[1]
+    assert cache.last_path == "compiled_decode"
+
+    def generic(q, mask=None):
+        cache.settings = settings.replace(kernels=False)
+        try:
+            return cache.attend(q, 0.2, mask)
+        finally:
+            cache.settings = settings
+
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
+    out, ref = engine.compiled_decode(cache._history(), q, 0.2), generic(q)
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    q = mx.random.normal((1, 4, 100, 32), key=mx.random.key(4))
+    history = cache._history()
+    # a key domain that is not orthogonal cannot put fp16 keys and decoded ones in one SDPA call
+    assert engine.sdpa_prefill_applies(history, q, "causal") == (
+        cache.key_codec.format.orthogonal_domain and cache.value_codec.format.orthogonal_domain)
+    if engine.sdpa_prefill_applies(history, q, "causal") and not cache.config.residual_length:
+        out, ref = engine.sdpa_prefill(history, q, 0.2, "causal"), generic(q, "causal")
+        assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    keys, values = cache.dequantized()
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
+    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
+    assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()

@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import batch_generate, generate_step
-from mlx_lm.models.cache import BatchKVCache, KVCache
+from mlx_lm.models.cache import BatchKVCache
 from mlx_lm.sample_utils import make_sampler
 
 from conftest import ALL_METHODS, config_for, tiny_llama

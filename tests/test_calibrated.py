@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import tiny_llama
+from conftest import assert_engine_paths_agree, tiny_llama
 
 from veloxquant_mlx.artifacts import ArtifactError, CodecSet
 from veloxquant_mlx.calibration import calibrate, capture
@@ -206,38 +206,9 @@ CALIBRATED_SPECS = {
 
 @pytest.mark.parametrize("name", sorted(CALIBRATED_SPECS))
 def test_engine_paths_agree_on_calibrated_formats(small, tmp_path, name):
-    from veloxquant_mlx import EngineSettings, engine
-
     config = CALIBRATED_SPECS[name]
     calibrate(small, config, _sequences(), tmp_path, progress=False)
-    settings = EngineSettings.resolve(backend="portable")
-    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(settings=settings)
-    tokens = _sequences(1, 100, seed=8)[0]
-    small(tokens[None, :90], cache=caches)
-    for i in range(90, 100):
-        small(tokens[None, i : i + 1], cache=caches)
-    cache = caches[1]
-    assert cache.last_path == "compiled_decode"
-
-    def generic(q, mask=None):
-        cache.settings = settings.replace(kernels=False)
-        try:
-            return cache.attend(q, 0.2, mask)
-        finally:
-            cache.settings = settings
-
-    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
-    out, ref = engine.compiled_decode(cache._history(), q, 0.2), generic(q)
-    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
-    q = mx.random.normal((1, 4, 100, 32), key=mx.random.key(4))
-    if not cache.config.residual_length:  # SDPA prefill (the GPU path), run here on the CPU
-        out, ref = engine.sdpa_prefill(cache._history(), q, 0.2, "causal"), generic(q, "causal")
-        assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
-    # attention over the codes matches attention over what the cache decodes them to
-    keys, values = cache.dequantized()
-    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
-    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
-    assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
+    assert_engine_paths_agree(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 100, seed=8)[0])
 
 
 def test_ratequant_on_a_kivi_base_uses_whole_bits_per_layer(small, tmp_path):

@@ -2,7 +2,6 @@
 
 import sys
 import types
-import warnings
 
 import mlx.core as mx
 import mlx.nn as nn

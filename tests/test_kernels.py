@@ -7,7 +7,6 @@ Tolerances (max |out - ref| / max |ref|): 1e-4 for float32 inputs, 4e-3 for fp16
 (rounding of the output / of decoded codes); see kernels.selftest.
 """
 
-import os
 import shutil
 import subprocess
 

@@ -6,9 +6,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import tiny_llama
+from conftest import assert_engine_paths_agree, tiny_llama
 
-from veloxquant_mlx import CompressedKVCache, EngineSettings, KVCacheConfig, engine
+from veloxquant_mlx import CompressedKVCache, KVCacheConfig
 from veloxquant_mlx.integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.methods.rabitq import RaBitQCodec
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
@@ -125,35 +125,7 @@ SPECS = {
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_engine_paths_agree(small, name):
-    config = SPECS[name]
-    settings = EngineSettings.resolve(backend="portable")
-    caches = KVCacheBuilder(config).for_model(small).build(settings=settings)
-    tokens = mx.array(np.random.default_rng(8).integers(0, 512, 100))
-    small(tokens[None, :90], cache=caches)
-    for i in range(90, 100):
-        small(tokens[None, i : i + 1], cache=caches)
-    cache = caches[1]
-    assert cache.last_path == "compiled_decode"
-
-    def generic(q, mask=None):
-        cache.settings = settings.replace(kernels=False)
-        try:
-            return cache.attend(q, 0.2, mask)
-        finally:
-            cache.settings = settings
-
-    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
-    out, ref = engine.compiled_decode(cache._history(), q, 0.2), generic(q)
-    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
-    q = mx.random.normal((1, 4, 100, 32), key=mx.random.key(4))
-    if not cache.config.residual_length:  # SDPA prefill (the GPU path), run here on the CPU
-        out, ref = engine.sdpa_prefill(cache._history(), q, 0.2, "causal"), generic(q, "causal")
-        assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
-    # attention over the codes matches attention over what the cache decodes them to
-    keys, values = cache.dequantized()
-    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
-    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
-    assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
+    assert_engine_paths_agree(small, SPECS[name], mx.array(np.random.default_rng(8).integers(0, 512, 100)))
 
 
 def test_prompt_cache_saves_and_loads(small, tmp_path):

@@ -208,7 +208,7 @@ def test_cache_prompt_then_generate_from_the_file(tmp_path, capsys):
     assert main(["generate", "--prompt-cache-file", str(out), "--prompt", "Who kept the lighthouse?",
                  "--max-tokens", "12"]) == 0
     text = capsys.readouterr().out
-    assert "[prompt cache" in text and "turboquant_mse K3/V3" in text and "Prompt: " in text
+    assert "[prompt cache" in text and "turboquant_mse K3/V2" in text and "Prompt: " in text
     prompt_tokens = int(text.split("Prompt: ")[1].split(" tokens")[0])
     assert prompt_tokens < 30  # the question only: the document came from the file
     assert main(["generate", "--prompt-cache-file", str(out), "--prompt", "x", "--method", "kivi"]) == 2

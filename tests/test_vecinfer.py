@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import tiny_llama
+from conftest import assert_engine_paths_agree, tiny_llama
 
 from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
@@ -163,40 +163,9 @@ SPECS = {
 def test_engine_paths_agree(small, tmp_path, name):
     """The compiled decode step (LUT scores), the generic blockwise path and attention over the
     dequantized cache agree; the fused SDPA prefill too where the key domain is orthogonal."""
-    from veloxquant_mlx import EngineSettings, engine
-
     config = SPECS[name]
     calibrate(small, config, _sequences(), tmp_path, progress=False)
-    settings = EngineSettings.resolve(backend="portable")
-    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(settings=settings)
-    tokens = _sequences(1, 100, seed=8)[0]
-    small(tokens[None, :90], cache=caches)
-    for i in range(90, 100):
-        small(tokens[None, i : i + 1], cache=caches)
-    cache = caches[1]
-    assert cache.last_path == "compiled_decode"
-
-    def generic(q, mask=None):
-        cache.settings = settings.replace(kernels=False)
-        try:
-            return cache.attend(q, 0.2, mask)
-        finally:
-            cache.settings = settings
-
-    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
-    out, ref = engine.compiled_decode(cache._history(), q, 0.2), generic(q)
-    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
-    q = mx.random.normal((1, 4, 100, 32), key=mx.random.key(4))
-    history = cache._history()
-    if engine.sdpa_prefill_applies(history, q, "causal") and not cache.config.residual_length:
-        out, ref = engine.sdpa_prefill(history, q, 0.2, "causal"), generic(q, "causal")
-        assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
-    # the smoothed key domain is not orthogonal: fp16 keys cannot join decoded ones in one SDPA call
-    assert engine.sdpa_prefill_applies(history, q, "causal") == cache.key_codec.format.orthogonal_domain
-    keys, values = cache.dequantized()
-    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
-    plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
-    assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
+    assert_engine_paths_agree(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 100, seed=8)[0])
 
 
 def test_artifacts_and_prompt_cache_round_trip(small, tmp_path):

@@ -15,7 +15,7 @@ Quantisation-time only (NumPy float64); the stored layer is an ordinary `Quantiz
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn

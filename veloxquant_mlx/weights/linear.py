@@ -17,9 +17,8 @@ batches (prefill) decode the codes a tile of rows at a time and use float matmul
 
 from __future__ import annotations
 
-import math
 import os
-from typing import Dict, Optional
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
