@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -28,19 +26,7 @@ from veloxquant_mlx.codebooks import dequantize
 from veloxquant_mlx.evaluation.specs import parse_method_spec
 from veloxquant_mlx.packing import unpack
 
-KV_HEADS, Q_HEADS, DIM = 8, 32, 128
-
-
-def timed(fn, rounds: int) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(rounds):
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+from engine_profile import DIM, KV_HEADS, Q_HEADS, timed  # noqa: E402  (benchmarks/ is on the path)
 
 
 def unpack_by_gather(words: mx.array, bits: int, n: int) -> mx.array:
