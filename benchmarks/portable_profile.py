@@ -21,12 +21,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from veloxquant_mlx import EngineSettings
-from veloxquant_mlx.cache import CompressedKVCache
 from veloxquant_mlx.codebooks import dequantize
-from veloxquant_mlx.evaluation.specs import parse_method_spec
 from veloxquant_mlx.packing import unpack
 
-from engine_profile import DIM, KV_HEADS, Q_HEADS, timed  # noqa: E402  (benchmarks/ is on the path)
+from engine_profile import DIM, Q_HEADS, filled, timed  # noqa: E402  (benchmarks/ is on the path)
 
 
 def unpack_by_gather(words: mx.array, bits: int, n: int) -> mx.array:
@@ -55,12 +53,7 @@ def main():
     T = args.context
     settings = EngineSettings.resolve(backend="portable")
     spec = "turboquant_mse:3:vbits=4"
-    cache = CompressedKVCache(parse_method_spec(spec).config, settings=settings)
-    k = (mx.random.normal((1, KV_HEADS, T, DIM), key=mx.random.key(1)) * 2).astype(mx.float16)
-    v = mx.random.normal((1, KV_HEADS, T, DIM), key=mx.random.key(2)).astype(mx.float16)
-    for start in range(0, T, 2048):
-        cache.update_and_fetch(k[..., start:start + 2048, :], v[..., start:start + 2048, :])
-        mx.eval(cache.state)
+    cache, k, v = filled(spec, T, settings)
     q = mx.random.normal((1, Q_HEADS, 1, DIM), key=mx.random.key(3)).astype(mx.float16)
     cache.attend(q, DIM ** -0.5)
     path = cache.last_path

@@ -1,4 +1,5 @@
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models import gemma3_text, llama
 
@@ -45,6 +46,18 @@ def tiny_gemma3(layers=3, sliding_window=32, pattern=3, vocab=512, seed=0):
     model = gemma3_text.Model(args)
     mx.eval(model.parameters())
     return model
+
+
+def random_sequences(n: int, length: int, vocab: int = 512, seed: int = 0):
+    """`n` token sequences of `length` random ids (calibration inputs in the tests)."""
+    rng = np.random.default_rng(seed)
+    return [mx.array(rng.integers(0, vocab, length)) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def small():
+    """A two-layer random llama (GQA 2) for the method tests, one per test module."""
+    return tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2)
 
 
 def config_for(method: str, bits: int = 4, **changes) -> KVCacheConfig:

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_engine_paths_agree, tiny_llama
+from conftest import assert_engine_paths_agree, random_sequences, tiny_llama
 
 from veloxquant_mlx.artifacts import ArtifactError, CodecSet
 from veloxquant_mlx.calibration import calibrate, capture
@@ -18,13 +18,7 @@ from veloxquant_mlx.methods.turboquant_mse import MSECodec
 
 
 def _sequences(n=2, length=64, vocab=512, seed=0):
-    rng = np.random.default_rng(seed)
-    return [mx.array(rng.integers(0, vocab, length)) for _ in range(n)]
-
-
-@pytest.fixture(scope="module")
-def small():
-    return tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2)
+    return random_sequences(n, length, vocab, seed)
 
 
 def _forward(model, config, tokens):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from conftest import tiny_gemma3, tiny_llama
+from conftest import random_sequences, tiny_gemma3, tiny_llama
 
 from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
@@ -20,8 +20,7 @@ from veloxquant_mlx.methods.outliers import CalibrationRequiredError
 
 
 def _sequences(n=2, length=96, vocab=512, seed=0):
-    rng = np.random.default_rng(seed)
-    return [mx.array(rng.integers(0, vocab, length)) for _ in range(n)]
+    return random_sequences(n, length, vocab, seed)
 
 
 def _plain_llama(traditional: bool):

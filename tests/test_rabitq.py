@@ -6,17 +6,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_engine_paths_agree, tiny_llama
+from conftest import assert_engine_paths_agree
 
 from veloxquant_mlx import CompressedKVCache, KVCacheConfig
 from veloxquant_mlx.integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.methods.rabitq import RaBitQCodec
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
-
-
-@pytest.fixture(scope="module")
-def small():
-    return tiny_llama(layers=2, hidden=128, heads=4, kv_heads=2)
 
 
 def _estimates(bits, seeds, k, q):
