@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from conftest import ALL_METHODS, config_for
-from veloxquant_mlx import CacheFormatError, CompressedKVCache, KVCacheConfig
+from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, KVCacheConfig
 from veloxquant_mlx.integration import install_attention_hook
 
 install_attention_hook()
@@ -105,15 +105,16 @@ def test_blockwise_attention_equals_attention_on_decoded_history(method, center)
 @pytest.mark.parametrize("center", [False, True])
 @pytest.mark.parametrize("method", ALL_METHODS)
 def test_chunked_prefill_equals_token_by_token_decoding(method, center, band_queries):
-    """With sinks and an fp16 window, each query of a prefill chunk sees exactly what it
-    would see if the tokens had been decoded one at a time (also when the chunk's queries
-    score its fp16 tokens in groups of `band_queries`)."""
+    """With sinks and an fp16 window, under the "decode" prefill rule each query of a prefill
+    chunk sees exactly what it would see if the tokens had been decoded one at a time (also
+    when the chunk's queries score its fp16 tokens in groups of `band_queries`)."""
     config = config_for(method, 3, sink_tokens=2, residual_length=24, center=center)
     k, v = random_kv(150, heads=2, dim=64, seed=3)
     mx.random.seed(4)
     q = mx.random.normal((1, 4, 150, 64))
-    stepped = CompressedKVCache(config)
-    first = CompressedKVCache(config)
+    settings = EngineSettings.resolve(prefill_rule="decode")
+    stepped = CompressedKVCache(config, settings=settings)
+    first = CompressedKVCache(config, settings=settings)
     first.band_queries = band_queries
     # The first update encodes a whole block for every method, so both caches estimate
     # the same centering means (they come from the first chunk that gets encoded).
@@ -132,6 +133,37 @@ def test_chunked_prefill_equals_token_by_token_decoding(method, center, band_que
     got = mx.concatenate(got, axis=2)
     assert (first.encoded, first.window) == (stepped.encoded, stepped.window)
     assert mx.allclose(got, expected, atol=1e-4).item()
+
+
+@pytest.mark.parametrize("method", ["turboquant_mse", "kivi"])
+def test_chunk_prefill_rule_sees_the_chunk_and_the_window_in_fp16(method):
+    """Under the default "chunk" rule a prefill chunk's queries see the chunk and the window
+    before it in fp16 and older tokens from their codes, which for a first chunk is plain fp16
+    attention; under the "decode" rule its earlier queries see flushed tokens from their codes."""
+    config = config_for(method, 3, sink_tokens=2, residual_length=16)
+    k, v = random_kv(120, heads=2, dim=64, seed=5)
+    k, v = k.astype(mx.float16).astype(mx.float32), v.astype(mx.float16).astype(mx.float32)  # as the window holds them
+    q = mx.random.normal((1, 4, 120, 64), key=mx.random.key(6))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    outs = {}
+    for rule in ("chunk", "decode"):
+        cache = CompressedKVCache(config, settings=EngineSettings.resolve(prefill_rule=rule))
+        cache.update_and_fetch(k, v)
+        assert cache.encoded > 0
+        outs[rule] = cache.attend(q, scale=0.125, mask="causal")
+    assert mx.allclose(outs["chunk"], want, atol=1e-5, rtol=1e-4).item()
+    assert not mx.allclose(outs["decode"], want, atol=1e-3, rtol=1e-3).item()
+    # A second chunk: codes before the span the update encoded, fp16 from there on.
+    cache = CompressedKVCache(config, settings=EngineSettings.resolve(prefill_rule="chunk"))
+    cache.update_and_fetch(k[..., :80, :], v[..., :80, :])
+    first = 2 + cache.encoded  # sinks, then the codes that existed before this update
+    cache.update_and_fetch(k[..., 80:, :], v[..., 80:, :])
+    dk, dv = cache.dequantized()
+    keys = mx.concatenate([k[..., :2, :], dk[..., 2:first, :], k[..., first:, :]], axis=2)
+    values = mx.concatenate([v[..., :2, :], dv[..., 2:first, :], v[..., first:, :]], axis=2)
+    got = cache.attend(q[..., 80:, :], scale=0.125, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(q[..., 80:, :], keys, values, scale=0.125, mask="causal")
+    assert mx.allclose(got, ref, atol=2e-4, rtol=1e-3).item(), float(mx.abs(got - ref).max())
 
 
 def test_array_mask_and_batch():

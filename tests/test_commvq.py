@@ -10,6 +10,7 @@ from mlx_lm.models import llama
 
 from conftest import random_sequences, tiny_gemma3, tiny_llama
 
+from veloxquant_mlx import EngineSettings
 from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.integration import (KVCacheBuilder, UnsupportedModelError, load_prompt_cache, patch_model,
@@ -132,7 +133,8 @@ def test_attention_equals_rope_applied_to_dequantized_keys(calibrated, window):
     model, config, _ = calibrated
     if window:
         config = config.replace(sink_tokens=4, residual_length=8)
-    cache = KVCacheBuilder(config).for_model(model).build()[0]
+    # The "decode" prefill rule: each query sees the tokens the chunk encoded as decoding would.
+    cache = KVCacheBuilder(config).for_model(model).build(settings=EngineSettings.resolve(prefill_rule="decode"))[0]
     rope = model.layers[0].self_attn.rope
     rng = np.random.default_rng(9)
     keys = mx.array(rng.normal(size=(1, 2, 60, 32)).astype(np.float32))

@@ -75,11 +75,13 @@ def test_sdpa_prefill_equals_generic(method, changes):
     ("kivi", {}), ("kivi", PROTECTED), ("polarquant", {"residual_length": 5, "sink_tokens": 1}),
 ], ids=str)
 @pytest.mark.parametrize("first_chunk", [False, True])
-def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, monkeypatch):
+@pytest.mark.parametrize("rule", ["chunk", "decode"])
+def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, rule, monkeypatch):
     monkeypatch.setattr(engine, "SDPA_MASK_BYTES", 4 * 4 * 37 * 700)  # groups of 37 queries or so
-    # The chunk pushes tokens out of the window (or completes KIVI key groups): earlier queries
-    # of the chunk still see them in fp16, later ones from their codes, through an explicit mask.
-    cache = CompressedKVCache(config_for(method, 3, **changes))
+    # The chunk pushes tokens out of the window (or completes KIVI key groups). "decode": earlier
+    # queries of the chunk still see them in fp16, later ones from their codes (an explicit mask);
+    # "chunk": every query sees them in fp16 (one causal call).
+    cache = CompressedKVCache(config_for(method, 3, **changes), settings=EngineSettings.resolve(prefill_rule=rule))
     k = mx.random.normal((1, 2, 400, 64), key=mx.random.key(7)) * 2
     v = mx.random.normal((1, 2, 400, 64), key=mx.random.key(8))
     if not first_chunk:

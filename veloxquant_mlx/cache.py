@@ -326,6 +326,17 @@ class CompressedKVCache(_BaseCache):
         blocks = max(0, blocks) if isinstance(blocks, int) else mx.maximum(0, blocks)
         return sinks + blocks * self.block
 
+    def _prefill_fp16_from(self, query_pos, first: int, last: int, query_len: int):
+        """First position of the recent fp16 span [first, offset) that one of `query_len` queries,
+        at `query_pos` (an int or an array), sees in fp16; it sees the span's earlier tokens,
+        encoded at [first, last), from their codes. The "decode" rule: what token-by-token
+        decoding would show it (a band about one window wide); the "chunk" rule: the whole span,
+        for the queries of a prefill chunk (more than one)."""
+        if self.settings.prefill_rule == "chunk" and query_len > 1:
+            return first if isinstance(query_pos, int) else mx.full(query_pos.shape, first)
+        pos = self._fp16_from(query_pos)
+        return min(max(pos, first), last) if isinstance(pos, int) else mx.clip(pos, first, last)
+
     def segments(self, query_rows: int = 1, query_len: int = 0):
         """The history as attention consumes it; encoded blocks are decoded lazily and
         sized so that `query_rows` (queries x query heads) x block scores fit a tile.
@@ -336,7 +347,7 @@ class CompressedKVCache(_BaseCache):
             just, _, first = self.just_encoded
             last = first + just.shape[2]
             query_pos = mx.arange(self.offset - query_len, self.offset)
-            fp16_from = mx.clip(self._fp16_from(query_pos), first, last)[:, None]
+            fp16_from = self._prefill_fp16_from(query_pos, first, last, query_len)[:, None]
         value_shift = None
         if self.value_mean is not None:
             value_shift = self.value_codec.to_domain(self.value_mean.astype(mx.float32))
@@ -376,9 +387,12 @@ class CompressedKVCache(_BaseCache):
         `band_queries`, each scoring only its band's keys, not every query the whole span."""
         first_query = self.offset - query_len
         last = first + keys.shape[2]
+        if self.settings.prefill_rule == "chunk" and query_len > 1:  # every query sees the whole span
+            yield Segment(keys, values, first, encoded=False)
+            return
         for a in range(0, query_len, self.band_queries):
             b = min(a + self.band_queries, query_len)
-            lo = min(max(self._fp16_from(first_query + a), first), last)
+            lo = self._prefill_fp16_from(first_query + a, first, last, query_len)
             hi = min(max(first_query + b, first), last)  # causal: no key after the group's last query
             if hi <= lo:
                 continue

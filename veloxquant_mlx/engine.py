@@ -402,9 +402,11 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     placed in position order (so the causal mask stays the plain one), the output comes back
     from the value domain once. One layer's decoded history exists at a time: on a GPU the
     layer is evaluated before the next one is built, so peak memory stays below an fp16
-    cache's (whose every layer holds that much). With a band the call
-    needs an explicit mask, which MLX's fused kernels may not take: the queries then go in
-    groups whose scores fit SDPA_MASK_BYTES even where MLX materialises them."""
+    cache's (whose every layer holds that much). Tokens a chunk encoded stay in fp16 for its
+    queries under the "chunk" rule (`settings.prefill_rule`), still one causal call; under the
+    "decode" rule each query sees them as decoding would (a band), which needs an explicit
+    mask, which MLX's fused kernels may not take: the queries then go in groups whose scores
+    fit SDPA_MASK_BYTES even where MLX materialises them."""
     kc, vc = h.key_codec, h.value_codec
     dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
     keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
@@ -416,7 +418,17 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
 
     s = h.sinks
     fp16 = h.fp16
-    if h.band and queries.shape[2] > 1:  # a single query sees every flushed token from its codes
+    if h.band and queries.shape[2] > 1 and h.settings.prefill_rule == "chunk":
+        # Every query sees the recent span [first, offset) in fp16 and the codes before it: keys
+        # [sinks | codes before first | the span] in position order, so the causal mask holds.
+        rk, rv, first = h.recent()
+        rk, rv = into_domains(rk, rv)
+        parts_k, parts_v = [keys[..., : first - s, :], rk], [values[..., : first - s, :], rv]
+        if s:
+            sk, sv = into_domains(fp16[0][..., :s, :], fp16[1][..., :s, :])
+            parts_k, parts_v = [sk] + parts_k, [sv] + parts_v
+        keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+    elif h.band and queries.shape[2] > 1:  # a single query sees every flushed token from its codes
         # Keys [sinks | every code | the recent span in fp16]: each query sees a recent token
         # from its codes before fp16_from(query) and from fp16 after it (cache.py's rule).
         rk, rv, first = h.recent()

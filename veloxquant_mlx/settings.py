@@ -12,6 +12,7 @@ on the per-token path reads the environment.
 | `metal_kernels` | `VELOXQUANT_METAL_KERNELS` (1) | Metal kernels on an Apple GPU; each is checked against the portable path at first use |
 | `split_tokens` | `VELOXQUANT_SPLIT_TOKENS` (None) | tokens per decode split (None: planned from the GPU's size) |
 | `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (prefill) | refuse NaN, Inf and beyond-fp16 keys/values: "prefill" checks chunks of more than one token (one sync per layer and chunk), "always" every update (a sync per layer per decode step), "off" none |
+| `prefill_rule` | `VELOXQUANT_PREFILL_RULE` (chunk) | what a prefill chunk's queries see in fp16 where an fp16 window or multi-token blocks (KIVI) exist: "chunk", the chunk and the window before it (as an fp16 cache would; one fused attention call); "decode", exactly what token-by-token decoding would (a band per query: an explicit mask, slower). `eval ppl` uses "decode" |
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import mlx.core as mx
 BACKENDS = ("cuda", "metal", "native", "portable", "emulator")
 CPU_BACKENDS = ("native", "portable")
 CHECK_INPUTS = ("always", "prefill", "off")
+PREFILL_RULES = ("chunk", "decode")
 GPU_BACKENDS = ("cuda", "metal")
 
 
@@ -46,6 +48,7 @@ class EngineSettings:
     split_tokens: Optional[int] = None
     gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
     check_inputs: str = "prefill"
+    prefill_rule: str = "chunk"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -54,6 +57,8 @@ class EngineSettings:
             raise ValueError(f"split_tokens must be a positive int, got {self.split_tokens!r}")
         if self.check_inputs not in CHECK_INPUTS:
             raise ValueError(f"check_inputs must be one of {', '.join(CHECK_INPUTS)}, got {self.check_inputs!r}")
+        if self.prefill_rule not in PREFILL_RULES:
+            raise ValueError(f"prefill_rule must be one of {', '.join(PREFILL_RULES)}, got {self.prefill_rule!r}")
 
     @property
     def gpu(self) -> bool:
@@ -86,6 +91,8 @@ class EngineSettings:
             explicit["split_tokens"] = int(env) if env else None
         if "check_inputs" not in explicit:
             explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "prefill").strip().lower()
+        if "prefill_rule" not in explicit:
+            explicit["prefill_rule"] = (os.environ.get("VELOXQUANT_PREFILL_RULE") or "chunk").strip().lower()
         device = mx.default_device()
         if "gpu_device" not in explicit:
             explicit["gpu_device"] = device.type == mx.DeviceType.gpu

@@ -198,7 +198,7 @@ def evaluate_perplexity(
             caches = None
             start = time.perf_counter()
             try:
-                caches = tally.spec.make_caches(model)
+                caches = tally.spec.make_caches(model, prefill_rule="decode")  # each token scored as decoding sees it
                 score = score_window(
                     model, caches, windows[w], chunk,
                     reference=reference, keep_logprobs=is_reference, on_chunk=on_chunk,

@@ -6,6 +6,7 @@
     kivi:2:group=32,residual=32   ... with config fields or method options
     turboquant_mse:3:backend=portable   ... on another engine back end (`settings.EngineSettings`)
     turboquant_mse:3:check_inputs=off   ... without the prefill chunks' input check (one sync per layer)
+    kivi:4:prefill_rule=decode          ... prefill chunks attend as token-by-token decoding would (`settings.py`)
     vq3, vq3:window=32            a preset (`veloxquant_mlx/presets.py`), with config fields on top
 """
 
@@ -64,11 +65,13 @@ class MethodSpec:
     def is_baseline(self) -> bool:
         return self.kind == BASELINE
 
-    def make_caches(self, model) -> list:
+    def make_caches(self, model, **engine_defaults) -> list:
+        """`engine_defaults`: EngineSettings fields this evaluation wants unless the spec sets them."""
         if self.config is not None:
             from ..settings import EngineSettings
 
-            return KVCacheBuilder(self.config).for_model(model).build(settings=EngineSettings.resolve(**self.engine))
+            settings = EngineSettings.resolve(**{**engine_defaults, **self.engine})
+            return KVCacheBuilder(self.config).for_model(model).build(settings=settings)
         caches = base_caches(model)
         if self.method == "fp16":
             return caches
@@ -181,6 +184,12 @@ def _settings_fields(spec: str, method, settings: Dict[str, str]):
             if value not in CHECK_INPUTS:
                 raise MethodSpecError(f"{spec!r}: check_inputs must be one of {', '.join(CHECK_INPUTS)}, got {value!r}")
             engine["check_inputs"] = value
+        elif key == "prefill_rule":
+            from ..settings import PREFILL_RULES
+
+            if value not in PREFILL_RULES:
+                raise MethodSpecError(f"{spec!r}: prefill_rule must be one of {', '.join(PREFILL_RULES)}, got {value!r}")
+            engine["prefill_rule"] = value
         elif key in CONFIG_KEYS:
             fields[CONFIG_KEYS[key]] = _int(spec, key, value)
         elif key == "center":
