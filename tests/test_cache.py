@@ -1,5 +1,6 @@
 """The compressed cache: storage budget, attention correctness, mlx-lm protocol, trim, save/load."""
 
+import json
 import math
 
 import mlx.core as mx
@@ -8,6 +9,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from conftest import ALL_METHODS, config_for
 from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, KVCacheConfig
+from veloxquant_mlx.cache import saving
 from veloxquant_mlx.integration import install_attention_hook
 
 install_attention_hook()
@@ -297,7 +299,8 @@ def test_corrupted_states_are_refused():
     cache = CompressedKVCache(config_for("turboquant_mse", 4))
     k, v = random_kv(50)
     cache.update_and_fetch(k, v)
-    header, arrays = cache.state
+    with saving():  # the state a file holds, with every tensor's checksum
+        header, arrays = cache.state
     with pytest.raises(CacheFormatError, match="header"):
         CompressedKVCache.from_state(["{not json", arrays])
     broken = {**arrays, "keys": {name: a[..., :10, :] for name, a in arrays["keys"].items()}}
@@ -306,6 +309,25 @@ def test_corrupted_states_are_refused():
     missing = {k: v for k, v in arrays.items() if k != "values"}
     with pytest.raises(CacheFormatError, match="values.codes.*missing"):
         CompressedKVCache.from_state([header, missing])
+    # Without checksums (mlx-lm's own save) the structure is still checked.
+    header, arrays = cache.state
+    with pytest.raises(CacheFormatError, match="corrupted"):
+        CompressedKVCache.from_state([header, {k: v for k, v in arrays.items() if k != "values"}])
+
+
+def test_state_checksums_only_while_saving(monkeypatch):
+    """mlx-lm evaluates `state` after every prefill chunk: it must not read the tensors on the
+    host (checksums), which only a file needs."""
+    import veloxquant_mlx.cache as cache_module
+
+    cache = CompressedKVCache(config_for("turboquant_mse", 4))
+    cache.update_and_fetch(*random_kv(50))
+    calls = []
+    real = cache_module.checksums
+    monkeypatch.setattr(cache_module, "checksums", lambda arrays: calls.append(1) or real(arrays))
+    assert "tensors" not in json.loads(cache.state[0]) and not calls
+    with saving():
+        assert "tensors" in json.loads(cache.state[0]) and calls
 
 
 def test_truncated_and_foreign_files(tmp_path):

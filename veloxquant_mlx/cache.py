@@ -30,10 +30,13 @@ settings (`settings.EngineSettings`) resolved once when the cache is made.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
+import functools
 import json
 import math
+import warnings
 from typing import Optional
 
 import mlx.core as mx
@@ -584,7 +587,10 @@ class CompressedKVCache(_BaseCache):
             for name in _DENSE_STATE:
                 if getattr(self, name) is not None and getattr(self, name).shape[2]:
                     arrays[name] = getattr(self, name)
-        header["tensors"] = checksums(_flat(arrays))
+        if _SAVING.get():
+            # Only for a file: mlx-lm evaluates `state` after every prefill chunk, and the CRC
+            # reads every tensor on the host.
+            header["tensors"] = checksums(_flat(arrays))
         header["digest"] = metadata_digest(header)
         return [json.dumps(header), arrays]
 
@@ -611,7 +617,10 @@ class CompressedKVCache(_BaseCache):
                 codecs = CodecSet.for_config(config)
             except ValueError as error:
                 raise CacheFormatError(f"{where} was written with codecs from {config.artifact_dir}: {error}") from None
-        verify_checksums(_flat(arrays), header.get("tensors") or {}, where, CacheFormatError)
+        if "tensors" in header:
+            verify_checksums(_flat(arrays), header["tensors"], where, CacheFormatError)
+        elif arrays:
+            _warn_unchecked(where)
         if codecs.per_layer:  # calibrated per layer: this layer's codecs
             if not isinstance(header.get("layer"), int):
                 raise CacheFormatError(f"{where}: per-layer codecs, but the header names no layer")
@@ -700,6 +709,24 @@ class CompressedKVCache(_BaseCache):
 
 # (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
 _LOADING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_loading", default=None)
+_SAVING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_saving", default=False)
+
+
+@contextlib.contextmanager
+def saving():
+    """Within it, `state` headers carry every tensor's checksum (`integration.save_prompt_cache`)."""
+    token = _SAVING.set(True)
+    try:
+        yield
+    finally:
+        _SAVING.reset(token)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unchecked(where: str):
+    warnings.warn(f"veloxquant_mlx: {where} was saved without tensor checksums (by mlx-lm's save_prompt_cache, "
+                  "not veloxquant_mlx.save_prompt_cache), so corruption of its codes cannot be detected",
+                  RuntimeWarning, stacklevel=4)
 
 
 def _finite_mean(x: mx.array) -> mx.array:

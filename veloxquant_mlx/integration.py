@@ -22,7 +22,7 @@ import mlx_lm.models.cache as mlx_cache
 from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
 from .settings import EngineSettings
 from .batch import BatchCompressedKVCache
-from .cache import _LOADING, CacheFormatError, CompressedKVCache
+from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
 from .config import KVCacheConfig, follow_bits
 from .methods import get_method
 from .rotating import CompressedRotatingKVCache
@@ -250,14 +250,21 @@ def _layer_digest(cache) -> str:
     return f"{type(cache).__name__}:{metadata_digest(checksums(arrays))}"
 
 
+def _saved_digest(cache) -> str:
+    """`_layer_digest` as the file records it (headers with tensor checksums)."""
+    with saving():
+        return _layer_digest(cache)
+
+
 def save_prompt_cache(path, caches: list, metadata: Optional[dict] = None) -> None:
     """mlx-lm's `save_prompt_cache`; each compressed layer records its config, checksums and
     index, and the file an index of every layer's digest (so swapped layers are refused)."""
     metadata = dict(metadata or {})
     if INDEX_KEY in metadata:
         raise ValueError(f"metadata key {INDEX_KEY!r} is reserved")
-    metadata[INDEX_KEY] = json.dumps([_layer_digest(c) for c in caches])
-    mlx_cache.save_prompt_cache(str(path), caches, metadata)
+    with saving():
+        metadata[INDEX_KEY] = json.dumps([_layer_digest(c) for c in caches])
+        mlx_cache.save_prompt_cache(str(path), caches, metadata)
 
 
 def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metadata: bool = False,
@@ -296,7 +303,7 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
             raise CacheFormatError(f"{path}: its layer index does not list its {len(caches)} layers (corrupted)")
     identity = None if model is None else model_identity(model)
     for i, cache in enumerate(caches):
-        if index is not None and _layer_digest(cache) != index[i]:
+        if index is not None and _saved_digest(cache) != index[i]:
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
                                    "(layers swapped, or the file corrupted)")
         compressed = cache.inner if isinstance(cache, CompressedRotatingKVCache) else cache
