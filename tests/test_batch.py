@@ -15,6 +15,13 @@ from veloxquant_mlx.integration import patch_model, unpatch_model
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [11, 3], [8, 8, 19, 23, 30]]
 
 
+@pytest.fixture(autouse=True)
+def _decode_exact_prefill(monkeypatch):
+    """These tests compare a decode step with prefilling the same tokens at once, which agree
+    under the "decode" prefill rule (the default "chunk" rule shows a chunk its own tokens in fp16)."""
+    monkeypatch.setenv("VELOXQUANT_PREFILL_RULE", "decode")
+
+
 def _config(method):
     # A window and sinks where the method allows them, so batches mix fp16 spans and codes.
     return config_for(method, residual_length=4, sink_tokens=2) if method != "fp16" else config_for(method)

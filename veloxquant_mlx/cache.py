@@ -254,10 +254,15 @@ class CompressedKVCache(_BaseCache):
         if keys.shape[2] == 0:
             return self.history()
 
+        held = self.window
+        flush = ((held + keys.shape[2] - self.config.residual_length) // self.block) * self.block
+        if 0 < flush <= held and self.block == 1 and self.config.residual_length > 0:
+            # A decode step with a full window: the oldest token leaves and the window stays one
+            # contiguous array (a view of a longer one would be copied by every kernel reading it).
+            self._slide_window(keys, values, flush)
+            return self.history()
         self.window_keys = _concat(self.window_keys, keys)
         self.window_values = _concat(self.window_values, values)
-        waiting = self.window - self.config.residual_length
-        flush = (waiting // self.block) * self.block
         if flush > 0:
             if self.config.residual_length or self.block > 1:
                 self.just_encoded = (
@@ -280,6 +285,16 @@ class CompressedKVCache(_BaseCache):
                     kept_keys, kept_values = mx.contiguous(kept_keys), mx.contiguous(kept_values)
                 self.window_keys, self.window_values = kept_keys, kept_values
         return self.history()
+
+    def _slide_window(self, keys: mx.array, values: mx.array, flush: int):
+        """The first `flush` window tokens (no more than it holds) leave for the store, as the
+        general path of `update_and_fetch` sends them, and `keys` / `values` join the window."""
+        leaving_keys, leaving_values = self.window_keys[..., :flush, :], self.window_values[..., :flush, :]
+        self.just_encoded = (leaving_keys, leaving_values, self.sinks + self.encoded)
+        store = self.store.defer if flush == 1 and self._route("defer", None, None) else self.store.append
+        store(leaving_keys, leaving_values)
+        self.window_keys = mx.concatenate([self.window_keys[..., flush:, :], keys], axis=2)
+        self.window_values = mx.concatenate([self.window_values[..., flush:, :], values], axis=2)
 
     def history(self):
         return CompressedHistory(self, "keys"), CompressedHistory(self, "values")

@@ -120,6 +120,9 @@ def _fused_supports(h, queries, mask) -> bool:
         return False
     if ops.constants(h.key_codec)["signs"] is None or ops.constants(h.value_codec)["signs"] is None:
         return False  # the merge encodes the new token: both rotations in-kernel (power-of-two dim)
+    parts, fp16 = h.fp16_inputs()
+    if parts < 0 or sum(a.shape[2] for a in fp16[::2]) > ops.MAX_PLAIN_TOKENS:
+        return False  # merge_encode takes the sinks / window as held, up to MAX_PLAIN_TOKENS
     if queries is None:  # asked whether a decode token may wait (engine.defers)
         return check.usable(h.settings.backend)
     return _decode_call(queries, mask) and _kernels_take(h, queries)

@@ -140,15 +140,16 @@ def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool,
 
 @lru_cache(maxsize=4096)
 def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple, value: tuple, *, center: bool,
-                      x_dtype: str, out_dtype: str, plain: bool = False) -> Plan:
-    """`key` / `value`: (bits, renorm). Both roles rotate in-kernel, so dim is a power of two."""
+                      x_dtype: str, out_dtype: str, plain_tokens: int = 0) -> Plan:
+    """`key` / `value`: (bits, renorm). Both roles rotate in-kernel, so dim is a power of two.
+    `plain_tokens`: a bound on the fp16 sinks/window tokens it attends to (0: none)."""
     if not is_power_of_two(dim) or dim > 1024:
         raise ValueError(f"merge_encode needs a power-of-two dim <= 1024, got {dim}")
     (kb, kn), (vb, vn) = key, value
     row_words = _words(dim, kb) + _words(dim, vb) + 1
     template = _role_constants("K", dim, kb, True, kn) + _role_constants("V", dim, vb, True, vn)
     template += [("D", dim), ("REP", rep), ("NTH", dim), ("RW", row_words), ("HAS_CENTER", bool(center)),
-                 ("HAS_PLAIN", bool(plain)), ("TX", x_dtype), ("TO", out_dtype)]
+                 ("HAS_PLAIN", plain_tokens > 0), ("PMAX", max(1, plain_tokens)), ("TX", x_dtype), ("TO", out_dtype)]
     return Plan("merge_encode", template, (dim, kv_rows * rep, 1), (dim, 1, 1),
                 [(kv_rows * rep, dim), (kv_rows, row_words)], [out_dtype, "uint32"], meta={"meta": [splits]})
 

@@ -54,15 +54,16 @@ def _make_runner(name: str) -> Runner:
 from ..engine import small_array  # noqa: E402  (re-exported for the kernels' callers)
 
 
-_DUMMY: List[mx.array] = []
+_DUMMY: Dict[object, mx.array] = {}
 
 
-def _dummy() -> mx.array:
+def _dummy(dtype=mx.float32) -> mx.array:
     # Built from host data, not mx.zeros: a lazily computed zeros first made while
     # mx.compile traces a step would be recomputed (one more kernel) on every call.
-    if not _DUMMY:
-        _DUMMY.append(mx.array([0.0], dtype=mx.float32))
-    return _DUMMY[0]
+    if dtype not in _DUMMY:
+        _DUMMY[dtype] = mx.array([0.0], dtype=dtype)
+        mx.eval(_DUMMY[dtype])
+    return _DUMMY[dtype]
 
 
 def constants(codec) -> dict:
@@ -185,26 +186,38 @@ def mse_dequant(run: Runner, codec, layout, role: str, rows: mx.array, tokens: i
     return out
 
 
+MAX_PLAIN_TOKENS = 1024  # fp16 sinks + window tokens merge_encode attends to itself (shared memory: 4 per token)
+
+
 def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
                  key_codec, value_codec, scale: float, out_dtype, key_mean=None, value_mean=None,
-                 plain: Optional[Tuple[mx.array, mx.array]] = None):
+                 fp16: Optional[List[mx.array]] = None):
     """`merge` that also encodes the new token (keys / values (B, H, 1, D)) and attends to
-    it from its codes, and merges `plain` (a partial over fp16 tokens, as `merge` takes):
-    (out (B, Hq, 1, D), its row (B, H, 1, RW) for `rows.py`)."""
+    it from its codes, and to `fp16` tokens: [keys, values] or [keys, values, keys, values]
+    (B, H, n, D) as held (the sinks and the window; keys not centred), at most
+    MAX_PLAIN_TOKENS. (out (B, Hq, 1, D), its row (B, H, 1, RW) for `rows.py`)."""
     bh, splits, rep, dim = o.shape
     kc, vc = constants(key_codec), constants(value_codec)
     if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
         keys, values = keys.astype(mx.float32), values.astype(mx.float32)
     centered = key_mean is not None
+    parts = [a if a.dtype == keys.dtype else a.astype(keys.dtype) for a in (fp16 or [])]
+    na = parts[0].shape[2] if parts else 0
+    nb = parts[2].shape[2] if len(parts) > 2 else 0
+    if na + nb > MAX_PLAIN_TOKENS:
+        raise ValueError(f"merge_encode attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
+    bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
     plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, bool(key_codec.renorm)),
                                     (value_codec.bits, bool(value_codec.renorm)), center=centered,
                                     x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype),
-                                    plain=plain is not None)
+                                    plain_tokens=bound)
     B, H = keys.shape[:2]
+    dummy = _dummy(keys.dtype)
+    pa = parts[:2] if na else [dummy, dummy]
+    pb = parts[2:4] if nb else [dummy, dummy]
     out, rec = run(plan, [
         o, ml, queries, keys, values, kc["signs"], vc["signs"], kc["boundaries"], vc["boundaries"],
-        kc["centroids"], vc["centroids"], small_array((splits,)), small_array((float(scale),), mx.float32),
-        key_mean if centered else _dummy(), value_mean if centered else _dummy(),
-        plain[0] if plain is not None else _dummy(), plain[1] if plain is not None else _dummy(),
+        kc["centroids"], vc["centroids"], small_array((splits, na, nb)), small_array((float(scale),), mx.float32),
+        key_mean if centered else _dummy(), value_mean if centered else _dummy(), *pa, *pb,
     ], [tuple(queries.shape), (B, H, 1, plan.output_shapes[1][1])])
     return out, rec

@@ -63,10 +63,10 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
                          value_mean=value_mean if centered else None)
 
     def fused(queries, rows, meta, key_mean, value_mean, fp16, keys, values):
+        # The fp16 tokens go to merge_encode as held: it centres and attends to them itself.
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
         return ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
-                                key_mean if centered else None, value_mean if centered else None,
-                                plain=plain(queries, fp16, key_mean))
+                                key_mean if centered else None, value_mean if centered else None, fp16=fp16)
 
     step = attend if kind == "attend" else fused
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.

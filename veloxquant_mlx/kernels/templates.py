@@ -573,6 +573,49 @@ _MERGE_PLAIN = r"""  if (HAS_PLAIN) {
   }
 """
 
+# `merge_encode`'s fp16 tokens (the sinks and the window, as held: arrays pa_* of meta[1]
+# tokens and pb_* of meta[2], (BH, n, D) TX, keys centred here with kmean): their scores
+# for query row `row` (one warp per token), softmax weights and value sum (thread d: value
+# coordinate d), merged into the running (acc, M, L) as `_MERGE_PLAIN` merges a partial. In
+# the kernel, not as a separate partial: that partial was a handful of tiny launches per
+# layer and step. vq_ps (PMAX floats) is declared by the kernel.
+_MERGE_TOKENS = r"""  if (HAS_PLAIN) {
+    const int NA = meta[1];
+    const int NB = meta[2];
+    VQ_SYNC();
+    vq_buf[d] = VQ_F(q[(size_t)row * D + d]) * qscale[0];
+    VQ_SYNC();
+    for (int p0 = 0; p0 < NA + NB; p0 += D / 32) {  // every warp the same trips: the reduction is collective
+      const int p = p0 + (d >> 5);
+      float part = 0.0f;
+      if (p < NA + NB) {
+        for (int i = d & 31; i < D; i += 32) {
+          const float k = (p < NA) ? VQ_F(pa_k[((size_t)bh * NA + p) * D + i])
+                                   : VQ_F(pb_k[((size_t)bh * NB + (p - NA)) * D + i]);
+          part += vq_buf[i] * (k - (HAS_CENTER ? VQ_F(kmean[(size_t)bh * D + i]) : 0.0f));
+        }
+      }
+      part = vq_warp_sum(part);
+      if ((d & 31) == 0 && p < NA + NB) vq_ps[p] = part;
+    }
+    VQ_SYNC();
+    float mp = VQ_NEG_INF;
+    for (int p = 0; p < NA + NB; ++p) mp = VQ_MAXF(mp, vq_ps[p]);
+    float lp = 0.0f;
+    float po = 0.0f;
+    for (int p = 0; p < NA + NB; ++p) {
+      const float e = VQ_EXP(vq_ps[p] - mp);
+      lp += e;
+      po += e * ((p < NA) ? VQ_F(pa_v[((size_t)bh * NA + p) * D + d]) : VQ_F(pb_v[((size_t)bh * NB + (p - NA)) * D + d]));
+    }
+    const float Mp = VQ_MAXF(M, mp);
+    const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - Mp);
+    const float ep = (mp == VQ_NEG_INF) ? 0.0f : VQ_EXP(mp - Mp);
+    acc = acc * ec + po * ep;
+    L = L * ec + lp * ep;
+  }
+"""
+
 # Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
 # value sum with the value codec's seeded-sign FWHT; needs D a power of two),
 # HAS_PLAIN (merge a partial over fp16 tokens, already in the output domain),
@@ -598,12 +641,13 @@ MERGE = r"""
 # with the splits and un-rotates. Template constants: D (a power of two; both
 # roles rotate in-kernel), REP, K*/V* as in `_ENCODE_ROLE` (KD = VD = KP2 = VP2 =
 # D), NTH (= D), RW, HAS_CENTER (subtract kmean / vmean before encoding, add
-# L * vmean to the output), HAS_PLAIN (merge a partial over fp16 sinks / window,
-# as `merge` does), TX (new key / value dtype), TO (output dtype).
+# L * vmean to the output), HAS_PLAIN (attend to fp16 sinks / window tokens too,
+# `_MERGE_TOKENS`), PMAX (>= their count), TX (new key / value and fp16 token dtype), TO
+# (output dtype).
 # Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, q (BH*REP, D), kx, vx
 # (BH, D) TX, ksigns, vsigns (D) f32, kbnd, vbnd, kcent, vcent f32, meta int32
-# [S], qscale f32 [scale], kmean, vmean (BH, D), po (BH*REP, D) f32, pml
-# (BH*REP, 2) f32. Outputs: out (BH*REP, D) TO,
+# [S, NA, NB], qscale f32 [scale], kmean, vmean (BH, D), pa_k, pa_v (BH, NA, D) TX, pb_k,
+# pb_v (BH, NB, D) TX. Outputs: out (BH*REP, D) TO,
 # rec (BH, RW) u32. Grid: (D, BH*REP) threads in blocks of D.
 _KEY_RESULT = "kcode_out = code; knorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
 _VALUE_RESULT = "vcode_out = code; vnorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
@@ -612,6 +656,7 @@ MERGE_ENCODE = r"""
   const int t = vq_tid;
   const int d = t;
 """ + _MERGE_ROW + r"""  VQ_SHARED float vq_red[D];
+  VQ_SHARED float vq_ps[PMAX];
   VQ_SHARED uint32_t vq_codes[D];
   uint32_t kcode_out = 0u;
   uint32_t vcode_out = 0u;
@@ -644,7 +689,7 @@ MERGE_ENCODE = r"""
 """ + _FWHT_BUF + r"""  acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   if (HAS_CENTER) acc += L * VQ_F(vmean[(size_t)bh * D + t]);
   M = M2;
-""" + _MERGE_PLAIN + r"""  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+""" + _MERGE_TOKENS + r"""  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
 
 # Template constants: D, BITS, W (= ceil(D*BITS/32)), NT (threads per block),
@@ -692,7 +737,7 @@ KERNELS: Dict[str, dict] = {
     "merge_encode": {
         "body": MERGE_ENCODE,
         "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
-                   "qscale", "kmean", "vmean", "po", "pml"),
+                   "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v"),
         "outputs": ("out", "rec"),
     },
     "merge": {
