@@ -25,7 +25,8 @@ decode:  R_t ||k|| sum_s c_s(A_s, B_s), with t from the positions the engine pas
 calibrate: per layer and kv head, each stage's a, b by EM on the pre-RoPE unit keys
          (soft assignments at a falling temperature, then hard; reference code's
          quantize_key_cache.py): the M step is the least-squares fit of a and b
-         (block coordinate descent, exact per block since J is orthogonal).
+         (block coordinate descent, exact per block since J is orthogonal). The E step
+         factors over A and B (see "calibration" below).
 
 Values use TurboQuant-MSE at `value_bits` (its seeded rotation, stored in the artifact).
 
@@ -360,8 +361,8 @@ class CommVQ(Method):
     positional = True
     generic_options = {}  # outlier channels would split RoPE pairs: not offered
     status = "experimental"
-    status_note = ("llama family only, calibrated; on SmolLM2 the best measured at 2.25-3.25 bits (K2/V2: KL 0.38 "
-                   "vs 1.35 for turboquant_mse:2; K2/V4: 0.18 vs 0.29 for turboquant_mse:3), kivi:3:group=32 "
+    status_note = ("llama family only, calibrated; on SmolLM2 the best measured at 2.25-3.25 bits (K2/V2: KL 0.27 "
+                   "vs 1.35 for turboquant_mse:2; K2/V4: 0.09 vs 0.29 for turboquant_mse:3), kivi:3:group=32 "
                    "better at 4 bits; no decode kernel, speed not measured (docs/calibrated.md)")
     summary = "keys before RoPE, RoPE-commuting residual codebooks learned by EM (calibrated) + fp16 norm"
     values_summary = "turboquant_mse at value_bits"
