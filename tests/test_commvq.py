@@ -15,7 +15,7 @@ from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.integration import (KVCacheBuilder, UnsupportedModelError, load_prompt_cache, patch_model,
                                         save_prompt_cache)
 from veloxquant_mlx.methods.base import POSITIONS, at_positions
-from veloxquant_mlx.methods.commvq import (SAFE_EXPONENT, CommVQKeyCodec, _distances, _stage_codewords, hard_weights,
+from veloxquant_mlx.methods.commvq import (SAFE_EXPONENT, CommVQKeyCodec, _stage_codewords, hard_weights,
                                            learn_stage, pair_distances, pair_terms, quarter_turn, rope_angles,
                                            rope_of, rotate, soft_weights)
 from veloxquant_mlx.methods.outliers import CalibrationRequiredError
@@ -183,6 +183,11 @@ def test_codes_track_the_true_keys(calibrated):
     relative = (mx.sum((keys - true) ** 2) / mx.sum(true**2)).item()
     assert relative < 0.25
     assert 0 < record["key_unit_mse_mean"] < 0.25
+
+
+def _distances(r, words):
+    """Squared distances (H, N, 256) of r (H, N, D) to every codeword (H, 256, D), directly."""
+    return mx.sum((r[:, :, None, :] - words[:, None, :, :]) ** 2, axis=-1)
 
 
 def _unit_rows(heads=2, count=512, dim=32, seed=0):

@@ -169,12 +169,6 @@ def _stage_codewords(a: mx.array, b: mx.array, traditional: bool) -> mx.array:
     return (a[:, :, None, :] + quarter_turn(b, traditional)[:, None, :, :]).reshape(a.shape[0], -1, a.shape[-1])
 
 
-def _distances(r: mx.array, words: mx.array) -> mx.array:
-    """Squared distances (H, N, 256) of residuals r (H, N, D) to words (H, 256, D)."""
-    return (mx.sum(r * r, axis=-1, keepdims=True) - 2 * (r @ words.swapaxes(-1, -2))
-            + mx.sum(words * words, axis=-1)[:, None, :])
-
-
 def pair_terms(r: mx.array, a: mx.array, b: mx.array, traditional: bool):
     """(u (H, N, 16), v (H, N, 16), x (H, 16, 16)): ||r_n - a_A - J b_B||^2 = ||r_n||^2 + u_nA + v_nB + x_AB."""
     turned = quarter_turn(b, traditional)
