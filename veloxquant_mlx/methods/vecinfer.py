@@ -31,6 +31,8 @@ stays orthogonal, so centering and the fused prefill apply).
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 import mlx.core as mx
@@ -87,10 +89,24 @@ def kmeans_plus_plus(x: np.ndarray, count: int, seed: int = 0) -> np.ndarray:
     group at once: each step draws 2 + ln(count) candidates with probability proportional to
     their squared distance to the nearest centroid so far and keeps the one that lowers the
     total distance most. x (G, N, d) -> (G, count, d). numpy: `count` small sequential steps
-    (calibration only), each on one reused (G, candidates, N) buffer."""
-    groups, n, dim = x.shape
+    (calibration only). The draws are made up front, so the groups split over threads (numpy
+    releases the GIL) give the same seeds as one pass."""
+    groups, n, _ = x.shape
     trials = 2 + int(math.log(count))
     rng = np.random.default_rng([int(seed), _KMEANS_STREAM])
+    first = rng.integers(0, n, groups)
+    draws = rng.random((count - 1, groups, trials))  # the same stream as one (groups, trials) draw per step
+    parts = np.array_split(np.arange(groups), min(groups, os.cpu_count() or 1))
+    with ThreadPoolExecutor(len(parts)) as pool:
+        seeds = pool.map(lambda rows: _greedy_seeds(x[rows], count, first[rows], draws[:, rows]), parts)
+        return np.concatenate(list(seeds), axis=0)
+
+
+def _greedy_seeds(x: np.ndarray, count: int, first: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """kmeans_plus_plus on groups x (G, N, d) with its first picks (G,) and uniform draws
+    (count - 1, G, trials), on one reused (G, trials, N) buffer."""
+    groups, n, dim = x.shape
+    trials = draws.shape[-1]
     rows = np.arange(groups)
     squares = np.sum(x * x, axis=-1)[:, None, :]  # (G, 1, N)
     points_last = np.ascontiguousarray(x.transpose(0, 2, 1))  # (G, d, N)
@@ -104,16 +120,16 @@ def kmeans_plus_plus(x: np.ndarray, count: int, seed: int = 0) -> np.ndarray:
 
     work = np.empty((groups, trials, n), np.float32)
     chosen = np.empty((groups, count, dim), np.float32)
-    chosen[:, 0] = x[rows, rng.integers(0, n, groups)]
+    chosen[:, 0] = x[rows, first]
     dist = np.maximum(distances(chosen[:, :1], np.empty((groups, 1, n), np.float32))[:, 0], 0.0)
     for i in range(1, count):
         cumulative = np.cumsum(dist, axis=1)
-        draws = rng.random((groups, trials)) * cumulative[:, -1:]
+        targets = draws[i - 1] * cumulative[:, -1:]
         # the first point whose running total reaches each draw, in every group at once: one
         # search in the groups' running totals laid end to end (group g shifted by g * span)
         span = 2.0 ** np.ceil(np.log2(float(cumulative[:, -1].max()) + 1.0))
         ends = (cumulative + offsets * span).ravel()
-        picks = np.searchsorted(ends, (draws + offsets * span).ravel()).reshape(groups, trials)
+        picks = np.searchsorted(ends, (targets + offsets * span).ravel()).reshape(groups, trials)
         candidates = x[rows[:, None], np.minimum(picks - rows[:, None] * n, n - 1)]  # (G, L, d)
         after = np.minimum(distances(candidates, work), dist[:, None, :], out=work)
         best = np.argmin(after.sum(axis=-1), axis=-1)
