@@ -16,7 +16,9 @@ from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.integration import (KVCacheBuilder, UnsupportedModelError, load_prompt_cache, patch_model,
                                         save_prompt_cache)
 from veloxquant_mlx.methods.base import POSITIONS, at_positions
-from veloxquant_mlx.methods.commvq import (CommVQKeyCodec, quarter_turn, rope_angles, rope_of, rotate)
+from veloxquant_mlx.methods.commvq import (SAFE_EXPONENT, CommVQKeyCodec, _stage_codewords, hard_weights,
+                                           learn_stage, pair_distances, pair_terms, quarter_turn, rope_angles,
+                                           rope_of, rotate, soft_weights)
 from veloxquant_mlx.methods.outliers import CalibrationRequiredError
 
 
@@ -183,6 +185,133 @@ def test_codes_track_the_true_keys(calibrated):
     relative = (mx.sum((keys - true) ** 2) / mx.sum(true**2)).item()
     assert relative < 0.25
     assert 0 < record["key_unit_mse_mean"] < 0.25
+
+
+def _distances(r, words):
+    """Squared distances (H, N, 256) of r (H, N, D) to every codeword (H, 256, D), directly."""
+    return mx.sum((r[:, :, None, :] - words[:, None, :, :]) ** 2, axis=-1)
+
+
+def _unit_rows(heads=2, count=512, dim=32, seed=0):
+    """Unit vectors with structure (a few directions plus noise), as residuals of keys are."""
+    rng = np.random.default_rng(seed)
+    basis = rng.normal(size=(heads, 6, dim))
+    x = rng.normal(size=(heads, count, 6)) @ basis + 0.3 * rng.normal(size=(heads, count, dim))
+    return mx.array((x / np.linalg.norm(x, axis=-1, keepdims=True)).astype(np.float32))
+
+
+def _weights_from_softmax(p):
+    """(H, N, 16, 16) assignments -> their marginals over B and A and their sum over tokens."""
+    return mx.sum(p, axis=3), mx.sum(p, axis=2), mx.sum(p, axis=1)
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+@pytest.mark.parametrize("relative", [3.0, 0.3, 0.03])
+@pytest.mark.parametrize("factored", [True, False], ids=["factored", "full"])
+def test_factored_e_step_equals_the_softmax_over_all_codewords(traditional, relative, factored, monkeypatch):
+    """soft_weights equals the softmax over the 256 codewords' distances, both factored and by
+    the full softmax it takes where the factors could underflow (forced here)."""
+    from veloxquant_mlx.methods import commvq
+
+    if not factored:
+        monkeypatch.setattr(commvq, "SAFE_EXPONENT", 0.0)
+    r = _unit_rows()
+    rng = np.random.default_rng(1)
+    a = mx.array(rng.normal(size=(2, 16, 32)).astype(np.float32) * 0.15)
+    b = mx.array(rng.normal(size=(2, 16, 32)).astype(np.float32) * 0.1)
+    distances = _distances(r, _stage_codewords(a, b, traditional))  # (H, N, 256)
+    u, v, x = pair_terms(r, a, b, traditional)
+    squares = mx.sum(r * r, axis=-1)[..., None, None]
+    assert mx.allclose(pair_distances(u, v, x) + squares, distances.reshape(2, 512, 16, 16), atol=1e-5).item()
+    nearest = mx.min(pair_distances(u, v, x), axis=(-2, -1))
+    temperature = relative * mx.mean(mx.min(distances, axis=-1), axis=1, keepdims=True)
+    want = _weights_from_softmax(mx.softmax(-distances / temperature[..., None], axis=-1).reshape(2, 512, 16, 16))
+    got = soft_weights(u, v, x, nearest, temperature)
+    for g, w in zip(got, want):
+        assert mx.allclose(g, w, atol=1e-4, rtol=1e-3).item()
+
+
+def test_e_step_falls_back_to_the_full_softmax_where_factors_would_underflow():
+    """At a temperature where exp(-gap / T) would underflow, the weights are still a distribution."""
+    r = _unit_rows()
+    rng = np.random.default_rng(1)
+    a, b = (mx.array(rng.normal(size=(2, 16, 32)).astype(np.float32) * 0.15) for _ in range(2))
+    u, v, x = pair_terms(r, a, b, False)
+    nearest = mx.min(pair_distances(u, v, x), axis=(-2, -1))
+    gap = nearest - mx.min(u, axis=-1) - mx.min(v, axis=-1) - mx.min(x, axis=(-2, -1))[:, None]
+    temperature = mx.max(gap, axis=1, keepdims=True) / (4 * SAFE_EXPONENT)
+    weight_a, weight_b, joint = soft_weights(u, v, x, nearest, temperature)
+    for w in (weight_a, weight_b):
+        assert mx.allclose(mx.sum(w, axis=-1), mx.ones((2, 512)), atol=1e-5).item()
+    assert mx.allclose(mx.sum(joint, axis=(-2, -1)), mx.full((2,), 512.0), rtol=1e-5).item()
+
+
+def test_hard_e_step_assigns_the_nearest_codeword():
+    r = _unit_rows(seed=2)
+    rng = np.random.default_rng(3)
+    a, b = (mx.array(rng.normal(size=(2, 16, 32)).astype(np.float32) * 0.2) for _ in range(2))
+    nearest = mx.argmin(_distances(r, _stage_codewords(a, b, False)), axis=-1)
+    want = _weights_from_softmax((mx.arange(256) == nearest[..., None]).astype(mx.float32).reshape(2, 512, 16, 16))
+    for g, w in zip(hard_weights(pair_distances(*pair_terms(r, a, b, False))), want):
+        assert mx.array_equal(g, w).item()
+
+
+def _em_with_b_at_zero(r, traditional, key, soft=8, hard=4):
+    """The EM this module had before (kept here as the reference): b starts at zeros, full softmax
+    over the 256 codewords, 8 soft and 4 hard steps, tied codewords share a token's weight."""
+    from veloxquant_mlx.methods.commvq import _m_step
+
+    heads, count, _ = r.shape
+    a = mx.take_along_axis(r, mx.random.randint(0, count, (heads, 16), key=key)[..., None], axis=1)
+    b = mx.zeros_like(a)
+    distances = _distances(r, _stage_codewords(a, b, traditional))
+    scale = mx.mean(mx.min(distances, axis=-1), axis=1)[:, None, None]
+    best, best_error = None, None
+    for step in range(soft + hard):
+        if step < soft:
+            p = mx.softmax(-distances / (scale * 10 ** (-0.5 * step)), axis=-1)
+        else:
+            p = (distances == mx.min(distances, axis=-1, keepdims=True)).astype(mx.float32)
+            p = p / mx.sum(p, axis=-1, keepdims=True)
+        a, b = _m_step(r, *_weights_from_softmax(p.reshape(heads, count, 16, 16)), a, b, traditional)
+        distances = _distances(r, _stage_codewords(a, b, traditional))
+        error = mx.mean(mx.min(distances, axis=-1)).item()
+        if best_error is None or error < best_error:
+            best, best_error = (a, b), error
+    return best, best_error
+
+
+@pytest.mark.parametrize("traditional", [True, False])
+def test_em_stage_is_no_worse_than_before_and_uses_all_its_codewords(traditional):
+    """One stage on structured unit vectors: the error after the stage is at most that of the
+    earlier EM (b at zeros) from the same first codebook draw, and well below the input's
+    energy; and all 16 a's and all 16 b's differ (b at zeros kept equal b's equal, so the
+    stage had fewer than 256 distinct codewords)."""
+    r = _unit_rows(seed=4)
+    errors, before = [], []
+    for seed in range(3):
+        a, b, residual = learn_stage(r, traditional, mx.random.key(seed))
+        errors.append(mx.mean(mx.sum(residual * residual, axis=-1)).item())
+        before.append(_em_with_b_at_zero(r, traditional, mx.random.split(mx.random.key(seed))[0])[1])
+        for books in (a, b):
+            gaps = mx.sum((books[:, :, None] - books[:, None]) ** 2, axis=-1) + 1e9 * mx.eye(16)
+            assert mx.min(gaps).item() > 1e-6
+        assert len(np.unique(np.array(mx.argmin(_distances(r, _stage_codewords(a, b, traditional)), axis=-1)))) > 128
+    assert np.mean(errors) <= np.mean(before)
+    assert np.mean(errors) < 0.5 * mx.mean(mx.sum(r * r, axis=-1)).item()
+
+
+def test_calibrated_codebooks_have_distinct_vectors(calibrated):
+    """Every stage of the artifact's codebooks has 16 distinct a's and 16 distinct b's."""
+    model, config, _ = calibrated
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(Path(config.artifact_dir) / "codecs.safetensors"))
+    books = [v for k, v in tensors.items() if k.endswith("heads.codebook")]
+    assert books
+    for book in books:  # (H, S, 2, 16, D)
+        gaps = np.sum((book[:, :, :, :, None] - book[:, :, :, None]) ** 2, axis=-1) + 1e9 * np.eye(16)
+        assert gaps.min() > 1e-8
 
 
 def test_unsupported_architecture_is_named(tmp_path):

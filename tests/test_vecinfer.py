@@ -12,7 +12,7 @@ from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.integration import KVCacheBuilder
 from veloxquant_mlx.methods.outliers import CalibrationRequiredError
-from veloxquant_mlx.methods.vecinfer import (ProductVQCodec, kmeans, learn_codebooks, nearest_centroid,
+from veloxquant_mlx.methods.vecinfer import (ProductVQCodec, kmeans, kmeans_plus_plus, learn_codebooks, nearest_centroid,
                                              smoothing_factors)
 
 
@@ -98,6 +98,41 @@ def test_kmeans_finds_separated_clusters():
     books = kmeans(points, 16, iterations=10, seed=1)
     assert error(books) < 0.1  # every true cluster found (noise: 4 coordinates of variance 0.01)
     assert error(books) <= error(kmeans(points, 16, iterations=0, seed=1))  # Lloyd steps never hurt
+
+
+def test_nearest_centroid_is_the_same_at_any_block_size():
+    x = mx.random.normal((6, 3000, 4), key=mx.random.key(1))
+    c = mx.random.normal((6, 256, 4), key=mx.random.key(2))
+    want = nearest_centroid(x, c)
+    for block in (1 << 12, 1 << 18, 1 << 30):
+        assert mx.array_equal(nearest_centroid(x, c, block), want).item()
+
+
+def test_kmeans_plus_plus_draws_each_group_from_its_own_distances():
+    """Every point of a group sits on one spot but one: once a seed is on the spot, only that
+    point is at a positive distance, so the next seed must be it, in every group (the draws of
+    all groups share one sorted search)."""
+    rng = np.random.default_rng(0)
+    x = np.repeat(rng.normal(size=(4, 1, 3)).astype(np.float32), 500, axis=1)
+    far = [3, 499, 0, 250]
+    for g, i in enumerate(far):
+        x[g, i] += 5.0 * (g + 1)
+    seeds = kmeans_plus_plus(x, 3, seed=1)
+    for g, i in enumerate(far):
+        assert {tuple(row) for row in seeds[g]} >= {tuple(x[g, i]), tuple(x[g, (i + 1) % 500])}
+
+
+def test_kmeans_plus_plus_seeds_beat_random_points():
+    """On clustered points the greedy seeds' distortion is below that of random data points."""
+    rng = np.random.default_rng(3)
+    centers = rng.normal(size=(4, 32, 4)) * 5
+    x = (np.repeat(centers, 40, axis=1) + 0.3 * rng.normal(size=(4, 1280, 4))).astype(np.float32)
+
+    def distortion(books):
+        return float(np.mean(np.min(np.sum((x[:, :, None] - books[:, None]) ** 2, -1), -1)))
+
+    random_points = x[:, rng.choice(1280, 32, replace=False)]
+    assert distortion(kmeans_plus_plus(x, 32, seed=0)) < 0.5 * distortion(random_points)
 
 
 def test_missing_calibration_raises(small):

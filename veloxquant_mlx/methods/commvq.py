@@ -25,7 +25,8 @@ decode:  R_t ||k|| sum_s c_s(A_s, B_s), with t from the positions the engine pas
 calibrate: per layer and kv head, each stage's a, b by EM on the pre-RoPE unit keys
          (soft assignments at a falling temperature, then hard; reference code's
          quantize_key_cache.py): the M step is the least-squares fit of a and b
-         (block coordinate descent, exact per block since J is orthogonal).
+         (block coordinate descent, exact per block since J is orthogonal). The E step
+         factors over A and B (see "calibration" below).
 
 Values use TurboQuant-MSE at `value_bits` (its seeded rotation, stored in the artifact).
 
@@ -50,9 +51,11 @@ HALF_BITS = 4  # bits of A and of B in one stage
 HALF_CODES = 1 << HALF_BITS
 STAGE_BITS = 2 * HALF_BITS
 SUPPORTED_MODULES = ("mlx_lm.models.llama",)
-EM_SOFT_STEPS = 8
-EM_HARD_STEPS = 4
+EM_SOFT_STEPS = 3  # temperatures scale * 10^(-0.5 step): the later ones are as good as hard
+EM_HARD_STEPS = 9  # at most: they stop once an error falls by less than EM_TOLERANCE
+EM_TOLERANCE = 1e-3
 EM_COORDINATE_STEPS = 2
+SAFE_EXPONENT = 70.0  # exp(-70) is a normal float32: the factored E-step cannot underflow below it
 
 
 # ---- RoPE on pairs ------------------------------------------------------------------------------
@@ -154,23 +157,70 @@ class CommVQKeyCodec(Codec):
 
 
 # ---- calibration: EM per stage ------------------------------------------------------------------
+#
+# ||r - a_A - J b_B||^2 = ||r||^2 + u_A + v_B + x_AB with u_A = ||a_A||^2 - 2 r.a_A,
+# v_B = ||b_B||^2 - 2 r.J b_B and x_AB = 2 a_A.J b_B (||J b|| = ||b||): two (N, 16) matmuls and a
+# (16, 16) table per head instead of a (N, 256, D) search. The soft E-step's weights factor the same
+# way, exp(-(u_A + v_B + x_AB) / T) = exp(-u_A / T) exp(-v_B / T) exp(-x_AB / T), so its marginals
+# and co-occurrences are (N, 16) x (16, 16) matmuls: 32 exponentials per token instead of 256.
 
 def _stage_codewords(a: mx.array, b: mx.array, traditional: bool) -> mx.array:
     """(H, 16, D) a and b -> (H, 256, D) codewords a_A + J b_B (row A * 16 + B)."""
     return (a[:, :, None, :] + quarter_turn(b, traditional)[:, None, :, :]).reshape(a.shape[0], -1, a.shape[-1])
 
 
-def _distances(r: mx.array, words: mx.array) -> mx.array:
-    """Squared distances (H, N, 256) of residuals r (H, N, D) to words (H, 256, D)."""
-    return (mx.sum(r * r, axis=-1, keepdims=True) - 2 * (r @ words.swapaxes(-1, -2))
-            + mx.sum(words * words, axis=-1)[:, None, :])
+def pair_terms(r: mx.array, a: mx.array, b: mx.array, traditional: bool):
+    """(u (H, N, 16), v (H, N, 16), x (H, 16, 16)): ||r_n - a_A - J b_B||^2 = ||r_n||^2 + u_nA + v_nB + x_AB."""
+    turned = quarter_turn(b, traditional)
+    u = mx.sum(a * a, axis=-1)[:, None, :] - 2 * (r @ a.swapaxes(-1, -2))
+    v = mx.sum(b * b, axis=-1)[:, None, :] - 2 * (r @ turned.swapaxes(-1, -2))
+    return u, v, 2 * (a @ turned.swapaxes(-1, -2))
 
 
-def _m_step(r: mx.array, p: mx.array, a: mx.array, b: mx.array, traditional: bool):
-    """Least-squares a, b given assignments p (H, N, 16, 16): sum_n sum_AB p ||r_n - a_A - J b_B||^2,
-    by block coordinate descent (each block's minimiser is a weighted mean)."""
-    weight_a, weight_b = mx.sum(p, axis=3), mx.sum(p, axis=2)  # (H, N, 16)
-    joint = mx.sum(p, axis=1)  # (H, 16, 16)
+def pair_distances(u: mx.array, v: mx.array, x: mx.array) -> mx.array:
+    """(H, N, 16, 16): ||r_n - c(A, B)||^2 - ||r_n||^2."""
+    return u[..., :, None] + v[..., None, :] + x[:, None]
+
+
+def soft_weights(u, v, x, nearest, temperature):
+    """The E-step at `temperature` (H, 1): p_nAB = softmax over (A, B) of -(u_A + v_B + x_AB) / T,
+    returned as its marginals over B and A (H, N, 16) each and its sum over tokens (H, 16, 16).
+
+    Factored (module comment): with each factor shifted to at most 1, the best pair's product
+    is exp(-gap / T), gap = nearest - min u - min v - min x >= 0. Where gap / T could underflow
+    float32 the weights come from the full (H, N, 16, 16) softmax instead."""
+    low_u, low_v = mx.min(u, axis=-1, keepdims=True), mx.min(v, axis=-1, keepdims=True)
+    low_x = mx.min(x, axis=(-2, -1), keepdims=True)
+    gap = (nearest - low_u[..., 0] - low_v[..., 0] - low_x[..., 0]) / temperature
+    if mx.max(gap).item() < SAFE_EXPONENT:
+        t = temperature[..., None]
+        alpha = mx.exp((low_u - u) / t)  # (H, N, 16)
+        beta = mx.exp((low_v - v) / t)
+        gamma = mx.exp((low_x - x) / t)  # (H, 16, 16)
+        beta_gamma = beta @ gamma.swapaxes(-1, -2)  # sum_B beta_B gamma_AB
+        alpha = alpha / mx.sum(alpha * beta_gamma, axis=-1, keepdims=True)
+        return alpha * beta_gamma, beta * (alpha @ gamma), gamma * (alpha.swapaxes(-1, -2) @ beta)
+    p = mx.exp((nearest[..., None, None] - pair_distances(u, v, x)) / temperature[..., None, None])
+    p = p / mx.sum(p, axis=(-2, -1), keepdims=True)
+    return mx.sum(p, axis=3), mx.sum(p, axis=2), mx.sum(p, axis=1)
+
+
+def hard_weights(distances: mx.array):
+    """The hard E-step: each token to its nearest codeword (the first on a tie); same outputs
+    as `soft_weights`."""
+    heads, count = distances.shape[:2]
+    index = mx.argmin(distances.reshape(heads, count, -1), axis=-1)[..., None]
+    codes = mx.arange(HALF_CODES)
+    one_a = (index // HALF_CODES == codes).astype(mx.float32)
+    one_b = (index % HALF_CODES == codes).astype(mx.float32)
+    return one_a, one_b, one_a.swapaxes(-1, -2) @ one_b
+
+
+def _m_step(r: mx.array, weight_a: mx.array, weight_b: mx.array, joint: mx.array, a: mx.array, b: mx.array,
+            traditional: bool):
+    """Least-squares a, b given assignments (their marginals weight_a, weight_b (H, N, 16) and
+    co-occurrences joint (H, 16, 16)): sum_n sum_AB p ||r_n - a_A - J b_B||^2, by block
+    coordinate descent (each block's minimiser is a weighted mean)."""
     sum_a = weight_a.swapaxes(1, 2) @ r  # (H, 16, D)
     sum_b = weight_b.swapaxes(1, 2) @ r
     mass_a = mx.sum(weight_a, axis=1)[..., None]
@@ -184,32 +234,51 @@ def _m_step(r: mx.array, p: mx.array, a: mx.array, b: mx.array, traditional: boo
     return a, b
 
 
+def initial_books(r: mx.array, traditional: bool, key) -> tuple:
+    """a: 16 random residuals; J b: the residuals of 16 other random ones after their nearest a.
+    Every a_A + J b_B then differs: starting b at zeros would leave the 16 b's equal, and
+    EM keeps equal b's equal (the same weights move them the same way)."""
+    heads, count, _ = r.shape
+    first, second = mx.random.split(key)
+    a = mx.take_along_axis(r, mx.random.randint(0, count, (heads, HALF_CODES), key=first)[..., None], axis=1)
+    points = mx.take_along_axis(r, mx.random.randint(0, count, (heads, HALF_CODES), key=second)[..., None], axis=1)
+    nearest = mx.argmin(mx.sum(a * a, axis=-1)[:, None, :] - 2 * (points @ a.swapaxes(-1, -2)), axis=-1)
+    turned = points - mx.take_along_axis(a, nearest[..., None], axis=1)
+    return a, -quarter_turn(turned, traditional)
+
+
 def learn_stage(r: mx.array, traditional: bool, key) -> tuple:
-    """EM for one stage's (a, b) on residuals r (H, N, D): soft then hard assignments."""
-    heads, count, dim = r.shape
-    pick = mx.random.randint(0, count, (heads, HALF_CODES), key=key)
-    a = mx.take_along_axis(r, pick[..., None], axis=1)
-    b = mx.zeros_like(a)
-    distances = _distances(r, _stage_codewords(a, b, traditional))
-    # temperature relative to the typical gap to the nearest codeword, falling tenfold per soft step pair
-    scale = mx.mean(mx.min(distances, axis=-1), axis=1)[:, None, None] + 1e-12
-    best, best_error = (a, b), None
+    """EM for one stage's (a, b) on residuals r (H, N, D): soft steps at a falling temperature,
+    then hard ones until the error falls by less than EM_TOLERANCE (relative); the best (a, b)
+    by hard error is kept."""
+    a, b = initial_books(r, traditional, key)
+    squares = mx.sum(r * r, axis=-1)  # (H, N)
+    u, v, x = pair_terms(r, a, b, traditional)
+    distances = pair_distances(u, v, x)
+    nearest = mx.min(distances, axis=(-2, -1))  # (H, N), without ||r||^2
+    # temperature relative to the typical distance to the nearest codeword, falling by 10^-0.5 per step
+    scale = mx.mean(nearest + squares, axis=1, keepdims=True) + 1e-12  # (H, 1)
+    best, best_error, previous = (a, b), None, None
     for step in range(EM_SOFT_STEPS + EM_HARD_STEPS):
         if step < EM_SOFT_STEPS:
-            temperature = scale * 10 ** (-0.5 * step)
-            p = mx.softmax(-distances / temperature, axis=-1)
+            weights = soft_weights(u, v, x, nearest, scale * 10 ** (-0.5 * step))
         else:
-            p = (distances == mx.min(distances, axis=-1, keepdims=True)).astype(mx.float32)
-            p = p / mx.sum(p, axis=-1, keepdims=True)
-        a, b = _m_step(r, p.reshape(heads, count, HALF_CODES, HALF_CODES), a, b, traditional)
-        distances = _distances(r, _stage_codewords(a, b, traditional))
-        error = mx.mean(mx.min(distances, axis=-1))
-        mx.eval(a, b, error)
-        if best_error is None or error.item() < best_error:
-            best, best_error = (a, b), error.item()
+            weights = hard_weights(distances)
+        a, b = _m_step(r, *weights, a, b, traditional)
+        u, v, x = pair_terms(r, a, b, traditional)
+        distances = pair_distances(u, v, x)
+        nearest = mx.min(distances, axis=(-2, -1))
+        error = mx.mean(nearest + squares)
+        mx.eval(a, b, distances, nearest, error)
+        error = error.item()
+        if best_error is None or error < best_error:
+            best, best_error = (a, b), error
+        if step >= EM_SOFT_STEPS and previous is not None and previous - error < EM_TOLERANCE * previous:
+            break
+        previous = error
     a, b = best
     words = _stage_codewords(a, b, traditional)
-    index = mx.argmin(_distances(r, words), axis=-1)
+    index = mx.argmin(pair_distances(*pair_terms(r, a, b, traditional)).reshape(*r.shape[:2], -1), axis=-1)
     return a, b, r - mx.take_along_axis(words, index[..., None].astype(mx.int32), axis=1)
 
 
@@ -286,8 +355,8 @@ class CommVQ(Method):
     positional = True
     generic_options = {}  # outlier channels would split RoPE pairs: not offered
     status = "experimental"
-    status_note = ("llama family only, calibrated; on SmolLM2 the best measured at 2.25-3.25 bits (K2/V2: KL 0.38 "
-                   "vs 1.35 for turboquant_mse:2; K2/V4: 0.18 vs 0.29 for turboquant_mse:3), kivi:3:group=32 "
+    status_note = ("llama family only, calibrated; on SmolLM2 the best measured at 2.25-3.25 bits (K2/V2: KL 0.27 "
+                   "vs 1.35 for turboquant_mse:2; K2/V4: 0.09 vs 0.29 for turboquant_mse:3), kivi:3:group=32 "
                    "better at 4 bits; no decode kernel, speed not measured (docs/calibrated.md)")
     summary = "keys before RoPE, RoPE-commuting residual codebooks learned by EM (calibrated) + fp16 norm"
     values_summary = "turboquant_mse at value_bits"

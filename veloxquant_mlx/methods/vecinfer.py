@@ -31,6 +31,8 @@ stays orthogonal, so centering and the fused prefill apply).
 from __future__ import annotations
 
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import List, Optional
 
 import mlx.core as mx
@@ -46,29 +48,27 @@ KMEANS_ITERATIONS = 10
 _KMEANS_STREAM = 7  # numpy rng stream of the k-means++ draws (rotations use 1..3)
 # Elements of one distance block (groups x tokens x centroids), bounded by chunking the tokens.
 BLOCK_ELEMENTS = 1 << 22
+# k-means over whole layers on the CPU: blocks that stay in cache (the search is memory-bound there).
+KMEANS_BLOCK_ELEMENTS = 1 << 18
 VALUE_CODECS = ("mse", "vq")
 
 
 # ---- nearest centroid and k-means, batched over groups (head x sub-vector) ------------------------
-
-def token_chunk(groups: int, centroids: int) -> int:
-    return max(1, BLOCK_ELEMENTS // max(1, groups * centroids))
-
 
 @mx.compile
 def _nearest_block(x, transposed, norms):
     return mx.argmin(norms - 2.0 * (x @ transposed), axis=-1)
 
 
-def nearest_centroid(x: mx.array, centroids: mx.array) -> mx.array:
+def nearest_centroid(x: mx.array, centroids: mx.array, block: int = BLOCK_ELEMENTS) -> mx.array:
     """x (G, N, d), centroids (G, K, d) -> (G, N) uint32 indices of the nearest centroid.
 
     ||x - c||^2 = ||x||^2 + ||c||^2 - 2 x.c, and ||x||^2 does not change the argmin: one matmul
-    per chunk of tokens, each chunk's (G, chunk, K) distances bounded by BLOCK_ELEMENTS."""
+    per chunk of tokens, each chunk's (G, chunk, K) distances bounded by `block` elements."""
     groups, n, _ = x.shape
     norms = mx.sum(centroids * centroids, axis=-1)[:, None, :]  # (G, 1, K)
     transposed = centroids.swapaxes(-1, -2)
-    chunk = token_chunk(groups, centroids.shape[1])
+    chunk = max(1, block // max(1, groups * centroids.shape[1]))
     parts = [_nearest_block(x[:, a : a + chunk], transposed, norms) for a in range(0, n, chunk)]
     codes = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return codes.astype(mx.uint32)
@@ -89,29 +89,52 @@ def kmeans_plus_plus(x: np.ndarray, count: int, seed: int = 0) -> np.ndarray:
     group at once: each step draws 2 + ln(count) candidates with probability proportional to
     their squared distance to the nearest centroid so far and keeps the one that lowers the
     total distance most. x (G, N, d) -> (G, count, d). numpy: `count` small sequential steps
-    (calibration only)."""
+    (calibration only). The draws are made up front, so the groups split over threads (numpy
+    releases the GIL) give the same seeds as one pass."""
     groups, n, _ = x.shape
     trials = 2 + int(math.log(count))
     rng = np.random.default_rng([int(seed), _KMEANS_STREAM])
+    first = rng.integers(0, n, groups)
+    draws = rng.random((count - 1, groups, trials))  # the same stream as one (groups, trials) draw per step
+    parts = np.array_split(np.arange(groups), min(groups, os.cpu_count() or 1))
+    with ThreadPoolExecutor(len(parts)) as pool:
+        seeds = pool.map(lambda rows: _greedy_seeds(x[rows], count, first[rows], draws[:, rows]), parts)
+        return np.concatenate(list(seeds), axis=0)
+
+
+def _greedy_seeds(x: np.ndarray, count: int, first: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """kmeans_plus_plus on groups x (G, N, d) with its first picks (G,) and uniform draws
+    (count - 1, G, trials), on one reused (G, trials, N) buffer."""
+    groups, n, dim = x.shape
+    trials = draws.shape[-1]
     rows = np.arange(groups)
-    squares = np.sum(x * x, axis=-1)  # (G, N)
+    squares = np.sum(x * x, axis=-1)[:, None, :]  # (G, 1, N)
+    points_last = np.ascontiguousarray(x.transpose(0, 2, 1))  # (G, d, N)
+    offsets = rows[:, None].astype(np.float64)
 
-    def distances(points):  # (G, L, d) -> squared distances (G, N, L), by the norm expansion
-        return np.maximum(squares[..., None] + np.sum(points * points, axis=-1)[:, None, :]
-                          - 2.0 * (x @ points.transpose(0, 2, 1)), 0.0)
+    def distances(points, out):  # (G, L, d) -> squared distances (G, L, N) in `out`, by the norm expansion
+        np.matmul(-2.0 * points, points_last, out=out)
+        out += squares
+        out += np.sum(points * points, axis=-1)[:, :, None]
+        return out  # may dip below 0 by rounding: `dist` is clipped where it feeds the draws
 
-    chosen = np.empty((groups, count, x.shape[-1]), np.float32)
-    chosen[:, 0] = x[rows, rng.integers(0, n, groups)]
-    dist = distances(chosen[:, :1])[..., 0]
+    work = np.empty((groups, trials, n), np.float32)
+    chosen = np.empty((groups, count, dim), np.float32)
+    chosen[:, 0] = x[rows, first]
+    dist = np.maximum(distances(chosen[:, :1], np.empty((groups, 1, n), np.float32))[:, 0], 0.0)
     for i in range(1, count):
         cumulative = np.cumsum(dist, axis=1)
-        draws = rng.random((groups, trials, 1)) * cumulative[:, None, -1:]
-        picks = np.minimum(np.sum(cumulative[:, None, :] < draws, axis=-1), n - 1)  # (G, L)
-        candidates = x[rows[:, None], picks]  # (G, L, d)
-        after = np.minimum(dist[..., None], distances(candidates))  # (G, N, L)
-        best = np.argmin(after.sum(axis=1), axis=-1)
+        targets = draws[i - 1] * cumulative[:, -1:]
+        # the first point whose running total reaches each draw, in every group at once: one
+        # search in the groups' running totals laid end to end (group g shifted by g * span)
+        span = 2.0 ** np.ceil(np.log2(float(cumulative[:, -1].max()) + 1.0))
+        ends = (cumulative + offsets * span).ravel()
+        picks = np.searchsorted(ends, (targets + offsets * span).ravel()).reshape(groups, trials)
+        candidates = x[rows[:, None], np.minimum(picks - rows[:, None] * n, n - 1)]  # (G, L, d)
+        after = np.minimum(distances(candidates, work), dist[:, None, :], out=work)
+        best = np.argmin(after.sum(axis=-1), axis=-1)
         chosen[:, i] = candidates[rows, best]
-        dist = after[rows, :, best]
+        dist = np.maximum(after[rows, best], 0.0)
     return chosen
 
 
@@ -122,7 +145,7 @@ def kmeans(x: mx.array, count: int, iterations: int = KMEANS_ITERATIONS, seed: i
         raise ValueError(f"k-means with {count} centroids needs at least {count} calibration tokens, got {x.shape[1]}")
     centroids = mx.array(kmeans_plus_plus(np.array(x, dtype=np.float32), count, seed))
     for _ in range(iterations):
-        sums, counts = centroid_sums(x, nearest_centroid(x, centroids), count)
+        sums, counts = centroid_sums(x, nearest_centroid(x, centroids, KMEANS_BLOCK_ELEMENTS), count)
         centroids = mx.where(counts[..., None] > 0, sums / mx.maximum(counts, 1.0)[..., None], centroids)
         mx.eval(centroids)
     return centroids
