@@ -16,6 +16,7 @@ from veloxquant_mlx.weights import (QuantizedLinear, ReservoirError, StructuredR
                                     save_reservoir)
 from veloxquant_mlx.weights import reservoir as reservoir_module
 from veloxquant_mlx.weights.rotation import hadamard_blocks
+from veloxquant_mlx.weights.shared import rotating_norms
 
 NON_HADAMARD_DIM = 176  # 11 * 16: mx.hadamard_transform does not support it
 
@@ -149,7 +150,8 @@ def test_reservoir_round_trip_is_bit_identical(saved):
     graft_reservoir(fresh, path)
     assert mx.array_equal(fresh(tokens), expected).item()
     layers, header = load_reservoir(path)
-    assert header["meta"] == {"bits": 3} and len(layers) == len(quantized_layers(model))
+    assert header["meta"] == {"bits": 3}
+    assert len(layers) == len(quantized_layers(model)) + len(rotating_norms(model)) == 14 + 4
     # Tensors of a page or more are page-aligned; all are aligned to 64 bytes.
     _, start = reservoir_module.read_header(path)
     assert start % reservoir_module.PAGE == 0
@@ -171,7 +173,7 @@ def test_reservoir_rejects_corrupted_data_and_header(saved):
     _, path = saved
     data = bytearray(path.read_bytes())
     header, start = reservoir_module.read_header(path)
-    codes = next(iter(header["layers"].values()))["tensors"]["codes"]
+    codes = header["layers"]["model.layers.0.self_attn.q_proj"]["tensors"]["codes"]
     data[start + codes["offset"] + 3] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(ReservoirError, match="corrupted in .*codes"):

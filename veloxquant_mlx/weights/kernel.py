@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import math
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
 from ..kernels import launch, templates
+from .linear import MAX_KERNEL_ROWS as MAX_ROWS  # batch rows the kernel takes; larger ones: tiled matmul
 
 KERNEL_NAME = "lut_matmul"
 THREADS = 128
-MAX_ROWS = 8  # batch rows the kernel takes; larger batches use the tiled matmul
 
 LUT_MATMUL = r"""
   constexpr uint32_t MASK = (1u << BITS) - 1u;
@@ -122,6 +122,31 @@ def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:
     else:
         (out,) = launch.run_mlx(dialect, p, inputs)
     return out.reshape(*lead, layer.out_features)
+
+
+def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
+    """The matmul `layer` runs for inputs of this shape and dtype (kept by the layer):
+    the GPU kernel with its launch arguments resolved here, once, so that a call is one
+    `mx.fast.*_kernel` call with no reshape (the kernel reads x as rows of in_features and
+    writes the output in its final shape); the C++ CPU kernel; or the tiled matmul."""
+    dialect = dialect_for(rotated)
+    if dialect in ("cuda", "metal"):
+        p = _plan_for(rotated, layer)
+        run = launch._mlx_kernel(dialect, p.kernel)
+        template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+        out_shapes = [tuple(rotated.shape[:-1]) + (layer.out_features,)]
+        out_dtypes = [launch._DTYPES[d] for d in p.output_dtypes]
+        grid, threads = p.grid, p.threadgroup
+
+        def gpu(x: mx.array) -> mx.array:
+            return run(inputs=[x, layer.codes, layer.scales, layer.codebook], template=template, grid=grid,
+                       threadgroup=threads, output_shapes=out_shapes, output_dtypes=out_dtypes)[0]
+        return gpu
+    if dialect is not None:
+        return lambda x: lut_matmul(x, layer, dialect)
+    if native_cpu_for(rotated, layer):
+        return lambda x: native_lut_matmul(x, layer)
+    return layer.tiled_matmul
 
 
 @lru_cache(maxsize=1)

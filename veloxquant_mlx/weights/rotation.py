@@ -87,8 +87,15 @@ class StructuredRotation:
     def apply(self, x: mx.array, scale: mx.array | None = None) -> mx.array:
         """R x for every vector along the last axis (orthonormal: norms are kept); with
         `scale`, R (scale * x), the scale folded into the first stage's signs."""
+        return self.apply_signed(x * self._signs(0, x.dtype, scale))
+
+    def apply_signed(self, x: mx.array) -> mx.array:
+        """R x for an x already multiplied by the first stage's signs: what is left of `apply`
+        once the signs (and an input scale) are folded into a preceding multiply, such as a
+        norm's weight (`shared.RotatingRMSNorm`)."""
         for stage in range(self.stages):
-            x = x * self._signs(stage, x.dtype, scale if stage == 0 else None)
+            if stage:
+                x = x * self._signs(stage, x.dtype, None)
             if self.perms is not None:
                 x = mx.take(x, self.perms[stage], axis=-1)
             if len(self.blocks) == 1:
