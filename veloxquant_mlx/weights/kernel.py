@@ -20,12 +20,13 @@ other lanes, cuts the instructions per weight: the kernel is instruction-bound.
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..kernels import launch, templates
+from ..kernels import launch, native, templates
 from .linear import MAX_KERNEL_ROWS as MAX_ROWS  # batch rows the kernel takes; larger ones: tiled matmul
 
 KERNEL_NAME = "lut_matmul"
@@ -124,6 +125,12 @@ def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:
     return out.reshape(*lead, layer.out_features)
 
 
+# Wrap each layer's kernel call in mx.compile (VELOXQUANT_WEIGHT_COMPILE=1): a compiled call
+# replays the traced primitive instead of building the kernel's call (its source text and
+# template arguments) again. Read when a layer makes its route for a new input shape.
+COMPILE_ROUTES = os.environ.get("VELOXQUANT_WEIGHT_COMPILE", "0") == "1"
+
+
 def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
     """The matmul `layer` runs for inputs of this shape and dtype (kept by the layer):
     the GPU kernel with its launch arguments resolved here, once, so that a call is one
@@ -138,15 +145,28 @@ def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
         out_dtypes = [launch._DTYPES[d] for d in p.output_dtypes]
         grid, threads = p.grid, p.threadgroup
 
-        def gpu(x: mx.array) -> mx.array:
-            return run(inputs=[x, layer.codes, layer.scales, layer.codebook], template=template, grid=grid,
-                       threadgroup=threads, output_shapes=out_shapes, output_dtypes=out_dtypes)[0]
-        return gpu
-    if dialect is not None:
+        def matmul(x, codes, scales, codebook):
+            return run(inputs=[x, codes, scales, codebook], template=template, grid=grid, threadgroup=threads,
+                       output_shapes=out_shapes, output_dtypes=out_dtypes)[0]
+    elif dialect is not None:
         return lambda x: lut_matmul(x, layer, dialect)
-    if native_cpu_for(rotated, layer):
+    elif native_cpu_for(rotated, layer) and layer.scales.dtype != mx.float16:
         return lambda x: native_lut_matmul(x, layer)
-    return layer.tiled_matmul
+    elif native_cpu_for(rotated, layer):
+        lut = native.module().lut_matmul
+        bits, rows_in = layer.bits, (-1, layer.in_features)
+        out_shape = tuple(rotated.shape[:-1]) + (layer.out_features,)
+
+        def matmul(x, codes, scales, codebook):
+            y = lut(x.reshape(rows_in).astype(mx.float32), codes, scales, codebook, bits)
+            return y.astype(x.dtype).reshape(out_shape)
+    else:
+        return layer.tiled_matmul
+    if COMPILE_ROUTES:
+        matmul = mx.compile(matmul)
+    # the arrays are read from the layer at each call (they are its parameters; the item
+    # lookup of the Module's dict is much cheaper than its attribute lookup)
+    return lambda x: matmul(x, layer["codes"], layer["scales"], layer["codebook"])
 
 
 @lru_cache(maxsize=1)
@@ -179,7 +199,6 @@ def native_cpu_for(rotated: mx.array, layer) -> bool:
 @lru_cache(maxsize=1)
 def _native_cpu() -> bool:
     """Resolved once per process, as the engine's settings are."""
-    from ..kernels import native
     from ..settings import EngineSettings
 
     if mx.default_device() != mx.cpu or EngineSettings.resolve().backend != "native":
@@ -201,8 +220,6 @@ def _warn_stale_native() -> None:
 
 def native_lut_matmul(rotated: mx.array, layer) -> mx.array:
     """x W^T from the packed codes on the CPU, no decoded weight matrix (up to MAX_ROWS rows)."""
-    from ..kernels import native
-
     lead = rotated.shape[:-1]
     x = rotated.reshape(-1, layer.in_features).astype(mx.float32)
     y = native.module().lut_matmul(x, layer.codes, layer.scales.astype(mx.float16), layer.codebook, layer.bits)

@@ -247,26 +247,37 @@ class QuantizedLinear(nn.Module):
     # ---- forward ---------------------------------------------------------------
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.input_rotated:
-            x = self._rotation.apply(x, self.get("input_scales"))
-        y = self.matmul(x)
+        route = self._routes.get((x.shape, x.dtype))
+        y = route(x) if route is not None else self._route_for(x)(x)
         if "bias" in self:
-            y = y + self.bias
+            y = y + self["bias"]
         return y
 
-    def matmul(self, rotated: mx.array) -> mx.array:
-        """(x R^T)(W R^T)^T for an input already rotated. The route for a decode-sized input
-        (the GPU or C++ LUT kernel, with its launch constants) is chosen once per input shape
-        and dtype and kept: a decode step calls every layer once, so this path is host time."""
-        if rotated.size > MAX_KERNEL_ROWS * rotated.shape[-1]:
-            return self.tiled_matmul(rotated)
-        key = (rotated.shape, rotated.dtype)
-        route = self._routes.get(key)
-        if route is None:
+    def _route_for(self, x: mx.array):
+        """x -> (x R^T)(W R^T)^T for inputs of x's shape and dtype: the rotation (unless the
+        input comes rotated) and the matmul, the LUT kernel of the device for up to
+        MAX_KERNEL_ROWS rows, else the tiled one. Decode-sized routes are kept, so that a
+        call costs a dict lookup and the ops themselves: a decode step calls every layer once
+        and its Python path is host time the GPU may wait on."""
+        rows = x.size // x.shape[-1]
+        if rows > MAX_KERNEL_ROWS:
+            matmul = self.tiled_matmul
+        else:
             from . import kernel
 
-            route = self._routes[key] = kernel.route(self, rotated)
-        return route(rotated)
+            matmul = kernel.route(self, x)
+        if self.input_rotated:
+            route = matmul
+        else:
+            # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
+            signs = self._rotation._signs(0, x.dtype, self.get("input_scales"))
+            rotate = self._rotation.apply_signed
+
+            def route(x: mx.array) -> mx.array:
+                return matmul(rotate(x * signs))
+        if rows <= MAX_KERNEL_ROWS:
+            self._routes[(x.shape, x.dtype)] = route
+        return route
 
     def tiled_matmul(self, rotated: mx.array) -> mx.array:
         """(x R^T) (W R^T)^T with the codes decoded `tile_elements()` weights at a time."""

@@ -146,7 +146,7 @@ class RotatingRMSNorm(nn.Module):
         return sum(a.nbytes for a in arrays)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self._rotation.apply_signed(mx.fast.rms_norm(x, self.folded_weight, self.eps))
+        return self._rotation.apply_signed(mx.fast.rms_norm(x, self["folded_weight"], self.eps))
 
     def _extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, blocks={self.rotation.blocks}"
