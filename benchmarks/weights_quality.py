@@ -42,7 +42,7 @@ class DenseBaselineRotation(StructuredRotation):
         super().__init__(dim, mx.ones((1, dim)), None, (dim,))
         self.matrix = dense_rotation_matrix(dim, seed)
 
-    def apply(self, x):
+    def apply_signed(self, x):  # its signs are ones: `apply` (scale, signs) ends here
         return x @ self.matrix.T.astype(x.dtype)
 
     def state(self):
