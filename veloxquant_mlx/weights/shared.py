@@ -15,10 +15,10 @@ norm and outputs the rotated activation; the layers it feeds take it as it is
 (`QuantizedLinear(input_rotated=True)`). Keys and values are unchanged: the rotation
 is undone inside the projections' matmuls, not after them.
 
-The shared c is computed from the layers together: each layer's column RMS profile,
-normalised to mean 1, is pooled by root mean square over the layers (each layer
-counts alike whatever its scale or row count), and c = (pooled / mean)^alpha as for
-one layer (`linear.column_scales`).
+The shared c is computed from the layers together: c = (rms / mean rms)^alpha as for one
+layer (`linear.column_scales`), with the column RMS taken over the rows of all of them
+stacked. One c cannot fit layers whose column profiles differ (q/k against v, in
+SmolLM2), so this costs quality against per-layer scales: docs/weights.md has the numbers.
 
 Blocks are recognised by the mlx-lm module that defines them (the table below says
 which norm feeds which layers there); other models keep one rotation per layer.
@@ -88,17 +88,19 @@ def find_shared_inputs(model: nn.Module) -> Tuple[List[SharedInput], List[str]]:
 
 
 def shared_input_scales(weights: Sequence[mx.array], alpha: float) -> Optional[mx.array]:
-    """c for layers reading one input (module doc), fp16; None when alpha is 0."""
+    """c for layers reading one input: `linear.column_scales` of their weights stacked (the
+    column RMS over every row of every layer), fp16; None when alpha is 0."""
     if not alpha:
         return None
-    pooled = None
+    squares = None
+    rows = 0
     for weight in weights:
         w = weight.astype(mx.float32)
-        rms = mx.sqrt((w * w).mean(axis=0))
-        profile = mx.square(rms / mx.maximum(rms.mean(), 1e-8))
-        pooled = profile if pooled is None else pooled + profile
-        mx.eval(pooled)
-    rms = mx.sqrt(pooled / len(weights))
+        column = (w * w).sum(axis=0)
+        squares = column if squares is None else squares + column
+        rows += w.shape[0]
+        mx.eval(squares)
+    rms = mx.sqrt(squares / rows)
     return mx.power(mx.maximum(rms, 1e-8) / mx.maximum(rms.mean(), 1e-8), alpha).astype(mx.float16)
 
 
