@@ -226,13 +226,15 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "load_model", lambda name, dequantize=None: (_tiny(hidden=128), None))
     monkeypatch.setattr(models, "model_source", lambda name: name)
-    assert main(["quantize-weights", "--model", "tiny", "--bits", "2", "--out", str(tmp_path / "q")]) == 0
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "2", "--per-layer-rotations",
+                 "--out", str(tmp_path / "q")]) == 0
     config = json.loads((tmp_path / "q" / "weights.json").read_text())
-    assert config["bits"] == 2 and config["base_model"] == "tiny"
+    assert config["bits"] == 2 and config["base_model"] == "tiny" and config["share_rotations"] is False
     assert directory.is_quantized_dir(tmp_path / "q")
     loaded, _ = directory.load_quantized_dir(tmp_path / "q")
     linear = [m for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
     assert len(linear) == 14 and all(isinstance(m, QuantizedLinear) for m in linear)
+    assert not rotating_norms(loaded)
     assert isinstance(loaded.model.embed_tokens, nn.Embedding)
     from veloxquant_mlx.weights import QuantizedEmbedding
 
@@ -240,6 +242,7 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "e" / "weights.json").read_text())["embeddings"] is True
     loaded, _ = directory.load_quantized_dir(tmp_path / "e")
     assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+    assert len(rotating_norms(loaded)) == 4  # shared rotations by default
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
