@@ -131,6 +131,11 @@ def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:
 COMPILE_ROUTES = os.environ.get("VELOXQUANT_WEIGHT_COMPILE", "0") == "1"
 
 
+def compiled(function: Callable) -> Callable:
+    """`function` under mx.compile when COMPILE_ROUTES is on (decided when a route is made)."""
+    return mx.compile(function) if COMPILE_ROUTES else function
+
+
 def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
     """The matmul `layer` runs for inputs of this shape and dtype (kept by the layer):
     the GPU kernel with its launch arguments resolved here, once, so that a call is one
@@ -162,8 +167,7 @@ def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
             return y.astype(x.dtype).reshape(out_shape)
     else:
         return layer.tiled_matmul
-    if COMPILE_ROUTES:
-        matmul = mx.compile(matmul)
+    matmul = compiled(matmul)
     # the arrays are read from the layer at each call (they are its parameters; the item
     # lookup of the Module's dict is much cheaper than its attribute lookup)
     return lambda x: matmul(x, layer["codes"], layer["scales"], layer["codebook"])

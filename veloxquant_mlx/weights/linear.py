@@ -269,12 +269,15 @@ class QuantizedLinear(nn.Module):
         if self.input_rotated:
             route = matmul
         else:
+            from . import kernel
+
             # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
             signs = self._rotation._signs(0, x.dtype, self.get("input_scales"))
-            rotate = self._rotation.apply_signed
+            apply_signed = self._rotation.apply_signed
+            rotate = kernel.compiled(lambda x, signs: apply_signed(x * signs))
 
             def route(x: mx.array) -> mx.array:
-                return matmul(rotate(x * signs))
+                return matmul(rotate(x, signs))
         if rows <= MAX_KERNEL_ROWS:
             self._routes[(x.shape, x.dtype)] = route
         return route

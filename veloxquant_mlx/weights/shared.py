@@ -148,7 +148,14 @@ class RotatingRMSNorm(nn.Module):
         return sum(a.nbytes for a in arrays)
 
     def __call__(self, x: mx.array) -> mx.array:
-        return self._rotation.apply_signed(mx.fast.rms_norm(x, self["folded_weight"], self.eps))
+        run = self.__dict__.get("_run")
+        if run is None:
+            from . import kernel
+
+            rotation, eps = self._rotation, self.eps
+            run = self.__dict__["_run"] = kernel.compiled(
+                lambda x, weight: rotation.apply_signed(mx.fast.rms_norm(x, weight, eps)))
+        return run(x, self["folded_weight"])
 
     def _extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, blocks={self.rotation.blocks}"
