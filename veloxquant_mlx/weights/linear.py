@@ -130,7 +130,7 @@ class QuantizedLinear(nn.Module):
                 self.input_scales = input_scales
         if bias is not None:
             self.bias = bias
-        self.__dict__["_routes"] = {}  # (input shape, dtype) -> the matmul for it (`_route`)
+        self.__dict__["_routes"] = {}  # (input shape, dtype) -> the call for it (`_route_for`)
         self.freeze()
 
     # ---- construction ------------------------------------------------------
@@ -259,26 +259,26 @@ class QuantizedLinear(nn.Module):
         MAX_KERNEL_ROWS rows, else the tiled one. Decode-sized routes are kept, so that a
         call costs a dict lookup and the ops themselves: a decode step calls every layer once
         and its Python path is host time the GPU may wait on."""
-        rows = x.size // x.shape[-1]
-        if rows > MAX_KERNEL_ROWS:
-            matmul = self.tiled_matmul
-        else:
-            from . import kernel
+        from . import kernel
 
-            matmul = kernel.route(self, x)
+        rows = x.size // x.shape[-1]
+        decode = rows <= MAX_KERNEL_ROWS
+        matmul = kernel.route(self, x) if decode else self.tiled_matmul
         if self.input_rotated:
             route = matmul
         else:
-            from . import kernel
-
             # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
             signs = self._rotation._signs(0, x.dtype, self.get("input_scales"))
             apply_signed = self._rotation.apply_signed
-            rotate = kernel.compiled(lambda x, signs: apply_signed(x * signs))
+
+            def rotate(x: mx.array, signs: mx.array) -> mx.array:
+                return apply_signed(x * signs)
+            if decode:  # not prefill shapes: a compiled function traces again for every new shape
+                rotate = kernel.compiled(rotate)
 
             def route(x: mx.array) -> mx.array:
                 return matmul(rotate(x, signs))
-        if rows <= MAX_KERNEL_ROWS:
+        if decode:
             self._routes[(x.shape, x.dtype)] = route
         return route
 
