@@ -141,6 +141,7 @@ def main() -> None:
             errors[variant] = f"{type(exc).__name__}: {exc}"
             print(json.dumps({"variant": variant, "error": errors[variant]}), flush=True)
             traceback.print_exc()
+        write(args, variants, record, errors)
     for _ in range(args.rounds):
         for variant, model in list(models.items()):
             try:
@@ -151,32 +152,40 @@ def main() -> None:
                 errors[variant] = f"{type(exc).__name__}: {exc}"
                 del models[variant]
                 traceback.print_exc()
+        write(args, variants, record, errors)
     use("affine")
-    for variant, r in record.items():
+    print((Path(args.out) / "results.md").read_text())
+
+
+def write(args, variants, record, errors) -> None:
+    """results.json and results.md of what has been measured so far (rewritten after each phase,
+    so that a run stopped by a time limit keeps its rows)."""
+    for r in record.values():
         r["median_tok_s"] = statistics.median(r["tok_s"]) if r["tok_s"] else None
     base = record.get("affine", {}).get("median_tok_s")
     for r in record.values():
         r["vs_affine"] = r["median_tok_s"] / base if base and r["median_tok_s"] else None
-
+    rounds = max((len(r["tok_s"]) for r in record.values()), default=0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(
         {"device": str(mx.default_device()), "args": vars(args), "variants": record, "errors": errors,
-         "note": "lm_head and embeddings are MLX affine in every variant"}, indent=2))
+         "rounds_done": rounds, "note": "lm_head and embeddings are MLX affine in every variant"}, indent=2))
     shape = args.shape + (f" ({args.layers} layers)" if args.layers else "")
-    lines = [f"| {shape}, {args.bits}-bit weights, {args.dtype} | decode tok/s (median of {args.rounds}) | vs affine "
+    lines = [f"| {shape}, {args.bits}-bit weights, {args.dtype} | decode tok/s (median of {rounds}) | vs affine "
              "| host ms to build a step's graph | logits rel. RMS error vs fp16 | quantize s |",
              "|---|---|---|---|---|---|"]
     for variant in variants:
-        if variant in errors and not record.get(variant, {}).get("tok_s"):
-            lines.append(f"| {variant} | failed: {errors[variant][:120]} | | | | |")
+        r = record.get(variant)
+        if r is None or (variant in errors and not r["tok_s"]):
+            if variant in errors:
+                lines.append(f"| {variant} | failed: {errors[variant][:120]} | | | | |")
             continue
-        r = record[variant]
+        rate = f"{r['median_tok_s']:.1f}" if r["median_tok_s"] else "n/m"
         ratio = f"{r['vs_affine']:.2f}x" if r["vs_affine"] else "n/a"
-        lines.append(f"| {variant} | {r['median_tok_s']:.1f} | {ratio} | {r['host_ms_per_step']:.2f} | "
+        lines.append(f"| {variant} | {rate} | {ratio} | {r['host_ms_per_step']:.2f} | "
                      f"{r['logits_rel_rms_error_vs_fp16']:.4f} | {r['quantize_s']:.1f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":
