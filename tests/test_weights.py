@@ -620,3 +620,12 @@ def test_gpu_route_launch_arguments_run_the_kernel_in_the_emulator(monkeypatch):
         got = layer(x)
         assert got.shape == (1, rows, 37)
         np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_shared_alpha_sets_the_groups_column_scaling_only():
+    model = quantize_model(_tiny(hidden=128), 4, shared_alpha=0.0, progress=False)
+    block = model.model.layers[0]
+    assert "input_scales" not in block.input_layernorm and block.self_attn.q_proj.column_scales is None
+    assert "input_scales" in block.self_attn.o_proj and "input_scales" in block.mlp.down_proj
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    assert mx.isfinite(model(tokens)).all().item()

@@ -16,7 +16,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
 from .rotation import StructuredRotation
-from .shared import RotatingRMSNorm, SharedInput, find_shared_inputs, share_input_rotations, shared_input_scales
+from .shared import (SHARED_ALPHA, RotatingRMSNorm, SharedInput, find_shared_inputs, share_input_rotations,
+                     shared_input_scales)
 
 
 def _linear_shape(module) -> Optional[Tuple[int, int]]:
@@ -70,7 +71,8 @@ def layer_seed(seed: int, path: str) -> int:
 def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
                    group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
                    embeddings: bool = False, calibration: Optional[mx.array] = None,
-                   share_rotations: bool = True, progress: bool = True) -> nn.Module:
+                   share_rotations: bool = True, shared_alpha: Optional[float] = None,
+                   progress: bool = True) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
 
@@ -87,7 +89,8 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     `share_rotations` (default): where the block structure is recognised (`shared.BLOCKS`:
     llama, qwen2, qwen3, gemma3), the layers reading one norm's output (q/k/v; gate/up)
     share one rotation and one input scale, folded into that norm (`shared.py`); a warning
-    names the blocks where this is not done. Returns `model`.
+    names the blocks where this is not done. `shared_alpha` is the column-scaling exponent of
+    those groups (default `shared.SHARED_ALPHA`; `column_alpha` for the other layers). Returns `model`.
     """
     from tqdm.auto import tqdm
 
@@ -96,7 +99,8 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     tables = set(embedding_paths(model, skip)) if embeddings else set()
     paths += sorted(tables)
     groups = shared_groups(model, paths) if share_rotations else []
-    inputs = _shared_settings(model, groups, seed, stages, column_alpha)
+    alpha = SHARED_ALPHA if shared_alpha is None else shared_alpha
+    inputs = _shared_settings(model, groups, seed, stages, alpha)
     if calibration is not None:
         _quantize_calibrated(model, bits, seed, paths, sorted(tables), calibration, group_size=group_size,
                              stages=stages, column_alpha=column_alpha, progress=progress, inputs=inputs)
@@ -111,7 +115,7 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
         else:
             layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
                                                 group_size=group_size, stages=stages, bias=module.get("bias"),
-                                                column_alpha=column_alpha, **inputs.get(path, {}))
+                                                **{"column_alpha": column_alpha, **inputs.get(path, {})})
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
     return share_input_rotations(model, groups)
@@ -143,8 +147,9 @@ def _listing(items: List[str], shown: int = 3) -> str:
 
 def _shared_settings(model, groups: List[SharedInput], seed: int, stages: int,
                      column_alpha: float) -> Dict[str, dict]:
-    """Per layer path, the rotation and input scales it shares with its group (from_weight kwargs).
-    The rotation is seeded from the norm's path."""
+    """Per layer path, the rotation and input scales it shares with its group (from_weight kwargs;
+    `column_alpha` is the group's, so a layer computes no scales of its own when the group has
+    none). The rotation is seeded from the norm's path."""
     modules = dict(model.named_modules())
     settings = {}
     for group in groups:
@@ -152,7 +157,7 @@ def _shared_settings(model, groups: List[SharedInput], seed: int, stages: int,
         rotation = StructuredRotation.seeded(dim, layer_seed(seed, group.norm), stages)
         scales = shared_input_scales([_float_weight(modules[p]) for p in group.layers], column_alpha)
         for path in group.layers:
-            settings[path] = {"rotation": rotation, "input_scales": scales}
+            settings[path] = {"rotation": rotation, "input_scales": scales, "column_alpha": column_alpha}
     return settings
 
 
@@ -178,8 +183,8 @@ def _quantize_calibrated(model, bits, seed, paths, tables, calibration, *, group
         def make(inputs):
             layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
                                                 group_size=group_size, stages=stages, bias=module.get("bias"),
-                                                column_alpha=column_alpha, calibration_inputs=inputs,
-                                                **shared_inputs.get(path, {}))
+                                                calibration_inputs=inputs,
+                                                **{"column_alpha": column_alpha, **shared_inputs.get(path, {})})
             bar.update(1)
             return layer
         return make

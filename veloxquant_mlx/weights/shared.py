@@ -43,6 +43,8 @@ BLOCKS: Dict[str, Tuple[str, str]] = {
     "mlx_lm.models.qwen3": ("input_layernorm", "post_attention_layernorm"),
     "mlx_lm.models.gemma3_text": ("input_layernorm", "pre_feedforward_layernorm"),
 }
+# Column-scaling exponent of a shared group (`quantize_model(shared_alpha=)`); see shared_input_scales.
+SHARED_ALPHA = 0.5
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj")
 MLP_INPUTS = ("gate_proj", "up_proj")
 

@@ -22,9 +22,9 @@ ids = tokenize_prefix(tok, load_text("/work/shared/data/wikitext2-test.txt"), 10
 windows = mx.array(ids).reshape(2, 512)[:int(sys.argv[2])]
 for seed in sys.argv[1].split(","):
     model, _ = load_model("smollm2")
-    quantize_model(model, 4, seed=int(seed), progress=False)
+    quantize_model(model, int(sys.argv[3]) if len(sys.argv) > 3 else 4, seed=int(seed), progress=False)
     nll = n = 0
     for w in windows:
         logits = model(w[None])[0, :-1].astype(mx.float32)
         nll += nn.losses.cross_entropy(logits, w[1:], reduction="sum").item(); n += w.size - 1
-    print(json.dumps({"shared_rotation_own_scales_seed": int(seed), "ppl": float(mx.exp(mx.array(nll / n)).item())}), flush=True)
+    print(json.dumps({"shared_rotation_own_scales_seed": int(seed), "bits": int(sys.argv[3]) if len(sys.argv) > 3 else 4, "ppl": float(mx.exp(mx.array(nll / n)).item())}), flush=True)
