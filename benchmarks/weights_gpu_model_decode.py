@@ -1,12 +1,24 @@
 """Whole-model decode of the Llama-3.1-8B shape (random weights, fp16 activations, mlx-lm's
 fp16 KV cache): our 4-bit codebook weights against MLX's affine 4-bit (group 64), in one run.
 
-    python benchmarks/weights_gpu_model_decode.py --out benchmarks/results/gpu/weights-model-decode
+    python benchmarks/weights_gpu_model_decode.py --out benchmarks/results/gpu/weights-model-decode-shared
+    python benchmarks/weights_gpu_model_decode.py --shape tiny --layers 2 --prompt 16 --tokens 4 --rounds 1 \\
+        --out /tmp/dry        # a quick dry run (CPU too)
 
-Both models come from the same fp16 weights (seed 0). Each round decodes `--tokens`
-tokens after a `--prompt`-token prompt with each model in turn (mlx-lm's `generate_step`),
-so the two alternate; the table reports the median tokens per second over `--rounds`
-rounds and the ratio, with the time `quantize_model` took.
+Variants (`--variants`), all from the same fp16 weights (seed 0):
+  affine           MLX `nn.quantize`, 4-bit group 64, its quantized matmul;
+  per-layer        ours, `quantize_model(share_rotations=False)`: every layer rotates its own
+                   input (a multiply by signs x column scale, then the FWHT);
+  shared           ours, `quantize_model` default: q/k/v and gate/up read one rotated input,
+                   made by their norm (`weights/shared.py`); o_proj and down_proj rotate their own;
+  shared-compiled  shared, each layer's kernel call wrapped in mx.compile (`kernel.COMPILE_ROUTES`).
+Our models keep the output head and the embeddings MLX affine, so the comparison is the
+blocks' linear layers. Each round decodes `--tokens` tokens after a `--prompt`-token prompt
+with each variant in turn (mlx-lm's `generate_step`), so they alternate; the table reports
+the median tokens per second over `--rounds` rounds, the ratio to affine, the host time to
+build one decode step's graph, and the relative RMS error of the prompt's last logits against
+the fp16 model (a check that each path computes the model). A variant that fails is reported
+with its error and the others still run.
 """
 
 from __future__ import annotations
@@ -16,14 +28,17 @@ import gc
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
-from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, shape_config
-from veloxquant_mlx.weights import quantize_model
+from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, resolve_dtype, shape_config
+from veloxquant_mlx.weights import kernel, quantize_model
+
+VARIANTS = ("affine", "per-layer", "shared", "shared-compiled")
 
 
 def decode_rate(model, prompt: mx.array, tokens: int) -> float:
@@ -56,54 +71,121 @@ def host_ms(model, rounds: int = 20) -> float:
     return 1e3 * statistics.median(times)
 
 
+def last_logits(model, prompt: mx.array) -> mx.array:
+    logits = model(prompt[None])[0, -1].astype(mx.float32)
+    mx.eval(logits)
+    return logits
+
+
+def build(variant: str, args, overrides) -> tuple:
+    """(model, seconds to quantize) of one variant."""
+    model = build_shape_model(args.shape, args.dtype, None, seed=0, overrides=overrides)
+    start = time.perf_counter()
+    if variant == "affine":
+        quantize_weights(model, args.bits)
+    else:
+        quantize_model(model, args.bits, seed=0, skip=("lm_head",), share_rotations=variant != "per-layer",
+                       progress=False)
+        nn.quantize(model, group_size=64, bits=args.bits,
+                    class_predicate=lambda path, m: path in ("lm_head", "model.embed_tokens"))
+    mx.eval(model.parameters())
+    return model, time.perf_counter() - start
+
+
+def use(variant: str) -> None:
+    """Settings a variant runs under (read when a layer first meets an input shape)."""
+    kernel.COMPILE_ROUTES = variant == "shared-compiled"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b")
+    parser.add_argument("--layers", type=int, default=0, help="override the shape's layer count (0: keep it)")
+    parser.add_argument("--dtype", default="auto", help="activations: auto (fp16 on a GPU, fp32 on the CPU), "
+                                                        "float16, bfloat16, float32")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", default="benchmarks/results/gpu/weights-model-decode")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--out", default="benchmarks/results/gpu/weights-model-decode-shared")
     args = parser.parse_args()
-    affine = build_shape_model(args.shape, "float16", None, seed=0)
-    quantize_weights(affine, args.bits)
-    ours = build_shape_model(args.shape, "float16", None, seed=0)
-    start = time.perf_counter()
-    quantize_model(ours, args.bits, seed=0, skip=("lm_head",), progress=False)
-    # The output head and the embeddings take MLX affine in both models, so that the
-    # comparison is the blocks' linear layers.
-    nn.quantize(ours, group_size=64, bits=args.bits,
-                class_predicate=lambda path, m: path in ("lm_head", "model.embed_tokens"))
-    mx.eval(ours.parameters())
-    quantize_seconds = time.perf_counter() - start
-    gc.collect()
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
+    args.dtype, _ = resolve_dtype(args.dtype)
+    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
     vocab = shape_config(args.shape)["vocab_size"]
     prompt = mx.random.randint(0, vocab, (args.prompt,), key=mx.random.key(1))
-    models = {"affine": affine, "codebook": ours}
-    for model in models.values():  # warm-up: compile the kernels
-        decode_rate(model, prompt, 8)
-    host = {name: host_ms(model) for name, model in models.items()}
-    print(json.dumps({"host_ms_per_step": host}), flush=True)
-    rates = {name: [] for name in models}
+
+    reference = build_shape_model(args.shape, args.dtype, None, seed=0, overrides=overrides)
+    ref_logits = last_logits(reference, prompt)
+    del reference
+    gc.collect()
+
+    models, record, errors = {}, {}, {}
+    for variant in variants:
+        try:
+            use(variant)
+            model, seconds = build(variant, args, overrides)
+            gc.collect()
+            logits = last_logits(model, prompt)
+            error = float(mx.sqrt(mx.mean(mx.square(logits - ref_logits))) / mx.sqrt(mx.mean(mx.square(ref_logits))))
+            decode_rate(model, prompt, 8)  # warm-up: compile the kernels
+            record[variant] = {"quantize_s": seconds, "logits_rel_rms_error_vs_fp16": error,
+                               "host_ms_per_step": host_ms(model), "tok_s": []}
+            models[variant] = model
+            print(json.dumps({"variant": variant, **record[variant]}), flush=True)
+        except Exception as exc:  # reported in the table; the other variants still run
+            errors[variant] = f"{type(exc).__name__}: {exc}"
+            print(json.dumps({"variant": variant, "error": errors[variant]}), flush=True)
+            traceback.print_exc()
+        write(args, variants, record, errors)
     for _ in range(args.rounds):
-        for name, model in models.items():
-            rates[name].append(decode_rate(model, prompt, args.tokens))
-            print(json.dumps({"model": name, "tok_s": rates[name][-1]}), flush=True)
-    median = {name: statistics.median(r) for name, r in rates.items()}
-    record = {"device": str(mx.default_device()), "args": vars(args), "tok_s": rates, "median_tok_s": median,
-              "codebook_vs_affine": median["codebook"] / median["affine"], "quantize_model_s": quantize_seconds,
-              "host_ms_per_step": host,
-              "note": "lm_head and embeddings are MLX affine in both models"}
+        for variant, model in list(models.items()):
+            try:
+                use(variant)
+                record[variant]["tok_s"].append(decode_rate(model, prompt, args.tokens))
+                print(json.dumps({"variant": variant, "tok_s": record[variant]["tok_s"][-1]}), flush=True)
+            except Exception as exc:
+                errors[variant] = f"{type(exc).__name__}: {exc}"
+                del models[variant]
+                traceback.print_exc()
+        write(args, variants, record, errors)
+    use("affine")
+    print((Path(args.out) / "results.md").read_text())
+
+
+def write(args, variants, record, errors) -> None:
+    """results.json and results.md of what has been measured so far (rewritten after each phase,
+    so that a run stopped by a time limit keeps its rows)."""
+    for r in record.values():
+        r["median_tok_s"] = statistics.median(r["tok_s"]) if r["tok_s"] else None
+    base = record.get("affine", {}).get("median_tok_s")
+    for r in record.values():
+        r["vs_affine"] = r["median_tok_s"] / base if base and r["median_tok_s"] else None
+    rounds = max((len(r["tok_s"]) for r in record.values()), default=0)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(record, indent=2))
-    lines = [f"| {args.shape}, {args.bits}-bit weights | decode tok/s (median of {args.rounds}) | vs affine "
-             "| host ms to build a step's graph |", "|---|---|---|---|"]
-    for name in models:
-        lines.append(f"| {name} | {median[name]:.1f} | {median[name] / median['affine']:.2f}x | {host[name]:.2f} |")
-    lines.append(f"\nquantize_model: {quantize_seconds:.1f} s")
+    (out / "results.json").write_text(json.dumps(
+        {"device": str(mx.default_device()), "args": vars(args), "variants": record, "errors": errors,
+         "rounds_done": rounds, "note": "lm_head and embeddings are MLX affine in every variant"}, indent=2))
+    shape = args.shape + (f" ({args.layers} layers)" if args.layers else "")
+    lines = [f"| {shape}, {args.bits}-bit weights, {args.dtype} | decode tok/s (median of {rounds}) | vs affine "
+             "| host ms to build a step's graph | logits rel. RMS error vs fp16 | quantize s |",
+             "|---|---|---|---|---|---|"]
+    for variant in variants:
+        r = record.get(variant)
+        if r is None or (variant in errors and not r["tok_s"]):
+            if variant in errors:
+                lines.append(f"| {variant} | failed: {errors[variant][:120]} | | | | |")
+            continue
+        rate = f"{r['median_tok_s']:.1f}" if r["median_tok_s"] else "n/m"
+        ratio = f"{r['vs_affine']:.2f}x" if r["vs_affine"] else "n/a"
+        lines.append(f"| {variant} | {rate} | {ratio} | {r['host_ms_per_step']:.2f} | "
+                     f"{r['logits_rel_rms_error_vs_fp16']:.4f} | {r['quantize_s']:.1f} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 if __name__ == "__main__":

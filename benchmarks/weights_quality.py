@@ -3,7 +3,8 @@
 
     python benchmarks/weights_quality.py --windows 3 --ctx 512 --out benchmarks/results/weights-quality-smollm2
 
-Specs: `ref` (the dequantized Q4_1 weights), `vq:BITS[:g=GROUP][:stages=K][:alpha=A][:rot=dense][:gptq=N][:emb=1]` (alpha: column_alpha, default 0.5 as in quantize_model;
+Specs: `ref` (the dequantized Q4_1 weights), `vq:BITS[:g=GROUP][:stages=K][:alpha=A][:rot=dense][:gptq=N][:emb=1][:share=0]` (alpha: column_alpha, default 0.5 as in quantize_model;
+share=0: one rotation and input scale per layer instead of one per shared input (q/k/v, gate/up), quantize_model's default;
 gptq=N: GPTQ codes calibrated on the first N tokens of the packaged python-reference.txt, never on WikiText; emb=1: the embedding table too),
 `affine:BITS:GROUP[:emb=1]`, `mxfp4`, `nvfp4`. `weights MB` counts every matrix of the model (linear layers and
 the embedding table, float ones at 16 bits) as stored. MLX-quantized layers are evaluated as float layers holding their dequantized weights (the
@@ -25,7 +26,7 @@ import mlx.nn as nn
 
 from veloxquant_mlx.evaluation.data import load_text, tokenize_prefix
 from veloxquant_mlx.models import load_model
-from veloxquant_mlx.weights import QuantizedLinear, StructuredRotation, quantize_model
+from veloxquant_mlx.weights import QuantizedLinear, RotatingRMSNorm, StructuredRotation, quantize_model
 from veloxquant_mlx.weights import model as weights_model
 from veloxquant_mlx.weights.gptq import calibration_tokens
 from veloxquant_mlx.weights.rotation import dense_rotation_matrix
@@ -41,7 +42,7 @@ class DenseBaselineRotation(StructuredRotation):
         super().__init__(dim, mx.ones((1, dim)), None, (dim,))
         self.matrix = dense_rotation_matrix(dim, seed)
 
-    def apply(self, x):
+    def apply_signed(self, x):  # its signs are ones: `apply` (scale, signs) ends here
         return x @ self.matrix.T.astype(x.dtype)
 
     def state(self):
@@ -78,7 +79,7 @@ def quantize_vq(model, spec: dict, seed: int, tokenizer=None) -> None:
     calibration = calibration_tokens(tokenizer, int(spec["gptq"])) if "gptq" in spec else None
     quantize_model(model, spec["bits"], seed=seed, group_size=group, stages=stages,
                    column_alpha=float(spec.get("alpha", 0.5)), embeddings=spec.get("emb") == "1",
-                   calibration=calibration, progress=False)
+                   calibration=calibration, share_rotations=spec.get("share", "1") != "0", progress=False)
 
 
 def quantize_mlx(model, spec: dict) -> None:
@@ -113,10 +114,11 @@ def dequantize_mlx_layers(model) -> None:
 
 
 def weights_megabytes(model) -> float:
-    """Bytes of every weight matrix (linear layers and embedding tables) as stored, float at 16 bits."""
+    """Bytes of every weight matrix (linear layers and embedding tables) as stored, float at 16 bits,
+    plus what shared rotations add to their norms."""
     total = 0.0
     for _, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, (QuantizedLinear, RotatingRMSNorm)):
             total += module.storage_nbytes()
         elif isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             total += module.weight.size * 4
@@ -132,7 +134,9 @@ def weights_megabytes(model) -> float:
 def bits_per_weight(model) -> float:
     bits = weights = 0
     for _, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, RotatingRMSNorm):  # a shared rotation, its input scales, the folded weight
+            bits += 8 * module.storage_nbytes()
+        elif isinstance(module, QuantizedLinear):
             bits += 8 * module.storage_nbytes()
             weights += module.in_features * module.out_features
         elif isinstance(module, nn.QuantizedLinear):

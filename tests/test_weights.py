@@ -16,6 +16,7 @@ from veloxquant_mlx.weights import (QuantizedLinear, ReservoirError, StructuredR
                                     save_reservoir)
 from veloxquant_mlx.weights import reservoir as reservoir_module
 from veloxquant_mlx.weights.rotation import hadamard_blocks
+from veloxquant_mlx.weights.shared import rotating_norms
 
 NON_HADAMARD_DIM = 176  # 11 * 16: mx.hadamard_transform does not support it
 
@@ -149,7 +150,8 @@ def test_reservoir_round_trip_is_bit_identical(saved):
     graft_reservoir(fresh, path)
     assert mx.array_equal(fresh(tokens), expected).item()
     layers, header = load_reservoir(path)
-    assert header["meta"] == {"bits": 3} and len(layers) == len(quantized_layers(model))
+    assert header["meta"] == {"bits": 3}
+    assert len(layers) == len(quantized_layers(model)) + len(rotating_norms(model)) == 14 + 4
     # Tensors of a page or more are page-aligned; all are aligned to 64 bytes.
     _, start = reservoir_module.read_header(path)
     assert start % reservoir_module.PAGE == 0
@@ -171,7 +173,7 @@ def test_reservoir_rejects_corrupted_data_and_header(saved):
     _, path = saved
     data = bytearray(path.read_bytes())
     header, start = reservoir_module.read_header(path)
-    codes = next(iter(header["layers"].values()))["tensors"]["codes"]
+    codes = header["layers"]["model.layers.0.self_attn.q_proj"]["tensors"]["codes"]
     data[start + codes["offset"] + 3] ^= 0x10
     path.write_bytes(bytes(data))
     with pytest.raises(ReservoirError, match="corrupted in .*codes"):
@@ -224,13 +226,15 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "load_model", lambda name, dequantize=None: (_tiny(hidden=128), None))
     monkeypatch.setattr(models, "model_source", lambda name: name)
-    assert main(["quantize-weights", "--model", "tiny", "--bits", "2", "--out", str(tmp_path / "q")]) == 0
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "2", "--per-layer-rotations",
+                 "--out", str(tmp_path / "q")]) == 0
     config = json.loads((tmp_path / "q" / "weights.json").read_text())
-    assert config["bits"] == 2 and config["base_model"] == "tiny"
+    assert config["bits"] == 2 and config["base_model"] == "tiny" and config["share_rotations"] is False
     assert directory.is_quantized_dir(tmp_path / "q")
     loaded, _ = directory.load_quantized_dir(tmp_path / "q")
     linear = [m for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, QuantizedLinear))]
     assert len(linear) == 14 and all(isinstance(m, QuantizedLinear) for m in linear)
+    assert not rotating_norms(loaded)
     assert isinstance(loaded.model.embed_tokens, nn.Embedding)
     from veloxquant_mlx.weights import QuantizedEmbedding
 
@@ -238,6 +242,7 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "e" / "weights.json").read_text())["embeddings"] is True
     loaded, _ = directory.load_quantized_dir(tmp_path / "e")
     assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
+    assert len(rotating_norms(loaded)) == 4  # shared rotations by default
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
@@ -396,3 +401,231 @@ def test_native_cpu_lut_matmul_matches_the_tiled_path(bits, dim, group, rows):
     np.testing.assert_allclose(np.array(layer(single))[0],
                                np.array(layer.tiled_matmul(layer.rotation.apply(single * layer.input_scales)))[0],
                                rtol=1e-5, atol=1e-4)
+
+
+# ---- shared input rotations (weights/shared.py) ---------------------------------------------
+
+def _with_norm_weights(model, seed=3):
+    """Non-trivial norm weights (random init leaves them at one), so that folding them matters."""
+    rng = np.random.default_rng(seed)
+    for path, module in model.named_modules():
+        if path.endswith("norm") and "weight" in module and module.weight.ndim == 1:
+            module.weight = mx.array(rng.uniform(0.5, 1.5, module.weight.shape).astype(np.float32))
+    return model
+
+
+@pytest.mark.parametrize("hidden", [256, NON_HADAMARD_DIM])
+def test_shared_rotation_computes_the_per_layer_math(hidden):
+    from veloxquant_mlx.weights import RotatingRMSNorm
+
+    base = _with_norm_weights(_tiny(hidden=hidden))
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    dense = base(tokens)
+    model = _with_norm_weights(_tiny(hidden=hidden))
+    fp = fingerprint(model)
+    quantize_model(model, 4, seed=1, progress=False)
+    block = model.model.layers[0]
+    assert isinstance(block.input_layernorm, RotatingRMSNorm)
+    assert isinstance(block.post_attention_layernorm, RotatingRMSNorm)
+    assert len(rotating_norms(model)) == 4 and fingerprint(model) == fp
+    q, k, v = block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj
+    assert q.input_rotated and k.rotation is q.rotation and v.column_scales is q.column_scales
+    assert not block.self_attn.o_proj.input_rotated and not block.mlp.down_proj.input_rotated
+    assert (hadamard_base(hidden) is None) == (q.rotation.perms is not None)
+    # The rotating norm + a layer taking its output = the original norm + the same codes rotating
+    # their own input (one rotation, one input scale): the fold is exact up to float rounding.
+    h = _weight(5, hidden, seed=8)[None]
+    original = nn.RMSNorm(hidden, eps=block.input_layernorm.eps)
+    original.weight = base.model.layers[0].input_layernorm.weight
+    for layer in (q, k, v):
+        own = QuantizedLinear(layer.in_features, layer.out_features, layer.bits, codes=layer.codes,
+                              scales=layer.scales, codebook=layer.codebook, rotation=layer.rotation,
+                              input_scales=layer.column_scales)
+        np.testing.assert_allclose(np.array(layer(block.input_layernorm(h))), np.array(own(original(h))),
+                                   rtol=1e-4, atol=1e-4 * np.abs(np.array(own(original(h)))).max())
+    # The shared scales divide the columns of every layer of the group: storage counts them once.
+    assert q.storage_nbytes() == q.codes.nbytes + q.scales.nbytes + q.codebook.nbytes
+    assert block.input_layernorm.storage_nbytes() > 0
+    # Logits stay as close to the float model as per-layer rotations keep them (quantization error only).
+    per_layer = quantize_model(_with_norm_weights(_tiny(hidden=hidden)), 4, seed=1, share_rotations=False,
+                               progress=False)
+    assert not rotating_norms(per_layer)
+
+    def error(logits):
+        return (mx.sqrt(mx.mean(mx.square(logits - dense))) / mx.sqrt(mx.mean(mx.square(dense)))).item()
+
+    assert error(model(tokens)) < 1.5 * error(per_layer(tokens)) and error(model(tokens)) < 0.35
+    assert (mx.argmax(model(tokens), -1) == mx.argmax(dense, -1)).mean().item() > 0.5
+
+
+def test_shared_input_scales_pool_the_layers():
+    from veloxquant_mlx.weights.linear import column_scales
+    from veloxquant_mlx.weights.shared import shared_input_scales
+
+    a, b = _weight(32, 64, seed=1), _weight(8, 64, seed=2) * 3.0
+    assert shared_input_scales([a, b], 0.0) is None
+    # one layer: its own scales; several: the column RMS over all their rows
+    np.testing.assert_allclose(np.array(shared_input_scales([a], 0.5)), np.array(column_scales(a, 0.5)), rtol=1e-3)
+    np.testing.assert_allclose(np.array(shared_input_scales([a, b], 0.5)),
+                               np.array(column_scales(mx.concatenate([a, b]), 0.5)), rtol=1e-3)
+    # columns small in every layer get small scales
+    small = mx.concatenate([mx.full((1,), 0.01), mx.ones((63,))])
+    c = np.array(shared_input_scales([a * small, b * small], 0.5))
+    assert c[0] < 0.2 and np.all(c[1:] > 0.5)
+
+
+def test_shared_rotation_on_gemma3_and_reservoir_round_trip(tmp_path):
+    from conftest import tiny_gemma3
+
+    from veloxquant_mlx.weights import RotatingRMSNorm
+
+    model = _with_norm_weights(tiny_gemma3(layers=2, pattern=2, vocab=128))
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    dense = model(tokens)
+    quantize_model(model, 4, seed=1, progress=False)
+    block = model.model.layers[0]
+    # Gemma's norm multiplies by 1 + weight; its MLP reads pre_feedforward_layernorm
+    assert isinstance(block.input_layernorm, RotatingRMSNorm) and block.input_layernorm.offset == 1.0
+    assert isinstance(block.pre_feedforward_layernorm, RotatingRMSNorm)
+    assert not isinstance(block.post_attention_layernorm, RotatingRMSNorm)
+    expected = model(tokens)
+    per_layer = quantize_model(_with_norm_weights(tiny_gemma3(layers=2, pattern=2, vocab=128)), 4, seed=1,
+                               share_rotations=False, progress=False)
+
+    def error(logits):
+        return (mx.sqrt(mx.mean(mx.square(logits - dense))) / mx.sqrt(mx.mean(mx.square(dense)))).item()
+
+    assert error(expected) < 1.5 * error(per_layer(tokens))
+    path = save_reservoir(model, tmp_path / "gemma.vqw")
+    header, _ = reservoir_module.read_header(path)
+    assert header["format_version"] == 2
+    assert header["layers"]["model.layers.0.input_layernorm"]["kind"] == "rotating_norm"
+    q = header["layers"]["model.layers.0.self_attn.q_proj"]
+    assert q["rotated_by"] == "model.layers.0.input_layernorm" and "rotation.signs" not in q["tensors"]
+    fresh = _with_norm_weights(tiny_gemma3(layers=2, pattern=2, vocab=128))
+    graft_reservoir(fresh, path)
+    assert mx.array_equal(fresh(tokens), expected).item()
+    assert fresh.model.layers[1].mlp.up_proj.rotation is fresh.model.layers[1].pre_feedforward_layernorm.rotation
+
+
+def test_reservoir_reads_version_1_files(tmp_path, monkeypatch):
+    model = quantize_model(_tiny(hidden=128), 3, seed=2, share_rotations=False, progress=False)
+    monkeypatch.setattr(reservoir_module, "FORMAT_VERSION", 1)  # what the first writer wrote
+    path = save_reservoir(model, tmp_path / "v1.vqw")
+    monkeypatch.undo()
+    assert struct.unpack_from("<I", path.read_bytes(), 8)[0] == 1
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    fresh = _tiny(hidden=128)
+    graft_reservoir(fresh, path)
+    assert mx.array_equal(fresh(tokens), model(tokens)).item()
+    # a shared-rotation layer whose norm is missing from the file is a clear error
+    shared = quantize_model(_tiny(hidden=128), 3, seed=2, progress=False)
+    path = save_reservoir(shared, tmp_path / "v2.vqw")
+    header, start = reservoir_module.read_header(path)
+    del header["layers"]["model.layers.0.input_layernorm"]
+    text = json.dumps(header, sort_keys=True).encode()
+    import hashlib
+
+    data = path.read_bytes()
+    rewritten = reservoir_module._PREFIX.pack(reservoir_module.MAGIC, 2, len(text), hashlib.sha256(text).digest())
+    body = rewritten + text
+    assert reservoir_module._align(len(body)) == start
+    path.write_bytes(body + bytes(start - len(body)) + data[start:])
+    with pytest.raises(ReservoirError, match="lacks"):
+        load_reservoir(path)
+
+
+class _OtherBlock(nn.Module):
+    """A block of a structure quantize_model does not know (it may not read its norms as llama does)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(dim, dim)
+        self.mlp = nn.Module()
+        self.mlp.up_proj = nn.Linear(dim, dim)
+
+    def __call__(self, x):
+        return self.mlp.up_proj(self.self_attn.q_proj(x))
+
+
+def test_quantize_model_warns_where_it_cannot_share_rotations():
+    other = nn.Sequential(_OtherBlock(64))
+    x = _weight(2, 64, seed=1)
+    before = other(x)
+    with pytest.warns(RuntimeWarning, match="not recognised"):
+        quantize_model(other, 4, progress=False)
+    assert not rotating_norms(other) and not other.layers[0].self_attn.q_proj.input_rotated
+    assert np.abs(np.array(other(x) - before)).max() < 0.5 * np.abs(np.array(before)).max()
+    with pytest.warns(RuntimeWarning, match="no transformer block"):
+        quantize_model(nn.Sequential(nn.Linear(64, 32)), 4, progress=False)
+    # a group with a skipped layer keeps per-layer rotations, and says so
+    with pytest.warns(RuntimeWarning, match="not all layers after"):
+        model = quantize_model(_tiny(hidden=128), 4, skip=["k_proj"], progress=False)
+    assert not model.model.layers[0].self_attn.q_proj.input_rotated
+    assert model.model.layers[0].mlp.gate_proj.input_rotated
+
+
+def test_calibrated_codes_share_rotations_too():
+    model = _tiny(hidden=128)
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    before = model(tokens)
+    calibration = mx.array(np.random.default_rng(1).integers(0, 128, (1, 64)))
+    quantize_model(model, 4, calibration=calibration, progress=False)
+    assert len(rotating_norms(model)) == 4 and model.model.layers[1].mlp.up_proj.input_rotated
+    assert (mx.argmax(model(tokens), -1) == mx.argmax(before, -1)).mean().item() > 0.5
+
+
+def test_layer_routes_are_kept_per_decode_shape_and_compile_on_the_cpu(monkeypatch):
+    from veloxquant_mlx.weights import kernel
+
+    layer = QuantizedLinear.from_weight(_weight(40, NON_HADAMARD_DIM, seed=2), 4, column_alpha=0.5,
+                                        bias=mx.arange(40).astype(mx.float32))
+    x, big = _weight(1, NON_HADAMARD_DIM, seed=3)[None], _weight(kernel.MAX_ROWS + 3, NON_HADAMARD_DIM, seed=4)
+    reference = np.array(layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales))) + np.arange(40)
+    np.testing.assert_allclose(np.array(layer(x)), reference, rtol=1e-5, atol=1e-4)
+    layer(big)
+    assert list(layer._routes) == [((1, 1, NON_HADAMARD_DIM), mx.float32)]  # prefill sizes are not kept
+    monkeypatch.setattr(kernel, "COMPILE_ROUTES", True)
+    compiled = QuantizedLinear.from_weight(_weight(40, NON_HADAMARD_DIM, seed=2), 4, column_alpha=0.5,
+                                           bias=mx.arange(40).astype(mx.float32))
+    assert mx.array_equal(compiled(x), layer(x)).item()
+    assert mx.array_equal(compiled(x), layer(x)).item()  # a second, replayed call
+
+
+def test_gpu_route_launch_arguments_run_the_kernel_in_the_emulator(monkeypatch):
+    """The GPU route's launch (its kept template, grid and final output shape, no reshape) through
+    the kernel's C++ emulation, in place of mx.fast.cuda_kernel: the same result as the tiled matmul."""
+    from veloxquant_mlx.kernels import emulator, launch
+    from veloxquant_mlx.weights import kernel
+
+    if emulator.compiler() is None:
+        pytest.skip("no C++20 compiler for the kernel emulator")
+    names = {value: name for name, value in launch._DTYPES.items()}
+
+    def emulated(dialect, name):
+        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            template = [(k, names[v] if isinstance(v, mx.Dtype) else v) for k, v in template]
+            outs = emulator.run(name, [np.array(a) for a in inputs], template, grid, threadgroup, output_shapes,
+                                [names[d] for d in output_dtypes])
+            return [mx.array(o) for o in outs]
+        return run
+
+    monkeypatch.setattr(kernel, "_gpu_dialect", lambda: "cuda")
+    monkeypatch.setattr(launch, "_mlx_kernel", emulated)
+    for bits, dim, group, rows in ((4, 256, None, 1), (3, NON_HADAMARD_DIM, None, 3), (2, 128, 32, 2)):
+        layer = QuantizedLinear.from_weight(_weight(37, dim, seed=bits), bits, group_size=group, column_alpha=0.5)
+        x = _weight(rows, dim, seed=5)[None]
+        expected = np.array(layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales)))
+        got = layer(x)
+        assert got.shape == (1, rows, 37)
+        np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+
+
+def test_shared_alpha_sets_the_groups_column_scaling_only():
+    model = quantize_model(_tiny(hidden=128), 4, shared_alpha=0.0, progress=False)
+    block = model.model.layers[0]
+    assert "input_scales" not in block.input_layernorm and block.self_attn.q_proj.column_scales is None
+    assert "input_scales" in block.self_attn.o_proj and "input_scales" in block.mlp.down_proj
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    assert mx.isfinite(model(tokens)).all().item()

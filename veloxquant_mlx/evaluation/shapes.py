@@ -130,12 +130,13 @@ def quantize_weights(model: nn.Module, bits: Optional[int], group_size: int = 64
 
 
 def build_shape_model(name: str, dtype: Optional[str] = None, weights_bits: Optional[int] = None,
-                      seed: int = 0) -> nn.Module:
+                      seed: int = 0, overrides: Optional[Dict[str, Any]] = None) -> nn.Module:
     """A random-weight model of the named architecture, activations in `dtype`,
-    weights quantized to `weights_bits` (None/16 = float weights)."""
+    weights quantized to `weights_bits` (None/16 = float weights); `overrides` replace
+    config values (e.g. fewer layers for a quick run)."""
     from mlx_lm.utils import _get_classes
 
-    config = shape_config(name)
+    config = {**shape_config(name), **(overrides or {})}
     model_class, args_class = _get_classes(config)
     _, mx_dtype = resolve_dtype(dtype)
     mx.random.seed(seed)

@@ -7,7 +7,8 @@ from .linear import QuantizedLinear, SUPPORTED_BITS
 from .model import fingerprint, quantize_model, quantized_layers
 from .reservoir import (FORMAT_VERSION, ReservoirError, graft_reservoir, load_reservoir, save_reservoir)
 from .rotation import StructuredRotation
+from .shared import RotatingRMSNorm
 
-__all__ = ["QuantizedLinear", "QuantizedEmbedding", "SUPPORTED_BITS", "StructuredRotation", "quantize_model", "quantized_layers",
+__all__ = ["QuantizedLinear", "QuantizedEmbedding", "SUPPORTED_BITS", "StructuredRotation", "RotatingRMSNorm", "quantize_model", "quantized_layers",
            "fingerprint", "save_reservoir", "load_reservoir", "graft_reservoir", "ReservoirError",
            "FORMAT_VERSION"]

@@ -20,16 +20,17 @@ other lanes, cuts the instructions per weight: the kernel is instruction-bound.
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
-from ..kernels import launch, templates
+from ..kernels import launch, native, templates
+from .linear import MAX_KERNEL_ROWS as MAX_ROWS  # batch rows the kernel takes; larger ones: tiled matmul
 
 KERNEL_NAME = "lut_matmul"
 THREADS = 128
-MAX_ROWS = 8  # batch rows the kernel takes; larger batches use the tiled matmul
 
 LUT_MATMUL = r"""
   constexpr uint32_t MASK = (1u << BITS) - 1u;
@@ -124,6 +125,54 @@ def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:
     return out.reshape(*lead, layer.out_features)
 
 
+# Wrap each layer's kernel call in mx.compile (VELOXQUANT_WEIGHT_COMPILE=1): a compiled call
+# replays the traced primitive instead of building the kernel's call (its source text and
+# template arguments) again. Read when a layer makes its route for a new input shape.
+COMPILE_ROUTES = os.environ.get("VELOXQUANT_WEIGHT_COMPILE", "0") == "1"
+
+
+def compiled(function: Callable) -> Callable:
+    """`function` under mx.compile when COMPILE_ROUTES is on (decided when a route is made)."""
+    return mx.compile(function) if COMPILE_ROUTES else function
+
+
+def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
+    """The matmul `layer` runs for inputs of this shape and dtype (kept by the layer):
+    the GPU kernel with its launch arguments resolved here, once, so that a call is one
+    `mx.fast.*_kernel` call with no reshape (the kernel reads x as rows of in_features and
+    writes the output in its final shape); the C++ CPU kernel; or the tiled matmul."""
+    dialect = dialect_for(rotated)
+    if dialect in ("cuda", "metal"):
+        p = _plan_for(rotated, layer)
+        run = launch._mlx_kernel(dialect, p.kernel)
+        template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+        out_shapes = [tuple(rotated.shape[:-1]) + (layer.out_features,)]
+        out_dtypes = [launch._DTYPES[d] for d in p.output_dtypes]
+        grid, threads = p.grid, p.threadgroup
+
+        def matmul(x, codes, scales, codebook):
+            return run(inputs=[x, codes, scales, codebook], template=template, grid=grid, threadgroup=threads,
+                       output_shapes=out_shapes, output_dtypes=out_dtypes)[0]
+    elif dialect is not None:
+        return lambda x: lut_matmul(x, layer, dialect)
+    elif native_cpu_for(rotated, layer) and layer.scales.dtype != mx.float16:
+        return lambda x: native_lut_matmul(x, layer)
+    elif native_cpu_for(rotated, layer):
+        lut = native.module().lut_matmul
+        bits, rows_in = layer.bits, (-1, layer.in_features)
+        out_shape = tuple(rotated.shape[:-1]) + (layer.out_features,)
+
+        def matmul(x, codes, scales, codebook):
+            y = lut(x.reshape(rows_in).astype(mx.float32), codes, scales, codebook, bits)
+            return y.astype(x.dtype).reshape(out_shape)
+    else:
+        return layer.tiled_matmul
+    matmul = compiled(matmul)
+    # the arrays are read from the layer at each call (they are its parameters; the item
+    # lookup of the Module's dict is much cheaper than its attribute lookup)
+    return lambda x: matmul(x, layer["codes"], layer["scales"], layer["codebook"])
+
+
 @lru_cache(maxsize=1)
 def _gpu_dialect() -> Optional[str]:
     from ..settings import EngineSettings
@@ -154,7 +203,6 @@ def native_cpu_for(rotated: mx.array, layer) -> bool:
 @lru_cache(maxsize=1)
 def _native_cpu() -> bool:
     """Resolved once per process, as the engine's settings are."""
-    from ..kernels import native
     from ..settings import EngineSettings
 
     if mx.default_device() != mx.cpu or EngineSettings.resolve().backend != "native":
@@ -176,8 +224,6 @@ def _warn_stale_native() -> None:
 
 def native_lut_matmul(rotated: mx.array, layer) -> mx.array:
     """x W^T from the packed codes on the CPU, no decoded weight matrix (up to MAX_ROWS rows)."""
-    from ..kernels import native
-
     lead = rotated.shape[:-1]
     x = rotated.reshape(-1, layer.in_features).astype(mx.float32)
     y = native.module().lut_matmul(x, layer.codes, layer.scales.astype(mx.float16), layer.codebook, layer.bits)

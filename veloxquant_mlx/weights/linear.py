@@ -39,6 +39,8 @@ def tile_elements() -> int:
     if env:
         return int(env)
     return CPU_TILE_ELEMENTS if mx.default_device() == mx.cpu else GPU_TILE_ELEMENTS
+# Batch rows up to which a call goes to a LUT kernel (`kernel.MAX_ROWS`).
+MAX_KERNEL_ROWS = 8
 # Rows quantised at once (bounds the working set of quantize_weight).
 QUANTIZE_CHUNK_ELEMENTS = 1 << 18
 
@@ -67,6 +69,13 @@ def _codes_of(x: mx.array, centroids: mx.array) -> mx.array:
     return codes
 
 
+def column_scales(weight: mx.array, alpha: float) -> mx.array:
+    """c_j = (rms of column j / mean rms)^alpha, fp16 (`QuantizedLinear.from_weight`)."""
+    w = weight.astype(mx.float32)
+    rms = mx.sqrt((w * w).mean(axis=0))
+    return mx.power(mx.maximum(rms, 1e-8) / mx.maximum(rms.mean(), 1e-8), alpha).astype(mx.float16)
+
+
 def quantize_rows(weight: mx.array, rotation: StructuredRotation, centroids: mx.array, bits: int,
                   groups: int) -> tuple[mx.array, mx.array]:
     """Packed codes (out, words) uint32 and scales (out, groups) float16 of `weight` rows."""
@@ -87,7 +96,10 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, bits: int, *, codes: mx.array, scales: mx.array,
                  codebook: mx.array, rotation: StructuredRotation, bias: Optional[mx.array] = None,
-                 input_scales: Optional[mx.array] = None):
+                 input_scales: Optional[mx.array] = None, input_rotated: bool = False):
+        """`input_rotated`: the layer is called with R (c * x) already formed, by the norm
+        before it (`shared.RotatingRMSNorm`), which owns the rotation and the input scales
+        (kept here as plain attributes, not parameters, so they are stored once)."""
         super().__init__()
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits!r}")
@@ -104,16 +116,21 @@ class QuantizedLinear(nn.Module):
         self.codes = codes
         self.scales = scales
         self.codebook = codebook.astype(mx.float32)
-        self.rotation_signs = rotation.signs
-        if rotation.perms is not None:
-            self.rotation_perms = rotation.perms
-        self._rotation = rotation  # a plain attribute: its arrays are the two above
-        if input_scales is not None:
-            if input_scales.shape != (in_features,):
-                raise ValueError(f"input_scales must have shape ({in_features},), got {input_scales.shape}")
-            self.input_scales = input_scales
+        self.input_rotated = bool(input_rotated)
+        self._rotation = rotation  # a plain attribute: its arrays are the parameters below
+        if input_scales is not None and input_scales.shape != (in_features,):
+            raise ValueError(f"input_scales must have shape ({in_features},), got {input_scales.shape}")
+        # plain attribute (an array assigned to a Module would become a parameter)
+        self.__dict__["_shared_input_scales"] = input_scales if input_rotated else None
+        if not input_rotated:
+            self.rotation_signs = rotation.signs
+            if rotation.perms is not None:
+                self.rotation_perms = rotation.perms
+            if input_scales is not None:
+                self.input_scales = input_scales
         if bias is not None:
             self.bias = bias
+        self.__dict__["_routes"] = {}  # (input shape, dtype) -> the call for it (`_route_for`)
         self.freeze()
 
     # ---- construction ------------------------------------------------------
@@ -129,21 +146,21 @@ class QuantizedLinear(nn.Module):
     def from_weight(cls, weight: mx.array, bits: int, seed: int = 0, group_size: Optional[int] = None,
                     stages: int = 2, bias: Optional[mx.array] = None,
                     rotation: Optional[StructuredRotation] = None,
-                    column_alpha: float = 0.0, calibration_inputs: Optional[mx.array] = None) -> "QuantizedLinear":
+                    column_alpha: float = 0.0, calibration_inputs: Optional[mx.array] = None,
+                    input_scales: Optional[mx.array] = None) -> "QuantizedLinear":
         """`rotation` overrides the seeded one (benchmarks compare others through it).
         `column_alpha` > 0 divides column j by c_j = rms(W[:, j])^alpha before rotating and
         multiplies the input by c once per call, so that columns of small weights (the input
         channels of large activations, typically) keep proportionally small errors.
+        `input_scales` gives c directly instead (layers sharing one input share it:
+        `shared.shared_input_scales`); `column_alpha` is then unused.
         `calibration_inputs` (tokens, in), inputs the layer sees, select GPTQ codes (`gptq.py`)
         instead of nearest-centroid ones; the stored format is the same."""
         out_features, in_features = weight.shape
-        input_scales = None
-        if column_alpha:
-            w = weight.astype(mx.float32)
-            rms = mx.sqrt((w * w).mean(axis=0))
-            input_scales = mx.power(mx.maximum(rms, 1e-8) / mx.maximum(rms.mean(), 1e-8), column_alpha)
-            input_scales = input_scales.astype(mx.float16)
-            weight = w / input_scales.astype(mx.float32)
+        if input_scales is None and column_alpha:
+            input_scales = column_scales(weight, column_alpha)
+        if input_scales is not None:
+            weight = weight.astype(mx.float32) / input_scales.astype(mx.float32)
             mx.eval(weight, input_scales)
         groups = _group_count(in_features, group_size)
         if rotation is None:
@@ -190,6 +207,17 @@ class QuantizedLinear(nn.Module):
         return self._rotation
 
     @property
+    def column_scales(self) -> Optional[mx.array]:
+        """c of the input (None without column scaling), shared or the layer's own."""
+        return self._shared_input_scales if self.input_rotated else self.get("input_scales")
+
+    def with_rotated_input(self) -> "QuantizedLinear":
+        """The same layer taking R (c * x) as input (its rotation and scales then live in the norm before it)."""
+        return type(self)(self.in_features, self.out_features, self.bits, codes=self.codes, scales=self.scales,
+                          codebook=self.codebook, rotation=self.rotation, bias=self.get("bias"),
+                          input_scales=self.column_scales, input_rotated=True)
+
+    @property
     def group_size(self) -> int:
         return self.in_features // self.scales.shape[1]
 
@@ -197,9 +225,10 @@ class QuantizedLinear(nn.Module):
         """Bytes the weight matrix costs: codes, scales, codebook and rotation (not the bias,
         which every format keeps alike)."""
         arrays = [self.codes, self.scales, self.codebook]
-        arrays += list(self.rotation.state().values())
-        if "input_scales" in self:
-            arrays.append(self.input_scales)
+        if not self.input_rotated:  # else the norm that rotates the input stores them, once
+            arrays += list(self.rotation.state().values())
+            if "input_scales" in self:
+                arrays.append(self.input_scales)
         return sum(a.nbytes for a in arrays)
 
     def bits_per_weight(self) -> float:
@@ -218,19 +247,40 @@ class QuantizedLinear(nn.Module):
     # ---- forward ---------------------------------------------------------------
 
     def __call__(self, x: mx.array) -> mx.array:
-        rotated = self.rotation.apply(x, self.get("input_scales"))
+        route = self._routes.get((x.shape, x.dtype))
+        y = route(x) if route is not None else self._route_for(x)(x)
+        if "bias" in self:
+            y = y + self["bias"]
+        return y
+
+    def _route_for(self, x: mx.array):
+        """x -> (x R^T)(W R^T)^T for inputs of x's shape and dtype: the rotation (unless the
+        input comes rotated) and the matmul, the LUT kernel of the device for up to
+        MAX_KERNEL_ROWS rows, else the tiled one. Decode-sized routes are kept, so that a
+        call costs a dict lookup and the ops themselves: a decode step calls every layer once
+        and its Python path is host time the GPU may wait on."""
         from . import kernel
 
-        dialect = kernel.dialect_for(rotated)
-        if dialect is not None:
-            y = kernel.lut_matmul(rotated, self, dialect)
-        elif kernel.native_cpu_for(rotated, self):
-            y = kernel.native_lut_matmul(rotated, self)
+        rows = x.size // x.shape[-1]
+        decode = rows <= MAX_KERNEL_ROWS
+        matmul = kernel.route(self, x) if decode else self.tiled_matmul
+        if self.input_rotated:
+            route = matmul
         else:
-            y = self.tiled_matmul(rotated)
-        if "bias" in self:
-            y = y + self.bias
-        return y
+            # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
+            signs = self._rotation._signs(0, x.dtype, self.get("input_scales"))
+            apply_signed = self._rotation.apply_signed
+
+            def rotate(x: mx.array, signs: mx.array) -> mx.array:
+                return apply_signed(x * signs)
+            if decode:  # not prefill shapes: a compiled function traces again for every new shape
+                rotate = kernel.compiled(rotate)
+
+            def route(x: mx.array) -> mx.array:
+                return matmul(rotate(x, signs))
+        if decode:
+            self._routes[(x.shape, x.dtype)] = route
+        return route
 
     def tiled_matmul(self, rotated: mx.array) -> mx.array:
         """(x R^T) (W R^T)^T with the codes decoded `tile_elements()` weights at a time."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import json
+import warnings
 import zlib
-from typing import Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +15,9 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
+from .rotation import StructuredRotation
+from .shared import (SHARED_ALPHA, RotatingRMSNorm, SharedInput, find_shared_inputs, share_input_rotations,
+                     shared_input_scales)
 
 
 def _linear_shape(module) -> Optional[Tuple[int, int]]:
@@ -67,6 +71,7 @@ def layer_seed(seed: int, path: str) -> int:
 def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
                    group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
                    embeddings: bool = False, calibration: Optional[mx.array] = None,
+                   share_rotations: bool = True, shared_alpha: Optional[float] = None,
                    progress: bool = True) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
@@ -79,7 +84,13 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
 
     `calibration` (batch, tokens) token ids selects data-aware GPTQ codes (`gptq.py`): the
     model runs once on them and each linear layer is quantized when its inputs arrive,
-    on those inputs (embedding tables are coded without data). Returns `model`.
+    on those inputs (embedding tables are coded without data).
+
+    `share_rotations` (default): where the block structure is recognised (`shared.BLOCKS`:
+    llama, qwen2, qwen3, gemma3), the layers reading one norm's output (q/k/v; gate/up)
+    share one rotation and one input scale, folded into that norm (`shared.py`); a warning
+    names the blocks where this is not done. `shared_alpha` is the column-scaling exponent of
+    those groups (default `shared.SHARED_ALPHA`; `column_alpha` for the other layers). Returns `model`.
     """
     from tqdm.auto import tqdm
 
@@ -87,9 +98,13 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     paths = linear_paths(model, skip)
     tables = set(embedding_paths(model, skip)) if embeddings else set()
     paths += sorted(tables)
+    groups = shared_groups(model, paths) if share_rotations else []
+    alpha = SHARED_ALPHA if shared_alpha is None else shared_alpha
+    inputs = _shared_settings(model, groups, seed, stages, alpha)
     if calibration is not None:
-        return _quantize_calibrated(model, bits, seed, paths, sorted(tables), calibration, group_size=group_size,
-                                    stages=stages, column_alpha=column_alpha, progress=progress)
+        _quantize_calibrated(model, bits, seed, paths, sorted(tables), calibration, group_size=group_size,
+                             stages=stages, column_alpha=column_alpha, progress=progress, inputs=inputs)
+        return share_input_rotations(model, groups)
     modules = dict(model.named_modules())
     for path in tqdm(paths, desc=f"quantizing to {bits} bits", unit="layer", disable=not progress):
         module = modules.pop(path)
@@ -100,20 +115,61 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
         else:
             layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
                                                 group_size=group_size, stages=stages, bias=module.get("bias"),
-                                                column_alpha=column_alpha)
+                                                **{"column_alpha": column_alpha, **inputs.get(path, {})})
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
-    return model
+    return share_input_rotations(model, groups)
+
+
+def shared_groups(model: nn.Module, paths: Iterable[str]) -> List[SharedInput]:
+    """The shared inputs (`shared.find_shared_inputs`) whose layers are all about to be
+    quantized; warns about blocks not recognised and groups left per-layer by `skip`."""
+    paths = set(paths)
+    found, unrecognised = find_shared_inputs(model)
+    groups = [g for g in found if all(p in paths for p in g.layers)]
+    partial = [g.norm for g in found if g not in groups and any(p in paths for p in g.layers)]
+    if unrecognised:
+        warnings.warn(f"shared input rotations: block structure not recognised at {_listing(unrecognised)}; "
+                      "those layers rotate their own inputs (slower decode)", RuntimeWarning, stacklevel=3)
+    if partial:
+        warnings.warn(f"shared input rotations: not all layers after {_listing(partial)} are quantized (skip); "
+                      "those layers rotate their own inputs", RuntimeWarning, stacklevel=3)
+    if not groups and not unrecognised and not partial and paths:
+        warnings.warn("shared input rotations: no transformer block found (modules with self_attn and mlp); "
+                      "every layer rotates its own input", RuntimeWarning, stacklevel=3)
+    return groups
+
+
+def _listing(items: List[str], shown: int = 3) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def _shared_settings(model, groups: List[SharedInput], seed: int, stages: int,
+                     column_alpha: float) -> Dict[str, dict]:
+    """Per layer path, the rotation and input scales it shares with its group (from_weight kwargs;
+    `column_alpha` is the group's, so a layer computes no scales of its own when the group has
+    none). The rotation is seeded from the norm's path."""
+    modules = dict(model.named_modules())
+    settings = {}
+    for group in groups:
+        dim = _linear_shape(modules[group.layers[0]])[1]
+        rotation = StructuredRotation.seeded(dim, layer_seed(seed, group.norm), stages)
+        scales = shared_input_scales([_float_weight(modules[p]) for p in group.layers], column_alpha)
+        for path in group.layers:
+            settings[path] = {"rotation": rotation, "input_scales": scales, "column_alpha": column_alpha}
+    return settings
 
 
 def _quantize_calibrated(model, bits, seed, paths, tables, calibration, *, group_size, stages, column_alpha,
-                         progress) -> nn.Module:
+                         progress, inputs) -> nn.Module:
     from tqdm.auto import tqdm
 
     from .gptq import CalibratingLinear
 
     if calibration.ndim != 2 or calibration.size == 0:
         raise ValueError(f"calibration must be (batch, tokens) token ids, got shape {calibration.shape}")
+    shared_inputs = inputs
     modules = dict(model.named_modules())
     for path in tables:  # data-free, before the pass, so that the layers see the quantized table
         table = QuantizedEmbedding.from_embedding(_float_weight(modules.pop(path)), bits,
@@ -127,7 +183,8 @@ def _quantize_calibrated(model, bits, seed, paths, tables, calibration, *, group
         def make(inputs):
             layer = QuantizedLinear.from_weight(_float_weight(module), bits, seed=layer_seed(seed, path),
                                                 group_size=group_size, stages=stages, bias=module.get("bias"),
-                                                column_alpha=column_alpha, calibration_inputs=inputs)
+                                                calibration_inputs=inputs,
+                                                **{"column_alpha": column_alpha, **shared_inputs.get(path, {})})
             bar.update(1)
             return layer
         return make
@@ -146,17 +203,22 @@ def _quantize_calibrated(model, bits, seed, paths, tables, calibration, *, group
 def fingerprint(model: nn.Module) -> str:
     """What a reservoir must match: the path and (out, in) shape of every linear layer
     (float, MLX-quantized or ours alike) and the values of the 1-D norm weights, which
-    no quantizer touches and which tell two fine-tunes of one architecture apart."""
+    no quantizer changes (a `RotatingRMSNorm` keeps the norm's own weight beside the folded
+    one) and which tell two fine-tunes of one architecture apart."""
     h = hashlib.sha256()
-    linear = []
+    linear, rotating = [], set()
     for path, module in model.named_modules():
         shape = _linear_shape(module)
         if shape is not None:
             linear.append([path, list(shape), "bias" in module])
+        if isinstance(module, RotatingRMSNorm):
+            rotating.add(path)
     h.update(json.dumps(sorted(linear)).encode())
     linear_paths_set = {p for p, _, _ in linear}
     for name, value in sorted(tree_flatten(model.parameters()), key=lambda kv: kv[0]):
-        owner = name.rsplit(".", 1)[0]
+        owner, leaf = name.rsplit(".", 1)
+        if owner in rotating and leaf != "weight":  # what sharing a rotation added to a norm
+            continue
         if value.ndim == 1 and "norm" in name and owner not in linear_paths_set:
             h.update(name.encode())
             h.update(bytes(memoryview(value.astype(mx.float16))))

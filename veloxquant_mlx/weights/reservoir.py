@@ -12,7 +12,11 @@ Layout (little-endian):
 
 The header names, for each layer path, its shape, bits, rotation blocks and every
 tensor's dtype, shape, byte offset and length, plus the model fingerprint
-(`model.fingerprint`) and the CRC-32 of each tensor's bytes. Codes, scales,
+(`model.fingerprint`) and the CRC-32 of each tensor's bytes. Version 2 adds norms that
+rotate the input of the layers after them (`shared.RotatingRMSNorm`, kind
+"rotating_norm": the norm's weight, its folded weight, the shared rotation and input
+scales); a layer fed by one names it ("rotated_by") and stores no rotation of its own.
+Version 1 files (no shared rotations) still load. Codes, scales,
 codebooks and rotation signs/permutations are stored as they are in memory, so
 loading is reading bytes into arrays: no codebook is solved, no rotation is
 drawn. Rotations are O(n) numbers (`rotation.py`), so no dense rotation matrix is
@@ -39,9 +43,11 @@ from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
 from .model import fingerprint, quantized_layers
 from .rotation import StructuredRotation
+from .shared import RotatingRMSNorm, rotating_norms
 
 MAGIC = b"VQWRSV\x00\x01"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 PAGE = 4096
 SMALL_ALIGN = 64
 _PREFIX = struct.Struct("<8sII32s")
@@ -79,11 +85,22 @@ def _align(n: int) -> int:
 
 def _layer_tensors(layer: QuantizedLinear) -> Dict[str, mx.array]:
     tensors = {"codes": layer.codes, "scales": layer.scales, "codebook": layer.codebook}
-    for key, value in layer.rotation.state().items():
-        tensors["rotation." + key] = value
+    if not layer.input_rotated:
+        tensors.update(_rotation_tensors(layer.rotation))
     for optional in ("input_scales", "bias"):
         if optional in layer:
             tensors[optional] = layer[optional]
+    return tensors
+
+
+def _rotation_tensors(rotation: StructuredRotation) -> Dict[str, mx.array]:
+    return {"rotation." + key: value for key, value in rotation.state().items()}
+
+
+def _norm_tensors(norm: RotatingRMSNorm) -> Dict[str, mx.array]:
+    tensors = {"weight": norm.weight, "folded_weight": norm.folded_weight, **_rotation_tensors(norm.rotation)}
+    if "input_scales" in norm:
+        tensors["input_scales"] = norm.input_scales
     return tensors
 
 
@@ -92,10 +109,21 @@ def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
     layers = quantized_layers(model)
     if not layers:
         raise ValueError("the model has no QuantizedLinear layers: run quantize_model first")
+    norms = rotating_norms(model)
+    norm_of_rotation = {id(norm.rotation): name for name, norm in norms}
     entries, pieces = {}, []
+    for name, norm in norms:
+        entries[name] = {"kind": "rotating_norm", "dim": norm.weight.shape[0], "eps": norm.eps,
+                         "offset": norm.offset, "rotation": norm.rotation.meta(), "tensors": {}}
+        for key, value in _norm_tensors(norm).items():
+            pieces.append((name, key, value, _raw(value)))
     for name, layer in layers:
         entries[name] = {"in_features": layer.in_features, "out_features": layer.out_features,
                          "bits": layer.bits, "rotation": layer.rotation.meta(), "tensors": {}}
+        if layer.input_rotated:
+            if id(layer.rotation) not in norm_of_rotation:
+                raise ValueError(f"{name} takes a rotated input, but no RotatingRMSNorm of the model rotates it")
+            entries[name]["rotated_by"] = norm_of_rotation[id(layer.rotation)]
         if isinstance(layer, QuantizedEmbedding):
             entries[name]["kind"] = "embedding"
             entries[name]["dtype"] = _MLX_NAMES[layer.dtype]
@@ -140,9 +168,10 @@ def read_header(path) -> Tuple[dict, int]:
         magic, version, length, digest = _PREFIX.unpack(prefix)
         if magic != MAGIC:
             raise ReservoirError(f"{path}: not a VeloxQuant weight reservoir (bad magic {magic!r})")
-        if version != FORMAT_VERSION:
-            raise ReservoirError(f"{path}: reservoir format version {version}; this VeloxQuant reads version "
-                                 f"{FORMAT_VERSION}: quantize the model again")
+        if version not in READABLE_VERSIONS:
+            raise ReservoirError(f"{path}: reservoir format version {version}; this VeloxQuant reads versions "
+                                 f"{', '.join(map(str, READABLE_VERSIONS))}: quantize the model again with the "
+                                 "VeloxQuant that reads it")
         text = f.read(length)
     if len(text) < length:
         raise ReservoirError(f"{path}: truncated inside the header ({size} bytes)")
@@ -156,18 +185,19 @@ def read_header(path) -> Tuple[dict, int]:
     return header, data_start
 
 
-def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, QuantizedLinear], dict]:
-    """The layers of a reservoir by path, and its header. `verify` checks every tensor's CRC-32.
+def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, nn.Module], dict]:
+    """The layers (and rotating norms) of a reservoir by path, and its header. `verify` checks
+    every tensor's CRC-32.
 
     The bytes are copied into MLX buffers: MLX 0.32.4 has no zero-copy path from a file
     mapping on the CPU (`mx.array`, `mx.asarray` and `mx.from_dlpack` of a NumPy view all copy,
     measured in benchmarks/weights_reservoir.py), so processes do not share these pages.
     """
     header, data_start = read_header(path)
-    layers = {}
+    tensors = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
         for name, entry in header["layers"].items():
-            arrays = {}
+            arrays = tensors[name] = {}
             for key, t in entry["tensors"].items():
                 start = data_start + t["offset"]
                 with memoryview(mm)[start:start + t["nbytes"]] as view:
@@ -179,17 +209,36 @@ def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, QuantizedLinear
                 if t["dtype"] == "bfloat16":
                     array = array.view(mx.bfloat16)
                 arrays[key] = array
-            rotation = StructuredRotation.from_state(
-                {"signs": arrays["rotation.signs"], "perms": arrays.get("rotation.perms")}, entry["rotation"])
-            kind = entry.get("kind", "linear")
-            if kind not in _KINDS:
-                raise ReservoirError(f"{path}: layer {name} is of unknown kind {kind!r}")
-            extra = {"dtype": _MLX[entry["dtype"]]} if kind == "embedding" else {}
-            layers[name] = _KINDS[kind](entry["in_features"], entry["out_features"], entry["bits"],
-                                        codes=arrays["codes"], scales=arrays["scales"],
-                                        codebook=arrays["codebook"], rotation=rotation,
-                                        bias=arrays.get("bias"), input_scales=arrays.get("input_scales"), **extra)
+    layers = {}
+    # norms first: the layers they feed take their rotation and input scales
+    for name, entry in sorted(header["layers"].items(), key=lambda kv: kv[1].get("kind") != "rotating_norm"):
+        arrays = tensors.pop(name)
+        kind = entry.get("kind", "linear")
+        if kind == "rotating_norm":
+            layers[name] = RotatingRMSNorm(arrays["weight"], entry["eps"], _rotation(arrays, entry["rotation"]),
+                                           arrays.get("input_scales"), entry["offset"],
+                                           folded_weight=arrays["folded_weight"])
+            continue
+        if kind not in _KINDS:
+            raise ReservoirError(f"{path}: layer {name} is of unknown kind {kind!r}")
+        extra = {"dtype": _MLX[entry["dtype"]]} if kind == "embedding" else {}
+        if "rotated_by" in entry:
+            norm = layers.get(entry["rotated_by"])
+            if not isinstance(norm, RotatingRMSNorm):
+                raise ReservoirError(f"{path}: layer {name} is fed by {entry['rotated_by']!r}, which the file lacks")
+            rotation, input_scales = norm.rotation, norm.column_scales
+            extra["input_rotated"] = True
+        else:
+            rotation, input_scales = _rotation(arrays, entry["rotation"]), arrays.get("input_scales")
+        layers[name] = _KINDS[kind](entry["in_features"], entry["out_features"], entry["bits"],
+                                    codes=arrays["codes"], scales=arrays["scales"], codebook=arrays["codebook"],
+                                    rotation=rotation, bias=arrays.get("bias"), input_scales=input_scales, **extra)
     return layers, header
+
+
+def _rotation(arrays: Dict[str, mx.array], meta: dict) -> StructuredRotation:
+    return StructuredRotation.from_state({"signs": arrays["rotation.signs"], "perms": arrays.get("rotation.perms")},
+                                         meta)
 
 
 def graft_reservoir(model: nn.Module, path, verify: bool = True) -> nn.Module:

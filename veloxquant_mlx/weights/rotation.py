@@ -67,6 +67,8 @@ class StructuredRotation:
         self.perms = None if perms is None else perms.astype(index)
         self._offsets = np.concatenate([[0], np.cumsum(self.blocks)]).tolist()
         self._sign_cache = {}
+        # one stage, one block: apply_signed is one transform (the common Hadamard-size case)
+        self._one_transform = self.perms is None and len(self.blocks) == 1 and self.signs.shape[0] == 1
 
     @classmethod
     def seeded(cls, dim: int, seed: int = 0, stages: int = DEFAULT_STAGES) -> "StructuredRotation":
@@ -87,8 +89,17 @@ class StructuredRotation:
     def apply(self, x: mx.array, scale: mx.array | None = None) -> mx.array:
         """R x for every vector along the last axis (orthonormal: norms are kept); with
         `scale`, R (scale * x), the scale folded into the first stage's signs."""
+        return self.apply_signed(x * self._signs(0, x.dtype, scale))
+
+    def apply_signed(self, x: mx.array) -> mx.array:
+        """R x for an x already multiplied by the first stage's signs: what is left of `apply`
+        once the signs (and an input scale) are folded into a preceding multiply, such as a
+        norm's weight (`shared.RotatingRMSNorm`)."""
+        if self._one_transform:
+            return mx.hadamard_transform(x)
         for stage in range(self.stages):
-            x = x * self._signs(stage, x.dtype, scale if stage == 0 else None)
+            if stage:
+                x = x * self._signs(stage, x.dtype, None)
             if self.perms is not None:
                 x = mx.take(x, self.perms[stage], axis=-1)
             if len(self.blocks) == 1:

@@ -8,6 +8,9 @@ them with `QuantizedLinear.from_weight` and compares `kernel.lut_matmul` with
 
 * ``tiled``:  the layer's tiled matmul (MLX ops on the same codes),
 * ``numpy``:  x_rot @ W_hat^T in float64, W_hat decoded from the codes in numpy,
+* on a GPU also ``route`` and ``compiled``: the layer's own forward on the rotated input
+  (`QuantizedLinear(input_rotated=True)`: the launch arguments it keeps per input shape, the
+  input as (1, rows, in)), without and with mx.compile around the launch (`kernel.COMPILE_ROUTES`),
 
 as max |out - ref| / max |ref|. Tolerance: 1e-4 for float32 inputs (float32 sums in another
 order), 4e-3 for float16. On a CUDA GPU MLX runs float32 matmuls at TF32 unless
@@ -77,6 +80,19 @@ def run_case(case: Case, backend: str) -> dict:
     exact = _numpy_reference(layer, np.array(x_rot.astype(mx.float32)))
     scale = np.abs(exact).max()
     errors = {"tiled": float(np.abs(got - tiled).max() / scale), "numpy": float(np.abs(got - exact).max() / scale)}
+    if backend != "emulator":
+        for name, compiled in (("route", False), ("compiled", True)):
+            kernel.COMPILE_ROUTES, before = compiled, kernel.COMPILE_ROUTES
+            try:
+                routed = layer.with_rotated_input()(x_rot[None])
+                errors[name] = float(np.abs(np.array(routed.astype(mx.float32))[0] - exact).max() / scale)
+                if routed.shape != (1, case.rows, case.out_features):
+                    errors[name] = float("inf")
+            except Exception as exc:  # noqa: BLE001 - a failing launch is a failed case, reported as such
+                print(f"{case.name} {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                errors[name] = float("inf")
+            finally:
+                kernel.COMPILE_ROUTES = before
     tolerance = TOLERANCES[case.dtype]
     return {**asdict(case), "backend": backend, "errors": errors, "tolerance": tolerance,
             "ok": all(e <= tolerance for e in errors.values())}
@@ -103,8 +119,8 @@ def main(argv=None) -> int:
             continue
         r = run_case(case, backend)
         results.append(r)
-        print(f"{'ok  ' if r['ok'] else 'FAIL'} {case.name:28s} tiled {r['errors']['tiled']:.2e}  "
-              f"numpy {r['errors']['numpy']:.2e}  (tol {r['tolerance']:.0e})", flush=True)
+        errors = "  ".join(f"{k} {v:.2e}" for k, v in r["errors"].items())
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {case.name:28s} {errors}  (tol {r['tolerance']:.0e})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)
