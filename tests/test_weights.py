@@ -137,7 +137,7 @@ def test_quantized_model_runs_with_a_compressed_kv_cache():
 
 @pytest.fixture()
 def saved(tmp_path):
-    model = quantize_model(_tiny(), 3, seed=2, group_size=16, progress=False)
+    model = quantize_model(_tiny(), 3, seed=2, group_size=16, share_rotations=True, progress=False)
     path = save_reservoir(model, tmp_path / "model.vqw", meta={"bits": 3})
     return model, path
 
@@ -226,7 +226,7 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
 
     monkeypatch.setattr(models, "load_model", lambda name, dequantize=None: (_tiny(hidden=128), None))
     monkeypatch.setattr(models, "model_source", lambda name: name)
-    assert main(["quantize-weights", "--model", "tiny", "--bits", "2", "--per-layer-rotations",
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "2",
                  "--out", str(tmp_path / "q")]) == 0
     config = json.loads((tmp_path / "q" / "weights.json").read_text())
     assert config["bits"] == 2 and config["base_model"] == "tiny" and config["share_rotations"] is False
@@ -238,11 +238,12 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
     assert isinstance(loaded.model.embed_tokens, nn.Embedding)
     from veloxquant_mlx.weights import QuantizedEmbedding
 
-    assert main(["quantize-weights", "--model", "tiny", "--bits", "3", "--embeddings", "--out", str(tmp_path / "e")]) == 0
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "3", "--embeddings", "--share-rotations",
+                 "--out", str(tmp_path / "e")]) == 0
     assert json.loads((tmp_path / "e" / "weights.json").read_text())["embeddings"] is True
     loaded, _ = directory.load_quantized_dir(tmp_path / "e")
     assert isinstance(loaded.model.embed_tokens, QuantizedEmbedding)
-    assert len(rotating_norms(loaded)) == 4  # shared rotations by default
+    assert len(rotating_norms(loaded)) == 4  # --share-rotations
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
@@ -423,7 +424,7 @@ def test_shared_rotation_computes_the_per_layer_math(hidden):
     dense = base(tokens)
     model = _with_norm_weights(_tiny(hidden=hidden))
     fp = fingerprint(model)
-    quantize_model(model, 4, seed=1, progress=False)
+    quantize_model(model, 4, seed=1, share_rotations=True, progress=False)
     block = model.model.layers[0]
     assert isinstance(block.input_layernorm, RotatingRMSNorm)
     assert isinstance(block.post_attention_layernorm, RotatingRMSNorm)
@@ -482,7 +483,7 @@ def test_shared_rotation_on_gemma3_and_reservoir_round_trip(tmp_path):
     model = _with_norm_weights(tiny_gemma3(layers=2, pattern=2, vocab=128))
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     dense = model(tokens)
-    quantize_model(model, 4, seed=1, progress=False)
+    quantize_model(model, 4, seed=1, share_rotations=True, progress=False)
     block = model.model.layers[0]
     # Gemma's norm multiplies by 1 + weight; its MLP reads pre_feedforward_layernorm
     assert isinstance(block.input_layernorm, RotatingRMSNorm) and block.input_layernorm.offset == 1.0
@@ -519,7 +520,7 @@ def test_reservoir_reads_version_1_files(tmp_path, monkeypatch):
     graft_reservoir(fresh, path)
     assert mx.array_equal(fresh(tokens), model(tokens)).item()
     # a shared-rotation layer whose norm is missing from the file is a clear error
-    shared = quantize_model(_tiny(hidden=128), 3, seed=2, progress=False)
+    shared = quantize_model(_tiny(hidden=128), 3, seed=2, share_rotations=True, progress=False)
     path = save_reservoir(shared, tmp_path / "v2.vqw")
     header, start = reservoir_module.read_header(path)
     del header["layers"]["model.layers.0.input_layernorm"]
@@ -554,14 +555,14 @@ def test_quantize_model_warns_where_it_cannot_share_rotations():
     x = _weight(2, 64, seed=1)
     before = other(x)
     with pytest.warns(RuntimeWarning, match="not recognised"):
-        quantize_model(other, 4, progress=False)
+        quantize_model(other, 4, share_rotations=True, progress=False)
     assert not rotating_norms(other) and not other.layers[0].self_attn.q_proj.input_rotated
     assert np.abs(np.array(other(x) - before)).max() < 0.5 * np.abs(np.array(before)).max()
     with pytest.warns(RuntimeWarning, match="no transformer block"):
-        quantize_model(nn.Sequential(nn.Linear(64, 32)), 4, progress=False)
+        quantize_model(nn.Sequential(nn.Linear(64, 32)), 4, share_rotations=True, progress=False)
     # a group with a skipped layer keeps per-layer rotations, and says so
     with pytest.warns(RuntimeWarning, match="not all layers after"):
-        model = quantize_model(_tiny(hidden=128), 4, skip=["k_proj"], progress=False)
+        model = quantize_model(_tiny(hidden=128), 4, skip=["k_proj"], share_rotations=True, progress=False)
     assert not model.model.layers[0].self_attn.q_proj.input_rotated
     assert model.model.layers[0].mlp.gate_proj.input_rotated
 
@@ -571,7 +572,7 @@ def test_calibrated_codes_share_rotations_too():
     tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
     before = model(tokens)
     calibration = mx.array(np.random.default_rng(1).integers(0, 128, (1, 64)))
-    quantize_model(model, 4, calibration=calibration, progress=False)
+    quantize_model(model, 4, calibration=calibration, share_rotations=True, progress=False)
     assert len(rotating_norms(model)) == 4 and model.model.layers[1].mlp.up_proj.input_rotated
     assert (mx.argmax(model(tokens), -1) == mx.argmax(before, -1)).mean().item() > 0.5
 
@@ -623,7 +624,7 @@ def test_gpu_route_launch_arguments_run_the_kernel_in_the_emulator(monkeypatch):
 
 
 def test_shared_alpha_sets_the_groups_column_scaling_only():
-    model = quantize_model(_tiny(hidden=128), 4, shared_alpha=0.0, progress=False)
+    model = quantize_model(_tiny(hidden=128), 4, shared_alpha=0.0, share_rotations=True, progress=False)
     block = model.model.layers[0]
     assert "input_scales" not in block.input_layernorm and block.self_attn.q_proj.column_scales is None
     assert "input_scales" in block.self_attn.o_proj and "input_scales" in block.mlp.down_proj

@@ -10,7 +10,7 @@ def run_quantize_weights(args) -> None:
     config = quantize_to_dir(args.model, args.out, args.bits, seed=args.seed, skip=skip, group_size=args.group_size,
                              column_alpha=args.column_alpha, embeddings=args.embeddings,
                              calibration_tokens=args.calibration_tokens, calibration_text=args.calibration_text,
-                             share_rotations=not args.per_layer_rotations)
+                             share_rotations=args.share_rotations)
     print(f"quantized {config['base_model']} to {args.bits} bits in {config['quantize_seconds']:.1f} s; "
           f"wrote {args.out} (load it with --model {args.out})")
 
@@ -31,8 +31,8 @@ def register_cli(subparsers) -> None:
                    help="GPTQ codes calibrated on this many tokens (a multiple of 256; 0: data-free codes)")
     p.add_argument("--calibration-text", default=None,
                    help="text file for --calibration-tokens (default: the packaged sample text)")
-    p.add_argument("--per-layer-rotations", action="store_true",
-                   help="one rotation and input scale per layer, instead of one per shared input (q/k/v, gate/up) "
-                        "folded into the norm before them (faster decode; see docs/weights.md for the quality cost)")
+    p.add_argument("--share-rotations", action="store_true",
+                   help="one rotation and input scale per shared input (q/k/v, gate/up), folded into the norm before "
+                        "them: faster GPU decode, worse perplexity (docs/weights.md); default: one per layer")
     p.add_argument("--skip", default="", help="comma-separated layer names/paths/patterns to keep in float")
     p.set_defaults(func=run_quantize_weights)

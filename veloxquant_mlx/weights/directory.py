@@ -33,7 +33,7 @@ def read_config(path) -> dict:
 def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterable[str] = (),
                     group_size: Optional[int] = None, column_alpha: float = 0.5, embeddings: bool = False,
                     calibration_tokens: int = 0, calibration_text: Optional[str] = None,
-                    share_rotations: bool = True, progress: bool = True) -> dict:
+                    share_rotations: bool = False, progress: bool = True) -> dict:
     """Load `model_name`, quantize its linear layers (and with `embeddings` its embedding
     tables) and write `out/weights.json` + the reservoir. `calibration_tokens` > 0: GPTQ codes
     calibrated on that many tokens of `calibration_text` (default: the packaged sample text)."""

@@ -71,7 +71,7 @@ def layer_seed(seed: int, path: str) -> int:
 def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[str] = (), *,
                    group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
                    embeddings: bool = False, calibration: Optional[mx.array] = None,
-                   share_rotations: bool = True, shared_alpha: Optional[float] = None,
+                   share_rotations: bool = False, shared_alpha: Optional[float] = None,
                    progress: bool = True) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
@@ -86,7 +86,7 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     model runs once on them and each linear layer is quantized when its inputs arrive,
     on those inputs (embedding tables are coded without data).
 
-    `share_rotations` (default): where the block structure is recognised (`shared.BLOCKS`:
+    `share_rotations` (off by default: it costs quality, docs/weights.md): where the block structure is recognised (`shared.BLOCKS`:
     llama, qwen2, qwen3, gemma3), the layers reading one norm's output (q/k/v; gate/up)
     share one rotation and one input scale, folded into that norm (`shared.py`); a warning
     names the blocks where this is not done. `shared_alpha` is the column-scaling exponent of
