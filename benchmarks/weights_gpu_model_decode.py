@@ -52,13 +52,13 @@ def decode_rate(model, prompt: mx.array, tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def host_ms(model, rounds: int = 20) -> float:
+def host_ms(model, rounds: int = 20, prompt: int = 8) -> float:
     """Host time to build one decode step's graph (not evaluated): what mlx-lm's pipelined
     decode overlaps with the GPU, so the GPU waits when it exceeds the step's GPU time."""
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    mx.eval(model(mx.zeros((1, 8), dtype=mx.int32), cache=cache))
+    mx.eval(model(mx.zeros((1, prompt), dtype=mx.int32), cache=cache))
     token = mx.zeros((1, 1), dtype=mx.int32)
     times = []
     for _ in range(rounds):

@@ -19,17 +19,17 @@ import argparse
 import inspect
 import json
 import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
 
 import veloxquant_mlx
 from veloxquant_mlx.kernels import launch
 from veloxquant_mlx.weights import kernel, quantize_model
+
+import weights_gpu_model_decode as model_decode  # benchmarks/ (run as a script from the repo root)
 
 
 def tiny_llama(layers: int, hidden: int) -> nn.Module:
@@ -49,18 +49,7 @@ def stand_in_kernel(*_args, **_kwargs):
 
 
 def host_ms(model, rounds: int) -> float:
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.zeros((1, 4), dtype=mx.int32), cache=cache))
-    token = mx.zeros((1, 1), dtype=mx.int32)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        logits = model(token, cache=cache)
-        times.append(time.perf_counter() - start)
-        mx.eval(logits)
-        for c in cache:
-            c.trim(1)
-    return 1e3 * statistics.median(times)
+    return model_decode.host_ms(model, rounds, prompt=4)
 
 
 def main() -> None:
