@@ -270,10 +270,7 @@ class CompressedKVCache(_BaseCache):
                     self.window_values[..., :flush, :],
                     self.sinks + self.encoded,
                 )
-            # A decode step pushes one token out of the window: like a token of the plain cache,
-            # it may wait for the attention call's "decode_store" path, which encodes,
-            # attends to and stores it in one kernel (the query no longer sees it in fp16).
-            store = self.store.defer if flush == 1 and self._route("defer", None, None) else self.store.append
+            store = self._store_for(flush)
             if flush == self.window:  # all of it (the usual decode step without a window): no slicing
                 store(self.window_keys, self.window_values)
                 self.window_keys = self.window_values = None
@@ -286,13 +283,19 @@ class CompressedKVCache(_BaseCache):
                 self.window_keys, self.window_values = kept_keys, kept_values
         return self.history()
 
+    def _store_for(self, flush: int):
+        """How `flush` tokens leaving the window reach the store. A decode step pushes one token
+        out: like a token of the plain cache, it may wait for the attention call's "decode_store"
+        path, which encodes, attends to and stores it in one kernel (the query no longer sees it
+        in fp16)."""
+        return self.store.defer if flush == 1 and self._route("defer", None, None) else self.store.append
+
     def _slide_window(self, keys: mx.array, values: mx.array, flush: int):
         """The first `flush` window tokens (no more than it holds) leave for the store, as the
         general path of `update_and_fetch` sends them, and `keys` / `values` join the window."""
         leaving_keys, leaving_values = self.window_keys[..., :flush, :], self.window_values[..., :flush, :]
         self.just_encoded = (leaving_keys, leaving_values, self.sinks + self.encoded)
-        store = self.store.defer if flush == 1 and self._route("defer", None, None) else self.store.append
-        store(leaving_keys, leaving_values)
+        self._store_for(flush)(leaving_keys, leaving_values)
         self.window_keys = mx.concatenate([self.window_keys[..., flush:, :], keys], axis=2)
         self.window_values = mx.concatenate([self.window_values[..., flush:, :], values], axis=2)
 
@@ -344,13 +347,17 @@ class CompressedKVCache(_BaseCache):
         blocks = max(0, blocks) if isinstance(blocks, int) else mx.maximum(0, blocks)
         return sinks + blocks * self.block
 
+    def _chunk_sees_fp16(self, query_len: int) -> bool:
+        """Whether `query_len` queries see the whole recent fp16 span (the "chunk" prefill rule)."""
+        return self.settings.prefill_rule == "chunk" and query_len > 1
+
     def _prefill_fp16_from(self, query_pos, first: int, last: int, query_len: int):
         """First position of the recent fp16 span [first, offset) that one of `query_len` queries,
         at `query_pos` (an int or an array), sees in fp16; it sees the span's earlier tokens,
         encoded at [first, last), from their codes. The "decode" rule: what token-by-token
         decoding would show it (a band about one window wide); the "chunk" rule: the whole span,
         for the queries of a prefill chunk (more than one)."""
-        if self.settings.prefill_rule == "chunk" and query_len > 1:
+        if self._chunk_sees_fp16(query_len):
             return first if isinstance(query_pos, int) else mx.full(query_pos.shape, first)
         pos = self._fp16_from(query_pos)
         return min(max(pos, first), last) if isinstance(pos, int) else mx.clip(pos, first, last)
@@ -405,7 +412,7 @@ class CompressedKVCache(_BaseCache):
         `band_queries`, each scoring only its band's keys, not every query the whole span."""
         first_query = self.offset - query_len
         last = first + keys.shape[2]
-        if self.settings.prefill_rule == "chunk" and query_len > 1:  # every query sees the whole span
+        if self._chunk_sees_fp16(query_len):  # every query sees the whole span
             yield Segment(keys, values, first, encoded=False)
             return
         for a in range(0, query_len, self.band_queries):

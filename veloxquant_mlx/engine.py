@@ -418,26 +418,23 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
 
     s = h.sinks
     fp16 = h.fp16
-    if h.band and queries.shape[2] > 1 and h.settings.prefill_rule == "chunk":
-        # Every query sees the recent span [first, offset) in fp16 and the codes before it: keys
-        # [sinks | codes before first | the span] in position order, so the causal mask holds.
+    band = h.band and queries.shape[2] > 1  # a single query sees every flushed token from its codes
+    chunk_rule = band and h.settings.prefill_rule == "chunk"
+    if band:
+        # "chunk": keys [sinks | codes before first | the recent span in fp16], in position order,
+        # so the causal mask holds. "decode": keys [sinks | every code | the recent span in fp16];
+        # each query sees a recent token from its codes before fp16_from(query) and from fp16
+        # after it (cache.py's rule), through an explicit mask.
         rk, rv, first = h.recent()
         rk, rv = into_domains(rk, rv)
-        parts_k, parts_v = [keys[..., : first - s, :], rk], [values[..., : first - s, :], rv]
-        if s:
-            sk, sv = into_domains(fp16[0][..., :s, :], fp16[1][..., :s, :])
-            parts_k, parts_v = [sk] + parts_k, [sv] + parts_v
-        keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
-    elif h.band and queries.shape[2] > 1:  # a single query sees every flushed token from its codes
-        # Keys [sinks | every code | the recent span in fp16]: each query sees a recent token
-        # from its codes before fp16_from(query) and from fp16 after it (cache.py's rule).
-        rk, rv, first = h.recent()
-        rk, rv = into_domains(rk, rv)
+        if chunk_rule:
+            keys, values = keys[..., : first - s, :], values[..., : first - s, :]
         parts_k, parts_v = [keys, rk], [values, rv]
         if s:
             sk, sv = into_domains(fp16[0][..., :s, :], fp16[1][..., :s, :])
             parts_k, parts_v = [sk] + parts_k, [sv] + parts_v
         keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
+    if band and not chunk_rule:
         B, n_heads, L, _ = queries.shape
         group = max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
         q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
@@ -454,7 +451,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
             if len(outs) > 1 and h.settings.on_gpu:
                 mx.eval(outs[-1])  # one group's scores at a time
         return _from_value_domain(h, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], queries)
-    elif fp16 is not None:
+    if not band and fp16 is not None:
         fk, fv = into_domains(*fp16)
         keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
         values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
