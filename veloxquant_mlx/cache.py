@@ -642,7 +642,7 @@ class CompressedKVCache(_BaseCache):
         if "tensors" in header:
             verify_checksums(_flat(arrays), header["tensors"], where, CacheFormatError)
         elif arrays:
-            _warn_unchecked(where)
+            _warn_unchecked()
         if codecs.per_layer:  # calibrated per layer: this layer's codecs
             if not isinstance(header.get("layer"), int):
                 raise CacheFormatError(f"{where}: per-layer codecs, but the header names no layer")
@@ -745,9 +745,10 @@ def saving():
 
 
 @functools.lru_cache(maxsize=1)
-def _warn_unchecked(where: str):
-    warnings.warn(f"veloxquant_mlx: {where} was saved without tensor checksums (by mlx-lm's save_prompt_cache, "
-                  "not veloxquant_mlx.save_prompt_cache), so corruption of its codes cannot be detected",
+def _warn_unchecked():
+    """Once per process, not once per layer of a file."""
+    warnings.warn("veloxquant_mlx: a prompt cache saved without tensor checksums (by mlx-lm's save_prompt_cache, "
+                  "not veloxquant_mlx.save_prompt_cache) was loaded, so corruption of its codes cannot be detected",
                   RuntimeWarning, stacklevel=4)
 
 
