@@ -26,6 +26,8 @@ CPU_DEFAULT = "native" if native.available() else "portable"
 IN_DTYPES = {
     "mse_partial": {"q": "float16", "rows": "uint32", "kcent": "float32", "vcent": "float32", "ksigns": "float32",
                     "meta": "int32", "qscale": "float32"},
+    "mse_partial_mma": {"q": "float16", "rows": "uint32", "kcent": "float32", "vcent": "float32",
+                        "ksigns": "float32", "meta": "int32", "qscale": "float32"},
     "merge": {"o": "float32", "ml": "float32", "vsigns": "float32", "meta": "int32", "po": "float32",
               "pml": "float32", "vmean": "float32"},
     "mse_dequant": {"rows": "uint32", "cent": "float32", "meta": "int32"},
@@ -41,6 +43,7 @@ def _plans():
             pow2 = dim & (dim - 1) == 0
             yield launch.encode_plan(4, (dim, bits, pow2, bits in (2, 3)), (dim, vbits, pow2, False), "float16")
             yield launch.partial_plan(2, 4, dim, bits, vbits, 1000, 1024, rotate_query=pow2, q_dtype="float16")
+            yield launch.mma_partial_plan(2, 4, dim, bits, vbits, 1000, 1024, rotate_query=pow2, q_dtype="float16")
             words = -(-dim * bits // 32) + -(-dim * vbits // 32) + 1
             yield launch.dequant_plan(2, dim, bits, 1000, 1024, out_dtype="float16", row_words=words, offset=0,
                                       norm_half=2 * (words - 1))
@@ -57,7 +60,7 @@ def _dtypes(plan):
 
 @pytest.mark.parametrize("dialect", ["cuda", "metal", "cpp"])
 def test_sources_render_for_every_width_and_dim(dialect):
-    plans = list(_plans())
+    plans = [p for p in _plans() if dialect in templates.KERNELS[p.kernel].get("dialects", templates.DIALECTS)]
     assert len(plans) > 90
     for plan in plans:
         body = templates.source(plan.kernel, dialect)
@@ -80,9 +83,14 @@ def test_sources_render_for_every_width_and_dim(dialect):
 
 def test_templates_have_one_body_per_kernel():
     # The dialects differ only in header and prologue: the maths is one text.
-    for kernel in templates.KERNELS:
-        bodies = {templates.source(kernel, d).split("\n", 4)[-1] for d in templates.DIALECTS}
+    for kernel, spec in templates.KERNELS.items():
+        bodies = {templates.source(kernel, d).split("\n", 4)[-1] for d in spec.get("dialects", templates.DIALECTS)}
         assert len(bodies) == 1
+
+
+def test_tensor_core_kernel_is_not_rendered_for_metal():
+    with pytest.raises(ValueError, match="not metal"):
+        templates.source("mse_partial_mma", "metal")
 
 
 def test_plans_fit_and_split_sensibly():
@@ -119,7 +127,7 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
 
 QUICK = [c for c in selftest.CASES if c.name in (
     "d128_k3v4_gqa4_fp16", "d128_k3v3_window_sinks_center", "d64_k4v2_gqa3_batch2", "d96_k3v4_prerotated",
-    "prefill_d64_k3v3_center")]
+    "prefill_d64_k3v3_center", "d128_k3v4_gqa4_fp16_simt")]
 
 
 @needs_cxx
@@ -127,7 +135,10 @@ QUICK = [c for c in selftest.CASES if c.name in (
 def test_emulated_kernels_match_portable_generic_and_fp64(case):
     record = selftest.run_case(case, "emulator")
     assert record["status"] == "ok", {k: v for k, v in record.items() if k != "output"}
-    assert record["vs_dequant_fp64"] <= selftest.TOLERANCES[case.dtype]
+    on_tensor_cores = case.tensor_cores and case.queries == 1
+    assert record["partial_kernel"] == ("mse_partial_mma" if on_tensor_cores else "mse_partial")
+    # fp16 operands on tensor cores: fp16's tolerance whatever the cache's dtype
+    assert record["vs_dequant_fp64"] <= selftest.TOLERANCES["float16" if on_tensor_cores else case.dtype]
 
 
 @needs_cxx
@@ -139,15 +150,18 @@ def test_emulated_encode_matches_codec(spec):
 
 
 @needs_cxx
-def test_emulated_long_sequence_many_splits():
-    # Several splits of several tiles, a ragged last tile, B = 2.
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_emulated_long_sequence_many_splits(tensor_cores):
+    # Several splits of several tiles, a ragged last tile, B = 2; on tensor cores also warps
+    # whose tiles run past the split's end.
     case = selftest.Case("long", 64, 3, 4, 2, batch=2, tokens=1100, seed=11)
     keys, values, queries = selftest._inputs(case)
     cache = selftest._cache(case, keys, values)
+    cache.settings = cache.settings.replace(tensor_cores=tensor_cores)
     q = mx.array(queries)
     out = kernels.decode_attention(cache, q, 0.125, using="emulator", chunk=256)
     ref = kernels.decode_attention(cache, q, 0.125, using="portable")
-    assert selftest._rel(np.array(out), np.array(ref)) < 1e-5
+    assert selftest._rel(np.array(out), np.array(ref)) < (2e-3 if tensor_cores else 1e-5)
 
 
 @needs_cxx

@@ -10,6 +10,7 @@ on the per-token path reads the environment.
 | `kernels` | `VELOXQUANT_KERNELS=off` turns them off | False: every call takes the generic path (`attention.attend`) |
 | `compile_step` | `VELOXQUANT_COMPILE_STEP` (1) | replay decode steps from `mx.compile`d graphs |
 | `metal_kernels` | `VELOXQUANT_METAL_KERNELS` (1) | Metal kernels on an Apple GPU; each is checked against the portable path at first use |
+| `tensor_cores` | `VELOXQUANT_TENSOR_CORES` (1) | turboquant_mse decode on tensor cores where the back end has them (CUDA `mma`: fp16 operands, fp32 sums; the emulator models it); otherwise, and for shapes it does not take (more than 8 query heads per kv head, head dim above 256), the fp32 SIMT kernel |
 | `split_tokens` | `VELOXQUANT_SPLIT_TOKENS` (None) | tokens per decode split (None: planned from the GPU's size) |
 | `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (prefill) | refuse NaN, Inf and beyond-fp16 keys/values: "prefill" checks chunks of more than one token (one sync per layer and chunk), "always" every update (a sync per layer per decode step), "off" none |
 | `prefill_rule` | `VELOXQUANT_PREFILL_RULE` (chunk) | what a prefill chunk's queries see in fp16 where an fp16 window or multi-token blocks (KIVI) exist: "chunk", the chunk and the window before it (as an fp16 cache would; one fused attention call); "decode", exactly what token-by-token decoding would (a band per query: an explicit mask, slower). `eval ppl` uses "decode" |
@@ -46,6 +47,7 @@ class EngineSettings:
     compile_step: bool = True
     metal_kernels: bool = True
     split_tokens: Optional[int] = None
+    tensor_cores: bool = True
     gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
     check_inputs: str = "prefill"
     prefill_rule: str = "chunk"
@@ -86,6 +88,8 @@ class EngineSettings:
             explicit["compile_step"] = _flag(os.environ.get("VELOXQUANT_COMPILE_STEP"), True)
         if "metal_kernels" not in explicit:
             explicit["metal_kernels"] = _flag(os.environ.get("VELOXQUANT_METAL_KERNELS"), True)
+        if "tensor_cores" not in explicit:
+            explicit["tensor_cores"] = _flag(os.environ.get("VELOXQUANT_TENSOR_CORES"), True)
         if "split_tokens" not in explicit:
             env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
             explicit["split_tokens"] = int(env) if env else None

@@ -7,6 +7,7 @@
     turboquant_mse:3:backend=portable   ... on another engine back end (`settings.EngineSettings`)
     turboquant_mse:3:check_inputs=off   ... without the prefill chunks' input check (one sync per layer)
     kivi:4:prefill_rule=decode          ... prefill chunks attend as token-by-token decoding would (`settings.py`)
+    turboquant_mse:3:tensor_cores=off   ... decode partials on the fp32 SIMT kernel instead of tensor cores (CUDA)
     vq3, vq3:window=32            a preset (`veloxquant_mlx/presets.py`), with config fields on top
 """
 
@@ -190,6 +191,10 @@ def _settings_fields(spec: str, method, settings: Dict[str, str]):
             if value not in PREFILL_RULES:
                 raise MethodSpecError(f"{spec!r}: prefill_rule must be one of {', '.join(PREFILL_RULES)}, got {value!r}")
             engine["prefill_rule"] = value
+        elif key == "tensor_cores":
+            if value not in ("on", "off"):
+                raise MethodSpecError(f"{spec!r}: tensor_cores must be on or off, got {value!r}")
+            engine["tensor_cores"] = value == "on"
         elif key in CONFIG_KEYS:
             fields[CONFIG_KEYS[key]] = _int(spec, key, value)
         elif key == "center":

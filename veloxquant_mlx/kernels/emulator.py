@@ -56,7 +56,7 @@ def _library(kernel: str, template, in_dtypes: Dict[str, str], out_dtypes: Dict[
 #include <thread>
 #include <vector>
 extern "C" void vq_launch(void** ptrs, int blocks_x, int blocks_y, int threads) {{
-  std::vector<float> scratch(threads);
+  std::vector<float> scratch(threads * 8);  // warp exchanges: 8 words per thread
   for (int by = 0; by < blocks_y; ++by) {{
     for (int bx = 0; bx < blocks_x; ++bx) {{
       std::barrier<> bar(threads);

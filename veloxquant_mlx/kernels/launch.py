@@ -125,6 +125,63 @@ def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: in
     )
 
 
+MMA_MAX_REP = 8  # query heads per kv head: the n = 8 of the mma's B operand
+MMA_MAX_DIM = 256  # the value sums live in registers: 4 floats per 16 dims per thread
+
+
+def mma_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, threads: int = PARTIAL_THREADS) -> int:
+    """Static shared memory of mse_partial_mma."""
+    warps = threads // 32
+    row_words = _words(dim, key_bits) + _words(dim, value_bits) + 1
+    pairs = sum(1 << (2 * b) if b <= 4 else 1 for b in (key_bits, value_bits))
+    words = max(warps * 16 * row_words, warps * rep * dim) + pairs + (1 << key_bits) + (1 << value_bits)
+    return 4 * (words + warps * 64 + warps * 16)
+
+
+def mma_fits(dim: int, rep: int, key_bits: int, value_bits: int, limit: int) -> bool:
+    """Whether mse_partial_mma takes this shape (else mse_partial does)."""
+    return (rep <= MMA_MAX_REP and dim % 16 == 0 and dim <= MMA_MAX_DIM
+            and mma_shared_bytes(dim, rep, key_bits, value_bits) <= limit)
+
+
+MMA_BACKENDS = ("cuda", "emulator")
+
+
+def use_mma(backend: str, tensor_cores: bool, dim: int, rep: int, key_bits: int, value_bits: int,
+            limit: int = 44 * 1024) -> bool:
+    """Whether a decode partial of this shape runs on tensor cores (`EngineSettings.tensor_cores`)."""
+    return tensor_cores and backend in MMA_BACKENDS and mma_fits(dim, rep, key_bits, value_bits, limit)
+
+
+def decode_partial_plan(mma: bool, *args, **kwargs) -> Plan:
+    """`mma_partial_plan` or `partial_plan` (same arguments, same contract)."""
+    return (mma_partial_plan if mma else partial_plan)(*args, **kwargs)
+
+
+@lru_cache(maxsize=4096)
+def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, tokens: int,
+                     capacity: int, *, rotate_query: bool, q_dtype: str, chunk: Optional[int] = None,
+                     threads: int = PARTIAL_THREADS) -> Plan:
+    """`partial_plan` for the tensor-core kernel: the same grid, inputs and outputs."""
+    if dim % 16 or dim > MMA_MAX_DIM or rep > MMA_MAX_REP:
+        raise ValueError(f"mse_partial_mma takes dim % 16 == 0 up to {MMA_MAX_DIM} and at most "
+                         f"{MMA_MAX_REP} query heads per kv head, got dim {dim}, {rep}")
+    if rotate_query and not is_power_of_two(dim):
+        raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
+    chunk = choose_chunk(tokens, kv_rows, threads, chunk)
+    splits = max(1, -(-tokens // chunk))
+    kw, vw = _words(dim, key_bits), _words(dim, value_bits)
+    template = [
+        ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
+        ("NT", threads), ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", kw + vw + 1),
+    ]
+    return Plan(
+        "mse_partial_mma", template, (splits * threads, kv_rows, 1), (threads, 1, 1),
+        [(kv_rows, splits, rep, dim), (kv_rows, splits, rep, 2)], ["float32", "float32"],
+        meta={"meta": [tokens, chunk, capacity, splits], "splits": splits, "chunk": chunk},
+    )
+
+
 @lru_cache(maxsize=4096)
 def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool, plain: bool,
                value_mean: bool, out_dtype: str) -> Plan:

@@ -119,19 +119,19 @@ def mse_encode_rows(run: Runner, key_codec, value_codec, keys: mx.array, values:
 # ---- decoding attention ---------------------------------------------------------
 
 def mse_partials(run: Runner, queries: mx.array, key_codec, value_codec, rows: mx.array,
-                 tokens: int, scale: float, chunk: Optional[int] = None):
+                 tokens: int, scale: float, chunk: Optional[int] = None, mma: bool = False):
     """Flash-decoding partials of single-token queries (B, Hq, 1, D) over the first
     `tokens` of `rows` (B, H, capacity, RW; `rows.py`): (o (BH, S, REP, Dv) in the
-    value domain, ml (BH, S, REP, 2)), and the plan used."""
+    value domain, ml (BH, S, REP, 2)), and the plan used; `mma`: the tensor-core kernel."""
     B, n_heads, L, dim = queries.shape
     if L != 1:
         raise ValueError("the decode kernels take one query per head")
     kv_heads, capacity = rows.shape[1], rows.shape[2]
     rotate_query = constants(key_codec)["signs"] is not None
     q_dtype = queries.dtype if rotate_query and queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
-    plan = launch.partial_plan(B * kv_heads, n_heads // kv_heads, dim, key_codec.bits, value_codec.bits, tokens,
-                               capacity, rotate_query=rotate_query, q_dtype=launch.dtype_name(q_dtype),
-                               chunk=chunk)
+    plan = launch.decode_partial_plan(mma, B * kv_heads, n_heads // kv_heads, dim, key_codec.bits, value_codec.bits,
+                                      tokens, capacity, rotate_query=rotate_query,
+                                      q_dtype=launch.dtype_name(q_dtype), chunk=chunk)
     o, ml = run_partials(run, plan, queries, key_codec, value_codec, rows, scale,
                          small_array(tuple(plan.meta["meta"])))
     return o, ml, plan

@@ -58,6 +58,7 @@ class Case:
     dtype: str = "float32"
     options: Dict = field(default_factory=dict)
     seed: int = 0
+    tensor_cores: bool = True  # EngineSettings.tensor_cores: False checks the SIMT partial kernel
 
 
 CASES: List[Case] = [
@@ -70,6 +71,10 @@ CASES: List[Case] = [
     Case("d256_k2v4_gqa8", 256, 2, 4, 8, kv_heads=1, tokens=260, seed=6),
     Case("d96_k3v4_prerotated", 96, 3, 4, 2, tokens=200, seed=7),
     Case("d128_k3v4_renorm", 128, 3, 4, 4, tokens=400, seed=8, options={"renorm": True}),
+    Case("d128_k3v4_gqa4_fp16_simt", 128, 3, 4, 4, tokens=1000, dtype="float16", seed=1, tensor_cores=False),
+    Case("d256_k2v4_gqa8_simt", 256, 2, 4, 8, kv_heads=1, tokens=260, seed=6, tensor_cores=False),
+    Case("d128_k3v3_window_sinks_center_simt", 128, 3, 3, 4, tokens=500, seed=3, tensor_cores=False,
+         options={"residual_length": 16, "sink_tokens": 4, "center": True}),
     Case("prefill_d128_k3v4_fp16", 128, 3, 4, 4, tokens=300, queries=16, dtype="float16", seed=9),
     Case("prefill_d64_k3v3_center", 64, 3, 3, 2, tokens=200, queries=8, seed=10, options={"center": True}),
 ]
@@ -140,17 +145,24 @@ def run_case(case: Case, backend: str) -> Dict:
     from .. import kernels
 
     keys, values, queries = _inputs(case)
+    from . import launch
+
     cache = _cache(case, keys, values)
+    cache.settings = cache.settings.replace(tensor_cores=case.tensor_cores)
     q = mx.array(queries).astype(getattr(mx, case.dtype))
     scale = case.dim ** -0.5
     mask = "causal" if case.queries > 1 else None
     strict = TOLERANCES[case.dtype]
+    mma = case.queries == 1 and launch.use_mma(backend, case.tensor_cores, case.dim, case.rep, case.bits,
+                                               case.value_bits)
+    if mma:  # the tensor-core kernel takes fp16 operands (fp32 sums) whatever the cache's dtype
+        strict = max(strict, TOLERANCES["float16"])
     # MLX's own float32 matmuls / SDPA run at TF32 precision on GPUs unless MLX_ENABLE_TF32=0.
     mlx_ops = strict
     if backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
         mlx_ops = max(strict, TF32_TOLERANCE)
     record = {"case": case.name, "backend": backend, "dtype": case.dtype, "tolerance": strict,
-              "tolerance_mlx_ops": mlx_ops}
+              "tolerance_mlx_ops": mlx_ops, "partial_kernel": "mse_partial_mma" if mma else "mse_partial"}
     if case.queries > 1:
         out = kernels.prefill_attention(cache, q, scale, mask, using=backend)
     else:

@@ -44,14 +44,15 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 
 @functools.lru_cache(maxsize=64)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
-             scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0):
+             scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False):
     """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
     encodes, attends to and stores the new one (`fused`)."""
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
     rotate_query = ops.constants(key_codec)["signs"] is not None
-    plan = launch.partial_plan(kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity, capacity,
-                               rotate_query=rotate_query, q_dtype=q_dtype if rotate_query else "float32")
+    plan = launch.decode_partial_plan(mma, kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity,
+                                      capacity, rotate_query=rotate_query,
+                                      q_dtype=q_dtype if rotate_query else "float32")
 
     def plain(queries, fp16, key_mean):
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
@@ -78,9 +79,11 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
     centered = h.key_mean is not None
     parts, fp16 = h.fp16_inputs()
+    mma = launch.use_mma(runner_name, h.settings.tensor_cores, h.key_codec.dim, queries.shape[1] // h.kv_heads,
+                         h.key_codec.bits, h.value_codec.bits)
     plan, fn = _step_fn(kind, runner_name, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
-                        centered, parts)
+                        centered, parts, mma)
     _, chunk, capacity, splits = plan.meta["meta"]
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)

@@ -70,6 +70,24 @@ VQ_INLINE float vq_warp_sum(float x) {
   return x;
 }
 VQ_INLINE float vq_half_bits(uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u & 0xffffu))); }
+VQ_INLINE uint32_t vq_pack_half2(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+VQ_INLINE float vq_shfl_xor(float x, int m) { return __shfl_xor_sync(0xffffffffu, x, m); }
+#define VQ_WSYNC() __syncwarp()
+#define VQ_HAS_MMA 1
+// c (16x8 f32) += a (16x16 f16, row-major) * b (16x8 f16, column-major), one warp: the
+// fragments of PTX ISA 9.7.14.5.8 ("mma.m16n8k16", floating point), lane = 4 * group + t:
+// a[0] (row group, cols 2t, 2t+1), a[1] (row group+8, same cols), a[2] / a[3] the same
+// rows at cols 2t+8, 2t+9; b[0] (rows 2t, 2t+1, col group), b[1] (rows 2t+8, 2t+9);
+// c[0], c[1] (row group, cols 2t, 2t+1), c[2], c[3] (row group+8). Lower half first.
+VQ_INLINE void vq_mma16816(float* c, const uint32_t* a, const uint32_t* b) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 #define VQ_UNROLL8 _Pragma("unroll 8")
 #endif
 """
@@ -98,6 +116,9 @@ typedef ulong vq_u64;
 VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
 VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
+VQ_INLINE uint32_t vq_pack_half2(float lo, float hi) { return as_type<uint32_t>(half2(half(lo), half(hi))); }
+VQ_INLINE float vq_shfl_xor(float x, int m) { return simd_shuffle_xor(x, (ushort)m); }
+#define VQ_WSYNC() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define VQ_UNROLL8 _Pragma("unroll 8")
 #endif
 """
@@ -149,6 +170,45 @@ inline float warp_reduce(float x, bool is_max) {
 inline float vq_warp_max(float x) { return vq_emu::warp_reduce(x, true); }
 inline float vq_warp_sum(float x) { return vq_emu::warp_reduce(x, false); }
 inline float vq_half_bits(uint32_t u) { return static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(u & 0xffffu))); }
+inline uint32_t vq_pack_half2(float lo, float hi) {
+  return static_cast<uint32_t>(std::bit_cast<uint16_t>(static_cast<_Float16>(lo))) |
+         (static_cast<uint32_t>(std::bit_cast<uint16_t>(static_cast<_Float16>(hi))) << 16);
+}
+namespace vq_emu {
+// A warp's lanes exchange through the block's scratch (8 words per thread) between barriers,
+// so callers must reach these with the same trip counts in every thread of the block.
+inline float half_at(uint32_t word, int k) { return static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(word >> (16 * (k & 1))))); }
+inline float shfl_xor(float x, int m) {
+  ctx.scratch[ctx.tid] = x;
+  sync();
+  const float r = ctx.scratch[(ctx.tid & ~31) | ((ctx.tid & 31) ^ m)];
+  sync();
+  return r;
+}
+inline void mma16816(float* c, const uint32_t* a, const uint32_t* b) {
+  uint32_t* s = reinterpret_cast<uint32_t*>(ctx.scratch);
+  for (int i = 0; i < 4; ++i) s[ctx.tid * 8 + i] = a[i];
+  s[ctx.tid * 8 + 4] = b[0];
+  s[ctx.tid * 8 + 5] = b[1];
+  sync();
+  const int base = ctx.tid & ~31, group = (ctx.tid & 31) >> 2, t = ctx.tid & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = group + 8 * (i >> 1), col = 2 * t + (i & 1);
+    float acc = c[i];
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t aw = s[(base + (row & 7) * 4 + ((k & 7) >> 1)) * 8 + (row >> 3) + 2 * (k >> 3)];
+      const uint32_t bw = s[(base + col * 4 + ((k & 7) >> 1)) * 8 + 4 + (k >> 3)];
+      acc += half_at(aw, k) * half_at(bw, k);
+    }
+    c[i] = acc;
+  }
+  sync();
+}
+}  // namespace vq_emu
+inline float vq_shfl_xor(float x, int m) { return vq_emu::shfl_xor(x, m); }
+inline void vq_mma16816(float* c, const uint32_t* a, const uint32_t* b) { vq_emu::mma16816(c, a, b); }
+#define VQ_WSYNC() vq_emu::sync()
+#define VQ_HAS_MMA 1
 #define VQ_UNROLL8
 #endif
 """
@@ -500,6 +560,281 @@ MSE_PARTIAL = r"""
   }
 """ + "  VQ_SYNC();\n" + PARTIAL_RESULT.replace("@TID", "t").replace("@DV", "D")
 
+# `mse_partial` on tensor cores (CUDA `mma.sync`, and the emulator's warp-level model of it):
+# the same inputs, outputs, grid and split contract. Each warp walks its own 16-token tiles
+# (the block's tiles in turn, one trip count for the whole block): scores are one m16n8k16
+# mma per 16 key dims (A = 16 tokens' keys decoded two codes at a time through a pair table,
+# B = the rotated queries of up to 8 heads, kept in registers), values one mma per 16 value
+# dims (A = the values of 16 tokens, B = the weights p * ||v|| through shared memory). fp16
+# operands, fp32 accumulation. The warps' (o, m, l) are merged in shared memory at the end.
+MSE_PARTIAL_MMA = r"""
+  constexpr int NW = NT / 32;
+  constexpr int KS = D / 16;
+  constexpr uint32_t KMASK = (1u << KB) - 1u;
+  constexpr uint32_t VMASK = (1u << VB) - 1u;
+  constexpr uint32_t KPMASK = (1u << (2 * KB)) - 1u;
+  constexpr int KP = (KB <= 4) ? (1 << (2 * KB)) : 1;
+  constexpr int VP = (VB <= 4) ? (1 << (2 * VB)) : 1;
+  constexpr int TW = 16 * RW;
+  constexpr int PRE = (TW + 31) / 32;
+  constexpr int BIG = (NW * TW > NW * REP * D) ? NW * TW : NW * REP * D;
+  const int t = vq_tid;
+  const int lane = t & 31;
+  const int warp = t >> 5;
+  const int grp = lane >> 2;
+  const int tg = lane & 3;
+  const int s = vq_bx;
+  const int bh = vq_by;
+  const int T = meta[0];
+  const int CH = meta[1];
+  const int CAP = meta[2];
+  const int S = meta[3];
+  const int start = s * CH;
+  const int end = VQ_MINI(start + CH, T);
+
+  // One buffer serves the rotated query, then the warps' tiles, then their value sums.
+  VQ_SHARED uint32_t vq_tile[BIG];
+  auto vq_qt = VQ_FPTR(vq_tile);
+  VQ_SHARED uint32_t vq_kpair[KP];  // two codes -> their centroids as half2, first code low
+  VQ_SHARED uint32_t vq_vpair[VP];
+  VQ_SHARED float vq_kc[1 << KB];
+  VQ_SHARED float vq_vc[1 << VB];
+  VQ_SHARED uint32_t vq_p[NW * 64];  // each warp's weights as halves, [head][token]
+  VQ_SHARED float vq_wm[NW * 8];
+  VQ_SHARED float vq_wl[NW * 8];
+
+  const float scale = qscale[0];
+  for (int i = t; i < REP * D; i += NT) {
+    float v = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
+    if (ROTQ) v *= ksigns[i % D];
+    vq_qt[i] = v;
+  }
+  for (int i = t; i < (1 << KB); i += NT) vq_kc[i] = kcent[i];
+  for (int i = t; i < (1 << VB); i += NT) vq_vc[i] = vcent[i];
+  VQ_SYNC();
+  if (ROTQ) {
+    for (int h = 1; h < D; h <<= 1) {
+      for (int p = t; p < REP * (D / 2); p += NT) {
+        const int r = p / (D / 2);
+        const int j = p % (D / 2);
+        const int i = (j / h) * (2 * h) + (j % h) + r * D;
+        const float a = vq_qt[i];
+        const float b = vq_qt[i + h];
+        vq_qt[i] = a + b;
+        vq_qt[i + h] = a - b;
+      }
+      VQ_SYNC();
+    }
+  }
+  for (int i = t; i < KP; i += NT) vq_kpair[i] = vq_pack_half2(vq_kc[i & KMASK], vq_kc[(i >> KB) & KMASK]);
+  for (int i = t; i < VP; i += NT) vq_vpair[i] = vq_pack_half2(vq_vc[i & VMASK], vq_vc[(i >> VB) & VMASK]);
+  const float qnorm = ROTQ ? (1.0f / VQ_SQRT((float)D)) : 1.0f;
+  // The score mma's B operand (k = key dims, n = query heads; heads >= REP are zero).
+  uint32_t qb[2 * KS];
+  {
+    const bool head = grp < REP;
+    const int qrow = (head ? grp : 0) * D;
+    VQ_UNROLL
+    for (int ks = 0; ks < KS; ++ks) {
+      const int d = qrow + 16 * ks + 2 * tg;
+      qb[2 * ks] = head ? vq_pack_half2(vq_qt[d] * qnorm, vq_qt[d + 1] * qnorm) : 0u;
+      qb[2 * ks + 1] = head ? vq_pack_half2(vq_qt[d + 8] * qnorm, vq_qt[d + 9] * qnorm) : 0u;
+    }
+  }
+  VQ_SYNC();
+
+  // Codes of key dims d, d + 1 of a row, as their centroids' half2.
+  auto key_pair = [&](const uint32_t* row, int d) -> uint32_t {
+    const int bit = d * KB;
+    const int wi = bit >> 5;
+    const int sh = bit & 31;
+    uint32_t c = row[wi] >> sh;
+    if (sh + 2 * KB > 32) c |= row[wi + 1] << (32 - sh);
+    c &= KPMASK;
+    return (KB <= 4) ? vq_kpair[c] : vq_pack_half2(vq_kc[c & KMASK], vq_kc[c >> KB]);
+  };
+  auto value_code = [&](const uint32_t* row, int d) -> uint32_t {
+    const int bit = d * VB;
+    const int wi = bit >> 5;
+    const int sh = bit & 31;
+    uint32_t c = row[wi] >> sh;
+    if ((32 % VB) != 0 && sh + VB > 32) c |= row[wi + 1] << (32 - sh);
+    return c & VMASK;
+  };
+  // Value dim d of two rows (two tokens), as their centroids' half2.
+  auto value_pair = [&](const uint32_t* ra, const uint32_t* rb, int d) -> uint32_t {
+    const uint32_t ca = value_code(ra, d);
+    const uint32_t cb = value_code(rb, d);
+    return (VB <= 4) ? vq_vpair[ca | (cb << VB)] : vq_pack_half2(vq_vc[ca], vq_vc[cb]);
+  };
+
+  float m_run[2] = {VQ_NEG_INF, VQ_NEG_INF};  // heads 2 tg and 2 tg + 1
+  float l_run[2] = {0.0f, 0.0f};
+  float acc[4 * KS];  // value sums (C of the value mma): dims 16 mt + grp (+ 8), heads 2 tg (+ 1)
+  VQ_UNROLL
+  for (int i = 0; i < 4 * KS; ++i) acc[i] = 0.0f;
+  uint32_t* tile = vq_tile + warp * TW;
+  const size_t base = (size_t)bh * CAP;
+  // Each lane holds its share of the warp's next tile while the current one is computed.
+  uint32_t pre[PRE];
+  {
+    const int n = VQ_MINI(16, end - (start + warp * 16)) * RW;
+    VQ_UNROLL
+    for (int u = 0; u < PRE; ++u) {
+      const int i = lane + 32 * u;
+      pre[u] = (i < n) ? rows[(base + (size_t)(start + warp * 16)) * RW + i] : 0u;
+    }
+  }
+  for (int tile0 = start; tile0 < end; tile0 += NW * 16) {
+    const int tok0 = tile0 + warp * 16;
+    const int ntok = VQ_MINI(16, end - tok0);
+    VQ_UNROLL
+    for (int u = 0; u < PRE; ++u) {
+      const int i = lane + 32 * u;
+      if (i < TW) tile[i] = pre[u];
+    }
+    VQ_WSYNC();
+    {
+      const int next = tok0 + NW * 16;
+      const int n = VQ_MINI(16, end - next) * RW;
+      VQ_UNROLL
+      for (int u = 0; u < PRE; ++u) {
+        const int i = lane + 32 * u;
+        pre[u] = (i < n) ? rows[(base + (size_t)next) * RW + i] : 0u;
+      }
+    }
+    // ---- scores of tokens grp and grp + 8 for heads 2 tg, 2 tg + 1
+    const uint32_t* r0 = tile + grp * RW;
+    const uint32_t* r1 = r0 + 8 * RW;
+    float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    VQ_UNROLL
+    for (int ks = 0; ks < KS; ++ks) {
+      const int d = 16 * ks + 2 * tg;
+      uint32_t a[4];
+      a[0] = key_pair(r0, d);
+      a[1] = key_pair(r1, d);
+      a[2] = key_pair(r0, d + 8);
+      a[3] = key_pair(r1, d + 8);
+      vq_mma16816(sc, a, qb + 2 * ks);
+    }
+    const uint32_t n0 = r0[KW + VW];  // fp16 key norm (low half), value norm
+    const uint32_t n1 = r1[KW + VW];
+    const bool ok0 = grp < ntok;
+    const bool ok1 = grp + 8 < ntok;
+    const float kn0 = vq_half_bits(n0);
+    const float kn1 = vq_half_bits(n1);
+    const float s00 = ok0 ? sc[0] * kn0 : VQ_NEG_INF;
+    const float s01 = ok0 ? sc[1] * kn0 : VQ_NEG_INF;
+    const float s10 = ok1 ? sc[2] * kn1 : VQ_NEG_INF;
+    const float s11 = ok1 ? sc[3] * kn1 : VQ_NEG_INF;
+    // ---- online softmax over the warp's tokens (lanes of one tg hold one pair of heads)
+    float mx0 = VQ_MAXF(s00, s10);
+    float mx1 = VQ_MAXF(s01, s11);
+    VQ_UNROLL
+    for (int o = 4; o < 32; o <<= 1) {
+      mx0 = VQ_MAXF(mx0, vq_shfl_xor(mx0, o));
+      mx1 = VQ_MAXF(mx1, vq_shfl_xor(mx1, o));
+    }
+    const float mn0 = VQ_MAXF(m_run[0], mx0);
+    const float mn1 = VQ_MAXF(m_run[1], mx1);
+    const float al0 = (m_run[0] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[0] - mn0);
+    const float al1 = (m_run[1] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[1] - mn1);
+    const float p00 = ok0 ? VQ_EXP(s00 - mn0) : 0.0f;
+    const float p01 = ok0 ? VQ_EXP(s01 - mn1) : 0.0f;
+    const float p10 = ok1 ? VQ_EXP(s10 - mn0) : 0.0f;
+    const float p11 = ok1 ? VQ_EXP(s11 - mn1) : 0.0f;
+    l_run[0] = l_run[0] * al0 + p00 + p10;
+    l_run[1] = l_run[1] * al1 + p01 + p11;
+    m_run[0] = mn0;
+    m_run[1] = mn1;
+    // ---- the weights p * ||v|| into the value mma's B layout (tokens x heads)
+    {
+      const float vn0 = vq_half_bits(n0 >> 16);
+      const float vn1 = vq_half_bits(n1 >> 16);
+      const uint32_t w0 = vq_pack_half2(p00 * vn0, p01 * vn0);  // token grp, heads 2 tg, 2 tg + 1
+      const uint32_t w1 = vq_pack_half2(p10 * vn1, p11 * vn1);  // token grp + 8
+      unsigned short* pw = reinterpret_cast<unsigned short*>(vq_p + warp * 64);
+      pw[(2 * tg) * 16 + grp] = (unsigned short)(w0 & 0xffffu);
+      pw[(2 * tg + 1) * 16 + grp] = (unsigned short)(w0 >> 16);
+      pw[(2 * tg) * 16 + grp + 8] = (unsigned short)(w1 & 0xffffu);
+      pw[(2 * tg + 1) * 16 + grp + 8] = (unsigned short)(w1 >> 16);
+    }
+    VQ_WSYNC();
+    uint32_t pb[2];
+    pb[0] = vq_p[warp * 64 + grp * 8 + tg];
+    pb[1] = vq_p[warp * 64 + grp * 8 + tg + 4];
+    // ---- values: dims 16 mt + grp (+ 8) of tokens 2 tg, 2 tg + 1 (+ 8)
+    const uint32_t* va = tile + (2 * tg) * RW + KW;
+    const uint32_t* vb = va + RW;
+    const uint32_t* vc = va + 8 * RW;
+    const uint32_t* vd = va + 9 * RW;
+    VQ_UNROLL
+    for (int mt = 0; mt < KS; ++mt) {
+      acc[4 * mt] *= al0;
+      acc[4 * mt + 1] *= al1;
+      acc[4 * mt + 2] *= al0;
+      acc[4 * mt + 3] *= al1;
+      const int d = 16 * mt + grp;
+      uint32_t a[4];
+      a[0] = value_pair(va, vb, d);
+      a[1] = value_pair(va, vb, d + 8);
+      a[2] = value_pair(vc, vd, d);
+      a[3] = value_pair(vc, vd, d + 8);
+      vq_mma16816(acc + 4 * mt, a, pb);
+    }
+    VQ_WSYNC();
+  }
+
+  // ---- the warps' (o, m, l) merged into this split's
+  VQ_UNROLL
+  for (int o = 4; o < 32; o <<= 1) {
+    l_run[0] += vq_shfl_xor(l_run[0], o);
+    l_run[1] += vq_shfl_xor(l_run[1], o);
+  }
+  if (grp == 0) {
+    vq_wm[warp * 8 + 2 * tg] = m_run[0];
+    vq_wm[warp * 8 + 2 * tg + 1] = m_run[1];
+    vq_wl[warp * 8 + 2 * tg] = l_run[0];
+    vq_wl[warp * 8 + 2 * tg + 1] = l_run[1];
+  }
+  VQ_SYNC();
+  float f[2];
+  VQ_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    float mb = VQ_NEG_INF;
+    for (int w = 0; w < NW; ++w) mb = VQ_MAXF(mb, vq_wm[w * 8 + 2 * tg + j]);
+    f[j] = (m_run[j] == VQ_NEG_INF) ? 0.0f : VQ_EXP(m_run[j] - mb);
+  }
+  auto red = VQ_FPTR(vq_tile);
+  VQ_UNROLL
+  for (int mt = 0; mt < KS; ++mt) {
+    VQ_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int h = 2 * tg + (i & 1);
+      if (h < REP) red[(warp * REP + h) * D + 16 * mt + grp + 8 * (i >> 1)] = acc[4 * mt + i] * f[i & 1];
+    }
+  }
+  VQ_SYNC();
+  const size_t obase = ((size_t)bh * S + s) * REP;
+  for (int i = t; i < REP * D; i += NT) {
+    const int h = i / D;
+    const int d = i % D;
+    float sum = 0.0f;
+    for (int w = 0; w < NW; ++w) sum += red[(w * REP + h) * D + d];
+    o[obase * D + i] = sum;
+  }
+  if (t < REP) {
+    float mb = VQ_NEG_INF;
+    for (int w = 0; w < NW; ++w) mb = VQ_MAXF(mb, vq_wm[w * 8 + t]);
+    float lt = 0.0f;
+    for (int w = 0; w < NW; ++w) {
+      if (vq_wm[w * 8 + t] != VQ_NEG_INF) lt += vq_wl[w * 8 + t] * VQ_EXP(vq_wm[w * 8 + t] - mb);
+    }
+    ml[(obase + t) * 2] = mb;
+    ml[(obase + t) * 2 + 1] = lt;
+  }
+"""
+
 # Shared by `merge` and `merge_encode` (block (bh, r), thread d): the block's query row,
 # the softmax merge of the S splits of that row, in the value domain, and an in-place
 # FWHT of vq_buf[D].
@@ -734,6 +1069,12 @@ KERNELS: Dict[str, dict] = {
         "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "meta", "qscale"),
         "outputs": ("o", "ml"),
     },
+    "mse_partial_mma": {
+        "body": MSE_PARTIAL_MMA,
+        "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "meta", "qscale"),
+        "outputs": ("o", "ml"),
+        "dialects": ("cuda", "cpp"),  # Metal has 8x8 simdgroup matrices, not this mma
+    },
     "merge_encode": {
         "body": MERGE_ENCODE,
         "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
@@ -759,6 +1100,9 @@ def header(dialect: str) -> str:
 def source(kernel: str, dialect: str) -> str:
     """The kernel body for `dialect` (what `mx.fast.*_kernel(source=...)` takes)."""
     header(dialect)
+    dialects = KERNELS[kernel].get("dialects", DIALECTS)
+    if dialect not in dialects:
+        raise ValueError(f"kernel {kernel} is written for {', '.join(dialects)}, not {dialect}")
     return _PROLOGUES[dialect] + KERNELS[kernel]["body"]
 
 
