@@ -65,7 +65,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--shapes", default="1x4096,1x32768,1x131072,8x16384")
-    parser.add_argument("--chunks", default="default,1024,2048",
+    parser.add_argument("--chunks", default="default,1024,2048,4096",
                         help="tokens per split: 'default' (planned from the GPU's size) or numbers")
     parser.add_argument("--layers", type=int, default=0, help="distinct caches per round (0: ~300 MB of codes)")
     parser.add_argument("--rounds", type=int, default=10)

@@ -127,13 +127,14 @@ def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: in
 
 MMA_MAX_REP = 8  # query heads per kv head: the n = 8 of the mma's B operand
 MMA_MAX_DIM = 256  # the value sums live in registers: 4 floats per 16 dims per thread
+MMA_MAX_ROLE_BITS = 1024  # a thread holds a quarter of a key row's codes and an eighth of 4 value rows'
 
 
 def mma_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, threads: int = PARTIAL_THREADS) -> int:
     """Static shared memory of mse_partial_mma."""
     warps = threads // 32
     row_words = _words(dim, key_bits) + _words(dim, value_bits) + 1
-    pairs = sum(1 << (2 * b) if b <= 4 else 1 for b in (key_bits, value_bits))
+    pairs = sum(1 << (2 * b) if b <= 3 else 1 for b in (key_bits, value_bits))
     words = max(warps * 16 * row_words, warps * rep * dim) + pairs + (1 << key_bits) + (1 << value_bits)
     return 4 * (words + warps * 64 + warps * 16)
 
@@ -141,6 +142,7 @@ def mma_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, threads
 def mma_fits(dim: int, rep: int, key_bits: int, value_bits: int, limit: int) -> bool:
     """Whether mse_partial_mma takes this shape (else mse_partial does)."""
     return (rep <= MMA_MAX_REP and dim % 16 == 0 and dim <= MMA_MAX_DIM
+            and key_bits * dim <= MMA_MAX_ROLE_BITS and value_bits * dim <= MMA_MAX_ROLE_BITS
             and mma_shared_bytes(dim, rep, key_bits, value_bits) <= limit)
 
 
@@ -163,9 +165,10 @@ def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits
                      capacity: int, *, rotate_query: bool, q_dtype: str, chunk: Optional[int] = None,
                      threads: int = PARTIAL_THREADS) -> Plan:
     """`partial_plan` for the tensor-core kernel: the same grid, inputs and outputs."""
-    if dim % 16 or dim > MMA_MAX_DIM or rep > MMA_MAX_REP:
-        raise ValueError(f"mse_partial_mma takes dim % 16 == 0 up to {MMA_MAX_DIM} and at most "
-                         f"{MMA_MAX_REP} query heads per kv head, got dim {dim}, {rep}")
+    if not mma_fits(dim, rep, key_bits, value_bits, 48 * 1024):
+        raise ValueError(f"mse_partial_mma takes dim % 16 == 0 up to {MMA_MAX_DIM}, at most {MMA_MAX_REP} query "
+                         f"heads per kv head and bits x dim <= {MMA_MAX_ROLE_BITS}; got dim {dim}, {rep} heads, "
+                         f"K{key_bits}/V{value_bits}")
     if rotate_query and not is_power_of_two(dim):
         raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
     chunk = choose_chunk(tokens, kv_rows, threads, chunk)

@@ -573,8 +573,17 @@ MSE_PARTIAL_MMA = r"""
   constexpr uint32_t KMASK = (1u << KB) - 1u;
   constexpr uint32_t VMASK = (1u << VB) - 1u;
   constexpr uint32_t KPMASK = (1u << (2 * KB)) - 1u;
-  constexpr int KP = (KB <= 4) ? (1 << (2 * KB)) : 1;
-  constexpr int VP = (VB <= 4) ? (1 << (2 * VB)) : 1;
+  constexpr bool KPAIR = KB <= 3;  // pair tables up to 64 entries; wider codes: two lookups
+  constexpr bool VPAIR = VB <= 3;
+  constexpr int KP = KPAIR ? (1 << (2 * KB)) : 1;
+  constexpr int VP = VPAIR ? (1 << (2 * VB)) : 1;
+  // Thread (grp, tg) scores key dims [tg D/4, (tg + 1) D/4) and sums value dims
+  // [grp D/8, (grp + 1) D/8): the mma's k (scores) and m (values) indices are permuted so
+  // that each thread's codes are one contiguous bit range of a row, read as whole words.
+  constexpr int KBITS = KB * (D / 4);
+  constexpr int VBITS = VB * (D / 8);
+  constexpr int KN = (KBITS + 31) / 32 + 1;
+  constexpr int VN = (VBITS + 31) / 32 + 1;
   constexpr int TW = 16 * RW;
   constexpr int PRE = (TW + 31) / 32;
   constexpr int BIG = (NW * TW > NW * REP * D) ? NW * TW : NW * REP * D;
@@ -626,8 +635,8 @@ MSE_PARTIAL_MMA = r"""
       VQ_SYNC();
     }
   }
-  for (int i = t; i < KP; i += NT) vq_kpair[i] = vq_pack_half2(vq_kc[i & KMASK], vq_kc[(i >> KB) & KMASK]);
-  for (int i = t; i < VP; i += NT) vq_vpair[i] = vq_pack_half2(vq_vc[i & VMASK], vq_vc[(i >> VB) & VMASK]);
+  if (KPAIR) for (int i = t; i < KP; i += NT) vq_kpair[i] = vq_pack_half2(vq_kc[i & KMASK], vq_kc[(i >> KB) & KMASK]);
+  if (VPAIR) for (int i = t; i < VP; i += NT) vq_vpair[i] = vq_pack_half2(vq_vc[i & VMASK], vq_vc[(i >> VB) & VMASK]);
   const float qnorm = ROTQ ? (1.0f / VQ_SQRT((float)D)) : 1.0f;
   // The score mma's B operand (k = key dims, n = query heads; heads >= REP are zero).
   uint32_t qb[2 * KS];
@@ -636,36 +645,48 @@ MSE_PARTIAL_MMA = r"""
     const int qrow = (head ? grp : 0) * D;
     VQ_UNROLL
     for (int ks = 0; ks < KS; ++ks) {
-      const int d = qrow + 16 * ks + 2 * tg;
+      const int d = qrow + tg * (D / 4) + 4 * ks;
       qb[2 * ks] = head ? vq_pack_half2(vq_qt[d] * qnorm, vq_qt[d + 1] * qnorm) : 0u;
-      qb[2 * ks + 1] = head ? vq_pack_half2(vq_qt[d + 8] * qnorm, vq_qt[d + 9] * qnorm) : 0u;
+      qb[2 * ks + 1] = head ? vq_pack_half2(vq_qt[d + 2] * qnorm, vq_qt[d + 3] * qnorm) : 0u;
     }
   }
   VQ_SYNC();
 
-  // Codes of key dims d, d + 1 of a row, as their centroids' half2.
-  auto key_pair = [&](const uint32_t* row, int d) -> uint32_t {
-    const int bit = d * KB;
-    const int wi = bit >> 5;
-    const int sh = bit & 31;
-    uint32_t c = row[wi] >> sh;
-    if (sh + 2 * KB > 32) c |= row[wi + 1] << (32 - sh);
-    c &= KPMASK;
-    return (KB <= 4) ? vq_kpair[c] : vq_pack_half2(vq_kc[c & KMASK], vq_kc[c >> KB]);
+  // The thread's bit range of a row, shifted so that it starts at bit 0 of w[0].
+  auto load_key_bits = [&](uint32_t* w, const uint32_t* row, int bit0) {
+    const int wi = bit0 >> 5;
+    const int sh = bit0 & 31;
+    VQ_UNROLL
+    for (int i = 0; i < KN; ++i) w[i] = row[wi + i];
+    if (sh) {
+      VQ_UNROLL
+      for (int i = 0; i + 1 < KN; ++i) w[i] = (w[i] >> sh) | (w[i + 1] << (32 - sh));
+    }
   };
-  auto value_code = [&](const uint32_t* row, int d) -> uint32_t {
-    const int bit = d * VB;
-    const int wi = bit >> 5;
-    const int sh = bit & 31;
-    uint32_t c = row[wi] >> sh;
-    if ((32 % VB) != 0 && sh + VB > 32) c |= row[wi + 1] << (32 - sh);
-    return c & VMASK;
+  auto load_value_bits = [&](uint32_t* w, const uint32_t* row, int bit0) {
+    const int wi = bit0 >> 5;
+    const int sh = bit0 & 31;
+    VQ_UNROLL
+    for (int i = 0; i < VN; ++i) w[i] = row[wi + i];
+    if (sh) {
+      VQ_UNROLL
+      for (int i = 0; i + 1 < VN; ++i) w[i] = (w[i] >> sh) | (w[i + 1] << (32 - sh));
+    }
   };
-  // Value dim d of two rows (two tokens), as their centroids' half2.
-  auto value_pair = [&](const uint32_t* ra, const uint32_t* rb, int d) -> uint32_t {
-    const uint32_t ca = value_code(ra, d);
-    const uint32_t cb = value_code(rb, d);
-    return (VB <= 4) ? vq_vpair[ca | (cb << VB)] : vq_pack_half2(vq_vc[ca], vq_vc[cb]);
+  // `width` bits at bit `bit` of an aligned range (bit a compile-time constant once unrolled).
+  auto bits_at = [&](const uint32_t* w, int bit, int width) -> uint32_t {
+    uint32_t c = w[bit >> 5] >> (bit & 31);
+    if ((bit & 31) + width > 32) c |= w[(bit >> 5) + 1] << (32 - (bit & 31));
+    return c & ((1u << width) - 1u);
+  };
+  auto key_pair = [&](const uint32_t* w, int j) -> uint32_t {  // relative key dims j, j + 1
+    const uint32_t c = bits_at(w, j * KB, 2 * KB);
+    return KPAIR ? vq_kpair[c] : vq_pack_half2(vq_kc[c & KMASK], vq_kc[c >> KB]);
+  };
+  auto value_pair = [&](const uint32_t* wa, const uint32_t* wb, int j) -> uint32_t {  // relative dim j, two tokens
+    const uint32_t ca = bits_at(wa, j * VB, VB);
+    const uint32_t cb = bits_at(wb, j * VB, VB);
+    return VPAIR ? vq_vpair[ca | (cb << VB)] : vq_pack_half2(vq_vc[ca], vq_vc[cb]);
   };
 
   float m_run[2] = {VQ_NEG_INF, VQ_NEG_INF};  // heads 2 tg and 2 tg + 1
@@ -707,15 +728,20 @@ MSE_PARTIAL_MMA = r"""
     const uint32_t* r0 = tile + grp * RW;
     const uint32_t* r1 = r0 + 8 * RW;
     float sc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    VQ_UNROLL
-    for (int ks = 0; ks < KS; ++ks) {
-      const int d = 16 * ks + 2 * tg;
-      uint32_t a[4];
-      a[0] = key_pair(r0, d);
-      a[1] = key_pair(r1, d);
-      a[2] = key_pair(r0, d + 8);
-      a[3] = key_pair(r1, d + 8);
-      vq_mma16816(sc, a, qb + 2 * ks);
+    {
+      uint32_t k0[KN];
+      uint32_t k1[KN];
+      load_key_bits(k0, r0, tg * KBITS);
+      load_key_bits(k1, r1, tg * KBITS);
+      VQ_UNROLL
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t a[4];
+        a[0] = key_pair(k0, 4 * ks);
+        a[1] = key_pair(k1, 4 * ks);
+        a[2] = key_pair(k0, 4 * ks + 2);
+        a[3] = key_pair(k1, 4 * ks + 2);
+        vq_mma16816(sc, a, qb + 2 * ks);
+      }
     }
     const uint32_t n0 = r0[KW + VW];  // fp16 key norm (low half), value norm
     const uint32_t n1 = r1[KW + VW];
@@ -763,24 +789,31 @@ MSE_PARTIAL_MMA = r"""
     uint32_t pb[2];
     pb[0] = vq_p[warp * 64 + grp * 8 + tg];
     pb[1] = vq_p[warp * 64 + grp * 8 + tg + 4];
-    // ---- values: dims 16 mt + grp (+ 8) of tokens 2 tg, 2 tg + 1 (+ 8)
-    const uint32_t* va = tile + (2 * tg) * RW + KW;
-    const uint32_t* vb = va + RW;
-    const uint32_t* vc = va + 8 * RW;
-    const uint32_t* vd = va + 9 * RW;
-    VQ_UNROLL
-    for (int mt = 0; mt < KS; ++mt) {
-      acc[4 * mt] *= al0;
-      acc[4 * mt + 1] *= al1;
-      acc[4 * mt + 2] *= al0;
-      acc[4 * mt + 3] *= al1;
-      const int d = 16 * mt + grp;
-      uint32_t a[4];
-      a[0] = value_pair(va, vb, d);
-      a[1] = value_pair(va, vb, d + 8);
-      a[2] = value_pair(vc, vd, d);
-      a[3] = value_pair(vc, vd, d + 8);
-      vq_mma16816(acc + 4 * mt, a, pb);
+    // ---- values: m-tile mt's rows grp, grp + 8 are value dims grp D/8 + mt (+ D/16) of
+    // tokens 2 tg, 2 tg + 1 (+ 8)
+    {
+      uint32_t wa[VN];
+      uint32_t wb[VN];
+      uint32_t wc[VN];
+      uint32_t wd[VN];
+      const uint32_t* va = tile + (2 * tg) * RW + KW;
+      load_value_bits(wa, va, grp * VBITS);
+      load_value_bits(wb, va + RW, grp * VBITS);
+      load_value_bits(wc, va + 8 * RW, grp * VBITS);
+      load_value_bits(wd, va + 9 * RW, grp * VBITS);
+      VQ_UNROLL
+      for (int mt = 0; mt < KS; ++mt) {
+        acc[4 * mt] *= al0;
+        acc[4 * mt + 1] *= al1;
+        acc[4 * mt + 2] *= al0;
+        acc[4 * mt + 3] *= al1;
+        uint32_t a[4];
+        a[0] = value_pair(wa, wb, mt);
+        a[1] = value_pair(wa, wb, mt + KS);
+        a[2] = value_pair(wc, wd, mt);
+        a[3] = value_pair(wc, wd, mt + KS);
+        vq_mma16816(acc + 4 * mt, a, pb);
+      }
     }
     VQ_WSYNC();
   }
@@ -811,7 +844,7 @@ MSE_PARTIAL_MMA = r"""
     VQ_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int h = 2 * tg + (i & 1);
-      if (h < REP) red[(warp * REP + h) * D + 16 * mt + grp + 8 * (i >> 1)] = acc[4 * mt + i] * f[i & 1];
+      if (h < REP) red[(warp * REP + h) * D + grp * (D / 8) + mt + KS * (i >> 1)] = acc[4 * mt + i] * f[i & 1];
     }
   }
   VQ_SYNC();
