@@ -134,7 +134,7 @@ def mma_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, threads
     """Static shared memory of mse_partial_mma."""
     warps = threads // 32
     row_words = _words(dim, key_bits) + _words(dim, value_bits) + 1
-    pairs = sum(1 << (2 * b) if b <= 3 else 1 for b in (key_bits, value_bits))
+    pairs = (32 << (2 * key_bits) if key_bits <= 3 else 1) + (1 << (2 * value_bits) if value_bits <= 3 else 1)
     words = max(warps * 16 * row_words, warps * rep * dim) + pairs + (1 << key_bits) + (1 << value_bits)
     return 4 * (words + warps * 64 + warps * 16)
 
@@ -147,6 +147,7 @@ def mma_fits(dim: int, rep: int, key_bits: int, value_bits: int, limit: int) -> 
 
 
 MMA_BACKENDS = ("cuda", "emulator")
+MMA_MIN_CHUNK = 1024
 
 
 def use_mma(backend: str, tensor_cores: bool, dim: int, rep: int, key_bits: int, value_bits: int,
@@ -171,6 +172,9 @@ def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits
                          f"K{key_bits}/V{value_bits}")
     if rotate_query and not is_power_of_two(dim):
         raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
+    if chunk is None and not os.environ.get("VELOXQUANT_SPLIT_TOKENS"):
+        # run30: per-block work (query rotation, tables, the warps' merge) wants longer splits
+        chunk = max(MMA_MIN_CHUNK, choose_chunk(tokens, kv_rows, threads))
     chunk = choose_chunk(tokens, kv_rows, threads, chunk)
     splits = max(1, -(-tokens // chunk))
     kw, vw = _words(dim, key_bits), _words(dim, value_bits)

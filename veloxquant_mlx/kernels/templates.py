@@ -604,7 +604,9 @@ MSE_PARTIAL_MMA = r"""
   // One buffer serves the rotated query, then the warps' tiles, then their value sums.
   VQ_SHARED uint32_t vq_tile[BIG];
   auto vq_qt = VQ_FPTR(vq_tile);
-  VQ_SHARED uint32_t vq_kpair[KP];  // two codes -> their centroids as half2, first code low
+  // Two key codes -> their centroids as half2 (first code low), one copy per lane: entry e of
+  // lane l's copy sits in bank l, so the warp's lookups never conflict.
+  VQ_SHARED uint32_t vq_kpair[KP * 32];
   VQ_SHARED uint32_t vq_vpair[VP];
   VQ_SHARED float vq_kc[1 << KB];
   VQ_SHARED float vq_vc[1 << VB];
@@ -635,7 +637,9 @@ MSE_PARTIAL_MMA = r"""
       VQ_SYNC();
     }
   }
-  if (KPAIR) for (int i = t; i < KP; i += NT) vq_kpair[i] = vq_pack_half2(vq_kc[i & KMASK], vq_kc[(i >> KB) & KMASK]);
+  if (KPAIR) {
+    for (int i = t; i < KP * 32; i += NT) vq_kpair[i] = vq_pack_half2(vq_kc[(i >> 5) & KMASK], vq_kc[(i >> (5 + KB)) & KMASK]);
+  }
   if (VPAIR) for (int i = t; i < VP; i += NT) vq_vpair[i] = vq_pack_half2(vq_vc[i & VMASK], vq_vc[(i >> VB) & VMASK]);
   const float qnorm = ROTQ ? (1.0f / VQ_SQRT((float)D)) : 1.0f;
   // The score mma's B operand (k = key dims, n = query heads; heads >= REP are zero).
@@ -681,7 +685,7 @@ MSE_PARTIAL_MMA = r"""
   };
   auto key_pair = [&](const uint32_t* w, int j) -> uint32_t {  // relative key dims j, j + 1
     const uint32_t c = bits_at(w, j * KB, 2 * KB);
-    return KPAIR ? vq_kpair[c] : vq_pack_half2(vq_kc[c & KMASK], vq_kc[c >> KB]);
+    return KPAIR ? vq_kpair[c * 32 + lane] : vq_pack_half2(vq_kc[c & KMASK], vq_kc[c >> KB]);
   };
   auto value_pair = [&](const uint32_t* wa, const uint32_t* wb, int j) -> uint32_t {  // relative dim j, two tokens
     const uint32_t ca = bits_at(wa, j * VB, VB);
