@@ -32,6 +32,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx.evaluation.shapes import build_shape_model  # noqa: E402
+from veloxquant_mlx.evaluation.specs import parse_method_list  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_profile import prefilled_caches  # noqa: E402
@@ -117,6 +118,16 @@ def timeline(model, spec: str, context: int, steps: int, vocab: int) -> list:
     return records, pipelined(model, caches, 16)
 
 
+def prefill_timeline(model, spec: str, context: int, chunk: int, vocab: int) -> dict:
+    """One `chunk`-token prefill chunk after `context - chunk` prompt tokens (the earlier
+    chunks compiled its kernels), evaluated as mlx-lm's generate_step does (`c.state` after
+    the chunk); the wall time includes the syncs the cache makes while the chunk is built."""
+    caches = prefilled_caches(model, spec, context - chunk, vocab)
+    tokens = mx.random.randint(0, vocab, (chunk,), key=mx.random.key(1))
+    events, wall, build = profiled_step(lambda: [model(tokens[None], cache=caches)] + [c.state for c in caches])
+    return step_record(events, wall, build)
+
+
 def pipelined(model, caches, n: int) -> dict:
     """`n` greedy steps overlapped as mlx-lm's generate_step does (build step i+1 while
     step i runs): ms per token, and how busy the device was over the window."""
@@ -160,8 +171,10 @@ def partial_only(context: int, calls: int):
 
 
 def markdown(result: dict) -> str:
-    lines = [f"Whole-model decode steps on {result['device']} ({result['shape']}, 4-bit weights, fp16), "
-             f"median over {result['steps']} steps, each built and evaluated alone.", "",
+    what = (f"one {result['prefill_chunk']}-token prefill chunk" if result.get("prefill_chunk")
+            else f"decode steps, median over {result['steps']} steps")
+    lines = [f"Whole-model {what} on {result['device']} ({result['shape']}, 4-bit weights, fp16), "
+             "each built and evaluated alone.", "",
              "| cache | context | wall ms | build ms | kernels | busy ms | idle in span ms "
              "| pipelined ms/token | pipelined busy ms/token |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -172,7 +185,8 @@ def markdown(result: dict) -> str:
         med = lambda key: statistics.median(r[key] for r in recs)  # noqa: E731
         lines.append(f"| `{run['spec']}` | {run['context']} | {med('wall_ms'):.2f} | {med('build_ms'):.2f} | "
                      f"{med('kernels'):.0f} | {med('busy_ms'):.2f} | {med('idle_in_span_ms'):.2f} | "
-                     f"{run['pipelined']['ms_per_token']:.2f} | {run['pipelined']['busy_ms_per_token']:.2f} |")
+                     f"{run['pipelined'].get('ms_per_token', float('nan')):.2f} | "
+                     f"{run['pipelined'].get('busy_ms_per_token', float('nan')):.2f} |")
     for run in result["runs"]:
         recs = [r for r in run["steps"] if r.get("kernels")]
         if not recs:
@@ -192,6 +206,8 @@ def main():
     parser.add_argument("--methods", default="fp16,turboquant_mse:3:vbits=4")
     parser.add_argument("--out", default=None)
     parser.add_argument("--partial-only", action="store_true")
+    parser.add_argument("--prefill-chunk", type=int, default=0,
+                        help="trace one prefill chunk of this many tokens ending at each context, not decode steps")
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     if args.partial_only:
@@ -199,11 +215,16 @@ def main():
             partial_only(context, 6)
         return
     model = build_shape_model(args.shape, dtype="float16", weights_bits=4)
-    result = {"device": str(mx.default_device()), "shape": args.shape, "steps": args.steps, "runs": []}
+    result = {"device": str(mx.default_device()), "shape": args.shape, "steps": args.steps,
+              "prefill_chunk": args.prefill_chunk, "runs": []}
     out = Path(args.out) if args.out else None
     for context in contexts:
-        for spec in args.methods.split(","):
-            steps, overlapped = timeline(model, spec, context, args.steps, model.args.vocab_size)
+        for spec in [m.text for m in parse_method_list(args.methods)]:
+            if args.prefill_chunk:
+                steps, overlapped = [prefill_timeline(model, spec, context, args.prefill_chunk,
+                                                      model.args.vocab_size)], {}
+            else:
+                steps, overlapped = timeline(model, spec, context, args.steps, model.args.vocab_size)
             result["runs"].append({"spec": spec, "context": context, "steps": steps, "pipelined": overlapped})
             print(json.dumps({"spec": spec, "context": context, "last": steps[-1], "pipelined": overlapped},
                              indent=1), flush=True)
