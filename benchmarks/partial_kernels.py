@@ -109,7 +109,6 @@ def main(argv=None) -> int:
                                        "copy_fraction": code_bytes / t / bandwidth})
         records.append(row)
         print(json.dumps(row), flush=True)
-        del caches, fp16
     result = {"device": str(mx.default_device()), "copy_bandwidth_GBps": bandwidth / 1e9, "records": records}
     (out / "partial_kernels.json").write_text(json.dumps(result, indent=2))
     lines = [f"Copy bandwidth (read + write of 1 GiB): {bandwidth / 1e9:.0f} GB/s.", "",
