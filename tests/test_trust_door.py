@@ -187,3 +187,22 @@ def test_deepcopy_after_validation_still_independent(method):
     assert twin.offset == 41 and cache.offset == 40
     with pytest.raises(CacheInputError):
         twin.update_and_fetch(*kv(1, dim=16))
+
+
+def test_default_check_covers_the_first_update_only(monkeypatch):
+    """The default ("first") checks the chunk that sets the means; later chunks go unchecked
+    (a sync per layer and chunk idles the GPU), "prefill" checks every chunk."""
+    monkeypatch.delenv("VELOXQUANT_CHECK_INPUTS", raising=False)
+    assert EngineSettings.resolve().check_inputs == "first"
+    for check, refused in (("first", False), ("prefill", True)):
+        cache = CompressedKVCache(config_for("turboquant_mse", 4), settings=EngineSettings.resolve(check_inputs=check))
+        cache.update_and_fetch(*kv(16))
+        k, v = kv(8, seed=3)
+        k[0, 0, 2, 1] = float("nan")
+        if refused:
+            with pytest.raises(CacheInputError):
+                cache.update_and_fetch(k, v)
+            assert cache.offset == 16
+        else:
+            cache.update_and_fetch(k, v)
+            assert cache.offset == 24

@@ -210,7 +210,8 @@ class CompressedKVCache(_BaseCache):
                     f"this cache holds (batch, kv_heads, key dim, value dim) = {held} since its first update; got "
                     f"{got}: a cache serves one layer of one model; make a new one")
         check = self.settings.check_inputs
-        if keys.shape[2] and (check == "always" or (check == "prefill" and keys.shape[2] > 1)):
+        if keys.shape[2] and (check == "always" or (check == "prefill" and keys.shape[2] > 1)
+                              or (check == "first" and self.offset == 0)):
             # Norms, not elements: the codes keep fp16 norms and scales. `<=` is False for NaN too,
             # so one reduction and one sync cover NaN, Inf and overflow.
             limit = FP16_MAX * FP16_MAX

@@ -12,7 +12,7 @@ on the per-token path reads the environment.
 | `metal_kernels` | `VELOXQUANT_METAL_KERNELS` (1) | Metal kernels on an Apple GPU; each is checked against the portable path at first use |
 | `tensor_cores` | `VELOXQUANT_TENSOR_CORES` (1) | turboquant_mse decode on tensor cores where the back end has them (CUDA `mma`: fp16 operands, fp32 sums; the emulator models it); otherwise, and for shapes it does not take (more than 8 query heads per kv head, head dim above 256), the fp32 SIMT kernel |
 | `split_tokens` | `VELOXQUANT_SPLIT_TOKENS` (None) | tokens per decode split (None: planned from the GPU's size) |
-| `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (prefill) | refuse NaN, Inf and beyond-fp16 keys/values: "prefill" checks chunks of more than one token (one sync per layer and chunk), "always" every update (a sync per layer per decode step), "off" none |
+| `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (first) | refuse NaN, Inf and beyond-fp16 keys/values: "first" checks each cache's first update (the chunk that sets the centering means; one sync per layer, once), "prefill" every chunk of more than one token (one sync per layer and chunk, which idles the GPU while the host builds the next layer), "always" every update (a sync per layer per decode step), "off" none |
 | `prefill_rule` | `VELOXQUANT_PREFILL_RULE` (chunk) | what a prefill chunk's queries see in fp16 where an fp16 window or multi-token blocks (KIVI) exist: "chunk", the chunk and the window before it (as an fp16 cache would; one fused attention call); "decode", exactly what token-by-token decoding would (a band per query: an explicit mask, slower). `eval ppl` uses "decode" |
 """
 
@@ -29,7 +29,7 @@ import mlx.core as mx
 
 BACKENDS = ("cuda", "metal", "native", "portable", "emulator")
 CPU_BACKENDS = ("native", "portable")
-CHECK_INPUTS = ("always", "prefill", "off")
+CHECK_INPUTS = ("always", "prefill", "first", "off")
 PREFILL_RULES = ("chunk", "decode")
 GPU_BACKENDS = ("cuda", "metal")
 
@@ -49,7 +49,7 @@ class EngineSettings:
     split_tokens: Optional[int] = None
     tensor_cores: bool = True
     gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
-    check_inputs: str = "prefill"
+    check_inputs: str = "first"
     prefill_rule: str = "chunk"
 
     def __post_init__(self):
@@ -94,7 +94,7 @@ class EngineSettings:
             env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
             explicit["split_tokens"] = int(env) if env else None
         if "check_inputs" not in explicit:
-            explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "prefill").strip().lower()
+            explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "first").strip().lower()
         if "prefill_rule" not in explicit:
             explicit["prefill_rule"] = (os.environ.get("VELOXQUANT_PREFILL_RULE") or "chunk").strip().lower()
         device = mx.default_device()
