@@ -400,9 +400,9 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     """Prefill over the decoded history with `mx.fast.scaled_dot_product_attention`: the query
     goes into the key domain once, fp16 sinks/window tokens are mapped into the domains and
     placed in position order (so the causal mask stays the plain one), the output comes back
-    from the value domain once. About one layer's decoded history exists at a time (see
-    `_from_value_domain`), so peak memory stays below an fp16 cache's (whose every layer holds
-    that much). Tokens a chunk encoded stay in fp16 for its
+    from the value domain once. One layer's decoded history exists at a time: on a GPU the
+    layer is evaluated before the next one is built, so peak memory stays below an fp16
+    cache's (whose every layer holds that much). Tokens a chunk encoded stay in fp16 for its
     queries under the "chunk" rule (`settings.prefill_rule`), still one causal call; under the
     "decode" rule each query sees them as decoding would (a band), which needs an explicit
     mask, which MLX's fused kernels may not take: the queries then go in groups whose scores
@@ -466,11 +466,13 @@ def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array
         B, n_heads, L, dv = out.shape
         out = out.reshape(B, h.kv_heads, n_heads // h.kv_heads, L, dv) + h.value_mean.astype(mx.float32)[:, :, None]
         out = out.reshape(B, n_heads, L, dv)
-    # No evaluation here: a layer's decoded history depends on its own new keys, so MLX's
-    # evaluation order builds it after the previous layer's output and frees it once this
-    # layer's attention is encoded. A sync per layer would leave the GPU idle while the host
-    # builds the next layer (docs/engine.md, "Ninth session").
-    return out.astype(queries.dtype)
+    out = out.astype(queries.dtype)
+    if h.settings.on_gpu and queries.shape[2] > 1:
+        # The next layer's decoded history is built only once this one's is freed. Without
+        # this sync the whole chunk's graph is evaluated at once and its transients made
+        # the peak exceed fp16's (docs/engine.md, "Ninth session").
+        mx.eval(out)
+    return out
 
 
 register_path("sdpa_prefill", "prefill", sdpa_prefill_supports, priority=0)(sdpa_prefill)
