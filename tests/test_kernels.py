@@ -43,7 +43,9 @@ def _plans():
             pow2 = dim & (dim - 1) == 0
             yield launch.encode_plan(4, (dim, bits, pow2, bits in (2, 3)), (dim, vbits, pow2, False), "float16")
             yield launch.partial_plan(2, 4, dim, bits, vbits, 1000, 1024, rotate_query=pow2, q_dtype="float16")
-            yield launch.mma_partial_plan(2, 4, dim, bits, vbits, 1000, 1024, rotate_query=pow2, q_dtype="float16")
+            if launch.mma_fits(dim, 4, bits, vbits, 48 * 1024):
+                yield launch.mma_partial_plan(2, 4, dim, bits, vbits, 1000, 1024, rotate_query=pow2,
+                                              q_dtype="float16")
             words = -(-dim * bits // 32) + -(-dim * vbits // 32) + 1
             yield launch.dequant_plan(2, dim, bits, 1000, 1024, out_dtype="float16", row_words=words, offset=0,
                                       norm_half=2 * (words - 1))
@@ -91,6 +93,16 @@ def test_templates_have_one_body_per_kernel():
 def test_tensor_core_kernel_is_not_rendered_for_metal():
     with pytest.raises(ValueError, match="not metal"):
         templates.source("mse_partial_mma", "metal")
+
+
+def test_tensor_core_plans_refuse_shapes_they_cannot_hold():
+    assert launch.mma_fits(128, 4, 3, 4, 48 * 1024) and launch.mma_fits(256, 8, 2, 4, 48 * 1024)
+    assert not launch.mma_fits(128, 16, 3, 4, 48 * 1024)  # n = 8 query heads per mma
+    assert not launch.mma_fits(256, 4, 1, 8, 48 * 1024)  # a thread's share of 4 value rows' codes
+    with pytest.raises(ValueError, match="mse_partial_mma takes"):
+        launch.mma_partial_plan(1, 16, 128, 3, 4, 100, 256, rotate_query=True, q_dtype="float16")
+    assert not launch.use_mma("metal", True, 128, 4, 3, 4) and not launch.use_mma("cuda", False, 128, 4, 3, 4)
+    assert launch.use_mma("cuda", True, 128, 4, 3, 4)
 
 
 def test_plans_fit_and_split_sensibly():
