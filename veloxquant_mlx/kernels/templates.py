@@ -116,9 +116,6 @@ typedef ulong vq_u64;
 VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
 VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
-VQ_INLINE uint32_t vq_pack_half2(float lo, float hi) { return as_type<uint32_t>(half2(half(lo), half(hi))); }
-VQ_INLINE float vq_shfl_xor(float x, int m) { return simd_shuffle_xor(x, (ushort)m); }
-#define VQ_WSYNC() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define VQ_UNROLL8 _Pragma("unroll 8")
 #endif
 """
