@@ -692,7 +692,7 @@ MSE_PARTIAL_MMA = r"""
 
   float m_run[2] = {VQ_NEG_INF, VQ_NEG_INF};  // heads 2 tg and 2 tg + 1
   float l_run[2] = {0.0f, 0.0f};
-  float acc[4 * KS];  // value sums (C of the value mma): dims 16 mt + grp (+ 8), heads 2 tg (+ 1)
+  float acc[4 * KS];  // value sums (C of the value mma): dims grp D/8 + mt (+ D/16), heads 2 tg (+ 1)
   VQ_UNROLL
   for (int i = 0; i < 4 * KS; ++i) acc[i] = 0.0f;
   uint32_t* tile = vq_tile + warp * TW;
