@@ -50,6 +50,58 @@ def test_calibrated_method_without_artifact_raises(small):
         _forward(small, KVCacheConfig(method="turboquant_mse", bits=3, options={"outliers": 4}), mx.array([1, 2]))
 
 
+def _skewed_keys_and_queries(heads=2, dim=32, tokens=512, seed=11):
+    """Keys and queries whose energy sits in a few channels, as SmolLM2's do, with the big key
+    channels not the big query channels."""
+    kk, kq = mx.random.split(mx.random.key(seed))
+    k_scale = mx.where(mx.arange(dim) < 3, 12.0, 1.0)
+    q_scale = mx.where((mx.arange(dim) >= 3) & (mx.arange(dim) < 6), 12.0, 1.0)
+    keys = mx.random.normal((heads, tokens, dim), key=kk) * k_scale
+    queries = mx.random.normal((heads, tokens, dim), key=kq) * q_scale
+    return keys, queries
+
+
+def test_smoothed_keys_score_exactly_and_cut_the_score_error_on_skewed_channels():
+    from veloxquant_mlx.methods.smoothing import SmoothedKeyCodec, smoothing_scales
+
+    keys, queries = _skewed_keys_and_queries()
+    scale = smoothing_scales(keys, queries, 0.5, center=False)
+    assert scale.shape == (2, 32)
+    # big key channels are scaled down, big query channels up: s_j^2 = k_rms_j / q_rms_j
+    assert float(mx.mean(scale[:, :3]).item()) > 1.0 > float(mx.mean(scale[:, 3:6]).item())
+    plain, smoothed = MSECodec(32, 3, 0), SmoothedKeyCodec(MSECodec(32, 3, 0), scale)
+    assert not smoothed.format.orthogonal_domain
+    assert smoothed.format.bits_per_token == plain.format.bits_per_token  # the scales live in the artifact
+    k, q = keys[None], queries[None, :, :64]
+    errors = []
+    for codec in (plain, smoothed):
+        fields = codec.encode(k)
+        rec = codec.reconstruct(fields)
+        # scores of the codes in the domain are the scores of the reconstructed keys (A^T is A's adjoint)
+        np.testing.assert_allclose(np.array(codec.score(codec.to_domain(q), fields)),
+                                   np.array(q @ rec.swapaxes(-1, -2)), rtol=1e-3, atol=1e-2)
+        errors.append(float(mx.mean((q @ (rec - k).swapaxes(-1, -2)) ** 2).item()))
+    assert errors[1] < 0.5 * errors[0]
+    with pytest.raises(ValueError, match="calibrated for 2 kv heads"):
+        smoothed.encode(mx.zeros((1, 3, 4, 32)))
+
+
+def test_smooth_keys_artifact_round_trip(small, tmp_path):
+    from veloxquant_mlx.methods.smoothing import SmoothedKeyCodec
+
+    config = KVCacheConfig(method="turboquant_mse", bits=3, center=True, options={"smooth_keys": 0.5})
+    with pytest.raises(CalibrationRequiredError, match="smooth_keys=0.5"):
+        _forward(small, config, mx.array([1, 2]))
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        KVCacheConfig(method="turboquant_mse", options={"smooth_keys": 1.5})
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    logits, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 96, seed=3)[0])
+    assert isinstance(caches[0].key_codec, SmoothedKeyCodec) and not isinstance(caches[0].value_codec, SmoothedKeyCodec)
+    stored = mx.load(str(tmp_path / "codecs.safetensors"))
+    assert np.array_equal(np.array(caches[1].key_codec.scale), np.array(stored["1.keys.32.smooth.scale"]))
+    assert bool(mx.all(mx.isfinite(logits)).item())
+
+
 def test_outlier_codec_is_exact_on_its_channels_and_an_isometry():
     heads, dim, count = 2, 32, 4
     x = mx.random.normal((1, heads, 16, dim), key=mx.random.key(1))
@@ -195,6 +247,8 @@ CALIBRATED_SPECS = {
     "kivi+outliers": KVCacheConfig(method="kivi", bits=3, group_size=32, residual_length=8, sink_tokens=2,
                                    options={"outliers": 4}),
     "spectral": KVCacheConfig(method="spectralquant", bits=3, center=True, sink_tokens=2),
+    "mse+smooth": KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2, center=True, sink_tokens=2,
+                                residual_length=8, options={"smooth_keys": 0.5, "renorm": True}),
 }
 
 

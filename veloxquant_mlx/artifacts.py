@@ -327,6 +327,6 @@ def _check_layer_entry(root, entry: dict, params: dict, fingerprint: dict) -> No
         raise ArtifactError(f"artifact dir {root}: layer {layer} {entry['role']} entry (heads {entry['heads']}, "
                             f"dim {entry['dim']}) does not match the model's layer shape {shape}")
     for name, value in params.items():
-        if name.startswith(("heads.", "outliers.")) and value.shape[0] != entry["heads"]:
+        if name.startswith(("heads.", "outliers.", "smooth.")) and value.shape[0] != entry["heads"]:
             raise ArtifactError(f"artifact dir {root}: layer {layer} {entry['role']} {name} has shape "
                                 f"{value.shape}, expected {entry['heads']} heads first")

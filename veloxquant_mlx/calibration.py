@@ -110,10 +110,14 @@ def _without_channels(x: mx.array, channels: mx.array) -> mx.array:
 
 
 def learn(config, layers, progress: bool = True) -> List[Optional[dict]]:
-    """Per layer {"keys": params, "values": params}: the outlier channels of the generic
-    option, then the method's own params learned on the remaining channels."""
+    """Per layer {"keys": params, "values": params}: the key smoothing scales and the outlier
+    channels of the generic options, then the method's own params learned on what those leave
+    (smoothed keys and queries, the remaining channels)."""
+    from .methods.smoothing import SCALE, smoothing_scales
+
     method = get_method(config.method)
     counts = {"keys": config.options.get("outliers", 0), "values": config.options.get("value_outliers", 0)}
+    alpha = config.options.get("smooth_keys", 0)
     learned: List[Optional[dict]] = [None if layer is None else {"keys": {}, "values": {}} for layer in layers]
     inputs = []
     for layer, out in zip(layers, learned):
@@ -121,6 +125,12 @@ def learn(config, layers, progress: bool = True) -> List[Optional[dict]]:
             inputs.append(None)
             continue
         layer = dict(layer)
+        if alpha:
+            scale = smoothing_scales(layer["keys"], layer["queries"], alpha, config.center)
+            out["keys"][SCALE] = scale
+            rep = layer["queries"].shape[0] // scale.shape[0]
+            layer["keys"] = layer["keys"] / scale[:, None, :]
+            layer["queries"] = layer["queries"] * mx.repeat(scale, rep, axis=0)[:, None, :]
         for role, count in counts.items():
             if count:
                 channels = top_channels(layer[role], count)
@@ -137,12 +147,13 @@ def learn(config, layers, progress: bool = True) -> List[Optional[dict]]:
         for role in ("keys", "values"):
             if own is not None:
                 learned[i][role].update(own[i][role])
-            elif counts[role]:
+            elif counts[role] or (alpha and role == "keys"):
                 # An uncalibrated base codec at the reduced dim: stored so the artifact is self-contained.
                 make = method.key_codec if role == "keys" else method.value_codec
                 learned[i][role].update(make(config, layer[role].shape[-1]).params())
-    if own is None and not any(counts.values()):
-        raise ValueError(f"{config.method} learns nothing from calibration (and no outliers option is set); "
+    if own is None and not any(counts.values()) and not alpha:
+        raise ValueError(f"{config.method} learns nothing from calibration (and no outliers or smooth_keys "
+                         f"option is set); "
                          f"use `veloxquant precompute` for its codebooks")
     return learned
 

@@ -121,8 +121,9 @@ class Method:
     status_note: ClassVar[str] = "no status given by its author"
     summary: ClassVar[str] = ""
     values_summary: ClassVar[str] = ""
-    # Options every method takes (`methods/outliers.py`): int8 channels peeled off before the codec.
-    generic_options: ClassVar[Dict[str, type]] = {"outliers": int, "value_outliers": int}
+    # Options every method takes: int8 channels peeled off before the codec (`methods/outliers.py`),
+    # per-channel key scales traded with the queries (`methods/smoothing.py`).
+    generic_options: ClassVar[Dict[str, type]] = {"outliers": int, "value_outliers": int, "smooth_keys": float}
 
     @classmethod
     def validate(cls, config) -> None:
@@ -153,6 +154,8 @@ class Method:
         for key in cls.generic_options:
             if config.options.get(key, 0) < 0:
                 raise ValueError(f"option {key} must be >= 0, got {config.options[key]}")
+        if config.options.get("smooth_keys", 0) > 1:
+            raise ValueError(f"option smooth_keys (SmoothQuant's alpha) must be in (0, 1], got {config.options['smooth_keys']}")
 
     @classmethod
     def check_model(cls, model) -> None:
@@ -184,15 +187,21 @@ class Method:
     @classmethod
     def codec(cls, role: str, config, dim: int, params: Optional[Params] = None) -> Codec:
         """The codec of `role` with the generic options applied: `outliers=K` (keys) and
-        `value_outliers=K` (values) wrap it in `outliers.OutlierCodec` (needs calibration)."""
+        `value_outliers=K` (values) wrap it in `outliers.OutlierCodec`, then `smooth_keys=ALPHA`
+        wraps the key codec in `smoothing.SmoothedKeyCodec` (both need calibration)."""
         from .outliers import OUTLIER_PREFIX, outlier_codec
+        from .smoothing import SMOOTH_PREFIX, smoothed_key_codec
 
+        alpha = config.options.get("smooth_keys", 0) if role == "keys" else 0
+        inner = {k: v for k, v in (params or {}).items() if not k.startswith(SMOOTH_PREFIX)} or None
         count = config.options.get("outliers" if role == "keys" else "value_outliers", 0)
         if not count:
             make = cls.key_codec if role == "keys" else cls.value_codec
-            return make(config, dim, params)
-        base_params = {k: v for k, v in (params or {}).items() if not k.startswith(OUTLIER_PREFIX)} or None
-        return outlier_codec(cls, role, config, dim, count, params, base_params)
+            codec = make(config, dim, inner)
+        else:
+            base_params = {k: v for k, v in (inner or {}).items() if not k.startswith(OUTLIER_PREFIX)} or None
+            codec = outlier_codec(cls, role, config, dim, count, inner, base_params)
+        return smoothed_key_codec(codec, alpha, params) if alpha else codec
 
 
 def _config_fields():
