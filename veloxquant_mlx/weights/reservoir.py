@@ -106,6 +106,12 @@ def _norm_tensors(norm: RotatingRMSNorm) -> Dict[str, mx.array]:
 
 def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
     """Write every `QuantizedLinear` (and `QuantizedEmbedding`) of `model` to one reservoir file at `path`."""
+    from .affine import GroupAffineLinear
+
+    affine = [path for path, m in model.named_modules() if isinstance(m, GroupAffineLinear)]
+    if affine:  # they would be left out of the file, and a graft would run those layers in float
+        raise ValueError(f"the reservoir does not store GroupAffineLinear layers yet ({affine[0]} and "
+                         f"{len(affine) - 1} more)")
     layers = quantized_layers(model)
     if not layers:
         raise ValueError("the model has no QuantizedLinear layers: run quantize_model first")
