@@ -7,8 +7,9 @@ Specs: `ref` (the dequantized Q4_1 weights), `vq:BITS[:g=GROUP][:stages=K][:alph
 share=0: one rotation and input scale per layer instead of one per shared input (q/k/v, gate/up), quantize_model's default;
 gptq=N: GPTQ codes calibrated on the first N tokens of the packaged python-reference.txt, never on WikiText; emb=1: the embedding table too),
 `affine:BITS:GROUP[:emb=1]`, `mxfp4`, `nvfp4`,
-`gaffine:BITS[:g=GROUP][:s=SCALE_BITS][:c=CENTER_BITS]` (ours, `weights.affine.GroupAffineLinear`: per-group
-min-max affine codes with the group scales and centres quantized against one fp16 maximum per row). `weights MB` counts every matrix of the model (linear layers and
+`gaffine:BITS[:g=GROUP][:s=SCALE_BITS][:c=CENTER_BITS][:clip=0]` (ours, `weights.affine.GroupAffineLinear`: per-group
+min-max affine codes with the group scales and centres quantized against one fp16 maximum per row;
+clip=0: without the per-group clip search). `weights MB` counts every matrix of the model (linear layers and
 the embedding table, float ones at 16 bits) as stored. MLX-quantized layers are evaluated as float layers holding their dequantized weights (the
 same function; MLX's quantized matmul is ~10x slower on the CPU). Only linear layers are quantized by every method
 (SmolLM2's embedding is tied to its output layer and stays as loaded). MLX keeps scales and
@@ -85,8 +86,14 @@ def quantize_vq(model, spec: dict, seed: int, tokenizer=None) -> None:
 
 
 def quantize_group_affine(model, spec: dict) -> None:
-    quantize_model(model, spec["bits"], format="group_affine", group_size=int(spec.get("g", 32)),
-                   scale_bits=int(spec.get("s", 4)), center_bits=int(spec.get("c", 6)), progress=False)
+    """As quantize_model(format="group_affine"), with the clip search optional (`clip=0`)."""
+    modules = dict(model.named_modules())
+    for path in weights_model.linear_paths(model):
+        module = modules[path]
+        layer = GroupAffineLinear.from_weight(module.weight, spec["bits"], group_size=int(spec.get("g", 32)),
+                                              scale_bits=int(spec.get("s", 4)), center_bits=int(spec.get("c", 6)),
+                                              bias=module.get("bias"), clip_search=spec.get("clip", "1") != "0")
+        model.update_modules(weights_model.tree_unflatten([(path, layer)]))
 
 
 def quantize_mlx(model, spec: dict) -> None:

@@ -35,6 +35,9 @@ DEFAULT_GROUP_SIZE = 32
 DEFAULT_SCALE_BITS = 4
 DEFAULT_CENTER_BITS = 6
 MAX_PARAM_BITS = 8
+# Step ratios tried per group by the clip search (1.0, min-max, first: ties keep it, so a
+# source already on a grid keeps its own).
+CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 
 
 def _check(bits: int, group_size: int, in_features: int, scale_bits: int, center_bits: int) -> None:
@@ -56,13 +59,18 @@ def decode_group_params(scale_codes: mx.array, center_codes: mx.array, row_range
     return d, c
 
 
-def quantize_group_affine(weight: mx.array, bits: int, group_size: int, scale_bits: int, center_bits: int):
-    """(codes (out, in) uint8, scale codes, centre codes (out, groups) uint8, row ranges (out, 2) fp16)."""
+def quantize_group_affine(weight: mx.array, bits: int, group_size: int, scale_bits: int, center_bits: int,
+                          clip_search: bool = True):
+    """(codes (out, in) uint8, scale codes, centre codes (out, groups) uint8, row ranges (out, 2) fp16).
+    `clip_search`: each group's step is the one of `CLIP_RATIOS` times its min-max step with the
+    least squared error (the grid narrowed around the group's centre, clipping its extremes)."""
     out_features, in_features = weight.shape
     levels = (1 << bits) - 1
     w = weight.astype(mx.float32).reshape(out_features, -1, group_size)
     low, high = w.min(axis=-1), w.max(axis=-1)
     d, c = (high - low) / levels, (high + low) * 0.5
+    if clip_search:
+        d = _searched_steps(w, d, c, levels)
     d_max = mx.maximum(d.max(axis=-1, keepdims=True), 1e-12)
     c_max = mx.maximum(mx.abs(c).max(axis=-1, keepdims=True), 1e-12)
     # the fp16 maxima are rounded up so that no group's parameter code needs clipping
@@ -78,6 +86,23 @@ def quantize_group_affine(weight: mx.array, bits: int, group_size: int, scale_bi
     bias = c - d * (levels / 2)
     q = mx.clip(mx.round((w - bias[..., None]) / d[..., None]), 0, levels).astype(mx.uint8)
     return q.reshape(out_features, in_features), scale_codes, center_codes, row_ranges
+
+
+def _searched_steps(w: mx.array, d: mx.array, c: mx.array, levels: int) -> mx.array:
+    """Per group, the step r d (r in CLIP_RATIOS) whose grid around c codes w with the least squared error."""
+    best_error, best = None, d
+    for ratio in CLIP_RATIOS:
+        step = mx.maximum(d * ratio, 1e-12)[..., None]
+        bias = c[..., None] - step * (levels / 2)
+        q = mx.clip(mx.round((w - bias) / step), 0, levels)
+        error = ((q * step + bias - w) ** 2).sum(axis=-1)
+        if best_error is None:
+            best_error = error
+        else:
+            better = error < best_error
+            best_error, best = mx.where(better, error, best_error), mx.where(better, d * ratio, best)
+        mx.eval(best_error, best)
+    return best
 
 
 def _next_up_fp16(x: mx.array) -> mx.array:
@@ -117,11 +142,11 @@ class GroupAffineLinear(nn.Module):
     @classmethod
     def from_weight(cls, weight: mx.array, bits: int, group_size: int = DEFAULT_GROUP_SIZE,
                     scale_bits: int = DEFAULT_SCALE_BITS, center_bits: int = DEFAULT_CENTER_BITS,
-                    bias: Optional[mx.array] = None) -> "GroupAffineLinear":
+                    bias: Optional[mx.array] = None, clip_search: bool = True) -> "GroupAffineLinear":
         out_features, in_features = weight.shape
         _check(bits, group_size, in_features, scale_bits, center_bits)
         q, scale_codes, center_codes, row_ranges = quantize_group_affine(weight, bits, group_size, scale_bits,
-                                                                         center_bits)
+                                                                         center_bits, clip_search)
         layer = cls(in_features, out_features, bits, codes=pack(q, bits),
                     scale_codes=pack(scale_codes.reshape(1, -1), scale_bits),
                     center_codes=pack(center_codes.reshape(1, -1), center_bits), row_ranges=row_ranges,
