@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import tiny_llama
 
-from veloxquant_mlx.weights import GroupAffineLinear, quantize_model, save_reservoir
+from veloxquant_mlx.weights import GroupAffineLinear, graft_reservoir, quantize_model, save_reservoir
 from veloxquant_mlx.weights.affine import decode_group_params
 
 
@@ -79,7 +79,7 @@ def test_invalid_settings_raise():
         GroupAffineLinear.from_weight(weight, 4, scale_bits=9)
 
 
-def test_quantize_model_group_affine_replaces_layers_and_the_reservoir_refuses_them(tmp_path):
+def test_quantize_model_group_affine_and_its_reservoir_round_trip(tmp_path):
     model = tiny_llama()
     tokens = mx.array([[1, 2, 3, 4, 5, 6]])
     reference = model(tokens)
@@ -89,9 +89,32 @@ def test_quantize_model_group_affine_replaces_layers_and_the_reservoir_refuses_t
     out = model(tokens)
     assert (mx.argmax(out, -1) == mx.argmax(reference, -1)).mean().item() > 0.5
     assert mx.isfinite(out).all().item()
-    with pytest.raises(ValueError, match="GroupAffineLinear"):
-        save_reservoir(model, tmp_path / "r.vqw")
+    save_reservoir(model, tmp_path / "r.vqw")
+    fresh = tiny_llama()
+    graft_reservoir(fresh, tmp_path / "r.vqw")
+    grafted = [m for _, m in fresh.named_modules() if isinstance(m, GroupAffineLinear)]
+    assert len(grafted) == 2 * 6
+    assert mx.array_equal(fresh(tokens), out).item()  # bit-identical logits
     with pytest.raises(ValueError, match="data-free"):
         quantize_model(tiny_llama(), 4, format="group_affine", calibration=tokens, progress=False)
     with pytest.raises(ValueError, match="format"):
         quantize_model(tiny_llama(), 4, format="nf4", progress=False)
+
+
+def test_quantize_weights_cli_group_affine_folder(tmp_path, monkeypatch):
+    import json
+
+    from veloxquant_mlx import models
+    from veloxquant_mlx.cli import main
+    from veloxquant_mlx.weights import directory
+
+    monkeypatch.setattr(models, "load_model", lambda name, dequantize=None: (tiny_llama(hidden=128), None))
+    monkeypatch.setattr(models, "model_source", lambda name: name)
+    assert main(["quantize-weights", "--model", "tiny", "--bits", "3", "--format", "group_affine",
+                 "--scale-bits", "5", "--out", str(tmp_path / "g")]) == 0
+    config = json.loads((tmp_path / "g" / "weights.json").read_text())
+    assert config["weight_format"] == "group_affine" and config["scale_bits"] == 5
+    loaded, _ = directory.load_quantized_dir(tmp_path / "g")
+    layers = [m for _, m in loaded.named_modules() if isinstance(m, (nn.Linear, GroupAffineLinear))]
+    assert len(layers) == 14 and all(isinstance(m, GroupAffineLinear) and m.scale_bits == 5 and m.bits == 3
+                                     for m in layers)
