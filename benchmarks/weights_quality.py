@@ -258,7 +258,7 @@ def write(out: Path, args, rows) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"WikiText-2 perplexity, {args.model}, {args.windows} windows of {args.ctx} tokens "
              f"({meta['tokens_scored']} scored); linear layers quantized, and the embedding table (tied to the output "
-             "layer) too in `emb=1` rows; reference = the dequantized Q4_1 weights. bits/weight: over the quantized "
+             "layer) too in `emb=1` rows; reference = the weights as loaded (the dequantized GGUF: Q4_1 for smollm2, Q4_K_M for gemma3-270m). bits/weight: over the quantized "
              "matrices, scales counted; weights MB: every matrix of the model as stored (float at 16 bits).", "",
              "| method | bits/weight | weights MB | ppl | vs ref | top-1 agreement with ref | quantize s |",
              "|---|---|---|---|---|---|---|"]
