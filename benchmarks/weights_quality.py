@@ -6,7 +6,10 @@
 Specs: `ref` (the dequantized Q4_1 weights), `vq:BITS[:g=GROUP][:stages=K][:alpha=A][:rot=dense][:gptq=N][:emb=1][:share=0]` (alpha: column_alpha, default 0.5 as in quantize_model;
 share=0: one rotation and input scale per layer instead of one per shared input (q/k/v, gate/up), quantize_model's default;
 gptq=N: GPTQ codes calibrated on the first N tokens of the packaged python-reference.txt, never on WikiText; emb=1: the embedding table too),
-`affine:BITS:GROUP[:emb=1]`, `mxfp4`, `nvfp4`. `weights MB` counts every matrix of the model (linear layers and
+`affine:BITS:GROUP[:emb=1]`, `mxfp4`, `nvfp4`,
+`gaffine:BITS[:g=GROUP][:s=SCALE_BITS][:c=CENTER_BITS][:clip=0]` (ours, `weights.affine.GroupAffineLinear`: per-group
+min-max affine codes with the group scales and centres quantized against one fp16 maximum per row;
+clip=0: without the per-group clip search). `weights MB` counts every matrix of the model (linear layers and
 the embedding table, float ones at 16 bits) as stored. MLX-quantized layers are evaluated as float layers holding their dequantized weights (the
 same function; MLX's quantized matmul is ~10x slower on the CPU). Only linear layers are quantized by every method
 (SmolLM2's embedding is tied to its output layer and stays as loaded). MLX keeps scales and
@@ -26,7 +29,7 @@ import mlx.nn as nn
 
 from veloxquant_mlx.evaluation.data import load_text, tokenize_prefix
 from veloxquant_mlx.models import load_model
-from veloxquant_mlx.weights import QuantizedLinear, RotatingRMSNorm, StructuredRotation, quantize_model
+from veloxquant_mlx.weights import GroupAffineLinear, QuantizedLinear, RotatingRMSNorm, StructuredRotation, quantize_model
 from veloxquant_mlx.weights import model as weights_model
 from veloxquant_mlx.weights.gptq import calibration_tokens
 from veloxquant_mlx.weights.rotation import dense_rotation_matrix
@@ -52,7 +55,7 @@ class DenseBaselineRotation(StructuredRotation):
 def parse(spec: str) -> dict:
     parts = spec.split(":")
     out = {"spec": spec, "kind": parts[0]}
-    if parts[0] == "vq":
+    if parts[0] in ("vq", "gaffine"):
         out["bits"] = int(parts[1])
         for item in parts[2:]:
             key, _, value = item.partition("=")
@@ -82,6 +85,17 @@ def quantize_vq(model, spec: dict, seed: int, tokenizer=None) -> None:
                    calibration=calibration, share_rotations=spec.get("share", "1") != "0", progress=False)
 
 
+def quantize_group_affine(model, spec: dict) -> None:
+    """As quantize_model(format="group_affine"), with the clip search optional (`clip=0`)."""
+    modules = dict(model.named_modules())
+    for path in weights_model.linear_paths(model):
+        module = modules[path]
+        layer = GroupAffineLinear.from_weight(module.weight, spec["bits"], group_size=int(spec.get("g", 32)),
+                                              scale_bits=int(spec.get("s", 4)), center_bits=int(spec.get("c", 6)),
+                                              bias=module.get("bias"), clip_search=spec.get("clip", "1") != "0")
+        model.update_modules(weights_model.tree_unflatten([(path, layer)]))
+
+
 def quantize_mlx(model, spec: dict) -> None:
     def only_linear(_path, module):
         return isinstance(module, nn.Linear) or (spec.get("emb") == "1" and isinstance(module, nn.Embedding))
@@ -97,7 +111,13 @@ def dequantize_mlx_layers(model) -> None:
     same function, computed with float matmuls (quantized matmuls are ~10x slower on the CPU)."""
     swaps = []
     for path, module in model.named_modules():
-        if isinstance(module, nn.QuantizedEmbedding):
+        if isinstance(module, GroupAffineLinear):
+            linear = nn.Linear(module.in_features, module.out_features, bias="bias" in module)
+            linear.weight = module.dequantized_weight()
+            if "bias" in module:
+                linear.bias = module.bias
+            swaps.append((path, linear))
+        elif isinstance(module, nn.QuantizedEmbedding):
             table = nn.Embedding(module.num_embeddings, module.dims)
             table.weight = mx.dequantize(module.weight, module.scales, module.get("biases"), module.group_size,
                                          module.bits, mode=module.mode)
@@ -118,7 +138,7 @@ def weights_megabytes(model) -> float:
     plus what shared rotations add to their norms."""
     total = 0.0
     for _, module in model.named_modules():
-        if isinstance(module, (QuantizedLinear, RotatingRMSNorm)):
+        if isinstance(module, (QuantizedLinear, RotatingRMSNorm, GroupAffineLinear)):
             total += module.storage_nbytes()
         elif isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             total += module.weight.size * 4
@@ -136,7 +156,7 @@ def bits_per_weight(model) -> float:
     for _, module in model.named_modules():
         if isinstance(module, RotatingRMSNorm):  # a shared rotation, its input scales, the folded weight
             bits += 8 * module.storage_nbytes()
-        elif isinstance(module, QuantizedLinear):
+        elif isinstance(module, (QuantizedLinear, GroupAffineLinear)):
             bits += 8 * module.storage_nbytes()
             weights += module.in_features * module.out_features
         elif isinstance(module, nn.QuantizedLinear):
@@ -208,6 +228,8 @@ def main() -> None:
         start = time.perf_counter()
         if spec["kind"] == "vq":
             quantize_vq(model, spec, args.seed, tokenizer)
+        elif spec["kind"] == "gaffine":
+            quantize_group_affine(model, spec)
         elif spec["kind"] != "ref":
             quantize_mlx(model, spec)
         mx.eval(model.parameters())
@@ -236,7 +258,7 @@ def write(out: Path, args, rows) -> None:
     (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"WikiText-2 perplexity, {args.model}, {args.windows} windows of {args.ctx} tokens "
              f"({meta['tokens_scored']} scored); linear layers quantized, and the embedding table (tied to the output "
-             "layer) too in `emb=1` rows; reference = the dequantized Q4_1 weights. bits/weight: over the quantized "
+             "layer) too in `emb=1` rows; reference = the weights as loaded (the dequantized GGUF: Q4_1 for smollm2, Q4_K_M for gemma3-270m). bits/weight: over the quantized "
              "matrices, scales counted; weights MB: every matrix of the model as stored (float at 16 bits).", "",
              "| method | bits/weight | weights MB | ppl | vs ref | top-1 agreement with ref | quantize s |",
              "|---|---|---|---|---|---|---|"]

@@ -2,6 +2,7 @@
 `quantize_model`, and the reservoir file that reloads a quantized model without redoing
 any of the work (`save_reservoir`, `load_reservoir`, `graft_reservoir`). See docs/weights.md."""
 
+from .affine import GroupAffineLinear
 from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear, SUPPORTED_BITS
 from .model import fingerprint, quantize_model, quantized_layers
@@ -9,6 +10,6 @@ from .reservoir import (FORMAT_VERSION, ReservoirError, graft_reservoir, load_re
 from .rotation import StructuredRotation
 from .shared import RotatingRMSNorm
 
-__all__ = ["QuantizedLinear", "QuantizedEmbedding", "SUPPORTED_BITS", "StructuredRotation", "RotatingRMSNorm", "quantize_model", "quantized_layers",
+__all__ = ["QuantizedLinear", "GroupAffineLinear", "QuantizedEmbedding", "SUPPORTED_BITS", "StructuredRotation", "RotatingRMSNorm", "quantize_model", "quantized_layers",
            "fingerprint", "save_reservoir", "load_reservoir", "graft_reservoir", "ReservoirError",
            "FORMAT_VERSION"]

@@ -10,7 +10,8 @@ def run_quantize_weights(args) -> None:
     config = quantize_to_dir(args.model, args.out, args.bits, seed=args.seed, skip=skip, group_size=args.group_size,
                              column_alpha=args.column_alpha, embeddings=args.embeddings,
                              calibration_tokens=args.calibration_tokens, calibration_text=args.calibration_text,
-                             share_rotations=args.share_rotations)
+                             share_rotations=args.share_rotations, format=args.format,
+                             scale_bits=args.scale_bits, center_bits=args.center_bits)
     print(f"quantized {config['base_model']} to {args.bits} bits in {config['quantize_seconds']:.1f} s; "
           f"wrote {args.out} (load it with --model {args.out})")
 
@@ -34,5 +35,10 @@ def register_cli(subparsers) -> None:
     p.add_argument("--share-rotations", action="store_true",
                    help="one rotation and input scale per shared input (q/k/v, gate/up), folded into the norm before "
                         "them: faster GPU decode, worse perplexity (docs/weights.md); default: one per layer")
+    p.add_argument("--format", default="rotated", choices=("rotated", "group_affine"),
+                   help="rotated: rotated Lloyd-Max codes (default); group_affine: per-group affine codes with "
+                        "quantized group scales and centres (data-free; keeps a Q4_1 source's grid at 4 bits)")
+    p.add_argument("--scale-bits", type=int, default=None, help="group_affine: bits of a group's scale code (default 4)")
+    p.add_argument("--center-bits", type=int, default=None, help="group_affine: bits of a group's centre code (default 6)")
     p.add_argument("--skip", default="", help="comma-separated layer names/paths/patterns to keep in float")
     p.set_defaults(func=run_quantize_weights)

@@ -33,10 +33,12 @@ def read_config(path) -> dict:
 def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterable[str] = (),
                     group_size: Optional[int] = None, column_alpha: float = 0.5, embeddings: bool = False,
                     calibration_tokens: int = 0, calibration_text: Optional[str] = None,
-                    share_rotations: bool = False, progress: bool = True) -> dict:
+                    share_rotations: bool = False, progress: bool = True, format: str = "rotated",
+                    scale_bits: Optional[int] = None, center_bits: Optional[int] = None) -> dict:
     """Load `model_name`, quantize its linear layers (and with `embeddings` its embedding
     tables) and write `out/weights.json` + the reservoir. `calibration_tokens` > 0: GPTQ codes
-    calibrated on that many tokens of `calibration_text` (default: the packaged sample text)."""
+    calibrated on that many tokens of `calibration_text` (default: the packaged sample text).
+    `format`, `scale_bits`, `center_bits`: as `quantize_model`'s."""
     import time
 
     import mlx.core as mx
@@ -60,11 +62,13 @@ def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterab
 
         calibration = read_calibration(tokenizer, calibration_tokens, calibration_text)
     start = time.perf_counter()
+    extra = {"scale_bits": scale_bits, "center_bits": center_bits} if format == "group_affine" else {}
     quantize_model(model, bits, seed=seed, skip=skip, group_size=group_size, column_alpha=column_alpha,
                    embeddings=embeddings, calibration=calibration, share_rotations=share_rotations,
-                   progress=progress)
+                   progress=progress, format=format, **extra)
     seconds = time.perf_counter() - start
-    config = {"format": FORMAT, "base_model": source, "reservoir": RESERVOIR_NAME, "bits": bits, "seed": seed,
+    config = {"format": FORMAT, "weight_format": format, **extra, "base_model": source, "reservoir": RESERVOIR_NAME,
+              "bits": bits, "seed": seed,
               "skip": list(skip), "group_size": group_size, "column_alpha": column_alpha,
               "embeddings": embeddings, "share_rotations": share_rotations, "calibration_tokens": calibration_tokens,
               "calibration_text": str(calibration_text) if calibration_text else ("packaged sample" if calibration_tokens else None),

@@ -1,4 +1,4 @@
-"""`quantize_model`: swap a model's linear layers for `QuantizedLinear`, one at a time."""
+"""`quantize_model`: swap a model's linear layers for `QuantizedLinear` (or `GroupAffineLinear`), one at a time."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
 
+from .affine import GroupAffineLinear
 from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
 from .rotation import StructuredRotation
@@ -25,7 +26,7 @@ def _linear_shape(module) -> Optional[Tuple[int, int]]:
     (embeddings, quantized or not, are not linear layers here)."""
     if isinstance(module, QuantizedEmbedding):
         return None
-    if isinstance(module, QuantizedLinear):
+    if isinstance(module, (QuantizedLinear, GroupAffineLinear)):
         return module.out_features, module.in_features
     if isinstance(module, nn.QuantizedLinear):
         return module.weight.shape[0], module.weight.shape[1] * 32 // module.bits
@@ -49,8 +50,8 @@ def _skipped(path: str, skip: Iterable[str]) -> bool:
 def linear_paths(model: nn.Module, skip: Iterable[str] = ()) -> List[str]:
     """Paths of the linear layers quantize_model would replace (already-quantized ones excluded)."""
     return [path for path, module in model.named_modules()
-            if isinstance(module, (nn.Linear, nn.QuantizedLinear)) and not isinstance(module, QuantizedLinear)
-            and not _skipped(path, skip)]
+            if isinstance(module, (nn.Linear, nn.QuantizedLinear))
+            and not isinstance(module, (QuantizedLinear, GroupAffineLinear)) and not _skipped(path, skip)]
 
 
 def embedding_paths(model: nn.Module, skip: Iterable[str] = ()) -> List[str]:
@@ -72,7 +73,8 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
                    group_size: Optional[int] = None, stages: int = 2, column_alpha: float = 0.5,
                    embeddings: bool = False, calibration: Optional[mx.array] = None,
                    share_rotations: bool = False, shared_alpha: Optional[float] = None,
-                   progress: bool = True) -> nn.Module:
+                   progress: bool = True, format: str = "rotated", scale_bits: Optional[int] = None,
+                   center_bits: Optional[int] = None) -> nn.Module:
     """Replace every linear layer of `model` (but those matching `skip`: a name such as
     "lm_head", a dotted path or an fnmatch pattern) with a `QuantizedLinear`, in place.
 
@@ -90,11 +92,26 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     llama, qwen2, qwen3, gemma3), the layers reading one norm's output (q/k/v; gate/up)
     share one rotation and one input scale, folded into that norm (`shared.py`); a warning
     names the blocks where this is not done. `shared_alpha` is the column-scaling exponent of
-    those groups (default `shared.SHARED_ALPHA`; `column_alpha` for the other layers). Returns `model`.
+    those groups (default `shared.SHARED_ALPHA`; `column_alpha` for the other layers).
+
+    `format="group_affine"` makes `affine.GroupAffineLinear` layers instead: per-group min-max
+    affine codes (groups of `group_size`, default 32) with their scales and centres coded at
+    `scale_bits` and `center_bits` bits; data-free, linear layers only, no rotation (seed,
+    stages, column_alpha, share_rotations do not apply to it). Returns `model`.
     """
     from tqdm.auto import tqdm
 
     skip = tuple(skip)
+    if format == "group_affine":
+        if calibration is not None or embeddings or share_rotations:
+            raise ValueError("format='group_affine' is data-free and for linear layers only: "
+                             "calibration, embeddings and share_rotations are not supported with it")
+        return _quantize_group_affine(model, bits, linear_paths(model, skip), group_size, scale_bits, center_bits,
+                                      progress)
+    if format != "rotated":
+        raise ValueError(f"format must be 'rotated' or 'group_affine', got {format!r}")
+    if scale_bits is not None or center_bits is not None:
+        raise ValueError("scale_bits and center_bits belong to format='group_affine'")
     paths = linear_paths(model, skip)
     tables = set(embedding_paths(model, skip)) if embeddings else set()
     paths += sorted(tables)
@@ -119,6 +136,23 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
     return share_input_rotations(model, groups)
+
+
+def _quantize_group_affine(model, bits, paths, group_size, scale_bits, center_bits, progress) -> nn.Module:
+    from tqdm.auto import tqdm
+
+    from .affine import DEFAULT_CENTER_BITS, DEFAULT_GROUP_SIZE, DEFAULT_SCALE_BITS
+
+    settings = {"group_size": group_size or DEFAULT_GROUP_SIZE,
+                "scale_bits": DEFAULT_SCALE_BITS if scale_bits is None else scale_bits,
+                "center_bits": DEFAULT_CENTER_BITS if center_bits is None else center_bits}
+    modules = dict(model.named_modules())
+    for path in tqdm(paths, desc=f"quantizing to {bits} bits (group affine)", unit="layer", disable=not progress):
+        module = modules.pop(path)
+        layer = GroupAffineLinear.from_weight(_float_weight(module), bits, bias=module.get("bias"), **settings)
+        model.update_modules(tree_unflatten([(path, layer)]))
+        del module
+    return model
 
 
 def shared_groups(model: nn.Module, paths: Iterable[str]) -> List[SharedInput]:

@@ -39,6 +39,7 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_unflatten
 
+from .affine import GroupAffineLinear
 from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
 from .model import fingerprint, quantized_layers
@@ -105,9 +106,11 @@ def _norm_tensors(norm: RotatingRMSNorm) -> Dict[str, mx.array]:
 
 
 def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
-    """Write every `QuantizedLinear` (and `QuantizedEmbedding`) of `model` to one reservoir file at `path`."""
+    """Write every `QuantizedLinear`, `QuantizedEmbedding` and `GroupAffineLinear` of `model` to one
+    reservoir file at `path`."""
     layers = quantized_layers(model)
-    if not layers:
+    affine = [(path, m) for path, m in model.named_modules() if isinstance(m, GroupAffineLinear)]
+    if not layers and not affine:
         raise ValueError("the model has no QuantizedLinear layers: run quantize_model first")
     norms = rotating_norms(model)
     norm_of_rotation = {id(norm.rotation): name for name, norm in norms}
@@ -128,6 +131,14 @@ def save_reservoir(model: nn.Module, path, meta: Optional[dict] = None) -> Path:
             entries[name]["kind"] = "embedding"
             entries[name]["dtype"] = _MLX_NAMES[layer.dtype]
         for key, value in _layer_tensors(layer).items():
+            pieces.append((name, key, value, _raw(value)))
+    for name, layer in affine:
+        entries[name] = {"kind": "group_affine", "in_features": layer.in_features, "out_features": layer.out_features,
+                         "bits": layer.bits, "group_size": layer.group_size, "scale_bits": layer.scale_bits,
+                         "center_bits": layer.center_bits, "tensors": {}}
+        tensors = {"codes": layer.codes, "scale_codes": layer.scale_codes, "center_codes": layer.center_codes,
+                   "row_ranges": layer.row_ranges, **({"bias": layer.bias} if "bias" in layer else {})}
+        for key, value in tensors.items():
             pieces.append((name, key, value, _raw(value)))
     # Tensors of a page or more start on a page (they come first); the small ones (scales,
     # codebooks, rotation signs, ...) follow, packed at SMALL_ALIGN, so padding stays small.
@@ -218,6 +229,13 @@ def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, nn.Module], dic
             layers[name] = RotatingRMSNorm(arrays["weight"], entry["eps"], _rotation(arrays, entry["rotation"]),
                                            arrays.get("input_scales"), entry["offset"],
                                            folded_weight=arrays["folded_weight"])
+            continue
+        if kind == "group_affine":
+            layers[name] = GroupAffineLinear(entry["in_features"], entry["out_features"], entry["bits"],
+                                             codes=arrays["codes"], scale_codes=arrays["scale_codes"],
+                                             center_codes=arrays["center_codes"], row_ranges=arrays["row_ranges"],
+                                             group_size=entry["group_size"], scale_bits=entry["scale_bits"],
+                                             center_bits=entry["center_bits"], bias=arrays.get("bias"))
             continue
         if kind not in _KINDS:
             raise ReservoirError(f"{path}: layer {name} is of unknown kind {kind!r}")
