@@ -397,12 +397,9 @@ PARTIAL_RESULT = r"""
   }
 """
 
-MSE_PARTIAL = r"""
-  constexpr int NW = NT / 32;
-  constexpr uint32_t KMASK = (1u << KB) - 1u;
-  constexpr uint32_t VMASK = (1u << VB) - 1u;
-  const int t = vq_tid;
-  const int s = vq_bx;
+# Both partial kernels: block (s, bh) takes tokens [start, end) of kv row bh; meta = [tokens,
+# tokens per split, rows' capacity, splits].
+_SPLIT_RANGE = r"""  const int s = vq_bx;
   const int bh = vq_by;
   const int T = meta[0];
   const int CH = meta[1];
@@ -410,24 +407,12 @@ MSE_PARTIAL = r"""
   const int S = meta[3];
   const int start = s * CH;
   const int end = VQ_MINI(start + CH, T);
+"""
 
-  // One shared buffer serves three phases in turn (48 KB of static shared memory
-  // must hold head_dim 256 with 8 query heads per kv head): the query while it is
-  // rotated, each tile's rows, and the value sums of the token lanes at the end.
-  constexpr int BIG0 = (REP * D > NT * RW) ? REP * D : NT * RW;
-  constexpr int BIG = (BIG0 > TL * REP * D) ? BIG0 : TL * REP * D;
-  VQ_SHARED uint32_t vq_tile[BIG];
-  auto vq_qt = VQ_FPTR(vq_tile);
-  auto vq_red = VQ_FPTR(vq_tile);
-  // Query (per dim) and weights (per token) of the REP heads, padded to float4s.
-  constexpr int R4 = (REP + 3) / 4;
-  VQ_SHARED vq_f4 vq_q4[D * R4];
-  VQ_SHARED float vq_kc[1 << KB];
-  VQ_SHARED float vq_vc[1 << VB];
-  VQ_SHARED vq_f4 vq_w4[NT * R4];
-  VQ_SHARED float vq_wred[REP * NW];
-
-  const float scale = qscale[0];
+# Both partial kernels' prologue: the REP query rows of kv row bh, scaled (and, with ROTQ,
+# sign-flipped and FWHT-rotated into the key codec's domain, not yet normalised) into vq_qt,
+# and the centroid tables into shared memory.
+_ROTATED_QUERY = r"""  const float scale = qscale[0];
   for (int i = t; i < REP * D; i += NT) {
     float v = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
     if (ROTQ) v *= ksigns[i % D];
@@ -450,7 +435,31 @@ MSE_PARTIAL = r"""
       VQ_SYNC();
     }
   }
-  const float qnorm = ROTQ ? (1.0f / VQ_SQRT((float)D)) : 1.0f;
+"""
+
+MSE_PARTIAL = r"""
+  constexpr int NW = NT / 32;
+  constexpr uint32_t KMASK = (1u << KB) - 1u;
+  constexpr uint32_t VMASK = (1u << VB) - 1u;
+  const int t = vq_tid;
+""" + _SPLIT_RANGE + r"""
+  // One shared buffer serves three phases in turn (48 KB of static shared memory
+  // must hold head_dim 256 with 8 query heads per kv head): the query while it is
+  // rotated, each tile's rows, and the value sums of the token lanes at the end.
+  constexpr int BIG0 = (REP * D > NT * RW) ? REP * D : NT * RW;
+  constexpr int BIG = (BIG0 > TL * REP * D) ? BIG0 : TL * REP * D;
+  VQ_SHARED uint32_t vq_tile[BIG];
+  auto vq_qt = VQ_FPTR(vq_tile);
+  auto vq_red = VQ_FPTR(vq_tile);
+  // Query (per dim) and weights (per token) of the REP heads, padded to float4s.
+  constexpr int R4 = (REP + 3) / 4;
+  VQ_SHARED vq_f4 vq_q4[D * R4];
+  VQ_SHARED float vq_kc[1 << KB];
+  VQ_SHARED float vq_vc[1 << VB];
+  VQ_SHARED vq_f4 vq_w4[NT * R4];
+  VQ_SHARED float vq_wred[REP * NW];
+
+""" + _ROTATED_QUERY + r"""  const float qnorm = ROTQ ? (1.0f / VQ_SQRT((float)D)) : 1.0f;
   for (int i = t; i < R4 * 4 * D; i += NT) {
     const int r = i / D;
     VQ_FPTR(vq_q4)[(i % D) * (R4 * 4) + r] = (r < REP) ? vq_qt[i] * qnorm : 0.0f;
@@ -585,18 +594,10 @@ MSE_PARTIAL_MMA = r"""
   constexpr int PRE = (TW + 31) / 32;
   constexpr int BIG = (NW * TW > NW * REP * D) ? NW * TW : NW * REP * D;
   const int t = vq_tid;
-  const int lane = t & 31;
+""" + _SPLIT_RANGE + r"""  const int lane = t & 31;
   const int warp = t >> 5;
   const int grp = lane >> 2;
   const int tg = lane & 3;
-  const int s = vq_bx;
-  const int bh = vq_by;
-  const int T = meta[0];
-  const int CH = meta[1];
-  const int CAP = meta[2];
-  const int S = meta[3];
-  const int start = s * CH;
-  const int end = VQ_MINI(start + CH, T);
 
   // One buffer serves the rotated query, then the warps' tiles, then their value sums.
   VQ_SHARED uint32_t vq_tile[BIG];
@@ -611,30 +612,7 @@ MSE_PARTIAL_MMA = r"""
   VQ_SHARED float vq_wm[NW * 8];
   VQ_SHARED float vq_wl[NW * 8];
 
-  const float scale = qscale[0];
-  for (int i = t; i < REP * D; i += NT) {
-    float v = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
-    if (ROTQ) v *= ksigns[i % D];
-    vq_qt[i] = v;
-  }
-  for (int i = t; i < (1 << KB); i += NT) vq_kc[i] = kcent[i];
-  for (int i = t; i < (1 << VB); i += NT) vq_vc[i] = vcent[i];
-  VQ_SYNC();
-  if (ROTQ) {
-    for (int h = 1; h < D; h <<= 1) {
-      for (int p = t; p < REP * (D / 2); p += NT) {
-        const int r = p / (D / 2);
-        const int j = p % (D / 2);
-        const int i = (j / h) * (2 * h) + (j % h) + r * D;
-        const float a = vq_qt[i];
-        const float b = vq_qt[i + h];
-        vq_qt[i] = a + b;
-        vq_qt[i + h] = a - b;
-      }
-      VQ_SYNC();
-    }
-  }
-  if (KPAIR) {
+""" + _ROTATED_QUERY + r"""  if (KPAIR) {
     for (int i = t; i < KP * 32; i += NT) vq_kpair[i] = vq_pack_half2(vq_kc[(i >> 5) & KMASK], vq_kc[(i >> (5 + KB)) & KMASK]);
   }
   if (VPAIR) for (int i = t; i < VP; i += NT) vq_vpair[i] = vq_pack_half2(vq_vc[i & VMASK], vq_vc[(i >> VB) & VMASK]);
