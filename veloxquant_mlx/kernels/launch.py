@@ -150,6 +150,7 @@ MMA_BACKENDS = ("cuda", "emulator")
 MMA_MIN_CHUNK = 1024
 
 
+@lru_cache(maxsize=256)  # asked by every layer of every decode step
 def use_mma(backend: str, tensor_cores: bool, dim: int, rep: int, key_bits: int, value_bits: int,
             limit: int = 44 * 1024) -> bool:
     """Whether a decode partial of this shape runs on tensor cores (`EngineSettings.tensor_cores`)."""
