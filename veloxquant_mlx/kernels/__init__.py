@@ -107,12 +107,6 @@ def _kernels_take(h, queries) -> bool:
     return True
 
 
-def uses_tensor_cores(h, queries) -> bool:
-    """Whether this decode call's partial kernel is `mse_partial_mma` (fp16 operands)."""
-    return launch.use_mma(h.settings.backend, h.settings.tensor_cores, h.key_codec.dim,
-                          queries.shape[1] // h.kv_heads, h.key_codec.bits, h.value_codec.bits, SHARED_LIMIT)
-
-
 def _decode_call(queries, mask) -> bool:
     return queries.shape[2] == 1 and engine.plain_mask(mask)
 
@@ -184,7 +178,7 @@ def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
     run = ops.runner(h.settings.backend)
     plain = None if h.fp16 is None else engine.plain_partial(queries, *h.fp16, scale)
     o, ml, _ = ops.mse_partials(run, queries, h.key_codec, h.value_codec, h.store.rows, h.count, scale,
-                                chunk=chunk or h.settings.split_tokens, mma=uses_tensor_cores(h, queries))
+                                chunk=chunk or h.settings.split_tokens, mma=step.uses_tensor_cores(h.settings.backend, h, queries))
     return ops.merge(run, o, ml, h.value_codec, queries.shape, queries.dtype, plain=plain, value_mean=h.value_mean)
 
 

@@ -69,14 +69,16 @@ def encode_plan(n: int, key: tuple, value: tuple, x_dtype: str) -> Plan:
     return Plan("mse_encode", template, (n * threads, 2, 1), (threads, 1, 1), [(n, row_words)], ["uint32"])
 
 
-def choose_chunk(tokens: int, kv_rows: int, threads: int = PARTIAL_THREADS, chunk: Optional[int] = None) -> int:
-    """Tokens per split: enough splits to fill the GPU, whole tiles of `threads`."""
+def choose_chunk(tokens: int, kv_rows: int, threads: int = PARTIAL_THREADS, chunk: Optional[int] = None,
+                 minimum: int = 0) -> int:
+    """Tokens per split: enough splits to fill the GPU (at least `minimum` tokens where the
+    split is planned rather than given), whole tiles of `threads`."""
     if chunk is None:
         env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
         chunk = int(env) if env else None
     if chunk is None:
         chunk = -(-max(tokens, 1) * kv_rows // TARGET_BLOCKS)
-        chunk = min(MAX_CHUNK, chunk)
+        chunk = max(minimum, min(MAX_CHUNK, chunk))
     return max(threads, -(-chunk // threads) * threads)
 
 
@@ -173,10 +175,8 @@ def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits
                          f"K{key_bits}/V{value_bits}")
     if rotate_query and not is_power_of_two(dim):
         raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
-    if chunk is None and not os.environ.get("VELOXQUANT_SPLIT_TOKENS"):
-        # run30: per-block work (query rotation, tables, the warps' merge) wants longer splits
-        chunk = max(MMA_MIN_CHUNK, choose_chunk(tokens, kv_rows, threads))
-    chunk = choose_chunk(tokens, kv_rows, threads, chunk)
+    # Per-block work (query rotation, tables, the warps' merge) wants longer splits (run30).
+    chunk = choose_chunk(tokens, kv_rows, threads, chunk, minimum=MMA_MIN_CHUNK)
     splits = max(1, -(-tokens // chunk))
     kw, vw = _words(dim, key_bits), _words(dim, value_bits)
     template = [

@@ -143,10 +143,9 @@ def _rel(out: np.ndarray, ref: np.ndarray) -> float:
 
 def run_case(case: Case, backend: str) -> Dict:
     from .. import kernels
-
-    keys, values, queries = _inputs(case)
     from . import launch
 
+    keys, values, queries = _inputs(case)
     cache = _cache(case, keys, values)
     cache.settings = cache.settings.replace(tensor_cores=case.tensor_cores)
     q = mx.array(queries).astype(getattr(mx, case.dtype))

@@ -74,16 +74,20 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
     return plan, (step if runner_name == "emulator" else mx.compile(step))
 
 
+def uses_tensor_cores(runner_name: str, h, queries) -> bool:
+    """Whether a decode call on `runner_name`'s kernels runs `mse_partial_mma` (fp16 operands)."""
+    return launch.use_mma(runner_name, h.settings.tensor_cores, h.key_codec.dim,
+                          queries.shape[1] // h.kv_heads, h.key_codec.bits, h.value_codec.bits)
+
+
 def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *extra):
     rows = h.store.rows
     q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
     centered = h.key_mean is not None
     parts, fp16 = h.fp16_inputs()
-    mma = launch.use_mma(runner_name, h.settings.tensor_cores, h.key_codec.dim, queries.shape[1] // h.kv_heads,
-                         h.key_codec.bits, h.value_codec.bits)
     plan, fn = _step_fn(kind, runner_name, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
-                        centered, parts, mma)
+                        centered, parts, uses_tensor_cores(runner_name, h, queries))
     _, chunk, capacity, splits = plan.meta["meta"]
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
