@@ -67,6 +67,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shapes", default="1x4096,1x32768,1x131072,8x16384")
     parser.add_argument("--chunks", default="default,1024,2048,4096",
                         help="tokens per split: 'default' (planned from the GPU's size) or numbers")
+    parser.add_argument("--mma-threads", default="128",
+                        help="threads per block of the tensor-core kernel (comma list: 128 = 4 warps, 256 = 8)")
     parser.add_argument("--layers", type=int, default=0, help="distinct caches per round (0: ~300 MB of codes)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--backend", default=None, help="kernel runner (default: the device's back end)")
@@ -94,17 +96,19 @@ def main(argv=None) -> int:
                "fp16_sdpa_us": sdpa * 1e6, "fp16_bytes": 2 * batch * KV_HEADS * tokens * DIM * 2, "kernels": []}
         for chunk in args.chunks.split(","):
             split = None if chunk == "default" else int(chunk)
-            for mma in (False, True):
-                def call(i, mma=mma, split=split):
+            variants = [(False, None)] + [(True, int(n)) for n in args.mma_threads.split(",")]
+            for mma, threads in variants:
+                def call(i, mma=mma, split=split, threads=threads):
                     c = caches[i]
                     o, ml, _ = ops.mse_partials(run, queries[i], c.key_codec, c.value_codec, c.store.rows, tokens,
-                                                scale, chunk=split, mma=mma)
+                                                scale, chunk=split, mma=mma, threads=threads)
                     return [o, ml]
 
                 t = seconds_per_call(call, layers, args.rounds)
                 plan = ops.mse_partials(run, queries[0], caches[0].key_codec, caches[0].value_codec,
-                                        caches[0].store.rows, tokens, scale, chunk=split, mma=mma)[2]
-                row["kernels"].append({"kernel": plan.kernel, "chunk": plan.meta["chunk"], "splits": plan.meta["splits"],
+                                        caches[0].store.rows, tokens, scale, chunk=split, mma=mma, threads=threads)[2]
+                row["kernels"].append({"kernel": plan.kernel, "threads": plan.threadgroup[0],
+                                       "chunk": plan.meta["chunk"], "splits": plan.meta["splits"],
                                        "us": t * 1e6, "GBps": code_bytes / t / 1e9,
                                        "copy_fraction": code_bytes / t / bandwidth})
         records.append(row)
@@ -112,11 +116,11 @@ def main(argv=None) -> int:
     result = {"device": str(mx.default_device()), "copy_bandwidth_GBps": bandwidth / 1e9, "records": records}
     (out / "partial_kernels.json").write_text(json.dumps(result, indent=2))
     lines = [f"Copy bandwidth (read + write of 1 GiB): {bandwidth / 1e9:.0f} GB/s.", "",
-             "| batch x tokens | fp16 SDPA us | kernel | tokens per split | splits | us | GB/s of codes | of copy bandwidth |",
-             "|---|---:|---|---:|---:|---:|---:|---:|"]
+             "| batch x tokens | fp16 SDPA us | kernel | threads | tokens per split | splits | us | GB/s of codes | of copy bandwidth |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for row in records:
         for k in row["kernels"]:
-            lines.append(f"| {row['batch']}x{row['tokens']} | {row['fp16_sdpa_us']:.1f} | {k['kernel']} | {k['chunk']} | "
+            lines.append(f"| {row['batch']}x{row['tokens']} | {row['fp16_sdpa_us']:.1f} | {k['kernel']} | {k['threads']} | {k['chunk']} | "
                          f"{k['splits']} | {k['us']:.1f} | {k['GBps']:.0f} | {100 * k['copy_fraction']:.0f}% |")
     (out / "partial_kernels.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -16,7 +16,7 @@ import pytest
 
 from veloxquant_mlx import KVCacheConfig, kernels
 from veloxquant_mlx.cache import CompressedKVCache
-from veloxquant_mlx.kernels import emulator, launch, native, portable, selftest, templates
+from veloxquant_mlx.kernels import emulator, launch, native, ops, portable, selftest, templates
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
 
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
@@ -174,6 +174,22 @@ def test_emulated_long_sequence_many_splits(tensor_cores):
     out = kernels.decode_attention(cache, q, 0.125, using="emulator", chunk=256)
     ref = kernels.decode_attention(cache, q, 0.125, using="portable")
     assert selftest._rel(np.array(out), np.array(ref)) < (2e-3 if tensor_cores else 1e-5)
+
+
+@needs_cxx
+def test_emulated_tensor_core_partial_with_eight_warps_equals_four():
+    # More warps per block share a split's tiles and merge in shared memory: the same partials
+    # up to the fp16 rounding of the weights, which are scaled by each warp's running max.
+    case = selftest.Case("warps", 128, 3, 4, 4, batch=1, tokens=1100, seed=12)
+    keys, values, queries = selftest._inputs(case)
+    cache = selftest._cache(case, keys, values)
+    run = ops.runner("emulator")
+    q = mx.array(queries).astype(mx.float16)
+    parts = {threads: ops.mse_partials(run, q, cache.key_codec, cache.value_codec, cache.store.rows, 1100, 0.125,
+                                       chunk=512, mma=True, threads=threads) for threads in (128, 256)}
+    assert parts[256][2].threadgroup == (256, 1, 1) and parts[128][2].meta["splits"] == parts[256][2].meta["splits"]
+    for a, b in zip(parts[128][:2], parts[256][:2]):
+        assert selftest._rel(np.array(a), np.array(b)) < 2e-3
 
 
 @needs_cxx

@@ -119,10 +119,12 @@ def mse_encode_rows(run: Runner, key_codec, value_codec, keys: mx.array, values:
 # ---- decoding attention ---------------------------------------------------------
 
 def mse_partials(run: Runner, queries: mx.array, key_codec, value_codec, rows: mx.array,
-                 tokens: int, scale: float, chunk: Optional[int] = None, mma: bool = False):
+                 tokens: int, scale: float, chunk: Optional[int] = None, mma: bool = False,
+                 threads: Optional[int] = None):
     """Flash-decoding partials of single-token queries (B, Hq, 1, D) over the first
     `tokens` of `rows` (B, H, capacity, RW; `rows.py`): (o (BH, S, REP, Dv) in the
-    value domain, ml (BH, S, REP, 2)), and the plan used; `mma`: the tensor-core kernel."""
+    value domain, ml (BH, S, REP, 2)), and the plan used; `mma`: the tensor-core kernel;
+    `threads`: per block, instead of the plan's default."""
     B, n_heads, L, dim = queries.shape
     if L != 1:
         raise ValueError("the decode kernels take one query per head")
@@ -131,7 +133,8 @@ def mse_partials(run: Runner, queries: mx.array, key_codec, value_codec, rows: m
     q_dtype = queries.dtype if rotate_query and queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
     plan = launch.decode_partial_plan(mma, B * kv_heads, n_heads // kv_heads, dim, key_codec.bits, value_codec.bits,
                                       tokens, capacity, rotate_query=rotate_query,
-                                      q_dtype=launch.dtype_name(q_dtype), chunk=chunk)
+                                      q_dtype=launch.dtype_name(q_dtype), chunk=chunk,
+                                      **({} if threads is None else {"threads": threads}))
     o, ml = run_partials(run, plan, queries, key_codec, value_codec, rows, scale,
                          small_array(tuple(plan.meta["meta"])))
     return o, ml, plan

@@ -89,6 +89,7 @@ VQ_INLINE void vq_mma16816(float* c, const uint32_t* a, const uint32_t* b) {
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 #define VQ_UNROLL8 _Pragma("unroll 8")
+#define VQ_UNROLL4 _Pragma("unroll 4")
 #endif
 """
 
@@ -117,6 +118,7 @@ VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
 VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
 #define VQ_UNROLL8 _Pragma("unroll 8")
+#define VQ_UNROLL4 _Pragma("unroll 4")
 #endif
 """
 
@@ -207,6 +209,7 @@ inline void vq_mma16816(float* c, const uint32_t* a, const uint32_t* b) { vq_emu
 #define VQ_WSYNC() vq_emu::sync()
 #define VQ_HAS_MMA 1
 #define VQ_UNROLL8
+#define VQ_UNROLL4
 #endif
 """
 
@@ -932,14 +935,17 @@ _MERGE_TOKENS = r"""  if (HAS_PLAIN) {
     VQ_SYNC();
     vq_buf[d] = VQ_F(q[(size_t)row * D + d]) * qscale[0];
     VQ_SYNC();
+    // Unrolled so that each warp has several tokens' loads in flight: with one block per
+    // query row the GPU is far from full, and a token at a time waits out every load.
+    VQ_UNROLL4
     for (int p0 = 0; p0 < NA + NB; p0 += D / 32) {  // every warp the same trips: the reduction is collective
       const int p = p0 + (d >> 5);
       float part = 0.0f;
       if (p < NA + NB) {
+        const VQ_GLOBAL TX* kp = (p < NA) ? pa_k + ((size_t)bh * NA + p) * D : pb_k + ((size_t)bh * NB + (p - NA)) * D;
+        VQ_UNROLL
         for (int i = d & 31; i < D; i += 32) {
-          const float k = (p < NA) ? VQ_F(pa_k[((size_t)bh * NA + p) * D + i])
-                                   : VQ_F(pb_k[((size_t)bh * NB + (p - NA)) * D + i]);
-          part += vq_buf[i] * (k - (HAS_CENTER ? VQ_F(kmean[(size_t)bh * D + i]) : 0.0f));
+          part += vq_buf[i] * (VQ_F(kp[i]) - (HAS_CENTER ? VQ_F(kmean[(size_t)bh * D + i]) : 0.0f));
         }
       }
       part = vq_warp_sum(part);
@@ -950,10 +956,17 @@ _MERGE_TOKENS = r"""  if (HAS_PLAIN) {
     for (int p = 0; p < NA + NB; ++p) mp = VQ_MAXF(mp, vq_ps[p]);
     float lp = 0.0f;
     float po = 0.0f;
-    for (int p = 0; p < NA + NB; ++p) {
+    VQ_UNROLL8
+    for (int p = 0; p < NA; ++p) {
       const float e = VQ_EXP(vq_ps[p] - mp);
       lp += e;
-      po += e * ((p < NA) ? VQ_F(pa_v[((size_t)bh * NA + p) * D + d]) : VQ_F(pb_v[((size_t)bh * NB + (p - NA)) * D + d]));
+      po += e * VQ_F(pa_v[((size_t)bh * NA + p) * D + d]);
+    }
+    VQ_UNROLL8
+    for (int p = 0; p < NB; ++p) {
+      const float e = VQ_EXP(vq_ps[NA + p] - mp);
+      lp += e;
+      po += e * VQ_F(pb_v[((size_t)bh * NB + p) * D + d]);
     }
     const float Mp = VQ_MAXF(M, mp);
     const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - Mp);
