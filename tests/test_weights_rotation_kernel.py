@@ -146,9 +146,12 @@ def test_model_logits_are_unchanged_through_the_fused_route(emulated_gpu, monkey
     model = quantize_model(_llama_shape(), 4, seed=0, share_rotations=share, progress=False)
     assert len(rotating_norms(model)) == (4 if share else 0)
     fused = model(tokens)
-    # every layer with its own rotation and every rotating norm launches the fused kernel once
-    rotations = 2 * (2 + 2) if share else 2 * 7
-    assert emulated_gpu.count("rotate_input") == rotations + len(rotation_kernel.CHECK_CASES)
+    checks = len(rotation_kernel.CHECK_CASES) + (3 if share else 2)  # and each (dim, norm, dtype) a route keeps
+    assert emulated_gpu.count("rotate_input") == (2 * (2 + 2) if share else 2 * 7) + checks
+    emulated_gpu.clear()
+    _close(model(tokens), fused, 0.0)
+    # the kept routes: every layer with its own rotation and every rotating norm, one launch each
+    assert emulated_gpu.count("rotate_input") == (2 * (2 + 2) if share else 2 * 7)
     monkeypatch.setattr(rotation_kernel, "FUSED_ROTATION", False)
     ops = quantize_model(_llama_shape(), 4, seed=0, share_rotations=share, progress=False)
     emulated_gpu.clear()

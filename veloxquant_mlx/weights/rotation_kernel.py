@@ -241,11 +241,12 @@ def route(x: mx.array, rotation, weight: mx.array, eps: Optional[float] = None
 
     dialect = kernel.dialect_for(x)
     dim = x.shape[-1]
-    if (dialect is None or not FUSED_ROTATION or not rotation._one_transform or not supports(dim)
-            or not usable(dialect)):
+    if dialect is None or not FUSED_ROTATION or not rotation._one_transform or not supports(dim):
         return None
     norm = eps is not None
     out_dtype = output_dtype(x.dtype, weight, norm)
+    if not usable(dialect, dim, norm, launch.dtype_name(out_dtype)):
+        return None
     p = plan(x.size // dim, dim, launch.dtype_name(out_dtype), norm)
     run = launch._mlx_kernel(dialect, KERNEL_NAME)
     template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
@@ -269,7 +270,7 @@ CHECK_CASES = (
     (12 * 8, 1, False, "float16", MAX_THREADS, BUFFER_FLOATS),
     (20 * 4, 2, True, "float16", MAX_THREADS, BUFFER_FLOATS),
 )
-TOLERANCES = {"float32": 1e-5, "float16": 4e-3}
+TOLERANCES = {"float32": 1e-5, "float16": 4e-3, "bfloat16": 2e-2}
 
 
 def reference(x: mx.array, weight: mx.array, eps: Optional[float] = None) -> mx.array:
@@ -295,30 +296,47 @@ def check_case(dialect: str, dim: int, rows: int, norm: bool, dtype: str, thread
             "buffer": buffer, "vs_ops": error, "tolerance": tolerance, "ok": error <= tolerance}
 
 
-_VERDICTS = {}
+_VERDICTS = {}  # (dialect,) for CHECK_CASES, (dialect, dim, norm, dtype) for a route's own plan -> passed
 
 
-def usable(dialect: str) -> bool:
+def usable(dialect: str, dim: Optional[int] = None, norm: bool = False, out_dtype: str = "float32") -> bool:
     """First-use check of the kernel on `dialect`, once per process: CHECK_CASES against the
-    MLX ops. A failure warns (the kernel, the case, the error) and the layers keep the ops."""
-    if dialect not in _VERDICTS:
-        failures = []
-        for case in CHECK_CASES:
-            try:
-                record = check_case(dialect, *case)
-            except Exception as error:  # noqa: BLE001 - any failure turns the kernel off, loudly
-                failures.append(f"dim {case[0]}, norm {case[2]}, {case[3]}: {error!r}"[:500])
-                continue
-            if not record["ok"]:
-                failures.append(f"dim {case[0]}, norm {case[2]}, {case[3]}: error {record['vs_ops']:.2e} "
-                                f"against the MLX ops (tolerance {record['tolerance']:.0e})")
-        if failures:
-            warnings.warn(f"veloxquant_mlx: the {dialect} kernel {KERNEL_NAME} (weights/rotation_kernel.py) failed "
-                          "its first-use check and is off for this process; weight layers rotate their inputs "
-                          "with MLX ops instead (a multiply or mx.fast.rms_norm, then mx.hadamard_transform). "
-                          + "; ".join(failures), RuntimeWarning, stacklevel=3)
-        _VERDICTS[dialect] = not failures
-    return _VERDICTS[dialect]
+    MLX ops, then (with `dim`) the very template a route is about to keep (its dimension, norm
+    and output dtype; two rows). A failure warns (the kernel, the case, the error) and the
+    layers keep the ops."""
+    keys = [(dialect,)] + ([(dialect, dim, bool(norm), out_dtype)] if dim is not None else [])
+    for key in keys:
+        if key not in _VERDICTS:
+            cases = CHECK_CASES if len(key) == 1 else [(dim, 2, bool(norm), out_dtype)]
+            _VERDICTS[key] = _check(dialect, cases)
+        if not _VERDICTS[key]:
+            return False
+    return True
+
+
+def checked(dialect: str) -> Optional[bool]:
+    """Whether every first-use check run on `dialect` passed (None: none ran)."""
+    verdicts = [v for k, v in _VERDICTS.items() if k[0] == dialect]
+    return all(verdicts) if verdicts else None
+
+
+def _check(dialect: str, cases) -> bool:
+    failures = []
+    for case in cases:
+        try:
+            record = check_case(dialect, *case)
+        except Exception as error:  # noqa: BLE001 - any failure turns the kernel off, loudly
+            failures.append(f"dim {case[0]}, norm {case[2]}, {case[3]}: {error!r}"[:500])
+            continue
+        if not record["ok"]:
+            failures.append(f"dim {case[0]}, norm {case[2]}, {case[3]}: error {record['vs_ops']:.2e} "
+                            f"against the MLX ops (tolerance {record['tolerance']:.0e})")
+    if failures:
+        warnings.warn(f"veloxquant_mlx: the {dialect} kernel {KERNEL_NAME} (weights/rotation_kernel.py) failed "
+                      "its first-use check and is off for this process; weight layers rotate their inputs "
+                      "with MLX ops instead (a multiply or mx.fast.rms_norm, then mx.hadamard_transform). "
+                      + "; ".join(failures), RuntimeWarning, stacklevel=4)
+    return not failures
 
 
 def reset() -> None:
