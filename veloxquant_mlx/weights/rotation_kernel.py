@@ -14,8 +14,9 @@ matmul (`kernel.py`) and by the C++ emulator in the tests.
 The transform as row vectors is T(x) = x (B kron H) / sqrt(2^k), with B = T applied to the
 m x m identity (the m-point base matrix with its 1/sqrt(m); identity for m = 1) and H the
 unnormalised 2^k-point Walsh-Hadamard matrix; with x as an (m, P = 2^k) matrix X that is
-Y = B^T X H / sqrt(P). One block per batch row, NT = min(P, 1024) threads: thread t holds the
-CPT = P / NT columns t, t + NT, ... of X, every row of them, in registers. The butterflies of
+Y = B^T X H / sqrt(P). One block per batch row, NT = min(P, 1024) threads (P itself, at most 512,
+when m > 1): thread t holds the CPT = P / NT columns t, t + NT, ... of X (at most 4; 1 when
+m > 1), every row of them, in registers. The butterflies of
 H that pair columns of one thread run in registers; the others run in shared memory, G rows of
 X at a time (G * P <= 4096 floats, so the buffer fits Metal's 32 KB and CUDA's 48 KB of static
 shared memory whatever the dimension); B^T then mixes each column inside its thread (an m x m
@@ -51,7 +52,7 @@ BUFFER_FLOATS = 4096  # shared-memory rows of X per pass: G * P <= this (16 KB)
 # the MLX ops, a multiply and mx.hadamard_transform). Read when a layer makes its route for an input shape.
 FUSED_ROTATION = os.environ.get("VELOXQUANT_WEIGHT_FUSED_ROTATION", "1") == "1"
 
-# Template constants: D (= MB * P), MB (Hadamard base m), P (2^k), NT (threads, min(P, 1024)),
+# Template constants: D (= MB * P), MB (Hadamard base m), P (2^k), NT (threads, min(P, 1024); P when MB > 1),
 # CPT (= P / NT columns per thread), G (rows of X per shared-memory pass, a divisor of MB),
 # NORM (rms-normalise first), TO (output dtype; products are rounded to it as MLX's ops round them).
 # Inputs: x (rows, D), w (D), base (MB * MB) f32 row-major B, params f32 [eps]. Output: out (rows, D) TO.
