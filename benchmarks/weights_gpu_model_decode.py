@@ -1,17 +1,23 @@
 """Whole-model decode of the Llama-3.1-8B shape (random weights, fp16 activations, mlx-lm's
 fp16 KV cache): our 4-bit codebook weights against MLX's affine 4-bit (group 64), in one run.
 
-    python benchmarks/weights_gpu_model_decode.py --out benchmarks/results/gpu/weights-model-decode-shared
+    python benchmarks/weights_gpu_model_decode.py --out benchmarks/results/gpu/weights-model-decode-fused
     python benchmarks/weights_gpu_model_decode.py --shape tiny --layers 2 --prompt 16 --tokens 4 --rounds 1 \\
         --out /tmp/dry        # a quick dry run (CPU too)
 
-Variants (`--variants`), all from the same fp16 weights (seed 0):
+Variants (`--variants`; default: all but shared-compiled), all from the same fp16 weights (seed 0):
   affine           MLX `nn.quantize`, 4-bit group 64, its quantized matmul;
-  per-layer        ours, `quantize_model(share_rotations=False)`: every layer rotates its own
-                   input (a multiply by signs x column scale, then the FWHT);
-  shared           ours, `quantize_model` default: q/k/v and gate/up read one rotated input,
-                   made by their norm (`weights/shared.py`); o_proj and down_proj rotate their own;
-  shared-compiled  shared, each layer's kernel call wrapped in mx.compile (`kernel.COMPILE_ROUTES`).
+  per-layer        ours, `quantize_model(share_rotations=False)` (the default): every layer rotates
+                   its own input with MLX ops (a multiply by signs x column scale, then
+                   mx.hadamard_transform: two launches);
+  shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
+                   their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
+                   `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
+  per-layer-fused  per-layer with each rotation one launch of the fused kernel
+                   (`weights/rotation_kernel.py`, `rotation_kernel.FUSED_ROTATION`, on by default);
+  shared-fused     shared with the norms' rms_norm + transform and o_proj's / down_proj's rotations
+                   each one launch of that kernel;
+  shared-compiled  shared (ops), each layer's kernel call wrapped in mx.compile (`kernel.COMPILE_ROUTES`).
 Our models keep the output head and the embeddings MLX affine, so the comparison is the
 blocks' linear layers. Each round decodes `--tokens` tokens after a `--prompt`-token prompt
 with each variant in turn (mlx-lm's `generate_step`), so they alternate; the table reports
@@ -36,9 +42,10 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, resolve_dtype, shape_config
-from veloxquant_mlx.weights import kernel, quantize_model
+from veloxquant_mlx.weights import kernel, quantize_model, rotation_kernel
 
-VARIANTS = ("affine", "per-layer", "shared", "shared-compiled")
+VARIANTS = ("affine", "per-layer", "shared", "per-layer-fused", "shared-fused", "shared-compiled")
+DEFAULT_VARIANTS = ("affine", "per-layer", "shared", "per-layer-fused", "shared-fused")
 
 
 def decode_rate(model, prompt: mx.array, tokens: int) -> float:
@@ -84,7 +91,7 @@ def build(variant: str, args, overrides) -> tuple:
     if variant == "affine":
         quantize_weights(model, args.bits)
     else:
-        quantize_model(model, args.bits, seed=0, skip=("lm_head",), share_rotations=variant != "per-layer",
+        quantize_model(model, args.bits, seed=0, skip=("lm_head",), share_rotations=variant.startswith("shared"),
                        progress=False)
         nn.quantize(model, group_size=64, bits=args.bits,
                     class_predicate=lambda path, m: path in ("lm_head", "model.embed_tokens"))
@@ -95,6 +102,16 @@ def build(variant: str, args, overrides) -> tuple:
 def use(variant: str) -> None:
     """Settings a variant runs under (read when a layer first meets an input shape)."""
     kernel.COMPILE_ROUTES = variant == "shared-compiled"
+    rotation_kernel.FUSED_ROTATION = variant.endswith("-fused")
+
+
+def fused_rotation(variant: str) -> str:
+    """Whether the variant's rotations ran as the fused kernel: its first-use check's verdict."""
+    if not variant.endswith("-fused"):
+        return "no (ops)"
+    dialect = kernel._gpu_dialect()
+    verdict = rotation_kernel.checked(dialect) if dialect else None
+    return {True: "yes", False: "no: failed its first-use check"}.get(verdict, "no: no GPU back end")
 
 
 def main() -> None:
@@ -107,8 +124,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--out", default="benchmarks/results/gpu/weights-model-decode-shared")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--out", default="benchmarks/results/gpu/weights-model-decode-fused")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -134,7 +152,8 @@ def main() -> None:
             error = float(mx.sqrt(mx.mean(mx.square(logits - ref_logits))) / mx.sqrt(mx.mean(mx.square(ref_logits))))
             decode_rate(model, prompt, 8)  # warm-up: compile the kernels
             record[variant] = {"quantize_s": seconds, "logits_rel_rms_error_vs_fp16": error,
-                               "host_ms_per_step": host_ms(model), "tok_s": []}
+                               "host_ms_per_step": host_ms(model), "fused_rotation": fused_rotation(variant),
+                               "tok_s": []}
             models[variant] = model
             print(json.dumps({"variant": variant, **record[variant]}), flush=True)
         except Exception as exc:  # reported in the table; the other variants still run
@@ -173,18 +192,19 @@ def write(args, variants, record, errors) -> None:
          "rounds_done": rounds, "note": "lm_head and embeddings are MLX affine in every variant"}, indent=2))
     shape = args.shape + (f" ({args.layers} layers)" if args.layers else "")
     lines = [f"| {shape}, {args.bits}-bit weights, {args.dtype} | decode tok/s (median of {rounds}) | vs affine "
-             "| host ms to build a step's graph | logits rel. RMS error vs fp16 | quantize s |",
-             "|---|---|---|---|---|---|"]
+             "| host ms to build a step's graph | logits rel. RMS error vs fp16 | quantize s | fused rotation |",
+             "|---|---|---|---|---|---|---|"]
     for variant in variants:
         r = record.get(variant)
         if r is None or (variant in errors and not r["tok_s"]):
             if variant in errors:
-                lines.append(f"| {variant} | failed: {errors[variant][:120]} | | | | |")
+                lines.append(f"| {variant} | failed: {errors[variant][:120]} | | | | | |")
             continue
         rate = f"{r['median_tok_s']:.1f}" if r["median_tok_s"] else "n/m"
         ratio = f"{r['vs_affine']:.2f}x" if r["vs_affine"] else "n/a"
         lines.append(f"| {variant} | {rate} | {ratio} | {r['host_ms_per_step']:.2f} | "
-                     f"{r['logits_rel_rms_error_vs_fp16']:.4f} | {r['quantize_s']:.1f} |")
+                     f"{r['logits_rel_rms_error_vs_fp16']:.4f} | {r['quantize_s']:.1f} | "
+                     f"{r['fused_rotation'] if variant != 'affine' else '-'} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 

@@ -255,11 +255,12 @@ class QuantizedLinear(nn.Module):
 
     def _route_for(self, x: mx.array):
         """x -> (x R^T)(W R^T)^T for inputs of x's shape and dtype: the rotation (unless the
-        input comes rotated) and the matmul, the LUT kernel of the device for up to
-        MAX_KERNEL_ROWS rows, else the tiled one. Decode-sized routes are kept, so that a
+        input comes rotated; on a GPU back end, one `rotation_kernel` launch where it takes the
+        dimension) and the matmul, the LUT kernel of the device for up to MAX_KERNEL_ROWS rows,
+        else the tiled one. Decode-sized routes are kept, so that a
         call costs a dict lookup and the ops themselves: a decode step calls every layer once
         and its Python path is host time the GPU may wait on."""
-        from . import kernel
+        from . import kernel, rotation_kernel
 
         rows = x.size // x.shape[-1]
         decode = rows <= MAX_KERNEL_ROWS
@@ -269,12 +270,15 @@ class QuantizedLinear(nn.Module):
         else:
             # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
             signs = self._rotation._signs(0, x.dtype, self.get("input_scales"))
-            apply_signed = self._rotation.apply_signed
+            # on a GPU back end the multiply and the transform in one launch, where the kernel takes them
+            rotate = rotation_kernel.route(x, self._rotation, signs) if decode else None
+            if rotate is None:
+                apply_signed = self._rotation.apply_signed
 
-            def rotate(x: mx.array, signs: mx.array) -> mx.array:
-                return apply_signed(x * signs)
-            if decode:  # not prefill shapes: a compiled function traces again for every new shape
-                rotate = kernel.compiled(rotate)
+                def rotate(x: mx.array, signs: mx.array) -> mx.array:
+                    return apply_signed(x * signs)
+                if decode:  # not prefill shapes: a compiled function traces again for every new shape
+                    rotate = kernel.compiled(rotate)
 
             def route(x: mx.array) -> mx.array:
                 return matmul(rotate(x, signs))

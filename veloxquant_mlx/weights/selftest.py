@@ -1,4 +1,5 @@
-"""Check the LUT matmul kernel on a back end against the tiled matmul and float64 numpy.
+"""Check the weights' kernels on a back end: the LUT matmul against the tiled matmul and float64
+numpy, the fused input rotation against the MLX ops and float64 numpy.
 
     python -m veloxquant_mlx.weights.selftest                     # the GPU back end MLX has (cuda / metal)
     python -m veloxquant_mlx.weights.selftest --backend emulator  # the same kernel text in C++, on the CPU
@@ -12,9 +13,21 @@ them with `QuantizedLinear.from_weight` and compares `kernel.lut_matmul` with
   (`QuantizedLinear(input_rotated=True)`: the launch arguments it keeps per input shape, the
   input as (1, rows, in)), without and with mx.compile around the launch (`kernel.COMPILE_ROUTES`),
 
-as max |out - ref| / max |ref|. Tolerance: 1e-4 for float32 inputs (float32 sums in another
-order), 4e-3 for float16. On a CUDA GPU MLX runs float32 matmuls at TF32 unless
+as max |out - ref| / max |ref|; on a GPU also ``layer``: the layer's forward on the unrotated
+input (its own rotation route: on CUDA/Metal the fused `rotation_kernel` launch where it takes
+the dimension). Tolerance: 1e-4 for float32 inputs (float32 sums in another
+order), 4e-3 for float16, 2e-2 for bfloat16. On a CUDA GPU MLX runs float32 matmuls at TF32 unless
 MLX_ENABLE_TF32=0, which only affects the ``tiled`` reference: run with MLX_ENABLE_TF32=0.
+
+The ``rotate-*`` / ``rmsnorm-rotate-*`` cases check the fused input-rotation kernel
+(`rotation_kernel.rotate`: x * signs * column scale, or the shared norm's rms_norm times its
+folded weight, then the Hadamard transform, in one launch) against
+
+* ``ops``:    the MLX ops it replaces (`StructuredRotation.apply`, `RotatingRMSNorm`'s ops),
+* ``numpy``:  the same in float64 (x as an (m, 2^k) matrix: B^T X H / sqrt(2^k)),
+* on a GPU also ``route`` and ``compiled``: the launch a layer keeps (`rotation_kernel.route`),
+  without and with mx.compile around it.
+
 Exit status 1 if any case fails.
 """
 
@@ -30,10 +43,13 @@ import mlx.core as mx
 import numpy as np
 
 from ..packing import unpack
+from ..rotations import hadamard_base
 from .linear import QuantizedLinear
-from . import kernel
+from .rotation import StructuredRotation
+from .shared import RotatingRMSNorm
+from . import kernel, rotation_kernel
 
-TOLERANCES = {"float32": 1e-4, "float16": 4e-3}
+TOLERANCES = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
 
 
 @dataclass
@@ -59,6 +75,91 @@ CASES = [
 EMULATOR_CASES = ["3bit-odd-dim-m3", "2bit-groups-m8", "3bit-ragged-m5"]
 
 
+@dataclass
+class RotationCase:
+    name: str
+    dim: int
+    rows: int
+    norm: bool = False  # the shared norm's form: rms_norm(x) times its folded weight
+    scaled: bool = True  # a column scale times the signs (per-layer form)
+    dtype: str = "float32"
+    threads: int = rotation_kernel.MAX_THREADS
+    buffer: int = rotation_kernel.BUFFER_FLOATS
+    seed: int = 0
+
+
+ROTATION_CASES = [
+    RotationCase("rotate-4096-fp16-m1", 4096, 1, dtype="float16"),
+    RotationCase("rotate-14336-fp16-m8", 14336, 8, dtype="float16"),
+    RotationCase("rotate-4096-m3", 4096, 3),
+    RotationCase("rotate-14336-noscale-m2", 14336, 2, scaled=False),
+    RotationCase("rotate-1536-bf16-m2", 1536, 2, dtype="bfloat16"),
+    RotationCase("rmsnorm-rotate-4096-fp16-m4", 4096, 4, norm=True, dtype="float16"),
+    RotationCase("rmsnorm-rotate-4096-bf16-m1", 4096, 1, norm=True, dtype="bfloat16"),
+    RotationCase("rotate-224-fp16-m2", 28 * 8, 2, dtype="float16"),
+    RotationCase("rotate-64-threads16-m2", 64, 2, threads=16, buffer=64),
+    RotationCase("rmsnorm-rotate-448-buffer64-m3", 28 * 16, 3, norm=True, threads=16, buffer=64),
+]
+EMULATOR_ROTATION_CASES = ["rotate-224-fp16-m2", "rotate-64-threads16-m2", "rmsnorm-rotate-448-buffer64-m3"]
+
+
+def _numpy_rotation(x: np.ndarray, dim: int) -> np.ndarray:
+    """mx.hadamard_transform in float64: rows of x as (m, 2^k) matrices X, B^T X H / sqrt(2^k)."""
+    m = hadamard_base(dim)
+    p = dim // m
+    y = x.reshape(len(x), m, p).copy()
+    h = 1
+    while h < p:
+        y = y.reshape(len(x), m, p // (2 * h), 2, h)
+        y = np.stack([y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]], axis=-2)
+        h *= 2
+    y = y.reshape(len(x), m, p) / np.sqrt(p)
+    base = np.array(rotation_kernel.base_matrix(dim)).astype(np.float64)
+    return np.einsum("ab,rap->rbp", base, y).reshape(len(x), dim)
+
+
+def run_rotation_case(case: RotationCase, backend: str) -> dict:
+    rng = np.random.default_rng([case.seed, case.dim, case.rows])
+    dtype = getattr(mx, case.dtype)
+    rotation = StructuredRotation.seeded(case.dim, case.seed)
+    scales = mx.array(rng.uniform(0.3, 3.0, case.dim).astype(np.float16)) if case.scaled else None
+    x = mx.array(rng.standard_normal((case.rows, case.dim)).astype(np.float32) * 3.0).astype(dtype)
+    x64 = np.array(x.astype(mx.float32)).astype(np.float64)
+    if case.norm:
+        gain = mx.array(rng.uniform(0.5, 1.5, case.dim).astype(np.float32)).astype(dtype)
+        norm = RotatingRMSNorm(gain, 1e-5, rotation, scales)
+        weight, eps = norm.folded_weight, norm.eps
+        ops = rotation.apply_signed(mx.fast.rms_norm(x, weight, eps))
+        x64 = x64 / np.sqrt((x64 * x64).mean(axis=-1, keepdims=True) + eps)
+    else:
+        weight, eps = rotation._signs(0, dtype, scales), None
+        ops = rotation.apply(x, scales)
+    exact = _numpy_rotation(x64 * np.array(weight.astype(mx.float32)).astype(np.float64), case.dim)
+    got = rotation_kernel.rotate(x, weight, backend, eps, case.threads, case.buffer)
+    scale = np.abs(exact).max()
+
+    def error(out: mx.array) -> float:
+        if out.shape != x.shape or out.dtype != ops.dtype:
+            return float("inf")
+        return float(np.abs(np.array(out.astype(mx.float32)) - exact).max() / scale)
+    errors = {"ops": float(np.abs(np.array(got.astype(mx.float32)) - np.array(ops.astype(mx.float32))).max() / scale),
+              "numpy": error(got)}
+    if backend != "emulator" and case.threads == rotation_kernel.MAX_THREADS:
+        for name, compiled in (("route", False), ("compiled", True)):
+            kernel.COMPILE_ROUTES, before = compiled, kernel.COMPILE_ROUTES
+            try:
+                route = rotation_kernel.route(x, rotation, weight, eps)
+                errors[name] = float("inf") if route is None else error(route(x, weight))
+            except Exception as exc:  # noqa: BLE001 - a failing launch is a failed case, reported as such
+                print(f"{case.name} {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                errors[name] = float("inf")
+            finally:
+                kernel.COMPILE_ROUTES = before
+    tolerance = TOLERANCES[case.dtype]
+    return {**asdict(case), "kernel": rotation_kernel.KERNEL_NAME, "backend": backend, "errors": errors,
+            "tolerance": tolerance, "ok": all(e <= tolerance for e in errors.values())}
+
+
 def _numpy_reference(layer: QuantizedLinear, x_rot: np.ndarray) -> np.ndarray:
     codes = np.array(unpack(layer.codes, layer.bits, layer.in_features)).astype(np.int64)
     w = np.array(layer.codebook).astype(np.float64)[codes]
@@ -81,10 +182,13 @@ def run_case(case: Case, backend: str) -> dict:
     scale = np.abs(exact).max()
     errors = {"tiled": float(np.abs(got - tiled).max() / scale), "numpy": float(np.abs(got - exact).max() / scale)}
     if backend != "emulator":
-        for name, compiled in (("route", False), ("compiled", True)):
+        for name, compiled in (("route", False), ("compiled", True), ("layer", False)):
             kernel.COMPILE_ROUTES, before = compiled, kernel.COMPILE_ROUTES
             try:
-                routed = layer.with_rotated_input()(x_rot[None])
+                if name == "layer":  # the layer's own rotation route on x
+                    routed = layer(x.astype(dtype)[None])
+                else:
+                    routed = layer.with_rotated_input()(x_rot[None])
                 errors[name] = float(np.abs(np.array(routed.astype(mx.float32))[0] - exact).max() / scale)
                 if routed.shape != (1, case.rows, case.out_features):
                     errors[name] = float("inf")
@@ -112,15 +216,23 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     backend = args.backend or default_backend()
-    names = args.cases.split(",") if args.cases else (EMULATOR_CASES if backend == "emulator" else [c.name for c in CASES])
+    if args.cases:
+        names = args.cases.split(",")
+    elif backend == "emulator":
+        names = EMULATOR_CASES + EMULATOR_ROTATION_CASES
+    else:
+        names = [c.name for c in CASES + ROTATION_CASES]
+    unknown = set(names) - {c.name for c in CASES + ROTATION_CASES}
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}")
     results = []
-    for case in CASES:
+    for case in CASES + ROTATION_CASES:
         if case.name not in names:
             continue
-        r = run_case(case, backend)
+        r = run_case(case, backend) if isinstance(case, Case) else run_rotation_case(case, backend)
         results.append(r)
         errors = "  ".join(f"{k} {v:.2e}" for k, v in r["errors"].items())
-        print(f"{'ok  ' if r['ok'] else 'FAIL'} {case.name:28s} {errors}  (tol {r['tolerance']:.0e})", flush=True)
+        print(f"{'ok  ' if r['ok'] else 'FAIL'} {case.name:32s} {errors}  (tol {r['tolerance']:.0e})", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -10,7 +10,8 @@ per-channel multiply by its weight g, c and the first stage's signs s fold into 
 
 with R' = R without its first sign multiply (`StructuredRotation.apply_signed`). For
 a dimension `mx.hadamard_transform` supports, R' is that one transform, so the input
-of q/k/v (or of gate/up) costs the norm and one FWHT. `RotatingRMSNorm` replaces the
+of q/k/v (or of gate/up) costs the norm and one FWHT: on a GPU back end one launch of
+`rotation_kernel` for both (decode-sized batches), else two MLX ops. `RotatingRMSNorm` replaces the
 norm and outputs the rotated activation; the layers it feeds take it as it is
 (`QuantizedLinear(input_rotated=True)`). Keys and values are unchanged: the rotation
 is undone inside the projections' matmuls, not after them.
@@ -150,14 +151,29 @@ class RotatingRMSNorm(nn.Module):
         return sum(a.nbytes for a in arrays)
 
     def __call__(self, x: mx.array) -> mx.array:
-        run = self.__dict__.get("_run")
+        routes = self.__dict__.setdefault("_routes", {})
+        run = routes.get((x.shape, x.dtype))
         if run is None:
-            from . import kernel
+            run = self._route_for(x)
+        return run(x, self["folded_weight"])
 
+    def _route_for(self, x: mx.array):
+        """(x, folded weight) -> the rotated input, for inputs of x's shape and dtype: on a GPU
+        back end for decode-sized batches the norm and the transform in one `rotation_kernel`
+        launch (kept per shape, like `QuantizedLinear`'s routes), else mx.fast.rms_norm and
+        the rest of R as MLX ops."""
+        from . import kernel, rotation_kernel
+
+        run = rotation_kernel.route(x, self._rotation, self["folded_weight"], eps=self.eps)
+        if run is None:
+            run = self.__dict__.get("_run")
+        if run is None:
             rotation, eps = self._rotation, self.eps
             run = self.__dict__["_run"] = kernel.compiled(
                 lambda x, weight: rotation.apply_signed(mx.fast.rms_norm(x, weight, eps)))
-        return run(x, self["folded_weight"])
+        if x.size // x.shape[-1] <= kernel.MAX_ROWS:  # decode shapes; prefill ones vary
+            self._routes[(x.shape, x.dtype)] = run
+        return run
 
     def _extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}, blocks={self.rotation.blocks}"
