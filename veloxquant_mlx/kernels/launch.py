@@ -137,7 +137,7 @@ def mma_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, threads
     warps = threads // 32
     row_words = _words(dim, key_bits) + _words(dim, value_bits) + 1
     pairs = (32 << (2 * key_bits) if key_bits <= 3 else 1) + (1 << (2 * value_bits) if value_bits <= 3 else 1)
-    words = max(warps * 16 * row_words, warps * rep * dim) + pairs + (1 << key_bits) + (1 << value_bits)
+    words = max(2 * warps * 16 * row_words, warps * rep * dim) + pairs + (1 << key_bits) + (1 << value_bits)
     return 4 * (words + warps * 64 + warps * 16)
 
 

@@ -119,6 +119,14 @@ VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
 VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
 #define VQ_UNROLL8 _Pragma("unroll 8")
 #define VQ_UNROLL4 _Pragma("unroll 4")
+// A word from global to shared memory without passing through registers (sm_80+), zero
+// when !ok; visible to other lanes after vq_cp_wait() and a warp sync.
+VQ_INLINE void vq_cp_async4(uint32_t* dst, const uint32_t* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 4 : 0));
+}
+VQ_INLINE void vq_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+VQ_INLINE void vq_cp_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 #endif
 """
 
@@ -210,6 +218,9 @@ inline void vq_mma16816(float* c, const uint32_t* a, const uint32_t* b) { vq_emu
 #define VQ_HAS_MMA 1
 #define VQ_UNROLL8
 #define VQ_UNROLL4
+inline void vq_cp_async4(uint32_t* dst, const uint32_t* src, bool ok) { *dst = ok ? *src : 0u; }
+inline void vq_cp_commit() {}
+inline void vq_cp_wait() {}
 #endif
 """
 
@@ -595,14 +606,14 @@ MSE_PARTIAL_MMA = r"""
   constexpr int VN = (VBITS + 31) / 32 + 1;
   constexpr int TW = 16 * RW;
   constexpr int PRE = (TW + 31) / 32;
-  constexpr int BIG = (NW * TW > NW * REP * D) ? NW * TW : NW * REP * D;
+  constexpr int BIG = (2 * NW * TW > NW * REP * D) ? 2 * NW * TW : NW * REP * D;
   const int t = vq_tid;
 """ + _SPLIT_RANGE + r"""  const int lane = t & 31;
   const int warp = t >> 5;
   const int grp = lane >> 2;
   const int tg = lane & 3;
 
-  // One buffer serves the rotated query, then the warps' tiles, then their value sums.
+  // One buffer serves the rotated query, then the warps' tiles (two each), then their value sums.
   VQ_SHARED uint32_t vq_tile[BIG];
   auto vq_qt = VQ_FPTR(vq_tile);
   // Two key codes -> their centroids as half2 (first code low), one copy per lane: entry e of
@@ -676,36 +687,28 @@ MSE_PARTIAL_MMA = r"""
   float acc[4 * KS];  // value sums (C of the value mma): dims grp D/8 + mt (+ D/16), heads 2 tg (+ 1)
   VQ_UNROLL
   for (int i = 0; i < 4 * KS; ++i) acc[i] = 0.0f;
-  uint32_t* tile = vq_tile + warp * TW;
   const size_t base = (size_t)bh * CAP;
-  // Each lane holds its share of the warp's next tile while the current one is computed.
-  uint32_t pre[PRE];
-  {
-    const int n = VQ_MINI(16, end - (start + warp * 16)) * RW;
+  // The warp's next tile is copied into its second buffer while the current one is computed,
+  // straight from global memory (no registers held for it: they cap the occupancy).
+  auto fetch = [&](uint32_t* dst, int tok) {
+    const int n = VQ_MINI(16, end - tok) * RW;
     VQ_UNROLL
     for (int u = 0; u < PRE; ++u) {
       const int i = lane + 32 * u;
-      pre[u] = (i < n) ? rows[(base + (size_t)(start + warp * 16)) * RW + i] : 0u;
+      if (i < TW) vq_cp_async4(dst + i, rows + (base + (size_t)tok) * RW + (i < n ? i : 0), i < n);
     }
-  }
+    vq_cp_commit();
+  };
+  fetch(vq_tile + warp * 2 * TW, start + warp * 16);
+  int buffer = 0;
   for (int tile0 = start; tile0 < end; tile0 += NW * 16) {
     const int tok0 = tile0 + warp * 16;
     const int ntok = VQ_MINI(16, end - tok0);
-    VQ_UNROLL
-    for (int u = 0; u < PRE; ++u) {
-      const int i = lane + 32 * u;
-      if (i < TW) tile[i] = pre[u];
-    }
+    uint32_t* tile = vq_tile + (warp * 2 + buffer) * TW;
+    vq_cp_wait();
     VQ_WSYNC();
-    {
-      const int next = tok0 + NW * 16;
-      const int n = VQ_MINI(16, end - next) * RW;
-      VQ_UNROLL
-      for (int u = 0; u < PRE; ++u) {
-        const int i = lane + 32 * u;
-        pre[u] = (i < n) ? rows[(base + (size_t)next) * RW + i] : 0u;
-      }
-    }
+    buffer ^= 1;
+    fetch(vq_tile + (warp * 2 + buffer) * TW, tok0 + NW * 16);
     // ---- scores of tokens grp and grp + 8 for heads 2 tg, 2 tg + 1
     const uint32_t* r0 = tile + grp * RW;
     const uint32_t* r1 = r0 + 8 * RW;
