@@ -7,6 +7,7 @@ Tolerances (max |out - ref| / max |ref|): 1e-4 for float32 inputs, 4e-3 for fp16
 (rounding of the output / of decoded codes); see kernels.selftest.
 """
 
+import re
 import shutil
 import subprocess
 
@@ -123,6 +124,8 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     picks = [p for p in _plans() if p.kernel != "mse_partial"][:3]
     picks.append(launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16"))
     picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=True, plain=True, value_mean=True, out_dtype="float16"))
+    mma = launch.mma_partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16")
+    picks.append(mma)
     for i, plan in enumerate(picks):
         ins, outs = _dtypes(plan)
         src = tmp_path / f"k{i}.cu"
@@ -133,6 +136,9 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
             pytest.skip("nvcc without a usable CUDA toolkit")
         assert result.returncode == 0, result.stderr[-3000:]
         assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
+        if plan is mma:  # the tensor-core partial's occupancy is register-bound: 4 blocks per SM need <= 128
+            registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+            assert registers <= 128, result.stderr[-2000:]
 
 
 # ---- the kernel text, run in the C++ emulator -----------------------------------------

@@ -90,6 +90,14 @@ VQ_INLINE void vq_mma16816(float* c, const uint32_t* a, const uint32_t* b) {
 }
 #define VQ_UNROLL8 _Pragma("unroll 8")
 #define VQ_UNROLL4 _Pragma("unroll 4")
+// A word from global to shared memory without passing through registers (sm_80+), zero
+// when !ok; visible to other lanes after vq_cp_wait() and a warp sync.
+VQ_INLINE void vq_cp_async4(uint32_t* dst, const uint32_t* src, bool ok) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 4 : 0));
+}
+VQ_INLINE void vq_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+VQ_INLINE void vq_cp_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 #endif
 """
 
@@ -119,14 +127,6 @@ VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
 VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
 #define VQ_UNROLL8 _Pragma("unroll 8")
 #define VQ_UNROLL4 _Pragma("unroll 4")
-// A word from global to shared memory without passing through registers (sm_80+), zero
-// when !ok; visible to other lanes after vq_cp_wait() and a warp sync.
-VQ_INLINE void vq_cp_async4(uint32_t* dst, const uint32_t* src, bool ok) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
-               :: "r"((unsigned)__cvta_generic_to_shared(dst)), "l"(src), "r"(ok ? 4 : 0));
-}
-VQ_INLINE void vq_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-VQ_INLINE void vq_cp_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 #endif
 """
 
