@@ -159,7 +159,7 @@ class StructuredRotation:
 
 @functools.lru_cache(maxsize=None)
 def _base_matrix(m: int) -> mx.array:
-    return mx.hadamard_transform(mx.eye(m))
+    return mx.hadamard_transform(mx.eye(m), stream=mx.cpu)  # MLX's CUDA build fails for m alone (N = 1)
 
 
 def _hadamard_transpose(y: mx.array) -> mx.array:
