@@ -14,7 +14,7 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
                    their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
                    `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
   per-layer-fused  per-layer with each rotation one launch of the fused kernel
-                   (`weights/rotation_kernel.py`, `rotation_kernel.FUSED_ROTATION`, on by default);
+                   (`weights/rotation_kernel.py`, `rotation_kernel.FUSED_ROTATION`, opt-in);
   shared-fused     shared with the norms' rms_norm + transform and o_proj's / down_proj's rotations
                    each one launch of that kernel;
   shared-compiled  shared (ops), each layer's kernel call wrapped in mx.compile (`kernel.COMPILE_ROUTES`).

@@ -104,6 +104,7 @@ def emulated_gpu(monkeypatch):
     monkeypatch.setattr(kernel, "_gpu_dialect", lambda: "cuda")
     monkeypatch.setattr(launch, "_mlx_kernel", emulated)
     monkeypatch.setattr(rotation_kernel, "_VERDICTS", {})
+    monkeypatch.setattr(rotation_kernel, "FUSED_ROTATION", True)  # opt-in
     yield launched
 
 
