@@ -1,6 +1,7 @@
 """Calibrated methods: capture, artifacts, the outliers option, ratequant and plan."""
 
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -315,3 +316,65 @@ def test_calibrated_prompt_cache_saves_and_loads(small, tmp_path):
         loaded = load_prompt_cache(tmp_path / "c.safetensors", **kwargs)
         assert [c.key_codec.width for c in loaded] == [c.key_codec.width for c in caches]
         assert mx.array_equal(small(nxt, cache=loaded), expected).item()
+
+
+# ---- first-use calibration (`artifact_dir="auto"`, calibration.ensure_calibrated) ----------------------
+
+class CharTokenizer:
+    """Enough of a tokenizer for calibration on a tiny model: one id per character."""
+
+    def encode(self, text, **_):
+        return [ord(c) % 512 for c in text]
+
+
+FIRST_USE = KVCacheConfig(method="commvq", bits=2, value_bits=3, residual_length=32, sink_tokens=4,
+                          artifact_dir="auto")
+
+
+@pytest.fixture
+def calibration_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("VELOXQUANT_CACHE_DIR", str(tmp_path))
+    return tmp_path / "calibrated"
+
+
+def test_first_use_calibrates_once_per_model_and_keeps_it(calibration_cache, monkeypatch):
+    import veloxquant_mlx.calibration as calibration
+    model = tiny_llama()
+    with pytest.raises(CalibrationRequiredError, match="tokenizer"):
+        KVCacheBuilder(FIRST_USE).for_model(model).build()
+    calls = []
+    real = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    caches = KVCacheBuilder(FIRST_USE).for_model(model, CharTokenizer()).build()
+    kept = calibration.first_use_dir(FIRST_USE, model)
+    assert len(calls) == 1 and kept.is_relative_to(calibration_cache) and (kept / "artifacts.json").exists()
+    assert caches[0].config.artifact_dir == str(kept)
+    logits = model(mx.arange(48)[None] % 500, cache=caches)
+    assert bool(mx.all(mx.isfinite(logits)))
+    # later builds, with or without a tokenizer and with another window, load what was kept
+    KVCacheBuilder(FIRST_USE).for_model(model).build()
+    KVCacheBuilder(FIRST_USE.replace(residual_length=64)).for_model(model, CharTokenizer()).build()
+    assert len(calls) == 1
+    # another model (other arguments) gets its own calibration
+    other = tiny_llama(layers=3)
+    assert calibration.first_use_dir(FIRST_USE, other) != kept
+    KVCacheBuilder(FIRST_USE).for_model(other, CharTokenizer()).build()
+    assert len(calls) == 2
+
+
+def test_first_use_calibration_is_refused_on_an_unsupported_architecture(calibration_cache):
+    from conftest import tiny_gemma3
+
+    with pytest.raises(Exception, match="commvq"):
+        KVCacheBuilder(FIRST_USE).for_model(tiny_gemma3(), CharTokenizer()).build()
+
+
+def test_first_use_calibration_through_an_eval_spec(calibration_cache):
+    from veloxquant_mlx.evaluation.specs import calibrated_for, parse_method_list
+
+    model = tiny_llama()
+    fp16, spec = parse_method_list("fp16,commvq:2:vbits=3,sinks=4,window=32,artifacts=auto")
+    assert spec.config.artifact_dir == "auto"
+    resolved = calibrated_for([fp16, spec], model, CharTokenizer())
+    assert resolved[0] is fp16 and Path(resolved[1].config.artifact_dir).is_relative_to(calibration_cache)
+    assert len(resolved[1].make_caches(model)) == len(model.layers)

@@ -12,7 +12,11 @@ the generic `outliers` option, and writes an artifact dir through `artifacts.pre
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -187,6 +191,66 @@ def calibrate(model, config, sequences: Sequence[mx.array], out_dir, source: str
     return record
 
 
+AUTO = "auto"  # KVCacheConfig(artifact_dir="auto"): calibrated once per model on first use (`ensure_calibrated`)
+PACKAGED_TEXT = Path(__file__).parent / "data" / "python-reference.txt"
+
+
+def calibration_cache_dir() -> Path:
+    """Where first-use calibrations are kept: $VELOXQUANT_CACHE_DIR, else $XDG_CACHE_HOME/veloxquant,
+    else ~/.cache/veloxquant (then `calibrated/<model>/<config>`)."""
+    root = os.environ.get("VELOXQUANT_CACHE_DIR")
+    if not root:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "veloxquant"
+    return Path(root) / "calibrated"
+
+
+def first_use_dir(config, model) -> Path:
+    """The artifact dir a first-use calibration of `config` for `model` is kept in: one per model
+    (its type and arguments) and per set of codecs (`codec_key`: sinks or a window do not change it)."""
+    from .artifacts import model_identity
+
+    identity = model_identity(model)
+    codecs = hashlib.sha256(json.dumps(config.replace(artifact_dir=None).codec_key(), sort_keys=True,
+                                       default=str).encode()).hexdigest()[:16]
+    return calibration_cache_dir() / f"{identity['model_type']}-{identity['args_sha256'][:16]}" / f"{config.method}-{codecs}"
+
+
+def ensure_calibrated(config, model, tokenizer=None, progress: bool = True):
+    """`config` with `artifact_dir="auto"` resolved for `model`: the kept first-use calibration if
+    there is one, else a calibration now on the text shipped in the package (`PACKAGED_TEXT`, so
+    that no evaluation text is tuned on), written atomically and kept. Any other config is
+    returned as it is. Calibrating needs `tokenizer`; without one a CalibrationRequiredError
+    says how to provide it."""
+    if config.artifact_dir != AUTO:
+        return config
+    from .artifacts import ARTIFACT_JSON
+    from .methods.outliers import CalibrationRequiredError
+
+    out = first_use_dir(config, model)
+    resolved = config.replace(artifact_dir=str(out))
+    if (out / ARTIFACT_JSON).exists():
+        return resolved  # loading it checks the model's fingerprint and every checksum
+    if tokenizer is None:
+        raise CalibrationRequiredError(
+            f"{config.describe()} calibrates once per model on first use, which needs the tokenizer: "
+            f"pass it (KVCacheBuilder(config).for_model(model, tokenizer=tokenizer)), or calibrate with "
+            f"`veloxquant calibrate` and pass artifact_dir=DIR")
+    print(f"[calibrating {config.describe()} for this model once, on {PACKAGED_TEXT.name}; kept in {out}]",
+          file=sys.stderr, flush=True)
+    sequences = calibration_tokens(tokenizer, PACKAGED_TEXT.read_text())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as scratch:
+        written = Path(scratch) / "artifacts"
+        calibrate(model, config.replace(artifact_dir=None), sequences, written,
+                  source=f"veloxquant_mlx/data/{PACKAGED_TEXT.name}", progress=progress)
+        try:
+            os.replace(written, out)  # atomic: a concurrent or interrupted run never leaves half a dir
+        except OSError:
+            if not (out / ARTIFACT_JSON).exists():  # another process kept its own first: use that
+                raise
+    return resolved
+
+
 def run_calibrate(args) -> None:
     import json
 
@@ -194,6 +258,8 @@ def run_calibrate(args) -> None:
     from .models import load_model
 
     config = config_from_args(args)
+    if config.artifact_dir == AUTO:  # a `-calibrated` preset: calibrated here into --out instead
+        config = config.replace(artifact_dir=None)
     if config.artifact_dir is not None:
         raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")
     model, tokenizer = load_model(args.model)

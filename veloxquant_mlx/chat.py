@@ -44,7 +44,7 @@ class ChatSession:
 
     def reset(self):
         self.messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        self.caches = KVCacheBuilder(self.config).for_model(self.model).build()
+        self.caches = KVCacheBuilder(self.config).for_model(self.model, self.tokenizer).build()
         self.cached_tokens: List[int] = []
         self.last = None  # the last turn's final GenerationResponse
         self.last_prefilled = 0

@@ -18,7 +18,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "
         "KV cache", "Flags left unset take the --kv preset's value, or else the default shown."
     )
     group.add_argument("--kv", choices=sorted(KV_PRESETS), default=None, metavar="PRESET",
-                       help=f"a recommended zero-calibration configuration: {describe_presets()} "
+                       help=f"a recommended configuration: {describe_presets()} "
                             "(default: none; the flags below)")
     group.add_argument("--method", default=None,
                        help=f"compression method, see `veloxquant methods` (default: {default_method})")
@@ -135,6 +135,7 @@ def _cache_flags_given(args) -> bool:
 
 
 def run_generate(args) -> None:
+    from .calibration import ensure_calibrated
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -147,6 +148,7 @@ def run_generate(args) -> None:
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
+    config = ensure_calibrated(config, model, tokenizer)
     prompt = args.prompt.replace("\\n", "\n")
     prompt = sys.stdin.read() if prompt == "-" else prompt
     use_template = not args.ignore_chat_template and tokenizer.chat_template is not None
@@ -162,7 +164,7 @@ def run_generate(args) -> None:
             prompt = tokenizer.encode(prompt, add_special_tokens=False)
         print(f"[prompt cache {args.prompt_cache_file}: {caches[0].offset} tokens, {config.describe()}]")
     else:
-        caches = KVCacheBuilder(config).for_model(model).build(max_kv_size=args.max_kv_size)
+        caches = KVCacheBuilder(config).for_model(model, tokenizer).build(max_kv_size=args.max_kv_size)
         if use_template:
             messages = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
             messages.append({"role": "user", "content": prompt})
@@ -187,6 +189,7 @@ def run_generate(args) -> None:
 
 
 def run_chat(args) -> None:
+    from .calibration import ensure_calibrated
     from mlx_lm.sample_utils import make_sampler
     import mlx.core as mx
 
@@ -198,6 +201,7 @@ def run_chat(args) -> None:
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
+    config = ensure_calibrated(config, model, tokenizer)
     if args.seed is not None:
         mx.random.seed(args.seed)
     session = ChatSession(model, tokenizer, config, args.system_prompt, template_kwargs, model_name=args.model)
@@ -205,6 +209,7 @@ def run_chat(args) -> None:
 
 
 def run_cache_prompt(args) -> None:
+    from .calibration import ensure_calibrated
     from pathlib import Path
 
     from .models import load_model
@@ -214,6 +219,7 @@ def run_cache_prompt(args) -> None:
     text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
+    config = ensure_calibrated(config, model, tokenizer)
 
     def progress(done, total):
         print(f"\rprefilled {done}/{total} tokens", end="", file=sys.stderr, flush=True)

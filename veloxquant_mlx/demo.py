@@ -30,6 +30,7 @@ DEMO_PROTECTIONS = {"sink_tokens": 4, "residual_length": 64, "center": True}
 def run_demo(args) -> None:
     from mlx_lm import stream_generate
 
+    from .calibration import ensure_calibrated
     from .cli import config_from_args
     from .evaluation.data import load_text, tokenize_prefix
     from .evaluation.kvlayout import kv_layout
@@ -51,6 +52,7 @@ def run_demo(args) -> None:
         config = config.replace(options={**config.options, "renorm": True})
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
+    config = ensure_calibrated(config, model, tokenizer)  # the `-calibrated` presets, once per model
     layout = kv_layout(model)
     text = load_text(str(text_path))
     windows = make_windows(tokenize_prefix(tokenizer, text, args.ctx), args.ctx, 1)
@@ -102,7 +104,7 @@ def run_demo(args) -> None:
         add_generation_prompt=True,
         tokenize=False,
     )
-    caches = KVCacheBuilder(config).for_model(model).build()
+    caches = KVCacheBuilder(config).for_model(model, tokenizer).build()
     answer = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=30, prompt_cache=caches))
     print(f"sample answer with the compressed cache: {answer.strip()!r}")
     layer = caches[0]

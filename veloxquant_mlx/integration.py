@@ -22,6 +22,7 @@ import mlx_lm.models.cache as mlx_cache
 from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
 from .settings import EngineSettings
 from .batch import BatchCompressedKVCache
+from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
 from .config import KVCacheConfig, follow_bits
 from .methods import get_method
@@ -75,14 +76,17 @@ def base_caches(model) -> list:
 
 
 def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None,
-                      settings: Optional[EngineSettings] = None, max_kv_size: Optional[int] = None) -> list:
+                      settings: Optional[EngineSettings] = None, max_kv_size: Optional[int] = None,
+                      tokenizer=None) -> list:
     """One compressed cache per attention layer (a `CompressedRotatingKVCache` where the model
     asks for mlx-lm's sliding-window `RotatingKVCache`, with its max_size and keep); `settings`
     (default: resolved now, once for every layer) choose the back end and attention paths.
     `max_kv_size`: as mlx-lm's `make_prompt_cache`, full-attention layers keep only the last
-    `max_kv_size` tokens (and the first 4) in a rotating cache."""
+    `max_kv_size` tokens (and the first 4) in a rotating cache. `tokenizer`: for a config with
+    `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     install_attention_hook(model)
     get_method(config.method).check_model(model)
+    config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
@@ -115,9 +119,10 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     return caches
 
 
-def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None):
+def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None, tokenizer=None):
     """Make `model.make_cache()` (and so plain `mlx_lm.generate`) return fresh compressed caches."""
     get_method(config.method).check_model(model)
+    config = ensure_calibrated(config, model, tokenizer)
     codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     compressed_caches(model, config, codecs, settings)  # fail now, not at the first generate
     model.make_cache = lambda: compressed_caches(model, config, codecs, settings)
@@ -179,12 +184,12 @@ class KVCacheBuilder:
             raise TypeError(f"KVCacheBuilder takes a KVCacheConfig, got {type(config).__name__}")
         self._fields = dict(vars(config)) if config is not None else {}
         self._fields.update(follow_bits(self._fields, changes))
-        self._model = None
+        self._model = self._tokenizer = None
         self._head_dim = None
 
     def _with(self, **changes) -> "KVCacheBuilder":
         builder = KVCacheBuilder(**{**self._fields, **follow_bits(self._fields, changes)})
-        builder._model, builder._head_dim = self._model, self._head_dim
+        builder._model, builder._tokenizer, builder._head_dim = self._model, self._tokenizer, self._head_dim
         return builder
 
     def with_method(self, method: str):
@@ -211,11 +216,13 @@ class KVCacheBuilder:
         builder._head_dim = head_dim
         return builder
 
-    def for_model(self, model):
+    def for_model(self, model, tokenizer=None):
+        """`tokenizer`: needed once per model by a config that calibrates on first use
+        (`artifact_dir="auto"`, the `-calibrated` presets)."""
         if not hasattr(model, "layers"):
             raise TypeError(f"for_model expects an mlx-lm model (with .layers), got {type(model).__name__}")
         builder = self._with()
-        builder._model = model
+        builder._model, builder._tokenizer = model, tokenizer
         return builder
 
     def config(self) -> KVCacheConfig:
@@ -226,7 +233,8 @@ class KVCacheBuilder:
         as in `compressed_caches`."""
         config = self.config()
         if self._model is not None:
-            return compressed_caches(self._model, config, settings=settings, max_kv_size=max_kv_size)
+            return compressed_caches(self._model, config, settings=settings, max_kv_size=max_kv_size,
+                                     tokenizer=self._tokenizer)
         if self._head_dim is not None:
             return SingleHeadCache(config, self._head_dim)
         raise ValueError("call for_model(model) or with_head_dim(d) before build()")
@@ -278,6 +286,11 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
     recorded. With `model`, files saved from another model's caches are refused."""
     install_attention_hook()
     codecs = None
+    if config is not None and config.artifact_dir == AUTO:
+        if model is None:
+            raise CacheFormatError(f"cannot load {path} with {config.describe()}: a config that calibrates on "
+                                   f"first use needs the model (load_prompt_cache(..., model=model))")
+        config = ensure_calibrated(config, model)
     if config is not None:
         try:
             codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir and model else None)

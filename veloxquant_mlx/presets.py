@@ -6,6 +6,11 @@ on SmolLM2 (`benchmarks/results/presets-sweep`, tuned on WikiText-2 from token 2
 text's first windows, `benchmarks/results/presets-eval`). Each one's `PRESET_BITS` is an upper bound on the
 caches' bytes per coordinate at every context of 2048 tokens or more (the fp16 sinks and window cost most at
 2048 and less after), which `tests/test_presets.py` measures from the caches' bytes. None needs calibration.
+
+No preset is calibrated: CommVQ keys (llama family), the best at 3 and 2 bits when calibrated on WikiText-2,
+lost to `vq3` / `vq2` when calibrated on the text shipped in the package, as a first-use calibration would be
+(`benchmarks/results/calibrated-first-use-ppl`, docs/calibrated.md). `artifact_dir="auto"`
+(`calibration.ensure_calibrated`) is that first-use calibration, for any calibrated config.
 Change the table here; the CLI help and `describe_presets` list whatever it holds.
 """
 

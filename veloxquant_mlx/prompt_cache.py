@@ -42,7 +42,7 @@ def cache_prompt(model, tokenizer, text: str, config: KVCacheConfig, out, model_
                  step: int = 512, progress=None) -> dict:
     """Write the compressed cache of `text` to `out`; returns what was written."""
     tokens = document_tokens(tokenizer, text)
-    caches = KVCacheBuilder(config).for_model(model).build()
+    caches = KVCacheBuilder(config).for_model(model, tokenizer).build()
     start = time.perf_counter()
     prefill(model, caches, tokens, step, progress)
     seconds = time.perf_counter() - start

@@ -68,7 +68,7 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         if self.kv_config is not None:
-            patch_model(model, self.kv_config)
+            patch_model(model, self.kv_config, tokenizer=tokenizer)
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
         self.is_batchable = all(getattr(c, "batchable", hasattr(c, "merge")) for c in make_prompt_cache(model))

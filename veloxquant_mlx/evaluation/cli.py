@@ -60,6 +60,7 @@ def run_ppl(args) -> None:
     from .kvlayout import kv_layout
     from .perplexity import evaluate_perplexity, make_windows
     from .results import model_record, new_results
+    from .specs import calibrated_for
     from .watchdog import MemoryGuard
 
     specs = _methods(args)
@@ -67,6 +68,7 @@ def run_ppl(args) -> None:
         raise ValueError(f"--windows must be >= 1, got {args.windows}")
     text = load_text(args.text, args.dataset)
     model, tokenizer = _load(args)
+    specs = calibrated_for(specs, model, tokenizer)
     skip = getattr(args, "skip_tokens", 0)
     if skip < 0:
         raise ValueError(f"--skip-tokens must be >= 0, got {skip}")
@@ -94,12 +96,14 @@ def run_needle(args) -> None:
     from .kvlayout import kv_layout
     from .needle import evaluate_needle, make_cases, parse_depths, parse_lengths
     from .results import model_record, new_results
+    from .specs import calibrated_for
     from .watchdog import MemoryGuard
 
     specs = _methods(args)
     lengths, depths = parse_lengths(args.lengths), parse_depths(args.depths)
     text = load_text(args.text, args.dataset)
     model, tokenizer = _load(args)
+    specs = calibrated_for(specs, model, tokenizer)
     filler = tokenize_prefix(tokenizer, text, max(lengths))
     cases = make_cases(tokenizer, filler, lengths, depths, args.trials, args.seed)
     layout = kv_layout(model)
@@ -120,7 +124,7 @@ def run_needle(args) -> None:
 
 
 def _benchmark_model(args):
-    """(model, description, weights description) for --shape or --model."""
+    """(model, description, dtype, weights description, tokenizer or None) for --shape or --model."""
     import mlx.core as mx
 
     from .shapes import build_shape_model, quantize_weights, resolve_dtype
@@ -129,17 +133,17 @@ def _benchmark_model(args):
     weights = "float" if args.weights_bits is None else f"{args.weights_bits}-bit (group 64)"
     if args.shape:
         model = build_shape_model(args.shape, dtype_name, args.weights_bits, seed=args.seed)
-        return model, f"random-weight `{args.shape}`", dtype_name, weights
+        return model, f"random-weight `{args.shape}`", dtype_name, weights, None
     from ..models import load_model
 
     if args.weights_bits is None and args.dtype in (None, "auto"):
-        model, _ = load_model(args.model)
-        return model, f"`{args.model}`", "as loaded", "as loaded"
-    model, _ = load_model(args.model, dequantize=True)
+        model, tokenizer = load_model(args.model)
+        return model, f"`{args.model}`", "as loaded", "as loaded", tokenizer
+    model, tokenizer = load_model(args.model, dequantize=True)
     model.set_dtype(dtype)
     quantize_weights(model, args.weights_bits)
     mx.eval(model.parameters())
-    return model, f"`{args.model}`", dtype_name, weights
+    return model, f"`{args.model}`", dtype_name, weights, tokenizer
 
 
 def _first_use_check() -> float:
@@ -158,6 +162,7 @@ def run_benchmark_command(args) -> None:
     from .kvlayout import kv_layout
     from .needle import parse_lengths
     from .results import model_record, new_results
+    from .specs import calibrated_for
     from .watchdog import MemoryGuard
 
     specs = _methods(args)
@@ -166,7 +171,8 @@ def run_benchmark_command(args) -> None:
         raise ValueError("give --model or --shape, not both")
     if not args.shape and not args.model:
         args.model = "smollm2"
-    model, source, dtype_name, weights = _benchmark_model(args)
+    model, source, dtype_name, weights, tokenizer = _benchmark_model(args)
+    specs = calibrated_for(specs, model, tokenizer)
     layout = kv_layout(model)
     vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or 1000
     results = new_results("benchmark", args, model_record(model, args.shape or str(args.model), layout))

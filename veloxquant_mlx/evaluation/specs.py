@@ -13,8 +13,9 @@
 
 from __future__ import annotations
 
+
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
 
 from mlx_lm.models import cache as mlx_cache
@@ -268,6 +269,15 @@ def parse_method_spec(spec: str) -> MethodSpec:
     if name in KV_PRESETS:
         return _preset(spec, name, bits, settings)
     return _veloxquant(spec, name, bits, settings)
+
+
+def calibrated_for(specs: List[MethodSpec], model, tokenizer) -> List[MethodSpec]:
+    """`specs` with every config that calibrates on first use (`artifact_dir="auto"`, the `-calibrated`
+    presets) resolved for `model`, calibrating now where it has not been (`calibration.ensure_calibrated`)."""
+    from ..calibration import AUTO, ensure_calibrated
+
+    return [replace(s, config=ensure_calibrated(s.config, model, tokenizer))
+            if s.config is not None and s.config.artifact_dir == AUTO else s for s in specs]
 
 
 def parse_method_list(text: str) -> List[MethodSpec]:
