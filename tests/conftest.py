@@ -121,3 +121,30 @@ def assert_engine_paths_agree(model, config, tokens, settings=None):
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
     plain = mx.fast.scaled_dot_product_attention(q, keys, values, scale=0.2)
     assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
+
+
+def emulate_gpu_kernels(monkeypatch, launched=None):
+    """Run the weights' GPU kernel launches (`mx.fast.cuda_kernel`) through the C++ emulation of the
+    same kernel text instead; each launched kernel's name is appended to `launched`."""
+    import numpy as np
+    import pytest
+
+    from veloxquant_mlx.kernels import emulator, launch
+    from veloxquant_mlx.weights import kernel
+
+    if emulator.compiler() is None:
+        pytest.skip("no C++20 compiler for the kernel emulator")
+    names = {value: name for name, value in launch._DTYPES.items()}
+
+    def emulated(dialect, name):
+        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            if launched is not None:
+                launched.append(name)
+            template = [(k, names[v] if isinstance(v, mx.Dtype) else v) for k, v in template]
+            outs = emulator.run(name, [np.array(a) for a in inputs], template, grid, threadgroup, output_shapes,
+                                [names[d] for d in output_dtypes])
+            return [mx.array(o) for o in outs]
+        return run
+
+    monkeypatch.setattr(kernel, "_gpu_dialect", lambda: "cuda")
+    monkeypatch.setattr(launch, "_mlx_kernel", emulated)

@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import config_for, tiny_llama
+from conftest import config_for, emulate_gpu_kernels, tiny_llama
 
 from veloxquant_mlx.codebooks import lloyd_max
 from veloxquant_mlx.rotations import hadamard_base
@@ -597,23 +597,7 @@ def test_layer_routes_are_kept_per_decode_shape_and_compile_on_the_cpu(monkeypat
 def test_gpu_route_launch_arguments_run_the_kernel_in_the_emulator(monkeypatch):
     """The GPU route's launch (its kept template, grid and final output shape, no reshape) through
     the kernel's C++ emulation, in place of mx.fast.cuda_kernel: the same result as the tiled matmul."""
-    from veloxquant_mlx.kernels import emulator, launch
-    from veloxquant_mlx.weights import kernel
-
-    if emulator.compiler() is None:
-        pytest.skip("no C++20 compiler for the kernel emulator")
-    names = {value: name for name, value in launch._DTYPES.items()}
-
-    def emulated(dialect, name):
-        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            template = [(k, names[v] if isinstance(v, mx.Dtype) else v) for k, v in template]
-            outs = emulator.run(name, [np.array(a) for a in inputs], template, grid, threadgroup, output_shapes,
-                                [names[d] for d in output_dtypes])
-            return [mx.array(o) for o in outs]
-        return run
-
-    monkeypatch.setattr(kernel, "_gpu_dialect", lambda: "cuda")
-    monkeypatch.setattr(launch, "_mlx_kernel", emulated)
+    emulate_gpu_kernels(monkeypatch)
     for bits, dim, group, rows in ((4, 256, None, 1), (3, NON_HADAMARD_DIM, None, 3), (2, 128, 32, 2)):
         layer = QuantizedLinear.from_weight(_weight(37, dim, seed=bits), bits, group_size=group, column_alpha=0.5)
         x = _weight(rows, dim, seed=5)[None]

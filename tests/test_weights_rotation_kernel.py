@@ -3,13 +3,13 @@ it equals `StructuredRotation.apply` and the shared norm's ops, the layers' GPU 
 the model's logits are unchanged, and a failed first-use check warns."""
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
+from conftest import emulate_gpu_kernels
 from mlx_lm.models import llama
 
-from veloxquant_mlx.kernels import emulator, launch
-from veloxquant_mlx.weights import QuantizedLinear, StructuredRotation, kernel, quantize_model, rotation_kernel
+from veloxquant_mlx.kernels import emulator
+from veloxquant_mlx.weights import QuantizedLinear, StructuredRotation, quantize_model, rotation_kernel
 from veloxquant_mlx.weights.shared import RotatingRMSNorm, rotating_norms
 
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
@@ -87,22 +87,8 @@ def test_kernel_with_the_norm_equals_the_rotating_norm(dim, threads, buffer):
 def emulated_gpu(monkeypatch):
     """The GPU routes with mx.fast.cuda_kernel replaced by the C++ emulation of the same kernel
     text; yields the names of the kernels launched."""
-    if emulator.compiler() is None:
-        pytest.skip("no C++20 compiler for the kernel emulator")
-    names = {value: name for name, value in launch._DTYPES.items()}
     launched = []
-
-    def emulated(dialect, name):
-        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            launched.append(name)
-            template = [(k, names[v] if isinstance(v, mx.Dtype) else v) for k, v in template]
-            outs = emulator.run(name, [np.array(a) for a in inputs], template, grid, threadgroup, output_shapes,
-                                [names[d] for d in output_dtypes])
-            return [mx.array(o) for o in outs]
-        return run
-
-    monkeypatch.setattr(kernel, "_gpu_dialect", lambda: "cuda")
-    monkeypatch.setattr(launch, "_mlx_kernel", emulated)
+    emulate_gpu_kernels(monkeypatch, launched)
     monkeypatch.setattr(rotation_kernel, "_VERDICTS", {})
     monkeypatch.setattr(rotation_kernel, "FUSED_ROTATION", True)  # opt-in
     yield launched

@@ -118,6 +118,19 @@ def _numpy_rotation(x: np.ndarray, dim: int) -> np.ndarray:
     return np.einsum("ab,rap->rbp", base, y).reshape(len(x), dim)
 
 
+def _route_error(case_name: str, name: str, compiled: bool, run) -> float:
+    """`run()`'s error with the layers' routes compiled or not; a failing launch is a failed case (inf),
+    reported as such."""
+    kernel.COMPILE_ROUTES, before = compiled, kernel.COMPILE_ROUTES
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001
+        print(f"{case_name} {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return float("inf")
+    finally:
+        kernel.COMPILE_ROUTES = before
+
+
 def run_rotation_case(case: RotationCase, backend: str) -> dict:
     rng = np.random.default_rng([case.seed, case.dim, case.rows])
     dtype = getattr(mx, case.dtype)
@@ -145,16 +158,11 @@ def run_rotation_case(case: RotationCase, backend: str) -> dict:
     errors = {"ops": float(np.abs(np.array(got.astype(mx.float32)) - np.array(ops.astype(mx.float32))).max() / scale),
               "numpy": error(got)}
     if backend != "emulator" and case.threads == rotation_kernel.MAX_THREADS:
+        def through_route():
+            route = rotation_kernel.route(x, rotation, weight, eps)
+            return float("inf") if route is None else error(route(x, weight))
         for name, compiled in (("route", False), ("compiled", True)):
-            kernel.COMPILE_ROUTES, before = compiled, kernel.COMPILE_ROUTES
-            try:
-                route = rotation_kernel.route(x, rotation, weight, eps)
-                errors[name] = float("inf") if route is None else error(route(x, weight))
-            except Exception as exc:  # noqa: BLE001 - a failing launch is a failed case, reported as such
-                print(f"{case.name} {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                errors[name] = float("inf")
-            finally:
-                kernel.COMPILE_ROUTES = before
+            errors[name] = _route_error(case.name, name, compiled, through_route)
     tolerance = TOLERANCES[case.dtype]
     return {**asdict(case), "kernel": rotation_kernel.KERNEL_NAME, "backend": backend, "errors": errors,
             "tolerance": tolerance, "ok": all(e <= tolerance for e in errors.values())}
@@ -182,21 +190,18 @@ def run_case(case: Case, backend: str) -> dict:
     scale = np.abs(exact).max()
     errors = {"tiled": float(np.abs(got - tiled).max() / scale), "numpy": float(np.abs(got - exact).max() / scale)}
     if backend != "emulator":
-        for name, compiled in (("route", False), ("compiled", True), ("layer", False)):
-            kernel.COMPILE_ROUTES, before = compiled, kernel.COMPILE_ROUTES
-            try:
+        def through(name):
+            def run():
                 if name == "layer":  # the layer's own rotation route on x
                     routed = layer(x.astype(dtype)[None])
                 else:
                     routed = layer.with_rotated_input()(x_rot[None])
-                errors[name] = float(np.abs(np.array(routed.astype(mx.float32))[0] - exact).max() / scale)
                 if routed.shape != (1, case.rows, case.out_features):
-                    errors[name] = float("inf")
-            except Exception as exc:  # noqa: BLE001 - a failing launch is a failed case, reported as such
-                print(f"{case.name} {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                errors[name] = float("inf")
-            finally:
-                kernel.COMPILE_ROUTES = before
+                    return float("inf")
+                return float(np.abs(np.array(routed.astype(mx.float32))[0] - exact).max() / scale)
+            return run
+        for name, compiled in (("route", False), ("compiled", True), ("layer", False)):
+            errors[name] = _route_error(case.name, name, compiled, through(name))
     tolerance = TOLERANCES[case.dtype]
     return {**asdict(case), "backend": backend, "errors": errors, "tolerance": tolerance,
             "ok": all(e <= tolerance for e in errors.values())}
