@@ -252,13 +252,11 @@ def ensure_calibrated(config, model, tokenizer=None, progress: bool = True):
 
 
 def run_calibrate(args) -> None:
-    import json
-
     from .cli import config_from_args
     from .models import load_model
 
     config = config_from_args(args)
-    if config.artifact_dir == AUTO:  # a `-calibrated` preset: calibrated here into --out instead
+    if config.artifact_dir == AUTO:  # a first-use config: calibrated here into --out instead
         config = config.replace(artifact_dir=None)
     if config.artifact_dir is not None:
         raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")

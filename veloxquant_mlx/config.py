@@ -36,6 +36,8 @@ class KVCacheConfig:
     exact arithmetic, since softmax ignores a per-query shift of all scores and
     the probabilities sum to one, but the codes spend their range on what varies.
     Method-specific settings go in `options` and are checked by the method.
+    `artifact_dir` names a calibrated method's artifacts (`veloxquant calibrate`); "auto"
+    calibrates once per model on first use and keeps them (`calibration.ensure_calibrated`).
 
     Published spellings are accepted as aliases (`ALIASES`: `algorithm=` for `method=`,
     `bit_width_inlier=`/`k_bits=`/`kv_bits=` for `bits=`, `v_bits=` for `value_bits=`,

@@ -52,7 +52,7 @@ def run_demo(args) -> None:
         config = config.replace(options={**config.options, "renorm": True})
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    config = ensure_calibrated(config, model, tokenizer)  # the `-calibrated` presets, once per model
+    config = ensure_calibrated(config, model, tokenizer)  # artifact_dir="auto": once per model
     layout = kv_layout(model)
     text = load_text(str(text_path))
     windows = make_windows(tokenize_prefix(tokenizer, text, args.ctx), args.ctx, 1)

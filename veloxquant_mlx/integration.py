@@ -218,7 +218,7 @@ class KVCacheBuilder:
 
     def for_model(self, model, tokenizer=None):
         """`tokenizer`: needed once per model by a config that calibrates on first use
-        (`artifact_dir="auto"`, the `-calibrated` presets)."""
+        (`artifact_dir="auto"`)."""
         if not hasattr(model, "layers"):
             raise TypeError(f"for_model expects an mlx-lm model (with .layers), got {type(model).__name__}")
         builder = self._with()

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any, Dict, List, Optional
@@ -272,8 +271,8 @@ def parse_method_spec(spec: str) -> MethodSpec:
 
 
 def calibrated_for(specs: List[MethodSpec], model, tokenizer) -> List[MethodSpec]:
-    """`specs` with every config that calibrates on first use (`artifact_dir="auto"`, the `-calibrated`
-    presets) resolved for `model`, calibrating now where it has not been (`calibration.ensure_calibrated`)."""
+    """`specs` with every config that calibrates on first use (`artifact_dir="auto"`) resolved for `model`,
+    calibrating now where it has not been (`calibration.ensure_calibrated`)."""
     from ..calibration import AUTO, ensure_calibrated
 
     return [replace(s, config=ensure_calibrated(s.config, model, tokenizer))
