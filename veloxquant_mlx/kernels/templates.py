@@ -592,7 +592,6 @@ MSE_PARTIAL_MMA = r"""
   constexpr int KS = D / 16;
   constexpr uint32_t KMASK = (1u << KB) - 1u;
   constexpr uint32_t VMASK = (1u << VB) - 1u;
-  constexpr uint32_t KPMASK = (1u << (2 * KB)) - 1u;
   constexpr bool KPAIR = KB <= 3;  // pair tables up to 64 entries; wider codes: two lookups
   constexpr bool VPAIR = VB <= 3;
   constexpr int KP = KPAIR ? (1 << (2 * KB)) : 1;
@@ -645,25 +644,17 @@ MSE_PARTIAL_MMA = r"""
   }
   VQ_SYNC();
 
-  // The thread's bit range of a row, shifted so that it starts at bit 0 of w[0].
-  auto load_key_bits = [&](uint32_t* w, const uint32_t* row, int bit0) {
+  // The thread's n-word bit range of a row, shifted so that it starts at bit 0 of w[0] (n is
+  // KN or VN: a constant once the lambda is inlined, so the loops unroll to n).
+  constexpr int NMAX = KN > VN ? KN : VN;
+  auto load_bits = [&](uint32_t* w, const uint32_t* row, int bit0, int n) {
     const int wi = bit0 >> 5;
     const int sh = bit0 & 31;
     VQ_UNROLL
-    for (int i = 0; i < KN; ++i) w[i] = row[wi + i];
+    for (int i = 0; i < NMAX; ++i) if (i < n) w[i] = row[wi + i];
     if (sh) {
       VQ_UNROLL
-      for (int i = 0; i + 1 < KN; ++i) w[i] = (w[i] >> sh) | (w[i + 1] << (32 - sh));
-    }
-  };
-  auto load_value_bits = [&](uint32_t* w, const uint32_t* row, int bit0) {
-    const int wi = bit0 >> 5;
-    const int sh = bit0 & 31;
-    VQ_UNROLL
-    for (int i = 0; i < VN; ++i) w[i] = row[wi + i];
-    if (sh) {
-      VQ_UNROLL
-      for (int i = 0; i + 1 < VN; ++i) w[i] = (w[i] >> sh) | (w[i + 1] << (32 - sh));
+      for (int i = 0; i + 1 < NMAX; ++i) if (i + 1 < n) w[i] = (w[i] >> sh) | (w[i + 1] << (32 - sh));
     }
   };
   // `width` bits at bit `bit` of an aligned range (bit a compile-time constant once unrolled).
@@ -716,8 +707,8 @@ MSE_PARTIAL_MMA = r"""
     {
       uint32_t k0[KN];
       uint32_t k1[KN];
-      load_key_bits(k0, r0, tg * KBITS);
-      load_key_bits(k1, r1, tg * KBITS);
+      load_bits(k0, r0, tg * KBITS, KN);
+      load_bits(k1, r1, tg * KBITS, KN);
       VQ_UNROLL
       for (int ks = 0; ks < KS; ++ks) {
         uint32_t a[4];
@@ -782,10 +773,10 @@ MSE_PARTIAL_MMA = r"""
       uint32_t wc[VN];
       uint32_t wd[VN];
       const uint32_t* va = tile + (2 * tg) * RW + KW;
-      load_value_bits(wa, va, grp * VBITS);
-      load_value_bits(wb, va + RW, grp * VBITS);
-      load_value_bits(wc, va + 8 * RW, grp * VBITS);
-      load_value_bits(wd, va + 9 * RW, grp * VBITS);
+      load_bits(wa, va, grp * VBITS, VN);
+      load_bits(wb, va + RW, grp * VBITS, VN);
+      load_bits(wc, va + 8 * RW, grp * VBITS, VN);
+      load_bits(wd, va + 9 * RW, grp * VBITS, VN);
       VQ_UNROLL
       for (int mt = 0; mt < KS; ++mt) {
         acc[4 * mt] *= al0;
