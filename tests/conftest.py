@@ -148,3 +148,19 @@ def emulate_gpu_kernels(monkeypatch, launched=None):
 
     monkeypatch.setattr(kernel, "_gpu_dialect", lambda: "cuda")
     monkeypatch.setattr(launch, "_mlx_kernel", emulated)
+
+
+def compile_cuda_without_spills(src, out) -> str:
+    """nvcc's sm_90 build of the translation unit `src` into `out` (skips the test without a usable
+    CUDA toolkit); asserts it compiles with no register spills and returns ptxas's report."""
+    import subprocess
+
+    import pytest
+
+    result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o", str(out), str(src)],
+                            capture_output=True, text=True)
+    if result.returncode != 0 and "cannot find" in (result.stderr + result.stdout).lower():
+        pytest.skip("nvcc without a usable CUDA toolkit")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
+    return result.stderr

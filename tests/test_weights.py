@@ -7,7 +7,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from conftest import config_for, emulate_gpu_kernels, tiny_llama
+from conftest import compile_cuda_without_spills, config_for, emulate_gpu_kernels, tiny_llama
 
 from veloxquant_mlx.codebooks import lloyd_max
 from veloxquant_mlx.rotations import hadamard_base
@@ -249,8 +249,6 @@ def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
 def test_lut_kernel_cuda_source_compiles_with_nvcc(tmp_path):
     """The CUDA translation unit MLX would build compiles for sm_90 without spills."""
-    import subprocess
-
     from veloxquant_mlx.kernels import templates
     from veloxquant_mlx.weights import kernel
 
@@ -259,12 +257,7 @@ def test_lut_kernel_cuda_source_compiles_with_nvcc(tmp_path):
         src = tmp_path / f"lut{i}.cu"
         ins = {"x": x, "codes": "uint32", "scales": "float16", "lut": "float32"}
         src.write_text(templates.render_cuda("lut_matmul", plan.template, ins, {"out": x}, mlx_header=False))
-        result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
-                                 str(tmp_path / f"lut{i}.o"), str(src)], capture_output=True, text=True)
-        if result.returncode != 0 and "cannot find" in (result.stderr + result.stdout).lower():
-            pytest.skip("nvcc without a usable CUDA toolkit")
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
+        compile_cuda_without_spills(src, tmp_path / f"lut{i}.o")
 
 
 def test_quantize_model_takes_mlx_quantized_layers():

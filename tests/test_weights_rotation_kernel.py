@@ -5,7 +5,7 @@ the model's logits are unchanged, and a failed first-use check warns."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import emulate_gpu_kernels
+from conftest import compile_cuda_without_spills, emulate_gpu_kernels
 from mlx_lm.models import llama
 
 from veloxquant_mlx.kernels import emulator
@@ -176,8 +176,6 @@ def test_weights_selftest_runs_the_rotation_cases_in_the_emulator(capsys):
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
 def test_cuda_source_compiles_with_nvcc_without_spills(tmp_path):
     """The translation units MLX would build for the 8B shape's plans compile for sm_90, no spills."""
-    import subprocess
-
     from veloxquant_mlx.kernels import templates
 
     for i, (dim, norm, dtype) in enumerate(((4096, False, "float16"), (14336, True, "bfloat16"))):
@@ -186,9 +184,4 @@ def test_cuda_source_compiles_with_nvcc_without_spills(tmp_path):
         src = tmp_path / f"rotate{i}.cu"
         src.write_text(templates.render_cuda(rotation_kernel.KERNEL_NAME, plan.template, ins, {"out": dtype},
                                              mlx_header=False))
-        result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-c", "-Xptxas", "-v", "-o",
-                                 str(tmp_path / f"rotate{i}.o"), str(src)], capture_output=True, text=True)
-        if result.returncode != 0 and "cannot find" in (result.stderr + result.stdout).lower():
-            pytest.skip("nvcc without a usable CUDA toolkit")
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
+        compile_cuda_without_spills(src, tmp_path / f"rotate{i}.o")
