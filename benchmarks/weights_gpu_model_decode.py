@@ -7,9 +7,12 @@ fp16 KV cache): our 4-bit codebook weights against MLX's affine 4-bit (group 64)
 
 Variants (`--variants`; default: all but shared-compiled), all from the same fp16 weights (seed 0):
   affine           MLX `nn.quantize`, 4-bit group 64, its quantized matmul;
-  per-layer        ours, `quantize_model(share_rotations=False)` (the default): every layer rotates
-                   its own input with MLX ops (a multiply by signs x column scale, then
-                   mx.hadamard_transform: two launches);
+  per-layer        ours, `quantize_model(share_rotations=False)` (the default), with the rotating
+                   matmul off: every layer rotates its own input with MLX ops (a multiply by
+                   signs x column scale, then mx.hadamard_transform: two launches), then the LUT matmul;
+  per-layer-rotating  the same model as the library runs it by default: decode at batch 1 takes
+                   the LUT matmul with the rotation in its prologue (`weights/rotating_matmul.py`,
+                   one launch per layer) for the 4096-wide inputs; down_proj (14336) as per-layer;
   shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
                    their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
                    `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
@@ -17,7 +20,9 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
                    (`weights/rotation_kernel.py`, `rotation_kernel.FUSED_ROTATION`, opt-in);
   shared-fused     shared with the norms' rms_norm + transform and o_proj's / down_proj's rotations
                    each one launch of that kernel;
+  shared-rotating  shared with o_proj's rotation in its matmul's launch (rotating matmul on);
   shared-compiled  shared (ops), each layer's kernel call wrapped in mx.compile (`kernel.COMPILE_ROUTES`).
+Every variant but the -rotating ones runs with the rotating matmul off.
 Our models keep the output head and the embeddings MLX affine, so the comparison is the
 blocks' linear layers. Each round decodes `--tokens` tokens after a `--prompt`-token prompt
 with each variant in turn (mlx-lm's `generate_step`), so they alternate; the table reports
@@ -42,10 +47,11 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, resolve_dtype, shape_config
-from veloxquant_mlx.weights import kernel, quantize_model, rotation_kernel
+from veloxquant_mlx.weights import kernel, quantize_model, rotating_matmul, rotation_kernel
 
-VARIANTS = ("affine", "per-layer", "shared", "per-layer-fused", "shared-fused", "shared-compiled")
-DEFAULT_VARIANTS = ("affine", "per-layer", "shared", "per-layer-fused", "shared-fused")
+VARIANTS = ("affine", "per-layer", "per-layer-rotating", "shared", "shared-rotating", "per-layer-fused",
+            "shared-fused", "shared-compiled")
+DEFAULT_VARIANTS = ("affine", "per-layer", "per-layer-rotating", "shared", "shared-rotating")
 
 
 def decode_rate(model, prompt: mx.array, tokens: int) -> float:
@@ -103,15 +109,18 @@ def use(variant: str) -> None:
     """Settings a variant runs under (read when a layer first meets an input shape)."""
     kernel.COMPILE_ROUTES = variant == "shared-compiled"
     rotation_kernel.FUSED_ROTATION = variant.endswith("-fused")
+    rotating_matmul.ROTATING_MATMUL = variant.endswith("-rotating")
 
 
 def fused_rotation(variant: str) -> str:
-    """Whether the variant's rotations ran as the fused kernel: its first-use check's verdict."""
-    if not variant.endswith("-fused"):
+    """Which kernel the variant's rotations ran in, by its first-use check's verdict."""
+    module, name = {"-fused": (rotation_kernel, "rotate_input"),
+                    "-rotating": (rotating_matmul, "in the matmul")}.get("-" + variant.rsplit("-", 1)[-1], (None, ""))
+    if module is None:
         return "no (ops)"
     dialect = kernel._gpu_dialect()
-    verdict = rotation_kernel.checked(dialect) if dialect else None
-    return {True: "yes", False: "no: failed its first-use check"}.get(verdict, "no: no GPU back end")
+    verdict = module.checked(dialect) if dialect else None
+    return {True: name, False: f"no: {name} failed its first-use check"}.get(verdict, "no: no GPU back end")
 
 
 def main() -> None:
@@ -192,7 +201,7 @@ def write(args, variants, record, errors) -> None:
          "rounds_done": rounds, "note": "lm_head and embeddings are MLX affine in every variant"}, indent=2))
     shape = args.shape + (f" ({args.layers} layers)" if args.layers else "")
     lines = [f"| {shape}, {args.bits}-bit weights, {args.dtype} | decode tok/s (median of {rounds}) | vs affine "
-             "| host ms to build a step's graph | logits rel. RMS error vs fp16 | quantize s | fused rotation |",
+             "| host ms to build a step's graph | logits rel. RMS error vs fp16 | quantize s | rotation kernel |",
              "|---|---|---|---|---|---|---|"]
     for variant in variants:
         r = record.get(variant)

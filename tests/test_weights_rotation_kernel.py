@@ -155,7 +155,7 @@ def test_a_failed_first_use_check_warns_and_keeps_the_ops(emulated_gpu, monkeypa
     broken["body"] = broken["body"].replace("v[a][j] * scale", "v[a][j] * scale * 2.0f")
     monkeypatch.setitem(rotation_kernel.templates.KERNELS, rotation_kernel.KERNEL_NAME, broken)
     layer = QuantizedLinear.from_weight(_x(16, 64, seed=4), 4)
-    x = _x(1, 64, seed=6)
+    x = _x(2, 64, seed=6)  # two rows: one row would take the rotating matmul (test_weights_rotating_matmul.py)
     with pytest.warns(RuntimeWarning, match="cuda kernel rotate_input .* failed its first-use check"):
         got = layer(x)
     _close(got, layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)

@@ -260,16 +260,22 @@ class QuantizedLinear(nn.Module):
         else the tiled one. Decode-sized routes are kept, so that a
         call costs a dict lookup and the ops themselves: a decode step calls every layer once
         and its Python path is host time the GPU may wait on."""
-        from . import kernel, rotation_kernel
+        from . import kernel, rotating_matmul, rotation_kernel
 
         rows = x.size // x.shape[-1]
         decode = rows <= MAX_KERNEL_ROWS
+        dialect = kernel.dialect_for(x) if decode else None
+        # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
+        signs = None if self.input_rotated else self._rotation._signs(0, x.dtype, self.get("input_scales"))
+        # on a GPU back end, one batch row: the rotation inside the matmul's launch, where the kernel takes it
+        fused = rotating_matmul.route(self, x, signs, dialect) if dialect else None
+        if fused is not None:
+            self._routes[(x.shape, x.dtype)] = fused
+            return fused
         matmul = kernel.route(self, x) if decode else self.tiled_matmul
         if self.input_rotated:
             route = matmul
         else:
-            # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
-            signs = self._rotation._signs(0, x.dtype, self.get("input_scales"))
             # on a GPU back end the multiply and the transform in one launch, where the kernel takes them
             rotate = rotation_kernel.route(x, self._rotation, signs) if decode else None
             if rotate is None:

@@ -28,6 +28,10 @@ folded weight, then the Hadamard transform, in one launch) against
 * on a GPU also ``route`` and ``compiled``: the launch a layer keeps (`rotation_kernel.route`),
   without and with mx.compile around it.
 
+The ``rotating-*`` cases check the LUT matmul with the rotation in its prologue
+(`rotating_matmul.py`, one batch row) against the two-step MLX forward (``ops``), and on a GPU
+the layer's own forward through the route it keeps (``layer``, ``compiled``).
+
 Exit status 1 if any case fails.
 """
 
@@ -47,7 +51,7 @@ from ..rotations import hadamard_base
 from .linear import QuantizedLinear
 from .rotation import StructuredRotation
 from .shared import RotatingRMSNorm
-from . import kernel, rotation_kernel
+from . import kernel, rotating_matmul, rotation_kernel
 
 TOLERANCES = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
 
@@ -101,6 +105,54 @@ ROTATION_CASES = [
     RotationCase("rmsnorm-rotate-448-buffer64-m3", 28 * 16, 3, norm=True, threads=16, buffer=64),
 ]
 EMULATOR_ROTATION_CASES = ["rotate-224-fp16-m2", "rotate-64-threads16-m2", "rmsnorm-rotate-448-buffer64-m3"]
+
+
+@dataclass
+class RotatingCase:
+    """The LUT matmul with the input rotation in its prologue (`rotating_matmul.py`), one batch row."""
+    name: str
+    in_features: int
+    out_features: int
+    bits: int
+    group_size: Optional[int] = None
+    dtype: str = "float32"
+    threads: int = rotating_matmul.THREADS
+    rpw: Optional[int] = None  # rows per warp; None: the plan's choice
+
+
+ROTATING_CASES = [
+    RotatingCase("rotating-4096x4096-fp16-b4", 4096, 4096, 4, dtype="float16"),
+    RotatingCase("rotating-4096x14336-fp16-b4", 4096, 14336, 4, dtype="float16"),
+    RotatingCase("rotating-4096x1024-bf16-b3", 4096, 1024, 3, dtype="bfloat16"),
+    RotatingCase("rotating-4096x512-b2-groups128", 4096, 512, 2, group_size=128),
+    RotatingCase("rotating-128x72-b3-groups32-threads32-rpw4", 128, 72, 3, group_size=32, threads=32, rpw=4),
+    RotatingCase("rotating-64x40-fp16-threads32-rpw2", 64, 40, 4, dtype="float16", threads=32, rpw=2),
+]
+EMULATOR_ROTATING_CASES = ["rotating-128x72-b3-groups32-threads32-rpw4", "rotating-64x40-fp16-threads32-rpw2"]
+
+
+def run_rotating_case(case: RotatingCase, backend: str) -> dict:
+    """``ops``: the kernel against the two-step MLX forward; on a GPU also ``layer`` and ``compiled``:
+    the layer's own forward on one row (the route it keeps), without and with mx.compile."""
+    record = rotating_matmul.check_case(backend, case.in_features, case.out_features, case.bits, case.group_size,
+                                        case.dtype, case.threads, case.rpw)
+    errors = {"ops": record["vs_ops"]}
+    if backend != "emulator" and case.threads == rotating_matmul.THREADS and case.rpw is None:
+        rng = np.random.default_rng([1, case.in_features, case.out_features])
+        weight = mx.array(rng.standard_normal((case.out_features, case.in_features)).astype(np.float32))
+        x = mx.array(rng.standard_normal((1, 1, case.in_features)).astype(np.float32)).astype(getattr(mx, case.dtype))
+
+        def through_layer():
+            layer = QuantizedLinear.from_weight(weight, case.bits, group_size=case.group_size, column_alpha=0.5)
+            if rotating_matmul.route(layer, x, layer.rotation._signs(0, x.dtype, layer.input_scales), backend) is None:
+                return float("inf")
+            ref = layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales).astype(mx.float32))
+            return float(mx.max(mx.abs(layer(x).astype(mx.float32) - ref)) / mx.max(mx.abs(ref)))
+        for name, compiled in (("layer", False), ("compiled", True)):
+            errors[name] = _route_error(case.name, name, compiled, through_layer)
+    tolerance = TOLERANCES[case.dtype]
+    return {**asdict(case), "kernel": rotating_matmul.KERNEL_NAME, "backend": backend, "errors": errors,
+            "tolerance": tolerance, "ok": all(e <= tolerance for e in errors.values())}
 
 
 def _numpy_rotation(x: np.ndarray, dim: int) -> np.ndarray:
@@ -221,20 +273,22 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     backend = args.backend or default_backend()
+    every = CASES + ROTATION_CASES + ROTATING_CASES
     if args.cases:
         names = args.cases.split(",")
     elif backend == "emulator":
-        names = EMULATOR_CASES + EMULATOR_ROTATION_CASES
+        names = EMULATOR_CASES + EMULATOR_ROTATION_CASES + EMULATOR_ROTATING_CASES
     else:
-        names = [c.name for c in CASES + ROTATION_CASES]
-    unknown = set(names) - {c.name for c in CASES + ROTATION_CASES}
+        names = [c.name for c in every]
+    unknown = set(names) - {c.name for c in every}
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}")
+    runners = {Case: run_case, RotationCase: run_rotation_case, RotatingCase: run_rotating_case}
     results = []
-    for case in CASES + ROTATION_CASES:
+    for case in every:
         if case.name not in names:
             continue
-        r = run_case(case, backend) if isinstance(case, Case) else run_rotation_case(case, backend)
+        r = runners[type(case)](case, backend)
         results.append(r)
         errors = "  ".join(f"{k} {v:.2e}" for k, v in r["errors"].items())
         print(f"{'ok  ' if r['ok'] else 'FAIL'} {case.name:32s} {errors}  (tol {r['tolerance']:.0e})", flush=True)

@@ -1,0 +1,149 @@
+"""The LUT matmul with the input rotation in its prologue (`weights/rotating_matmul.py`), run
+through the C++ emulator: it equals the two-launch forward, decode calls at batch 1 take it (one
+launch per layer), other calls keep the two launches, and a failed first-use check warns."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import compile_cuda_without_spills, emulate_gpu_kernels
+from mlx_lm.models import llama
+
+from veloxquant_mlx.kernels import emulator
+from veloxquant_mlx.weights import QuantizedLinear, quantize_model, rotating_matmul, rotation_kernel
+
+needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
+
+
+def _x(rows, dim, seed=0, dtype=mx.float32):
+    return mx.array(np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)).astype(dtype)
+
+
+def _close(got, expected, tolerance):
+    got, expected = np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32))
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max(), np.abs(got - expected).max()
+
+
+def test_plans_of_the_llama_shape():
+    """Llama-3.1-8B's 4096-wide inputs: 256 threads, 16 elements each in 3 passes; rows per warp
+    chosen so that every layer keeps at least TARGET_BLOCKS blocks (more only where it has them)."""
+    for out, rpw in ((4096, 1), (1024, 1), (14336, 4)):
+        plan = rotating_matmul.plan(4096, out, 4, 1, "float16", "float16")
+        t = dict(plan.template)
+        assert (t["NT"], t["E"], t["LB"], t["PASSES"], t["RPW"]) == (256, 16, 4, 3, rpw)
+        blocks = plan.grid[0] // plan.threadgroup[0]
+        assert blocks * 8 * rpw >= out > (blocks - 1) * 8 * rpw
+        assert blocks >= rotating_matmul.TARGET_BLOCKS or rpw == 1
+    assert not rotating_matmul.supports(14336) and not rotating_matmul.supports(96)
+    assert not rotating_matmul.supports(8192) and rotating_matmul.supports(64)
+    with pytest.raises(ValueError, match="power-of-two"):
+        rotating_matmul.plan(96, 8, 4, 1, "float32", "float32")
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", rotating_matmul.CHECK_CASES + (
+    (128, 72, 3, 32, "float16", 32, 4),   # groups, half precision, the overlapping last pass
+    (512, 100, 4, None, "float32", 128, None),
+    (256, 64, 2, 64, "float16", 64, 2)))
+def test_kernel_equals_the_two_launch_forward(case):
+    record = rotating_matmul.check_case("emulator", *case)
+    assert record["ok"], record
+
+
+@pytest.fixture
+def emulated_gpu(monkeypatch):
+    """The GPU routes with mx.fast.cuda_kernel replaced by the C++ emulation of the same kernel
+    text (the first-use check on the small cases only); yields the names of the kernels launched."""
+    launched = []
+    emulate_gpu_kernels(monkeypatch, launched)
+    monkeypatch.setattr(rotating_matmul, "_VERDICTS", {})
+    monkeypatch.setattr(rotating_matmul, "GPU_CHECK_CASES", rotating_matmul.CHECK_CASES)
+    monkeypatch.setattr(rotation_kernel, "_VERDICTS", {})
+    yield launched
+
+
+def test_one_row_takes_one_launch_and_more_rows_two(emulated_gpu, monkeypatch):
+    layer = QuantizedLinear.from_weight(_x(40, 128, seed=4), 4, column_alpha=0.5)
+    one, three = _x(1, 128, seed=6)[None], _x(3, 128, seed=6)[None]
+    for x in (one, three):
+        expected = layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales))
+        _close(layer(x), expected, 1e-5)
+        emulated_gpu.clear()
+        _close(layer(x), expected, 1e-5)  # the kept route
+        assert emulated_gpu == (["lut_matmul_rotating"] if x is one else ["lut_matmul"])
+    monkeypatch.setattr(rotating_matmul, "ROTATING_MATMUL", False)
+    off = QuantizedLinear.from_weight(_x(40, 128, seed=4), 4, column_alpha=0.5)
+    emulated_gpu.clear()
+    _close(off(one), layer(one), 1e-5)
+    assert emulated_gpu[0] == "lut_matmul"
+
+
+def test_other_dimensions_and_rotated_inputs_keep_two_launches(emulated_gpu):
+    hadamard_not_power_of_two = QuantizedLinear.from_weight(_x(24, 96, seed=4), 3)
+    structured = QuantizedLinear.from_weight(_x(24, 176, seed=4), 3)
+    for layer in (hadamard_not_power_of_two, structured):
+        x = _x(1, layer.in_features, seed=6)
+        _close(layer(x), layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
+    rotated = QuantizedLinear.from_weight(_x(24, 64, seed=4), 3).with_rotated_input()
+    rotated(_x(1, 64, seed=6))
+    assert "lut_matmul_rotating" not in emulated_gpu
+
+
+def _llama_shape(seed=0):
+    """Llama-3.1-8B's dimensions in small: hidden 2^k (4096), intermediate 28 * 2^k (14336)."""
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=28 * 8,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                           rope_traditional=False)
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_model_decode_logits_are_unchanged(emulated_gpu, monkeypatch):
+    """A one-token step: six of a block's seven layers (the 64-wide inputs) take one launch each,
+    down_proj (28 * 8) the rotation and the LUT matmul; logits equal the two-launch and CPU paths."""
+    token = mx.array([[14]])
+    model = quantize_model(_llama_shape(), 4, seed=0, progress=False)
+    fused = model(token)
+    emulated_gpu.clear()
+    _close(model(token), fused, 0.0)
+    assert emulated_gpu.count("lut_matmul_rotating") == 2 * 6
+    assert emulated_gpu.count("lut_matmul") == 2 * 1
+    monkeypatch.setattr(rotating_matmul, "ROTATING_MATMUL", False)
+    two = quantize_model(_llama_shape(), 4, seed=0, progress=False)
+    emulated_gpu.clear()
+    _close(fused, two(token), 1e-4)
+    assert "lut_matmul_rotating" not in emulated_gpu
+    monkeypatch.undo()  # the CPU's own path (C++ LUT matmul and MLX ops)
+    cpu = quantize_model(_llama_shape(), 4, seed=0, progress=False)
+    _close(fused, cpu(token), 1e-4)
+
+
+def test_a_failed_first_use_check_warns_and_keeps_two_launches(emulated_gpu, monkeypatch):
+    broken = dict(rotating_matmul.templates.KERNELS[rotating_matmul.KERNEL_NAME])
+    broken["body"] = broken["body"].replace("v[r] * scale", "v[r] * scale * 2.0f")
+    monkeypatch.setitem(rotating_matmul.templates.KERNELS, rotating_matmul.KERNEL_NAME, broken)
+    layer = QuantizedLinear.from_weight(_x(16, 64, seed=4), 4)
+    x = _x(1, 64, seed=6)
+    with pytest.warns(RuntimeWarning, match="cuda kernel lut_matmul_rotating .* failed its first-use check"):
+        got = layer(x)
+    _close(got, layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
+    assert rotating_matmul.checked("cuda") is False
+    emulated_gpu.clear()
+    layer(x)
+    assert emulated_gpu == ["lut_matmul"]
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
+def test_cuda_source_compiles_with_nvcc_without_spills(tmp_path):
+    """The translation units MLX would build for the 8B shape's 4096-wide layers compile for sm_90, no spills."""
+    from veloxquant_mlx.kernels import templates
+
+    ins = {"x": "float16", "w": "float16", "codes": "uint32", "scales": "float16", "lut": "float32"}
+    for out, bits in ((4096, 4), (14336, 3)):
+        plan = rotating_matmul.plan(4096, out, bits, 1, "float16", "float16")
+        src = tmp_path / f"rotating{out}.cu"
+        src.write_text(templates.render_cuda(rotating_matmul.KERNEL_NAME, plan.template, ins, {"out": "float16"},
+                                             mlx_header=False))
+        compile_cuda_without_spills(src, tmp_path / f"rotating{out}.o")

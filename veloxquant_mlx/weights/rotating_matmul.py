@@ -1,0 +1,300 @@
+"""The LUT matmul with the layer's input rotation in its prologue: y = T(x * w) (W R^T)^T in one launch.
+
+A decode step through `QuantizedLinear` otherwise runs two launches per layer: the input
+rotation (a multiply and `mx.hadamard_transform`, or `rotation_kernel`'s one launch) and the
+LUT matmul (`kernel.py`). The rotation of one 4096-wide row is latency-bound: one small block
+waits out a dozen barriers while the GPU idles, and a Llama block pays it for six of its seven
+layers. Here every block of the matmul rotates the row itself in shared memory and then
+multiplies its output rows against the codes, so the layer is one launch. The transform is
+repeated per block, so a block takes several output rows per warp (`RPW`) to keep the repeats
+few.
+
+Scope: one batch row (decode at batch 1), a rotation of one randomised Hadamard transform of a
+power-of-two dimension D from 64 to 4096 (`StructuredRotation._one_transform`; Llama-3.1-8B's
+4096-wide inputs q/k/v, o, gate/up; down_proj's 14336 = 28 * 512 keeps the two launches).
+
+The transform (T(v) = v H / sqrt(D), H the Sylvester Walsh-Hadamard matrix, what
+`mx.hadamard_transform` computes for a power of two): each of NT threads holds E = D / NT
+elements in registers. The butterflies pair indices that differ in one bit of the K = log2(D)
+index bits; a pass gives a thread the E elements whose indices differ only in LB = log2(E)
+consecutive bits (`BASE` upwards) and runs those butterflies in registers, then the elements
+move through shared memory to the next pass's layout, so the K stages take ceil(K / LB)
+passes and one barrier pair between passes, instead of K barriers. Shared memory is padded by
+one float per 32 (index i at i + i / 32), which keeps the passes' accesses and the matmul's
+strided reads of the rotated row off a single bank. Products are rounded where the MLX ops
+round them: x * w in x's dtype, the transform in float32, its output in x's dtype.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from functools import lru_cache
+from typing import Callable, Optional
+
+import mlx.core as mx
+
+from ..kernels import launch, templates
+
+KERNEL_NAME = "lut_matmul_rotating"
+THREADS = 256
+MIN_DIM, MAX_DIM = 64, 4096  # E >= 2 with 32 threads; D + D / 32 floats within Metal's 32 KB
+# Blocks a launch aims for at least (two per SM of an H200): more rows per warp repeat the
+# transform in fewer blocks, too few blocks leave SMs without a stream of codes.
+TARGET_BLOCKS = 264
+MAX_ROWS_PER_WARP = 4
+
+# Opt-out (VELOXQUANT_WEIGHT_ROTATING_MATMUL=0): decode calls at batch 1 take the two launches
+# (rotation, then `kernel.py`'s LUT matmul) instead. Read when a layer makes its route.
+ROTATING_MATMUL = os.environ.get("VELOXQUANT_WEIGHT_ROTATING_MATMUL", "1") == "1"
+
+# Template constants: D, K = log2 D, NT threads, E = D / NT, LB = log2 E, PASSES = ceil(K / LB),
+# N (output rows), BITS, W (words per row), C / CW (codes / words of a lane's chunk), NCHUNK,
+# NG / GS (scale groups / their size), RPW (output rows per warp), TX (x and w), TO (output).
+# Inputs: x (1, D) TX, w (D) TX (the first stage's signs times the column scale), codes (N, W) u32,
+# scales (N, NG), lut (2^BITS) f32. Output: out (1, N) TO. Grid: ceil(N / (NT / 32 * RPW)) blocks of NT.
+LUT_MATMUL_ROTATING = r"""
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  constexpr int NWARP = NT / 32;
+  VQ_SHARED float lut_s[1 << BITS];
+  VQ_SHARED float xs[D + D / 32];
+  const int t = vq_tid;
+  if (t < (1 << BITS)) lut_s[t] = lut[t];
+  float v[E];
+  // pass 0's layout (BASE 0): thread t holds the elements t * E + r
+  VQ_UNROLL
+  for (int r = 0; r < E; ++r) v[r] = VQ_F(VQ_CAST(TX, VQ_F(x[t * E + r]) * VQ_F(w[t * E + r])));
+  VQ_UNROLL
+  for (int p = 0; p < PASSES; ++p) {
+    // the last pass may overlap the one before it; it then skips the bits already done
+    const int base = (p + 1) * LB <= K ? p * LB : K - LB;
+    const int done = p * LB - base;
+    const int low = t & ((1 << base) - 1);
+    const int high = (t >> base) << (base + LB);
+    if (p > 0) {
+      VQ_UNROLL
+      for (int r = 0; r < E; ++r) {
+        const int i = low | (r << base) | high;
+        v[r] = xs[i + (i >> 5)];
+      }
+    }
+    VQ_UNROLL
+    for (int h = 1 << done; h < E; h <<= 1) {
+      VQ_UNROLL
+      for (int r = 0; r < E; ++r) {
+        if ((r & h) == 0) {
+          const float a = v[r];
+          const float b = v[r + h];
+          v[r] = a + b;
+          v[r + h] = a - b;
+        }
+      }
+    }
+    const bool last = p + 1 == PASSES;
+    const float scale = last ? 1.0f / VQ_SQRT((float)D) : 1.0f;
+    VQ_SYNC();
+    VQ_UNROLL
+    for (int r = 0; r < E; ++r) {
+      const int i = low | (r << base) | high;
+      xs[i + (i >> 5)] = last ? VQ_F(VQ_CAST(TX, v[r] * scale)) : v[r];
+    }
+    VQ_SYNC();
+  }
+  const int warp = t / 32;
+  const int lane = t % 32;
+  for (int rr = 0; rr < RPW; ++rr) {
+    const int n = (vq_bx * NWARP + warp) * RPW + rr;
+    const VQ_GLOBAL uint32_t* row = codes + (size_t)n * W;
+    float acc = 0.0f;
+    // rows past N skip the loop but still reach the warp sum (the emulator's sum is a block barrier)
+    for (int q = n < N ? lane : NCHUNK; q < NCHUNK; q += 32) {
+      uint32_t words[CW];
+      VQ_UNROLL
+      for (int k = 0; k < CW; ++k) words[k] = row[q * CW + k];
+      const int e0 = q * C;
+      VQ_UNROLL
+      for (int j = 0; j < C; ++j) {
+        const int bit = j * BITS;
+        uint32_t c = words[bit >> 5] >> (bit & 31);
+        if ((bit & 31) + BITS > 32) c |= words[(bit >> 5) + 1] << (32 - (bit & 31));
+        float wv = lut_s[c & MASK];
+        if (NG > 1) wv *= VQ_F(scales[(size_t)n * NG + (e0 + j) / GS]);
+        const int e = e0 + j;
+        acc += xs[e + (e >> 5)] * wv;
+      }
+    }
+    const float s = vq_warp_sum(acc);
+    if (lane == 0 && n < N) {
+      const float rs = (NG > 1) ? 1.0f : VQ_F(scales[n]);
+      out[n] = VQ_CAST(TO, s * rs);
+    }
+  }
+"""
+
+templates.KERNELS.setdefault(KERNEL_NAME, {
+    "body": LUT_MATMUL_ROTATING,
+    "inputs": ("x", "w", "codes", "scales", "lut"),
+    "outputs": ("out",),
+})
+
+
+def supports(dim: int, threads: int = THREADS) -> bool:
+    """A power-of-two dimension in [MIN_DIM, MAX_DIM] (at least two elements per thread: NT <= D / 2)."""
+    return MIN_DIM <= dim <= MAX_DIM and dim & (dim - 1) == 0 and threads >= 32 and threads & (threads - 1) == 0
+
+
+def rows_per_warp(out_features: int, warps: int) -> int:
+    """The most rows per warp (a power of two, <= MAX_ROWS_PER_WARP) that keeps TARGET_BLOCKS blocks."""
+    rpw = 1
+    while rpw < MAX_ROWS_PER_WARP and out_features // (warps * rpw * 2) >= TARGET_BLOCKS:
+        rpw *= 2
+    return rpw
+
+
+@lru_cache(maxsize=1024)
+def plan(in_features: int, out_features: int, bits: int, groups: int, x_dtype: str, out_dtype: str,
+         threads: int = THREADS, rpw: Optional[int] = None) -> launch.Plan:
+    """Constants and grid of one launch for one batch row of an (out, in) layer (smaller
+    `threads` and `rpw` reach the multi-pass and multi-row paths at test sizes)."""
+    if not supports(in_features, threads):
+        raise ValueError(f"{KERNEL_NAME} takes power-of-two input dims {MIN_DIM}-{MAX_DIM}, got {in_features}")
+    nt = min(threads, in_features // 2)
+    e = in_features // nt
+    k, lb = int(math.log2(in_features)), int(math.log2(e))
+    chunk = 32 // math.gcd(32, bits)  # codes in the fewest whole words (kernel.py)
+    rpw = rows_per_warp(out_features, nt // 32) if rpw is None else rpw
+    template = [("D", in_features), ("K", k), ("NT", nt), ("E", e), ("LB", lb), ("PASSES", -(-k // lb)),
+                ("N", out_features), ("BITS", bits), ("W", in_features * bits // 32), ("C", chunk),
+                ("CW", chunk * bits // 32), ("NCHUNK", in_features // chunk), ("NG", groups),
+                ("GS", in_features // groups), ("RPW", rpw), ("TX", x_dtype), ("TO", out_dtype)]
+    grid = (-(-out_features // (nt // 32 * rpw)) * nt, 1, 1)
+    return launch.Plan(KERNEL_NAME, template, grid, (nt, 1, 1), [(1, out_features)], [out_dtype])
+
+
+def _plan_for(layer, x: mx.array, threads: int = THREADS, rpw: Optional[int] = None) -> launch.Plan:
+    name = launch.dtype_name(x.dtype)
+    return plan(layer.in_features, layer.out_features, layer.bits, layer.scales.shape[1], name, name, threads, rpw)
+
+
+def _inputs(layer, x: mx.array, signs: mx.array) -> list:
+    return [x.reshape(1, layer.in_features), signs, layer.codes, layer.scales, layer.codebook]
+
+
+def rotating_matmul(x: mx.array, layer, signs: mx.array, dialect: str, threads: int = THREADS,
+                    rpw: Optional[int] = None) -> mx.array:
+    """One batch row's T(x * signs) (W R^T)^T through the kernel; dialect "cuda", "metal" or "emulator"."""
+    p = _plan_for(layer, x, threads, rpw)
+    if dialect == "emulator":
+        (out,) = launch.run_emulator(p, _inputs(layer, x, signs))
+        out = mx.array(out)
+    else:
+        (out,) = launch.run_mlx(dialect, p, _inputs(layer, x, signs))
+    return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+def takes(layer, x: mx.array) -> bool:
+    """Whether a layer's call on x may take the kernel: ROTATING_MATMUL on, one batch row, the
+    layer rotates its own input with one Hadamard transform of a dimension the kernel takes."""
+    return (ROTATING_MATMUL and x.size == x.shape[-1] and not layer.input_rotated
+            and layer.rotation._one_transform and supports(layer.in_features))
+
+
+def route(layer, x: mx.array, signs: mx.array, dialect: str) -> Optional[Callable[[mx.array], mx.array]]:
+    """x -> the layer's matmul of x (without bias) as one kernel launch with its arguments resolved
+    here, or None where the two launches stay: `takes` says no, or the kernel failed its first-use
+    check on this back end (which warned)."""
+    from . import kernel
+
+    if not takes(layer, x) or not usable(dialect, launch.dtype_name(x.dtype)):
+        return None
+    p = _plan_for(layer, x)
+    run = launch._mlx_kernel(dialect, KERNEL_NAME)
+    template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+    grid, threads = p.grid, p.threadgroup
+    shapes, dtypes = [tuple(x.shape[:-1]) + (layer.out_features,)], [x.dtype]
+
+    def matmul(x, signs, codes, scales, codebook):
+        return run(inputs=[x, signs, codes, scales, codebook], template=template, grid=grid,
+                   threadgroup=threads, output_shapes=shapes, output_dtypes=dtypes)[0]
+    matmul = kernel.compiled(matmul)
+    return lambda x: matmul(x, signs, layer["codes"], layer["scales"], layer["codebook"])
+
+
+# ---- checks -------------------------------------------------------------------
+
+# (in, out, bits, group size or None, dtype, threads, rows per warp): every path at small sizes:
+# several passes, the last overlapping (128 = 2^7 with E = 4), several rows per warp with a
+# ragged last block, groups, 2/3/4 bits, and the 8B shape's q_proj at the kept threads.
+CHECK_CASES = (
+    (64, 40, 4, None, "float32", 32, 2),
+    (128, 72, 3, 32, "float32", 32, 4),
+    (256, 33, 2, None, "float16", 64, 1),
+)
+GPU_CHECK_CASES = CHECK_CASES + ((4096, 1024, 4, None, "float16", THREADS, None),)
+TOLERANCES = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
+
+
+def check_case(dialect: str, dim: int, out_features: int, bits: int, group_size: Optional[int], dtype: str,
+               threads: int = THREADS, rpw: Optional[int] = None, seed: int = 0) -> dict:
+    """The kernel against the layer's two-step forward (MLX ops: multiply, hadamard_transform,
+    the decoded rotated weight): max |out - ref| / max |ref|."""
+    import numpy as np
+
+    from .linear import QuantizedLinear
+
+    rng = np.random.default_rng([seed, dim, out_features, bits])
+    weight = mx.array(rng.standard_normal((out_features, dim)).astype(np.float32))
+    layer = QuantizedLinear.from_weight(weight, bits, seed=seed, group_size=group_size, column_alpha=0.5)
+    x = mx.array(rng.standard_normal((1, dim)).astype(np.float32)).astype(getattr(mx, dtype))
+    signs = layer.rotation._signs(0, x.dtype, layer.get("input_scales"))
+    rotated = mx.hadamard_transform(x * signs)
+    ref = (rotated.astype(mx.float32) @ layer.rotated_weight().T).astype(mx.float32)
+    got = rotating_matmul(x, layer, signs, dialect, threads, rpw).astype(mx.float32)
+    error = float(mx.max(mx.abs(got - ref)) / mx.max(mx.abs(ref)))
+    tolerance = TOLERANCES[dtype]
+    return {"kernel": KERNEL_NAME, "dim": dim, "out": out_features, "bits": bits, "group_size": group_size,
+            "dtype": dtype, "threads": threads, "rpw": rpw, "vs_ops": error, "tolerance": tolerance,
+            "ok": error <= tolerance}
+
+
+_VERDICTS = {}  # (dialect, dtype) -> passed
+
+
+def usable(dialect: str, dtype: str = "float32") -> bool:
+    """First-use check, once per process and dtype: the check cases in `dtype` against the MLX
+    ops. A failure warns (the kernel, the case, the error) and the layers keep two launches."""
+    key = (dialect, dtype)
+    if key not in _VERDICTS:
+        cases = [(*c[:4], dtype, *c[5:]) for c in (GPU_CHECK_CASES if dialect != "emulator" else CHECK_CASES)]
+        _VERDICTS[key] = _check(dialect, cases)
+    return _VERDICTS[key]
+
+
+def checked(dialect: str) -> Optional[bool]:
+    """Whether every first-use check run on `dialect` passed (None: none ran)."""
+    verdicts = [v for k, v in _VERDICTS.items() if k[0] == dialect]
+    return all(verdicts) if verdicts else None
+
+
+def _check(dialect: str, cases) -> bool:
+    failures = []
+    for case in cases:
+        try:
+            record = check_case(dialect, *case)
+        except Exception as error:  # noqa: BLE001 - any failure turns the kernel off, loudly
+            failures.append(f"{case[:5]}: {error!r}"[:500])
+            continue
+        if not record["ok"]:
+            failures.append(f"{case[:5]}: error {record['vs_ops']:.2e} against the MLX ops "
+                            f"(tolerance {record['tolerance']:.0e})")
+    if failures:
+        warnings.warn(f"veloxquant_mlx: the {dialect} kernel {KERNEL_NAME} (weights/rotating_matmul.py) failed "
+                      "its first-use check and is off for this process; weight layers rotate their input and "
+                      "multiply in two launches instead. " + "; ".join(failures), RuntimeWarning, stacklevel=4)
+    return not failures
+
+
+def reset() -> None:
+    """Forget the verdicts (tests)."""
+    _VERDICTS.clear()
