@@ -30,7 +30,8 @@ IN_DTYPES = {
     "mse_partial_mma": {"q": "float16", "rows": "uint32", "kcent": "float32", "vcent": "float32",
                         "ksigns": "float32", "meta": "int32", "qscale": "float32"},
     "merge": {"o": "float32", "ml": "float32", "vsigns": "float32", "meta": "int32", "po": "float32",
-              "pml": "float32", "vmean": "float32"},
+              "pml": "float32", "vmean": "float32", "q": "float16", "qscale": "float32", "kmean": "float32",
+              "pa_k": "float16", "pa_v": "float16", "pb_k": "float16", "pb_v": "float16"},
     "mse_dequant": {"rows": "uint32", "cent": "float32", "meta": "int32"},
     "mse_encode": {n: "float32" for n in templates.KERNELS["mse_encode"]["inputs"]},
 }
@@ -52,12 +53,16 @@ def _plans():
                                       norm_half=2 * (words - 1))
         if dim & (dim - 1) == 0:
             yield launch.merge_plan(2, 4, dim, 7, unrotate=True, plain=True, value_mean=True, out_dtype="float16")
+            yield launch.merge_plan(2, 4, dim, 7, unrotate=False, plain=False, value_mean=True, out_dtype="float16",
+                                    tokens=64, x_dtype="float16")
 
 
 def _dtypes(plan):
     ins = dict(IN_DTYPES[plan.kernel])
     if plan.kernel == "mse_encode":
         ins["kx"] = ins["vx"] = "float16"
+    if plan.kernel == "merge":  # the fp16 tokens' arrays (dummies without them) are of the plan's TX
+        ins.update({n: dict(plan.template)["TX"] for n in ("pa_k", "pa_v", "pb_k", "pb_v")})
     return ins, dict(zip(templates.KERNELS[plan.kernel]["outputs"], plan.output_dtypes))
 
 
@@ -124,6 +129,8 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     picks = [p for p in _plans() if p.kernel != "mse_partial"][:3]
     picks.append(launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16"))
     picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=True, plain=True, value_mean=True, out_dtype="float16"))
+    picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=False, plain=False, value_mean=True,
+                                   out_dtype="float16", tokens=128, x_dtype="float16"))
     mma = launch.mma_partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16")
     picks.append(mma)
     for i, plan in enumerate(picks):
@@ -492,6 +499,57 @@ def test_format_partial_kernel_matches_the_engines_ops_decode(options):
     out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+
+
+@needs_cxx
+@pytest.mark.parametrize("options, merged_in_kernel", [
+    ({"method": "kivi", "bits": 4, "group_size": 32}, True),  # identity value domain, fp16 residual tokens
+    ({"method": "turboquant_rvq", "bits": 2, "sink_tokens": 2, "residual_length": 8, "center": True}, True),
+    ({"method": "kivi", "bits": 2, "group_size": 32, "sink_tokens": 3}, False),  # merge_domain says no (below)
+], ids=["kivi", "rvq-window-centred", "ops-merge"])
+def test_format_step_attends_to_fp16_tokens_in_the_merge_kernel(options, merged_in_kernel, monkeypatch):
+    """The formats' decode step is two launches (partial, merge) when the merge kernel can leave the
+    value domain (identity, or a seeded-sign Hadamard rotation): it attends to the fp16 sinks and
+    window itself; other domains keep the MLX-ops merge. Same output as the engine's ops decode."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import partial
+    from veloxquant_mlx.settings import EngineSettings
+
+    if not merged_in_kernel:  # a domain the kernel cannot leave (a dense rotation, outlier channels...)
+        monkeypatch.setattr(ops, "merge_domain", lambda codec, dim: None)
+    launched = []
+    run_emulator = launch.run_emulator
+    monkeypatch.setattr(launch, "run_emulator", lambda plan, inputs: launched.append(
+        plan.kernel + ("+tokens" if dict(plan.template).get("HAS_TOKENS") else "")) or run_emulator(plan, inputs))
+    cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
+    keys = mx.random.normal((1, 2, 301, 64), key=mx.random.key(17)) + 0.3
+    cache.update_and_fetch(keys, mx.sin(3 * keys))
+    cache.store.flush()
+    assert cache.window > 0
+    queries = mx.random.normal((1, 6, 1, 64), key=mx.random.key(18))
+    h = cache._history()
+    ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
+    h.settings = h.settings.replace(backend="emulator")
+    out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+    assert (launched[1:] == ["merge+tokens"]) is merged_in_kernel and launched[0].startswith("partial_")
+
+
+def test_codecs_declare_how_their_domain_is_left():
+    from veloxquant_mlx.methods import get_method
+    from veloxquant_mlx.rotations import HadamardRotation
+
+    for name, expected in (("kivi", "identity"), ("turboquant_rvq", "rotation"), ("turboquant_mse", "rotation"),
+                           ("qjl", "identity"), ("polarquant", "rotation")):
+        codec = get_method(name).value_codec(KVCacheConfig(method=name, bits=3), 64)
+        assert codec.domain == expected, name
+        if expected == "rotation" and isinstance(codec.rotation, HadamardRotation):
+            kind, signs = ops.merge_domain(codec, 64)
+            assert kind == "hadamard" and signs.shape == (64,)
+    qjl_keys = get_method("qjl").key_codec(KVCacheConfig(method="qjl", bits=3), 64)
+    assert qjl_keys.domain == "custom" and ops.merge_domain(qjl_keys, 64) is None
+    kivi96 = get_method("kivi").value_codec(KVCacheConfig(method="kivi", bits=3, group_size=32), 96)
+    assert ops.merge_domain(kivi96, 96) is None  # not a power of two: one thread per coordinate, FWHT-sized
 
 
 def test_format_partial_kernel_fits_and_its_path_is_registered():

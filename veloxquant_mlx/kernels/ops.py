@@ -12,6 +12,7 @@ kernels index flat memory), and outputs come back in their final shapes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -156,25 +157,79 @@ def run_partials(run: Runner, plan, queries, key_codec, value_codec, rows, scale
 
 
 def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int, ...], out_dtype,
-          plain: Optional[Tuple[mx.array, mx.array]] = None, value_mean: Optional[mx.array] = None) -> mx.array:
+          plain: Optional[Tuple[mx.array, mx.array]] = None, value_mean: Optional[mx.array] = None,
+          tokens: Optional["FP16Tokens"] = None) -> mx.array:
     """Softmax-merge the splits (and `plain` = (o (BH*REP, Dv) in the output domain,
-    ml (BH*REP, 2))), un-rotate, divide: the attention output `out_shape`."""
+    ml (BH*REP, 2)), or the fp16 `tokens` attended to in the kernel), leave the value
+    domain, divide: the attention output `out_shape`. The kernel takes value codecs that
+    `merge_domain` names; others merge with MLX ops (`engine.merge_partials`)."""
     bh, splits, rep, dim = o.shape
-    signs = constants(value_codec)["signs"]
-    if signs is None:
-        from ..engine import merge_partials
+    domain = merge_domain(value_codec, dim)
+    if domain is None:
+        from ..engine import fp16_tokens, merge_partials, plain_partial
 
+        if tokens is not None:
+            joined = fp16_tokens(len(tokens.parts) // 2, tokens.parts, tokens.key_mean)
+            plain = None if joined is None else plain_partial(tokens.queries, *joined, tokens.scale)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain, value_mean=value_mean)
-    plan = launch.merge_plan(bh, rep, dim, splits, unrotate=True, plain=plain is not None,
-                             value_mean=value_mean is not None, out_dtype=launch.dtype_name(out_dtype))
+    signs = domain[1]
+    parts = tokens.parts if tokens is not None else []
+    x_dtype = parts[0].dtype if parts else mx.float32
+    if x_dtype not in (mx.float16, mx.float32, mx.bfloat16) or any(a.dtype != x_dtype for a in parts):
+        parts, x_dtype = [a.astype(mx.float32) for a in parts], mx.float32
+    na = parts[0].shape[2] if parts else 0
+    nb = parts[2].shape[2] if len(parts) > 2 else 0
+    if na + nb > MAX_PLAIN_TOKENS:
+        raise ValueError(f"merge attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
+    bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
+    plan = launch.merge_plan(bh, rep, dim, splits, unrotate=signs is not None, plain=plain is not None,
+                             value_mean=value_mean is not None, out_dtype=launch.dtype_name(out_dtype),
+                             tokens=bound, x_dtype=launch.dtype_name(x_dtype))
+    dummy = _dummy(x_dtype)
+    pa = parts[:2] if na else [dummy, dummy]
+    pb = parts[2:4] if nb else [dummy, dummy]
+    centered = bool(bound) and value_mean is not None
+    if centered and tokens.key_mean is None:
+        raise ValueError("centred values need the key mean to centre the fp16 keys (FP16Tokens.key_mean)")
     inputs = [
-        o, ml, signs, small_array((splits,)),
+        o, ml, signs if signs is not None else _dummy(), small_array((splits, na, nb)),
         plain[0] if plain is not None else _dummy(),
         plain[1] if plain is not None else _dummy(),
         value_mean.astype(mx.float32) if value_mean is not None else _dummy(),
+        tokens.queries if bound else _dummy(), small_array((float(tokens.scale if bound else 1.0),), mx.float32),
+        tokens.key_mean.astype(mx.float32) if centered else _dummy(), *pa, *pb,
     ]
     (out,) = run(plan, inputs, [tuple(out_shape)])
     return out
+
+
+@dataclass(frozen=True)
+class FP16Tokens:
+    """What `merge` needs to attend to the fp16 sinks / window itself: the queries (B, Hq, 1, D),
+    the parts as held ([keys, values] or [keys, values, keys, values], (B, H, n, D), keys not
+    centred), the softmax scale and the key mean (None: not centred)."""
+    queries: mx.array
+    parts: List[mx.array]
+    scale: float
+    key_mean: Optional[mx.array] = None
+
+
+def merge_domain(value_codec, dim: int):
+    """How the merge kernel leaves `value_codec`'s domain: ("identity", None), ("hadamard", signs)
+    for a seeded-sign Hadamard rotation it undoes in-kernel, or None (MLX ops) for any other
+    domain, or a dim the kernel's one-thread-per-coordinate block does not take."""
+    if not launch.is_power_of_two(dim) or dim > 1024 or value_codec.format.domain_dim != dim:
+        return None
+    if value_codec.domain == "identity":
+        return "identity", None
+    rotation = getattr(value_codec, "rotation", None)
+    if value_codec.domain == "rotation" and isinstance(rotation, HadamardRotation) and rotation.dim == dim:
+        signs = getattr(value_codec, "_vq_merge_signs", None)
+        if signs is None:
+            signs = value_codec._vq_merge_signs = rotation.signs.astype(mx.float32)
+            mx.eval(signs)
+        return "hadamard", signs
+    return None
 
 
 def mse_dequant(run: Runner, codec, layout, role: str, rows: mx.array, tokens: int, out_dtype=mx.float16) -> mx.array:

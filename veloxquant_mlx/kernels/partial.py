@@ -244,15 +244,22 @@ def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=
 @functools.lru_cache(maxsize=256)
 def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
              fp16_parts: int, centered: bool, compiled: bool):
-    from .ops import runner
+    from .ops import FP16Tokens, merge, merge_domain, runner
 
     run, plan_ = runner(backend), plan(*plan_key)
+    # The merge kernel attends to the fp16 sinks / window itself where it can leave the value
+    # domain (and gets them as held): one launch instead of a dozen small ops per layer and step.
+    in_kernel = fp16_parts >= 0 and merge_domain(value_codec, plan_.output_shapes[0][3]) is not None
 
     def step(queries, inputs, fp16, key_mean, value_mean):
         B, n_heads, _, dim = queries.shape
         kv_rows, rep = plan_.grid[1], plan_.output_shapes[0][2]
         q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_rows // B, rep, dim))
         o, ml = run(plan_, [q.astype(mx.float32)] + list(inputs))
+        if in_kernel and dim == plan_.output_shapes[0][3]:
+            tokens = FP16Tokens(queries, list(fp16), scale, key_mean if centered else None) if fp16_parts else None
+            return merge(run, o, ml, value_codec, out_shape, out_dtype, value_mean=value_mean if centered else None,
+                         tokens=tokens)
         tokens = engine.fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
         plain = None if tokens is None else engine.plain_partial(queries, *tokens, scale)
         return engine.merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,

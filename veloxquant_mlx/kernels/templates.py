@@ -923,7 +923,7 @@ _MERGE_PLAIN = r"""  if (HAS_PLAIN) {
 # coordinate d), merged into the running (acc, M, L) as `_MERGE_PLAIN` merges a partial. In
 # the kernel, not as a separate partial: that partial was a handful of tiny launches per
 # layer and step. vq_ps (PMAX floats) is declared by the kernel.
-_MERGE_TOKENS = r"""  if (HAS_PLAIN) {
+_MERGE_TOKENS = r"""  if (@GATE) {
     const int NA = meta[1];
     const int NB = meta[2];
     VQ_SYNC();
@@ -939,7 +939,7 @@ _MERGE_TOKENS = r"""  if (HAS_PLAIN) {
         const VQ_GLOBAL TX* kp = (p < NA) ? pa_k + ((size_t)bh * NA + p) * D : pb_k + ((size_t)bh * NB + (p - NA)) * D;
         VQ_UNROLL
         for (int i = d & 31; i < D; i += 32) {
-          part += vq_buf[i] * (VQ_F(kp[i]) - (HAS_CENTER ? VQ_F(kmean[(size_t)bh * D + i]) : 0.0f));
+          part += vq_buf[i] * (VQ_F(kp[i]) - (@CENTER ? VQ_F(kmean[(size_t)bh * D + i]) : 0.0f));
         }
       }
       part = vq_warp_sum(part);
@@ -970,22 +970,32 @@ _MERGE_TOKENS = r"""  if (HAS_PLAIN) {
   }
 """
 
+
+def _merge_tokens(gate: str, center: str) -> str:
+    """`_MERGE_TOKENS` under the kernel's own flags: `gate` (fp16 tokens present), `center` (keys centred)."""
+    return _MERGE_TOKENS.replace("@GATE", gate).replace("@CENTER", center)
+
+
 # Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
 # value sum with the value codec's seeded-sign FWHT; needs D a power of two),
 # HAS_PLAIN (merge a partial over fp16 tokens, already in the output domain),
+# HAS_TOKENS (attend to fp16 sinks / window tokens as held, `_MERGE_TOKENS`; keys
+# centred with kmean when HAS_VMEAN), PMAX (>= their count), TX (their dtype),
 # HAS_VMEAN (centered values: add l * mean_v), TO (output dtype).
 # Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, vsigns (D) f32,
-#   meta int32 [S], po (BH*REP, D) f32, pml (BH*REP, 2) f32, vmean (BH, D) f32.
+#   meta int32 [S, NA, NB], po (BH*REP, D) f32, pml (BH*REP, 2) f32, vmean (BH, D) f32,
+#   q (BH*REP, D), qscale f32 [scale], kmean (BH, D) f32, pa_k, pa_v (BH, NA, D) TX, pb_k, pb_v (BH, NB, D) TX.
 # Output: out (BH*REP, D) TO.  Grid: (D, BH*REP) threads in blocks of D.
 MERGE = r"""
   const int d = vq_tid;
-""" + _MERGE_ROW + r"""""" + _MERGE_SPLITS + r"""  if (UNROT) {
+""" + _MERGE_ROW + r"""  VQ_SHARED float vq_ps[PMAX];
+""" + _MERGE_SPLITS + r"""  if (UNROT) {
     vq_buf[d] = acc;
     VQ_SYNC();
 """ + _FWHT_BUF + r"""    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   }
   if (HAS_VMEAN) acc += L * vmean[(size_t)bh * D + d];
-""" + _MERGE_PLAIN + r"""  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+""" + _MERGE_PLAIN + _merge_tokens("HAS_TOKENS", "HAS_VMEAN") + r"""  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
 
 # One decode step's last kernel when the new token is stored by the step itself:
@@ -1043,7 +1053,7 @@ MERGE_ENCODE = r"""
 """ + _FWHT_BUF + r"""  acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   if (HAS_CENTER) acc += L * VQ_F(vmean[(size_t)bh * D + t]);
   M = M2;
-""" + _MERGE_TOKENS + r"""  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+""" + _merge_tokens("HAS_PLAIN", "HAS_CENTER") + r"""  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
 
 # Template constants: D, BITS, W (= ceil(D*BITS/32)), NT (threads per block),
@@ -1102,7 +1112,8 @@ KERNELS: Dict[str, dict] = {
     },
     "merge": {
         "body": MERGE,
-        "inputs": ("o", "ml", "vsigns", "meta", "po", "pml", "vmean"),
+        "inputs": ("o", "ml", "vsigns", "meta", "po", "pml", "vmean", "q", "qscale", "kmean", "pa_k", "pa_v",
+                   "pb_k", "pb_v"),
         "outputs": ("out",),
     },
 }

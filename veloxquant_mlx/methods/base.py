@@ -76,6 +76,12 @@ class Codec:
     def from_domain(self, y: mx.array) -> mx.array:
         return y
 
+    @property
+    def domain(self) -> str:
+        """What from_domain is, for kernels that leave the domain themselves: "identity",
+        "rotation" (self.rotation.invert; codecs say so by overriding this), or "custom"."""
+        return "identity" if type(self).from_domain is Codec.from_domain else "custom"
+
     def params(self) -> Params:
         """Constant arrays (codebooks, rotations) that rebuild this codec exactly."""
         return {}

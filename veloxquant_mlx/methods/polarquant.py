@@ -232,6 +232,8 @@ class PolarCodec(Codec):
     def from_domain(self, y):
         return self.rotation.invert(y)
 
+    domain = "rotation"  # from_domain is self.rotation.invert (base Codec.domain)
+
     def params(self):
         state = rotation_params(self.rotation)
         return {**state, **{f"angles{l}": c for l, c in enumerate(self.centroids, start=1)}}

@@ -128,6 +128,8 @@ class RaBitQCodec(Codec):
     def from_domain(self, y):
         return self.rotation.invert(y)
 
+    domain = "rotation"  # from_domain is self.rotation.invert (base Codec.domain)
+
     def params(self):
         return rotation_params(self.rotation)
 

@@ -114,6 +114,8 @@ class RateCodec(Codec):
     def from_domain(self, y):
         return self.rotation.invert(y)
 
+    domain = "rotation"  # from_domain is self.rotation.invert (base Codec.domain)
+
     def params(self):
         return {**self.params_in, **rotation_params(self.rotation), "width": mx.array([self.width], mx.float32)}
 

@@ -63,6 +63,8 @@ class MSECodec(Codec):
     def from_domain(self, y):
         return self.rotation.invert(y)
 
+    domain = "rotation"  # from_domain is self.rotation.invert (base Codec.domain)
+
     def params(self):
         state = rotation_params(self.rotation)
         return {**state, "centroids": self.centroids}

@@ -99,6 +99,8 @@ class RVQCodec(Codec):
     def from_domain(self, y):
         return self.rotation.invert(y)
 
+    domain = "rotation"  # from_domain is self.rotation.invert (base Codec.domain)
+
     def params(self):
         state = rotation_params(self.rotation)
         return {**state, "centroids1": self.centroids1, "centroids2": self.centroids2}

@@ -211,7 +211,12 @@ def run_rotation_case(case: RotationCase, backend: str) -> dict:
               "numpy": error(got)}
     if backend != "emulator" and case.threads == rotation_kernel.MAX_THREADS:
         def through_route():
-            route = rotation_kernel.route(x, rotation, weight, eps)
+            # the route as a layer keeps it when the kernel is on (it is opt-in: FUSED_ROTATION)
+            rotation_kernel.FUSED_ROTATION, before = True, rotation_kernel.FUSED_ROTATION
+            try:
+                route = rotation_kernel.route(x, rotation, weight, eps)
+            finally:
+                rotation_kernel.FUSED_ROTATION = before
             return float("inf") if route is None else error(route(x, weight))
         for name, compiled in (("route", False), ("compiled", True)):
             errors[name] = _route_error(case.name, name, compiled, through_route)
