@@ -41,9 +41,10 @@ from decode_profile import prefilled_caches  # noqa: E402
 def kind_of(name: str) -> str:
     low = name.lower()
     if "vq_" in low:
-        return "ours: " + next((k for k in ("mse_partial", "merge_encode", "merge", "mse_encode", "mse_dequant")
+        return "ours: " + next((k for k in ("mse_partial", "merge_encode", "merge", "mse_encode", "mse_dequant",
+                                            "lut_matmul_rotating", "lut_matmul", "rotate_input", "partial")
                                  if k in low), low)
-    for key, kind in (("sdpa", "sdpa"), ("attention", "sdpa"), ("qmv", "quantized matmul"),
+    for key, kind in (("hadamard", "hadamard"), ("sdpa", "sdpa"), ("attention", "sdpa"), ("qmv", "quantized matmul"),
                       ("qmm", "quantized matmul"), ("affine", "quantized matmul"), ("gemv", "matmul"),
                       ("gemm", "matmul"), ("matmul", "matmul"), ("copy", "copy"), ("rope", "rope"),
                       ("rms", "rms_norm"), ("reduce", "reduce"), ("softmax", "softmax"), ("arg", "arg")):
@@ -198,6 +199,23 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def weights_model(shape: str, weights: str):
+    """The shape's random-weight model with MLX affine 4-bit weights, or ours ("codebook")."""
+    if weights == "affine":
+        return build_shape_model(shape, dtype="float16", weights_bits=4)
+    if weights != "codebook":
+        raise SystemExit(f"unknown --weights {weights!r}: affine or codebook")
+    import mlx.nn as nn
+
+    from veloxquant_mlx.weights import quantize_model
+
+    model = build_shape_model(shape, dtype="float16", weights_bits=None)
+    quantize_model(model, 4, seed=0, skip=("lm_head",), progress=False)
+    nn.quantize(model, group_size=64, bits=4, class_predicate=lambda path, m: path in ("lm_head", "model.embed_tokens"))
+    mx.eval(model.parameters())
+    return model
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--shape", default="llama-3.1-8b")
@@ -206,6 +224,9 @@ def main():
     parser.add_argument("--methods", default="fp16,turboquant_mse:3:vbits=4")
     parser.add_argument("--out", default=None)
     parser.add_argument("--partial-only", action="store_true")
+    parser.add_argument("--weights", default="affine",
+                        help="comma list of weight formats, each a model of its own: affine (MLX 4-bit, group 64), "
+                             "codebook (ours: quantize_model 4-bit, default settings; head and embeddings affine)")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="trace one prefill chunk of this many tokens ending at each context, not decode steps")
     args = parser.parse_args()
@@ -214,24 +235,29 @@ def main():
         for context in contexts:
             partial_only(context, 6)
         return
-    model = build_shape_model(args.shape, dtype="float16", weights_bits=4)
     result = {"device": str(mx.default_device()), "shape": args.shape, "steps": args.steps,
               "prefill_chunk": args.prefill_chunk, "runs": []}
     out = Path(args.out) if args.out else None
-    for context in contexts:
-        for spec in [m.text for m in parse_method_list(args.methods)]:
-            if args.prefill_chunk:
-                steps, overlapped = [prefill_timeline(model, spec, context, args.prefill_chunk,
-                                                      model.args.vocab_size)], {}
-            else:
-                steps, overlapped = timeline(model, spec, context, args.steps, model.args.vocab_size)
-            result["runs"].append({"spec": spec, "context": context, "steps": steps, "pipelined": overlapped})
-            print(json.dumps({"spec": spec, "context": context, "last": steps[-1], "pipelined": overlapped},
-                             indent=1), flush=True)
-            if out:
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "timeline.json").write_text(json.dumps(result, indent=1))
-                (out / "timeline.md").write_text(markdown(result))
+    runs = [(weights, context, spec) for weights in args.weights.split(",") for context in contexts
+            for spec in [m.text for m in parse_method_list(args.methods)]]
+    model, built = None, None
+    for weights, context, spec in runs:
+        if built != weights:
+            model, built = None, weights  # one model at a time (the 8B shape's weights)
+            model = weights_model(args.shape, weights)
+        spec_label = spec if weights == "affine" else f"{spec} (weights: {weights})"
+        if args.prefill_chunk:
+            steps, overlapped = [prefill_timeline(model, spec, context, args.prefill_chunk,
+                                                  model.args.vocab_size)], {}
+        else:
+            steps, overlapped = timeline(model, spec, context, args.steps, model.args.vocab_size)
+        result["runs"].append({"spec": spec_label, "context": context, "steps": steps, "pipelined": overlapped})
+        print(json.dumps({"spec": spec_label, "context": context, "last": steps[-1], "pipelined": overlapped},
+                         indent=1), flush=True)
+        if out:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "timeline.json").write_text(json.dumps(result, indent=1))
+            (out / "timeline.md").write_text(markdown(result))
     print(markdown(result))
 
 
