@@ -204,19 +204,27 @@ def test_reservoir_rejects_other_versions_and_models(saved):
         graft_reservoir(different_norms, path)
 
 
-def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator():
+@pytest.mark.parametrize("target_blocks", [None, 1], ids=["one-row-per-warp", "four-rows-per-warp"])
+def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator(target_blocks, monkeypatch):
     from veloxquant_mlx.kernels import emulator
     from veloxquant_mlx.weights import kernel
 
     if emulator.compiler() is None:
         pytest.skip("no C++20 compiler for the kernel emulator")
-    # 100 at 3 bits ends in a partial chunk of codes (32 per chunk); 4 bits packs 8 per word
-    for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 16, 1), (3, 100, None, 2), (4, 256, None, 8)):
+    if target_blocks is not None:  # several output rows per warp (and a ragged last block: 37 rows)
+        monkeypatch.setattr(kernel, "TARGET_BLOCKS", target_blocks)
+        kernel.plan.cache_clear()
+    # 100 at 3 bits ends in a partial chunk of codes (32 per chunk); 4 bits loads 32 codes at once
+    for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 16, 1), (3, 100, None, 2),
+                                   (4, 256, None, 8), (4, 96, None, 2), (2, 64, None, 1)):
         layer = QuantizedLinear.from_weight(_weight(37, dim, seed=bits), bits, group_size=group)
         x = layer.rotation.apply(_weight(rows, dim, seed=7))
         expected = np.array(layer.tiled_matmul(x))
+        rpw = dict(kernel.plan(rows, dim, 37, bits, layer.scales.shape[1], "float32", "float32").template)["RPW"]
+        assert rpw == (1 if target_blocks is None or rows > 2 else 4)
         got = np.array(kernel.lut_matmul(x, layer, "emulator"))
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
+    kernel.plan.cache_clear()
 
 
 def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):

@@ -98,6 +98,9 @@ VQ_INLINE void vq_cp_async4(uint32_t* dst, const uint32_t* src, bool ok) {
 }
 VQ_INLINE void vq_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 VQ_INLINE void vq_cp_wait() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+// Four consecutive words of global memory (16-byte aligned) in one load.
+#define VQ_LOAD_U4(dst, src) { const uint4 v_ = *reinterpret_cast<const uint4*>(src); \
+  (dst)[0] = v_.x; (dst)[1] = v_.y; (dst)[2] = v_.z; (dst)[3] = v_.w; }
 #endif
 """
 
@@ -125,6 +128,8 @@ typedef ulong vq_u64;
 VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
 VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
+#define VQ_LOAD_U4(dst, src) { const uint4 v_ = *((const device uint4*)(src)); \
+  (dst)[0] = v_.x; (dst)[1] = v_.y; (dst)[2] = v_.z; (dst)[3] = v_.w; }
 #define VQ_UNROLL8 _Pragma("unroll 8")
 #define VQ_UNROLL4 _Pragma("unroll 4")
 #endif
@@ -219,6 +224,7 @@ inline void vq_mma16816(float* c, const uint32_t* a, const uint32_t* b) { vq_emu
 #define VQ_UNROLL8
 #define VQ_UNROLL4
 inline void vq_cp_async4(uint32_t* dst, const uint32_t* src, bool ok) { *dst = ok ? *src : 0u; }
+#define VQ_LOAD_U4(dst, src) { for (int k_ = 0; k_ < 4; ++k_) (dst)[k_] = (src)[k_]; }
 inline void vq_cp_commit() {}
 inline void vq_cp_wait() {}
 #endif

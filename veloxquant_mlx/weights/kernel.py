@@ -6,20 +6,20 @@ there as ``lut_matmul`` when this module is imported), so that
 same text with the same constants (`launch.run_mlx` / `launch.run_emulator`).
 
 Work split (a GEMV for decode-sized batches): a block of NT threads has NT / 32
-warps, one output row n each. A row's codes are cut into chunks of C codes, the fewest
-that fill whole words (C = 32 / gcd(32, BITS): 8 codes in one word at 4 bits, 32 codes in
-three words at 3 bits). Lane l of a warp takes chunks l, l + 32, ...: it loads the CW
-words of its chunk once and decodes its C codes with shifts the compiler knows (the
-loop is unrolled), looks each code up in the 2^BITS-entry table in shared memory, times
-its group scale when groups are on, and multiplies it by the rotated input of up to MT
-batch rows. A warp sum gives y[m, n] (times the row scale when there are no groups).
+warps, RPW output rows each (`rows_per_warp`). A row's codes are cut into chunks of CW
+words: four (32 codes at 4 bits, 64 at 2; one 16-byte load) where they hold whole codes,
+else 32 codes in BITS words (3 bits). Lane l of a warp takes chunks l, l + 32, ... of its
+RPW rows: it loads them (RPW loads in flight) and decodes the codes with shifts the
+compiler knows (the loop is unrolled), looks each code up in the 2^BITS-entry table in
+shared memory, times its group scale when groups are on, and multiplies it by the rotated
+input of up to MT batch rows, read once for the RPW rows. A warp sum gives y[m, n] (times
+the row scale when there are no groups).
 Decoding a word at a time, rather than one code per lane from a word it shares with
 other lanes, cuts the instructions per weight: the kernel is instruction-bound.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from functools import lru_cache
 from typing import Callable, Optional
@@ -40,37 +40,57 @@ LUT_MATMUL = r"""
   VQ_SYNC();
   const int warp = vq_tid / 32;
   const int lane = vq_tid % 32;
-  const int n = vq_bx * NWARP + warp;
+  // A warp's RPW output rows together: each lane loads its chunk of every row (RPW loads in
+  // flight) and reads each input element once for all of them. Rows past N load row N - 1
+  // and are not stored.
+  const int n0 = (vq_bx * NWARP + warp) * RPW;
   const int m0 = vq_by * MT;
-  float acc[MT];
-  for (int m = 0; m < MT; ++m) acc[m] = 0.0f;
-  if (n < N) {
-    const VQ_GLOBAL uint32_t* row = codes + (size_t)n * W;
-    for (int q = lane; q < NCHUNK; q += 32) {
-      uint32_t words[CW];
-      VQ_UNROLL
-      for (int k = 0; k < CW; ++k) words[k] = (q * CW + k < W) ? row[q * CW + k] : 0u;
-      const int e0 = q * C;
-      VQ_UNROLL
-      for (int j = 0; j < C; ++j) {
-        const int bit = j * BITS;
-        uint32_t c = words[bit >> 5] >> (bit & 31);
-        if ((bit & 31) + BITS > 32) c |= words[(bit >> 5) + 1] << (32 - (bit & 31));
-        float wv = lut_s[c & MASK];
-        if (NG > 1) wv *= VQ_F(scales[(size_t)n * NG + (e0 + j) / GS]);
-        if (e0 + j < D) {
-          for (int m = 0; m < MT; ++m) {
-            if (m0 + m < M) acc[m] += VQ_F(x[(size_t)(m0 + m) * D + e0 + j]) * wv;
+  float acc[MT * RPW];
+  for (int i = 0; i < MT * RPW; ++i) acc[i] = 0.0f;
+  for (int q = lane; q < NCHUNK; q += 32) {
+    uint32_t words[RPW][CW];
+    VQ_UNROLL
+    for (int rr = 0; rr < RPW; ++rr) {
+      const VQ_GLOBAL uint32_t* src = codes + (size_t)VQ_MINI(n0 + rr, N - 1) * W + q * CW;
+      if (VEC) {
+        VQ_LOAD_U4(words[rr], src);
+      } else {
+        VQ_UNROLL
+        for (int k = 0; k < CW; ++k) words[rr][k] = (q * CW + k < W) ? src[k] : 0u;
+      }
+    }
+    const int e0 = q * C;
+    VQ_UNROLL
+    for (int j = 0; j < C; ++j) {
+      const int bit = j * BITS;
+      if (e0 + j < D) {
+        float wv[RPW];
+        VQ_UNROLL
+        for (int rr = 0; rr < RPW; ++rr) {
+          uint32_t c = words[rr][bit >> 5] >> (bit & 31);
+          if ((bit & 31) + BITS > 32) c |= words[rr][(bit >> 5) + 1] << (32 - (bit & 31));
+          wv[rr] = lut_s[c & MASK];
+          if (NG > 1) wv[rr] *= VQ_F(scales[(size_t)VQ_MINI(n0 + rr, N - 1) * NG + (e0 + j) / GS]);
+        }
+        for (int m = 0; m < MT; ++m) {
+          if (m0 + m < M) {
+            const float xv = VQ_F(x[(size_t)(m0 + m) * D + e0 + j]);
+            VQ_UNROLL
+            for (int rr = 0; rr < RPW; ++rr) acc[m * RPW + rr] += xv * wv[rr];
           }
         }
       }
     }
   }
   for (int m = 0; m < MT; ++m) {
-    const float s = vq_warp_sum(acc[m]);
-    if (lane == 0 && n < N && m0 + m < M) {
-      const float rs = (NG > 1) ? 1.0f : VQ_F(scales[n]);
-      out[(size_t)(m0 + m) * N + n] = VQ_CAST(TO, s * rs);
+    VQ_UNROLL
+    for (int rr = 0; rr < RPW; ++rr) {
+      const float s = vq_warp_sum(acc[m * RPW + rr]);
+      const int n = n0 + rr;
+      if (lane == 0 && n < N && m0 + m < M) {
+        const float rs = (NG > 1) ? 1.0f : VQ_F(scales[n]);
+        out[(size_t)(m0 + m) * N + n] = VQ_CAST(TO, s * rs);
+      }
     }
   }
 """
@@ -82,6 +102,18 @@ templates.KERNELS.setdefault(KERNEL_NAME, {
 })
 
 
+TARGET_BLOCKS = 264  # two per SM of an H200: more rows per warp only while a launch keeps this many
+
+
+def rows_per_warp(out_features: int, warps: int, batch_rows: int = 1) -> int:
+    """Output rows per warp: a power of two up to 4 (one at more than 2 batch rows, whose sums
+    already fill the registers) that keeps TARGET_BLOCKS blocks."""
+    rpw = 1
+    while rpw < (4 if batch_rows <= 2 else 1) and out_features // (warps * rpw * 2) >= TARGET_BLOCKS:
+        rpw *= 2
+    return rpw
+
+
 @lru_cache(maxsize=1024)
 def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int, x_dtype: str,
          out_dtype: str, threads: int = THREADS) -> launch.Plan:
@@ -89,12 +121,18 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
     group_size = in_features // groups
     mt = min(rows, MAX_ROWS)
     nwarp = threads // 32
-    chunk = 32 // math.gcd(32, bits)  # codes in the fewest whole words
-    template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", -(-in_features * bits // 32)),
-                ("C", chunk), ("CW", chunk * bits // 32), ("NCHUNK", -(-in_features // chunk)),
+    words = -(-in_features * bits // 32)
+    # A lane's chunk: four words (one 16-byte load where rows start 16-byte aligned: VEC) where
+    # they hold whole codes, else the 32 codes of `bits` words (3 bits).
+    chunk_words = 4 if 128 % bits == 0 else bits
+    chunk = 32 * chunk_words // bits
+    rpw = rows_per_warp(out_features, nwarp, mt)
+    template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", words),
+                ("C", chunk), ("CW", chunk_words), ("VEC", chunk_words == 4 and words % 4 == 0),
+                ("NCHUNK", -(-in_features // chunk)), ("RPW", rpw),
                 ("M", rows), ("MT", mt), ("NT", threads), ("NG", groups), ("GS", group_size),
                 ("TX", x_dtype), ("TO", out_dtype)]
-    grid = (-(-out_features // nwarp) * threads, -(-rows // mt), 1)
+    grid = (-(-out_features // (nwarp * rpw)) * threads, -(-rows // mt), 1)
     return launch.Plan(KERNEL_NAME, template, grid, (threads, 1, 1), [(rows, out_features)], [out_dtype])
 
 

@@ -50,7 +50,8 @@ MAX_ROWS_PER_WARP = 4
 ROTATING_MATMUL = os.environ.get("VELOXQUANT_WEIGHT_ROTATING_MATMUL", "1") == "1"
 
 # Template constants: D, K = log2 D, NT threads, E = D / NT, LB = log2 E, PASSES = ceil(K / LB),
-# N (output rows), BITS, W (words per row), C / CW (codes / words of a lane's chunk), NCHUNK,
+# N (output rows), BITS, W (words per row), C / CW (codes / words of a lane's chunk), VEC (CW = 4
+# words read as one 16-byte load), NCHUNK,
 # NG / GS (scale groups / their size), RPW (output rows per warp), TX (x and w), TO (output).
 # Inputs: x (1, D) TX, w (D) TX (the first stage's signs times the column scale), codes (N, W) u32,
 # scales (N, NG), lut (2^BITS) f32. Output: out (1, N) TO. Grid: ceil(N / (NT / 32 * RPW)) blocks of NT.
@@ -101,30 +102,46 @@ LUT_MATMUL_ROTATING = r"""
     }
     VQ_SYNC();
   }
+  // The RPW rows of a warp together: each lane loads its chunk of every row (RPW loads in
+  // flight), then reads each rotated input element once for all of them. Rows past N load row
+  // N - 1 (the same trips and warp sums in every warp) and are not stored.
   const int warp = t / 32;
   const int lane = t % 32;
-  for (int rr = 0; rr < RPW; ++rr) {
-    const int n = (vq_bx * NWARP + warp) * RPW + rr;
-    const VQ_GLOBAL uint32_t* row = codes + (size_t)n * W;
-    float acc = 0.0f;
-    // rows past N skip the loop but still reach the warp sum (the emulator's sum is a block barrier)
-    for (int q = n < N ? lane : NCHUNK; q < NCHUNK; q += 32) {
-      uint32_t words[CW];
-      VQ_UNROLL
-      for (int k = 0; k < CW; ++k) words[k] = row[q * CW + k];
-      const int e0 = q * C;
-      VQ_UNROLL
-      for (int j = 0; j < C; ++j) {
-        const int bit = j * BITS;
-        uint32_t c = words[bit >> 5] >> (bit & 31);
-        if ((bit & 31) + BITS > 32) c |= words[(bit >> 5) + 1] << (32 - (bit & 31));
-        float wv = lut_s[c & MASK];
-        if (NG > 1) wv *= VQ_F(scales[(size_t)n * NG + (e0 + j) / GS]);
-        const int e = e0 + j;
-        acc += xs[e + (e >> 5)] * wv;
+  const int n0 = (vq_bx * NWARP + warp) * RPW;
+  float acc[RPW];
+  VQ_UNROLL
+  for (int rr = 0; rr < RPW; ++rr) acc[rr] = 0.0f;
+  for (int q = lane; q < NCHUNK; q += 32) {
+    uint32_t words[RPW][CW];
+    VQ_UNROLL
+    for (int rr = 0; rr < RPW; ++rr) {
+      const VQ_GLOBAL uint32_t* src = codes + (size_t)VQ_MINI(n0 + rr, N - 1) * W + q * CW;
+      if (VEC) {
+        VQ_LOAD_U4(words[rr], src);
+      } else {
+        VQ_UNROLL
+        for (int k = 0; k < CW; ++k) words[rr][k] = src[k];
       }
     }
-    const float s = vq_warp_sum(acc);
+    VQ_UNROLL
+    for (int j = 0; j < C; ++j) {
+      const int e = q * C + j;
+      const float xv = xs[e + (e >> 5)];
+      const int bit = j * BITS;
+      VQ_UNROLL
+      for (int rr = 0; rr < RPW; ++rr) {
+        uint32_t c = words[rr][bit >> 5] >> (bit & 31);
+        if ((bit & 31) + BITS > 32) c |= words[rr][(bit >> 5) + 1] << (32 - (bit & 31));
+        float wv = lut_s[c & MASK];
+        if (NG > 1) wv *= VQ_F(scales[(size_t)VQ_MINI(n0 + rr, N - 1) * NG + e / GS]);
+        acc[rr] += xv * wv;
+      }
+    }
+  }
+  VQ_UNROLL
+  for (int rr = 0; rr < RPW; ++rr) {
+    const float s = vq_warp_sum(acc[rr]);
+    const int n = n0 + rr;
     if (lane == 0 && n < N) {
       const float rs = (NG > 1) ? 1.0f : VQ_F(scales[n]);
       out[n] = VQ_CAST(TO, s * rs);
@@ -162,11 +179,15 @@ def plan(in_features: int, out_features: int, bits: int, groups: int, x_dtype: s
     nt = min(threads, in_features // 2)
     e = in_features // nt
     k, lb = int(math.log2(in_features)), int(math.log2(e))
-    chunk = 32 // math.gcd(32, bits)  # codes in the fewest whole words (kernel.py)
+    # A lane's chunk: four words (one 16-byte load, VEC) where they hold whole codes, else the
+    # 32 codes of `bits` words (3 bits: three loads).
+    words = 4 if 128 % bits == 0 else bits
+    chunk = 32 * words // bits
+    vec = words == 4 and (in_features * bits // 32) % 4 == 0  # rows start 16-byte aligned
     rpw = rows_per_warp(out_features, nt // 32) if rpw is None else rpw
     template = [("D", in_features), ("K", k), ("NT", nt), ("E", e), ("LB", lb), ("PASSES", -(-k // lb)),
                 ("N", out_features), ("BITS", bits), ("W", in_features * bits // 32), ("C", chunk),
-                ("CW", chunk * bits // 32), ("NCHUNK", in_features // chunk), ("NG", groups),
+                ("CW", words), ("VEC", vec), ("NCHUNK", in_features // chunk), ("NG", groups),
                 ("GS", in_features // groups), ("RPW", rpw), ("TX", x_dtype), ("TO", out_dtype)]
     grid = (-(-out_features // (nt // 32 * rpw)) * nt, 1, 1)
     return launch.Plan(KERNEL_NAME, template, grid, (nt, 1, 1), [(1, out_features)], [out_dtype])
