@@ -204,27 +204,25 @@ def test_reservoir_rejects_other_versions_and_models(saved):
         graft_reservoir(different_norms, path)
 
 
-@pytest.mark.parametrize("target_blocks", [None, 1], ids=["one-row-per-warp", "four-rows-per-warp"])
-def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator(target_blocks, monkeypatch):
-    from veloxquant_mlx.kernels import emulator
+@pytest.mark.parametrize("layout, rpw", [("word", 1), ("word", 2), ("vec", 1), ("vec", 4)])
+def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator(layout, rpw):
+    """Both chunk layouts, one or several output rows per warp (37 rows: a ragged last block)."""
+    from veloxquant_mlx.kernels import emulator, launch
     from veloxquant_mlx.weights import kernel
 
     if emulator.compiler() is None:
         pytest.skip("no C++20 compiler for the kernel emulator")
-    if target_blocks is not None:  # several output rows per warp (and a ragged last block: 37 rows)
-        monkeypatch.setattr(kernel, "TARGET_BLOCKS", target_blocks)
-        kernel.plan.cache_clear()
-    # 100 at 3 bits ends in a partial chunk of codes (32 per chunk); 4 bits loads 32 codes at once
+    # 100 at 3 bits ends in a partial chunk of codes (32 per chunk); at 4 bits "vec" loads 32 codes at once
     for bits, dim, group, rows in ((3, NON_HADAMARD_DIM, None, 3), (2, 128, 16, 1), (3, 100, None, 2),
                                    (4, 256, None, 8), (4, 96, None, 2), (2, 64, None, 1)):
         layer = QuantizedLinear.from_weight(_weight(37, dim, seed=bits), bits, group_size=group)
         x = layer.rotation.apply(_weight(rows, dim, seed=7))
         expected = np.array(layer.tiled_matmul(x))
-        rpw = dict(kernel.plan(rows, dim, 37, bits, layer.scales.shape[1], "float32", "float32").template)["RPW"]
-        assert rpw == (1 if target_blocks is None or rows > 2 else 4)
-        got = np.array(kernel.lut_matmul(x, layer, "emulator"))
+        plan = kernel.plan(rows, dim, 37, bits, layer.scales.shape[1], "float32", "float32", layout=layout, rpw=rpw)
+        (got,) = launch.run_emulator(plan, [x, layer.codes, layer.scales, layer.codebook])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    kernel.plan.cache_clear()
+    default = kernel.plan(1, 256, 37, 4, 1, "float32", "float32")
+    assert dict(default.template)["RPW"] == 1 and dict(default.template)["CW"] == 1  # measured fastest (docs)
 
 
 def test_quantize_weights_cli_writes_a_loadable_folder(tmp_path, monkeypatch):

@@ -6,9 +6,9 @@ there as ``lut_matmul`` when this module is imported), so that
 same text with the same constants (`launch.run_mlx` / `launch.run_emulator`).
 
 Work split (a GEMV for decode-sized batches): a block of NT threads has NT / 32
-warps, RPW output rows each (`rows_per_warp`). A row's codes are cut into chunks of CW
-words: four (32 codes at 4 bits, 64 at 2; one 16-byte load) where they hold whole codes,
-else 32 codes in BITS words (3 bits). Lane l of a warp takes chunks l, l + 32, ... of its
+warps, RPW output rows each. A row's codes are cut into chunks of CW words (`plan`'s
+layout: by default the fewest whole words, 8 codes in one word at 4 bits, 32 in three at
+3 bits; or four words in one 16-byte load). Lane l of a warp takes chunks l, l + 32, ... of its
 RPW rows: it loads them (RPW loads in flight) and decodes the codes with shifts the
 compiler knows (the loop is unrolled), looks each code up in the 2^BITS-entry table in
 shared memory, times its group scale when groups are on, and multiplies it by the rotated
@@ -21,6 +21,7 @@ other lanes, cuts the instructions per weight: the kernel is instruction-bound.
 from __future__ import annotations
 
 import os
+import math
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -116,17 +117,26 @@ def rows_per_warp(out_features: int, warps: int, batch_rows: int = 1) -> int:
 
 @lru_cache(maxsize=1024)
 def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int, x_dtype: str,
-         out_dtype: str, threads: int = THREADS) -> launch.Plan:
-    """Constants and grid of one launch: `rows` batch rows of a (out, in) layer."""
+         out_dtype: str, threads: int = THREADS, layout: str = "word", rpw: Optional[int] = None) -> launch.Plan:
+    """Constants and grid of one launch: `rows` batch rows of a (out, in) layer. `layout`: a
+    lane's chunk is the fewest whole words ("word": one word at 4 bits; the lanes of a warp then
+    read neighbouring input elements, which this kernel reads from global memory) or four words
+    ("vec": one 16-byte load where rows start 16-byte aligned, else the 32 codes of `bits` words).
+    `rpw`: output rows per warp (None: 1 for "word", `rows_per_warp` for "vec")."""
     group_size = in_features // groups
     mt = min(rows, MAX_ROWS)
     nwarp = threads // 32
     words = -(-in_features * bits // 32)
-    # A lane's chunk: four words (one 16-byte load where rows start 16-byte aligned: VEC) where
-    # they hold whole codes, else the 32 codes of `bits` words (3 bits).
-    chunk_words = 4 if 128 % bits == 0 else bits
-    chunk = 32 * chunk_words // bits
-    rpw = rows_per_warp(out_features, nwarp, mt)
+    if layout == "word":
+        chunk = 32 // math.gcd(32, bits)
+        chunk_words = chunk * bits // 32
+    elif layout == "vec":
+        chunk_words = 4 if 128 % bits == 0 else bits
+        chunk = 32 * chunk_words // bits
+    else:
+        raise ValueError(f"layout must be 'word' or 'vec', got {layout!r}")
+    if rpw is None:
+        rpw = 1 if layout == "word" else rows_per_warp(out_features, nwarp, mt)
     template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", words),
                 ("C", chunk), ("CW", chunk_words), ("VEC", chunk_words == 4 and words % 4 == 0),
                 ("NCHUNK", -(-in_features // chunk)), ("RPW", rpw),
