@@ -103,6 +103,7 @@ templates.KERNELS.setdefault(KERNEL_NAME, {
 })
 
 
+LONG_ROW = 8192  # input features from which the "word" layout takes two output rows per warp
 TARGET_BLOCKS = 264  # two per SM of an H200: more rows per warp only while a launch keeps this many
 
 
@@ -122,7 +123,8 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
     lane's chunk is the fewest whole words ("word": one word at 4 bits; the lanes of a warp then
     read neighbouring input elements, which this kernel reads from global memory) or four words
     ("vec": one 16-byte load where rows start 16-byte aligned, else the 32 codes of `bits` words).
-    `rpw`: output rows per warp (None: 1 for "word", `rows_per_warp` for "vec")."""
+    `rpw`: output rows per warp (None: for "word" 2 on rows of LONG_ROW inputs or more at up to 2
+    batch rows, else 1; for "vec" `rows_per_warp`)."""
     group_size = in_features // groups
     mt = min(rows, MAX_ROWS)
     nwarp = threads // 32
@@ -135,8 +137,8 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
         chunk = 32 * chunk_words // bits
     else:
         raise ValueError(f"layout must be 'word' or 'vec', got {layout!r}")
-    if rpw is None:
-        rpw = 1 if layout == "word" else rows_per_warp(out_features, nwarp, mt)
+    if rpw is None:  # measured (weights-lut-variants): two rows per warp paid on 14336-long rows, not on 4096
+        rpw = (2 if in_features >= LONG_ROW and mt <= 2 else 1) if layout == "word" else rows_per_warp(out_features, nwarp, mt)
     template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", words),
                 ("C", chunk), ("CW", chunk_words), ("VEC", chunk_words == 4 and words % 4 == 0),
                 ("NCHUNK", -(-in_features // chunk)), ("RPW", rpw),
