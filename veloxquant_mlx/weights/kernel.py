@@ -103,7 +103,11 @@ templates.KERNELS.setdefault(KERNEL_NAME, {
 })
 
 
-LONG_ROW = 8192  # input features from which the "word" layout takes two output rows per warp
+# Input features from which the "word" layout takes two output rows per warp. Off (None of the
+# layers reach it): on down_proj alone two rows per warp measured faster (39.2 against 58.0 us,
+# weights-lut-variants), but the whole-model decode with it measured 0.59x affine against 0.69x
+# with one row (two H200 runs, docs/weights.md), so one row stays the default until repeated.
+LONG_ROW = 1 << 62
 TARGET_BLOCKS = 264  # two per SM of an H200: more rows per warp only while a launch keeps this many
 
 
@@ -137,7 +141,7 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
         chunk = 32 * chunk_words // bits
     else:
         raise ValueError(f"layout must be 'word' or 'vec', got {layout!r}")
-    if rpw is None:  # measured (weights-lut-variants): two rows per warp paid on 14336-long rows, not on 4096
+    if rpw is None:
         rpw = (2 if in_features >= LONG_ROW and mt <= 2 else 1) if layout == "word" else rows_per_warp(out_features, nwarp, mt)
     template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", words),
                 ("C", chunk), ("CW", chunk_words), ("VEC", chunk_words == 4 and words % 4 == 0),
