@@ -22,11 +22,10 @@ X at a time (G * P <= 4096 floats, so the buffer fits Metal's 32 KB and CUDA's 4
 shared memory whatever the dimension); B^T then mixes each column inside its thread (an m x m
 product from shared memory). With the norm, a block reduction gives sum(x^2) first.
 
-Folding the rotation into the LUT matmul's prologue instead (every block rotating x itself)
-is not possible at these sizes: a block would need the whole rotated row, 14336 floats
-(56 KB) per batch row for down_proj, beyond the shared memory of a block, and every one of
-the thousands of blocks would repeat the transform. So the rotation stays its own launch,
-one per layer instead of two.
+For one batch row and a power-of-two dimension up to 4096, `rotating_matmul.py` folds the
+rotation into the LUT matmul's own launch instead (every block rotates the row in shared
+memory); that is the default route there. This kernel remains for the other dimensions
+(14336 floats, 56 KB, exceed a block's static shared memory) and batches, opt-in.
 """
 
 from __future__ import annotations
