@@ -289,8 +289,8 @@ def test_nbytes_covers_what_the_allocator_holds(method):
 from veloxquant_mlx.kernels import emulator  # noqa: E402
 
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the emulator")
-# polarquant's decode is a tree, not per element; rabitq's scales a token by ||y||, a sum over its codes
-SNIPPET_METHODS = [m for m in ALL if m not in ("polarquant", "rabitq")]
+# rabitq's decode scales a token by ||y||, a sum over its codes (polarquant's is a product along j's path)
+SNIPPET_METHODS = [m for m in ALL if m != "rabitq"]
 
 
 @needs_cxx
@@ -306,7 +306,7 @@ def test_dequant_kernel_equals_codec_decode(method):
 
 @needs_cxx
 @pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
-@pytest.mark.parametrize("method", ["turboquant_rvq", "kivi", "qjl", "turboquant_prod", "turboquant_mse"])
+@pytest.mark.parametrize("method", ["turboquant_rvq", "kivi", "qjl", "turboquant_prod", "turboquant_mse", "polarquant"])
 def test_format_kernel_paths_equal_generic(method, protected):
     # The GPU paths for every format with a snippet (dequant kernel + MLX attention), emulated.
     cache = _filled(method, batch=1, tokens=64, decode=3, settings=EngineSettings.resolve(backend="emulator"),

@@ -472,6 +472,8 @@ PARTIAL_FORMATS = [
     {"method": "turboquant_rvq", "bits": 2},
     {"method": "qjl", "bits": 3},
     {"method": "turboquant_prod", "bits": 3},
+    {"method": "polarquant", "bits": 3},
+    {"method": "polarquant", "bits": 4, "options": {"levels": 0}},  # the deepest tree: 6 levels at dim 64
     {"method": "turboquant_mse", "bits": 3, "value_bits": 4},
     {"method": "turboquant_mse", "bits": 3, "sink_tokens": 4, "residual_length": 16, "center": True,
      "options": {"renorm": True}},
@@ -533,6 +535,30 @@ def test_format_step_attends_to_fp16_tokens_in_the_merge_kernel(options, merged_
     out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
     assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
     assert (launched[1:] == ["merge+tokens"]) is merged_in_kernel and launched[0].startswith("partial_")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("options", [{"method": "polarquant", "bits": 4, "options": {"levels": 0}},
+                                     {"method": "kivi", "bits": 2, "group_size": 32},
+                                     {"method": "qjl", "bits": 3}], ids=["polarquant", "kivi", "qjl"])
+def test_format_partial_kernels_compile_with_nvcc(options, tmp_path):
+    """The formats' partial kernel, rendered from each codec's snippets for the 8B shape (dim 128,
+    GQA 4), compiles for sm_90 without spills: a snippet's CUDA errors show here, not on the GPU."""
+    from veloxquant_mlx.kernels import partial
+    from veloxquant_mlx.settings import EngineSettings
+
+    cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
+    keys = mx.random.normal((1, 8, 300, 128), key=mx.random.key(3))
+    cache.update_and_fetch(keys, keys)
+    cache.store.flush()
+    h = cache._history()
+    prepared = partial.prepare(h.store, h.key_codec, h.value_codec, 8, 4, h.count)
+    spec = templates.KERNELS[prepared.plan.kernel]
+    ins = {"q": "float32", **{name: launch.dtype_name(a.dtype) for name, a in zip(spec["inputs"][1:], prepared.inputs)}}
+    src = tmp_path / "partial.cu"
+    src.write_text(templates.render_cuda(prepared.plan.kernel, prepared.plan.template, ins,
+                                         {"o": "float32", "ml": "float32"}, mlx_header=False))
+    compile_cuda_without_spills(src, tmp_path / "partial.o")
 
 
 def test_codecs_declare_how_their_domain_is_left():

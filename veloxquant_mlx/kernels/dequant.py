@@ -136,12 +136,19 @@ class Access:
         """A variable holding code `index` of packed field `name` (dense little-endian)."""
         f = self.fields[name]
         assert f.kind == PACKED
-        v, bits = self._var(), f.bits
+        return self.bits_at(name, f"({index}) * {f.bits}", f.bits)
+
+    def bits_at(self, name: str, start: str, width: int) -> str:
+        """A variable holding the `width` (<= 32) bits of packed field `name` from bit `start` on
+        (dense little-endian: a stream of codes of several widths, as polarquant's)."""
+        assert self.fields[name].kind == PACKED and 0 < width <= 32
+        v = self._var()
+        mask = "0xffffffffu" if width == 32 else f"{(1 << width) - 1}u"
         self.lines.append(
-            f"    uint32_t {v}; {{ const int b_ = ({index}) * {bits}; const int w_ = b_ >> 5; const int s_ = b_ & 31;"
+            f"    uint32_t {v}; {{ const int b_ = {start}; const int w_ = b_ >> 5; const int s_ = b_ & 31;"
             f" {v} = {self.word(name, 'w_')} >> s_;"
-            f" if (s_ + {bits} > 32) {v} |= {self.word(name, 'w_ + 1')} << (32 - s_);"
-            f" {v} &= {(1 << bits) - 1}u; }}")
+            f" if (s_ + {width} > 32) {v} |= {self.word(name, 'w_ + 1')} << (32 - s_);"
+            f" {v} &= {mask}; }}")
         return v
 
     def table(self, values) -> str:

@@ -226,6 +226,20 @@ class PolarCodec(Codec):
             radius = mx.stack([radius * cos, radius * sin], axis=-1).reshape(*lead, -1)
         return radius
 
+    def kernel_decode(self, a):
+        """The kernels' element j (`kernels/dequant.py`): the inverse polar transform along j's path,
+        radius[j >> L] times, level L down to 1, cos or sin (bit l - 1 of j) of the level-l angle
+        j >> l, multiplied in `decode`'s order so the result is the same float."""
+        offsets = np.cumsum([0] + [n * b for n, b in zip(self.counts, self.bits)])
+        radius = a.bits_at("codes", f"{self.code_bits} + (j >> {self.levels}) * 16", 16)
+        lines = [f"v = vq_half_bits({radius});"]
+        for level in reversed(range(self.levels)):
+            b = self.bits[level]
+            cos, sin = a.table(np.array(self.cos[level])), a.table(np.array(self.sin[level]))
+            code = a.bits_at("codes", f"{int(offsets[level])} + (j >> {level + 1}) * {b}", b) if b else "0"
+            lines.append(f"v *= ((j >> {level}) & 1) ? {sin}[{code}] : {cos}[{code}];")
+        return " ".join(lines)
+
     def to_domain(self, x):
         return self.rotation.apply(x)
 
