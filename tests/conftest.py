@@ -164,3 +164,33 @@ def compile_cuda_without_spills(src, out) -> str:
     assert result.returncode == 0, result.stderr[-3000:]
     assert "0 bytes spill stores" in result.stderr, result.stderr[-2000:]
     return result.stderr
+
+
+def random_rows(rows, dim, seed=0, dtype=None):
+    """(rows, dim) standard normal values from numpy's seeded generator, as an MLX array of `dtype`."""
+    import numpy as np
+
+    x = mx.array(np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32))
+    return x if dtype is None else x.astype(dtype)
+
+
+def assert_close_relative(got, expected, tolerance):
+    """Same shape, and max |got - expected| <= tolerance * max |expected|."""
+    import numpy as np
+
+    got, expected = np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32))
+    assert got.shape == expected.shape
+    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max(), np.abs(got - expected).max()
+
+
+def llama_of_8b_form(seed=0):
+    """Llama-3.1-8B's dimensions in small: hidden 2^k (as 4096), intermediate 28 * 2^k (as 14336)."""
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=28 * 8,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                           rope_traditional=False)
+    mx.random.seed(seed)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model

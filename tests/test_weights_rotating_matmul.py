@@ -3,10 +3,9 @@ through the C++ emulator: it equals the two-launch forward, decode calls at batc
 launch per layer), other calls keep the two launches, and a failed first-use check warns."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
-from conftest import compile_cuda_without_spills, emulate_gpu_kernels
-from mlx_lm.models import llama
+from conftest import (assert_close_relative, compile_cuda_without_spills, emulate_gpu_kernels, llama_of_8b_form,
+                      random_rows)
 
 from veloxquant_mlx.kernels import emulator
 from veloxquant_mlx.weights import QuantizedLinear, quantize_model, rotating_matmul, rotation_kernel
@@ -14,17 +13,9 @@ from veloxquant_mlx.weights import QuantizedLinear, quantize_model, rotating_mat
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
 
 
-def _x(rows, dim, seed=0, dtype=mx.float32):
-    return mx.array(np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)).astype(dtype)
 
 
-def _close(got, expected, tolerance):
-    got, expected = np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32))
-    assert got.shape == expected.shape
-    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max(), np.abs(got - expected).max()
-
-
-def test_plans_of_the_llama_shape():
+def test_plans_of_thellama_of_8b_form():
     """Llama-3.1-8B's 4096-wide inputs: 256 threads, 16 elements each in 3 passes; rows per warp
     chosen so that every layer keeps at least TARGET_BLOCKS blocks (more only where it has them)."""
     for out, rpw in ((4096, 1), (1024, 1), (14336, 4)):
@@ -63,72 +54,63 @@ def emulated_gpu(monkeypatch):
 
 
 def test_one_row_takes_one_launch_and_more_rows_two(emulated_gpu, monkeypatch):
-    layer = QuantizedLinear.from_weight(_x(40, 128, seed=4), 4, column_alpha=0.5)
-    one, three = _x(1, 128, seed=6)[None], _x(3, 128, seed=6)[None]
+    layer = QuantizedLinear.from_weight(random_rows(40, 128, seed=4), 4, column_alpha=0.5)
+    one, three = random_rows(1, 128, seed=6)[None], random_rows(3, 128, seed=6)[None]
     for x in (one, three):
         expected = layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales))
-        _close(layer(x), expected, 1e-5)
+        assert_close_relative(layer(x), expected, 1e-5)
         emulated_gpu.clear()
-        _close(layer(x), expected, 1e-5)  # the kept route
+        assert_close_relative(layer(x), expected, 1e-5)  # the kept route
         assert emulated_gpu == (["lut_matmul_rotating"] if x is one else ["lut_matmul"])
     monkeypatch.setattr(rotating_matmul, "ROTATING_MATMUL", False)
-    off = QuantizedLinear.from_weight(_x(40, 128, seed=4), 4, column_alpha=0.5)
+    off = QuantizedLinear.from_weight(random_rows(40, 128, seed=4), 4, column_alpha=0.5)
     emulated_gpu.clear()
-    _close(off(one), layer(one), 1e-5)
+    assert_close_relative(off(one), layer(one), 1e-5)
     assert emulated_gpu[0] == "lut_matmul"
 
 
 def test_other_dimensions_and_rotated_inputs_keep_two_launches(emulated_gpu):
-    hadamard_not_power_of_two = QuantizedLinear.from_weight(_x(24, 96, seed=4), 3)
-    structured = QuantizedLinear.from_weight(_x(24, 176, seed=4), 3)
+    hadamard_not_power_of_two = QuantizedLinear.from_weight(random_rows(24, 96, seed=4), 3)
+    structured = QuantizedLinear.from_weight(random_rows(24, 176, seed=4), 3)
     for layer in (hadamard_not_power_of_two, structured):
-        x = _x(1, layer.in_features, seed=6)
-        _close(layer(x), layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
-    rotated = QuantizedLinear.from_weight(_x(24, 64, seed=4), 3).with_rotated_input()
-    rotated(_x(1, 64, seed=6))
+        x = random_rows(1, layer.in_features, seed=6)
+        assert_close_relative(layer(x), layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
+    rotated = QuantizedLinear.from_weight(random_rows(24, 64, seed=4), 3).with_rotated_input()
+    rotated(random_rows(1, 64, seed=6))
     assert "lut_matmul_rotating" not in emulated_gpu
 
 
-def _llama_shape(seed=0):
-    """Llama-3.1-8B's dimensions in small: hidden 2^k (4096), intermediate 28 * 2^k (14336)."""
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=28 * 8,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
-                           rope_traditional=False)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 def test_model_decode_logits_are_unchanged(emulated_gpu, monkeypatch):
     """A one-token step: six of a block's seven layers (the 64-wide inputs) take one launch each,
     down_proj (28 * 8) the rotation and the LUT matmul; logits equal the two-launch and CPU paths."""
     token = mx.array([[14]])
-    model = quantize_model(_llama_shape(), 4, seed=0, progress=False)
+    model = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
     fused = model(token)
     emulated_gpu.clear()
-    _close(model(token), fused, 0.0)
+    assert_close_relative(model(token), fused, 0.0)
     assert emulated_gpu.count("lut_matmul_rotating") == 2 * 6
     assert emulated_gpu.count("lut_matmul") == 2 * 1
     monkeypatch.setattr(rotating_matmul, "ROTATING_MATMUL", False)
-    two = quantize_model(_llama_shape(), 4, seed=0, progress=False)
+    two = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
     emulated_gpu.clear()
-    _close(fused, two(token), 1e-4)
+    assert_close_relative(fused, two(token), 1e-4)
     assert "lut_matmul_rotating" not in emulated_gpu
     monkeypatch.undo()  # the CPU's own path (C++ LUT matmul and MLX ops)
-    cpu = quantize_model(_llama_shape(), 4, seed=0, progress=False)
-    _close(fused, cpu(token), 1e-4)
+    cpu = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
+    assert_close_relative(fused, cpu(token), 1e-4)
 
 
 def test_a_failed_first_use_check_warns_and_keeps_two_launches(emulated_gpu, monkeypatch):
     broken = dict(rotating_matmul.templates.KERNELS[rotating_matmul.KERNEL_NAME])
     broken["body"] = broken["body"].replace("v[r] * scale", "v[r] * scale * 2.0f")
     monkeypatch.setitem(rotating_matmul.templates.KERNELS, rotating_matmul.KERNEL_NAME, broken)
-    layer = QuantizedLinear.from_weight(_x(16, 64, seed=4), 4)
-    x = _x(1, 64, seed=6)
+    layer = QuantizedLinear.from_weight(random_rows(16, 64, seed=4), 4)
+    x = random_rows(1, 64, seed=6)
     with pytest.warns(RuntimeWarning, match="cuda kernel lut_matmul_rotating .* failed its first-use check"):
         got = layer(x)
-    _close(got, layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
+    assert_close_relative(got, layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
     assert rotating_matmul.checked("cuda") is False
     emulated_gpu.clear()
     layer(x)

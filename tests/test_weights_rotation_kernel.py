@@ -5,8 +5,8 @@ the model's logits are unchanged, and a failed first-use check warns."""
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import compile_cuda_without_spills, emulate_gpu_kernels
-from mlx_lm.models import llama
+from conftest import (assert_close_relative, compile_cuda_without_spills, emulate_gpu_kernels, llama_of_8b_form,
+                      random_rows)
 
 from veloxquant_mlx.kernels import emulator
 from veloxquant_mlx.weights import QuantizedLinear, StructuredRotation, quantize_model, rotation_kernel
@@ -15,21 +15,13 @@ from veloxquant_mlx.weights.shared import RotatingRMSNorm, rotating_norms
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
 
 
-def _x(rows, dim, seed=0, dtype=mx.float32):
-    return mx.array(np.random.default_rng(seed).standard_normal((rows, dim)).astype(np.float32)).astype(dtype)
-
 
 def _scales(dim, seed=1):
     return mx.array(np.random.default_rng(seed).uniform(0.3, 3.0, dim).astype(np.float16))
 
 
-def _close(got, expected, tolerance):
-    got, expected = np.array(got.astype(mx.float32)), np.array(expected.astype(mx.float32))
-    assert got.shape == expected.shape
-    assert np.abs(got - expected).max() <= tolerance * np.abs(expected).max(), np.abs(got - expected).max()
 
-
-def test_supported_dimensions_and_plans_of_the_llama_shape():
+def test_supported_dimensions_and_plans_of_thellama_of_8b_form():
     assert rotation_kernel.supports(4096) and rotation_kernel.supports(14336)
     assert not rotation_kernel.supports(576)  # not a Hadamard size: the structured rotation's ops
     assert not rotation_kernel.supports(8192)  # 2^k beyond the shared buffer
@@ -58,16 +50,16 @@ def test_kernel_equals_structured_rotation_apply(dim, threads, buffer, scaled):
     rotation = StructuredRotation.seeded(dim, seed=dim)
     assert rotation._one_transform
     scale = _scales(dim) if scaled else None
-    x = _x(3, dim, seed=dim)
+    x = random_rows(3, dim, seed=dim)
     signs = rotation._signs(0, x.dtype, scale)
     got = rotation_kernel.rotate(x, signs, "emulator", threads=threads, buffer=buffer)
-    _close(got, rotation.apply(x, scale), 1e-5)
+    assert_close_relative(got, rotation.apply(x, scale), 1e-5)
     # float16 inputs: the product rounded as the ops round it, the transform in float32
     half = x.astype(mx.float16)
     got = rotation_kernel.rotate(half, rotation._signs(0, mx.float16, scale), "emulator", threads=threads,
                                  buffer=buffer)
     assert got.dtype == mx.float16
-    _close(got, rotation.apply(half, scale), 4e-3)
+    assert_close_relative(got, rotation.apply(half, scale), 4e-3)
 
 
 @needs_cxx
@@ -77,10 +69,10 @@ def test_kernel_with_the_norm_equals_the_rotating_norm(dim, threads, buffer):
     rotation = StructuredRotation.seeded(dim, seed=5)
     weight = mx.array(np.random.default_rng(2).uniform(0.5, 1.5, dim).astype(np.float32))
     norm = RotatingRMSNorm(weight, 1e-5, rotation, _scales(dim))
-    x = _x(2, dim, seed=3) * 7.0
+    x = random_rows(2, dim, seed=3) * 7.0
     got = rotation_kernel.rotate(x, norm.folded_weight, "emulator", eps=norm.eps, threads=threads, buffer=buffer)
-    _close(got, rotation.apply(mx.fast.rms_norm(x, weight, 1e-5), norm.column_scales), 1e-5)
-    _close(got, norm(x), 1e-5)
+    assert_close_relative(got, rotation.apply(mx.fast.rms_norm(x, weight, 1e-5), norm.column_scales), 1e-5)
+    assert_close_relative(got, norm(x), 1e-5)
 
 
 @pytest.fixture
@@ -95,70 +87,61 @@ def emulated_gpu(monkeypatch):
 
 
 def test_layer_route_takes_one_rotation_launch(emulated_gpu, monkeypatch):
-    layer = QuantizedLinear.from_weight(_x(40, 28 * 8, seed=4), 4, column_alpha=0.5)
-    x = _x(3, 28 * 8, seed=6)[None]
+    layer = QuantizedLinear.from_weight(random_rows(40, 28 * 8, seed=4), 4, column_alpha=0.5)
+    x = random_rows(3, 28 * 8, seed=6)[None]
     expected = layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales))
-    _close(layer(x), expected, 1e-5)
+    assert_close_relative(layer(x), expected, 1e-5)
     emulated_gpu.clear()
-    _close(layer(x), expected, 1e-5)  # the kept route: one rotation, one matmul
+    assert_close_relative(layer(x), expected, 1e-5)  # the kept route: one rotation, one matmul
     assert emulated_gpu == ["rotate_input", "lut_matmul"]
     monkeypatch.setattr(rotation_kernel, "FUSED_ROTATION", False)
-    ops = QuantizedLinear.from_weight(_x(40, 28 * 8, seed=4), 4, column_alpha=0.5)
+    ops = QuantizedLinear.from_weight(random_rows(40, 28 * 8, seed=4), 4, column_alpha=0.5)
     emulated_gpu.clear()
-    _close(ops(x), expected, 1e-5)
+    assert_close_relative(ops(x), expected, 1e-5)
     assert emulated_gpu == ["lut_matmul"]  # the multiply and mx.hadamard_transform as MLX ops
 
 
 def test_non_hadamard_dimensions_keep_the_ops(emulated_gpu):
-    layer = QuantizedLinear.from_weight(_x(24, 176, seed=4), 3)
-    x = _x(2, 176, seed=6)
-    _close(layer(x), layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
+    layer = QuantizedLinear.from_weight(random_rows(24, 176, seed=4), 3)
+    x = random_rows(2, 176, seed=6)
+    assert_close_relative(layer(x), layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
     assert "rotate_input" not in emulated_gpu
 
 
-def _llama_shape(seed=0):
-    """Llama-3.1-8B's dimensions in small: hidden 2^k (4096), intermediate 28 * 2^k (14336)."""
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=28 * 8,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
-                           rope_traditional=False)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
 
 
 @pytest.mark.parametrize("share", [False, True])
 def test_model_logits_are_unchanged_through_the_fused_route(emulated_gpu, monkeypatch, share):
     tokens = mx.array([[3, 14, 15, 9]])  # 4 rows: a decode-sized route
-    model = quantize_model(_llama_shape(), 4, seed=0, share_rotations=share, progress=False)
+    model = quantize_model(llama_of_8b_form(), 4, seed=0, share_rotations=share, progress=False)
     assert len(rotating_norms(model)) == (4 if share else 0)
     fused = model(tokens)
     checks = len(rotation_kernel.CHECK_CASES) + (3 if share else 2)  # and each (dim, norm, dtype) a route keeps
     assert emulated_gpu.count("rotate_input") == (2 * (2 + 2) if share else 2 * 7) + checks
     emulated_gpu.clear()
-    _close(model(tokens), fused, 0.0)
+    assert_close_relative(model(tokens), fused, 0.0)
     # the kept routes: every layer with its own rotation and every rotating norm, one launch each
     assert emulated_gpu.count("rotate_input") == (2 * (2 + 2) if share else 2 * 7)
     monkeypatch.setattr(rotation_kernel, "FUSED_ROTATION", False)
-    ops = quantize_model(_llama_shape(), 4, seed=0, share_rotations=share, progress=False)
+    ops = quantize_model(llama_of_8b_form(), 4, seed=0, share_rotations=share, progress=False)
     emulated_gpu.clear()
     reference = ops(tokens)
     assert "rotate_input" not in emulated_gpu
-    _close(fused, reference, 1e-4)
+    assert_close_relative(fused, reference, 1e-4)
     monkeypatch.undo()  # the CPU's own path (C++ LUT matmul and MLX ops)
-    cpu = quantize_model(_llama_shape(), 4, seed=0, share_rotations=share, progress=False)
-    _close(fused, cpu(tokens), 1e-4)
+    cpu = quantize_model(llama_of_8b_form(), 4, seed=0, share_rotations=share, progress=False)
+    assert_close_relative(fused, cpu(tokens), 1e-4)
 
 
 def test_a_failed_first_use_check_warns_and_keeps_the_ops(emulated_gpu, monkeypatch):
     broken = dict(rotation_kernel.templates.KERNELS[rotation_kernel.KERNEL_NAME])
     broken["body"] = broken["body"].replace("v[a][j] * scale", "v[a][j] * scale * 2.0f")
     monkeypatch.setitem(rotation_kernel.templates.KERNELS, rotation_kernel.KERNEL_NAME, broken)
-    layer = QuantizedLinear.from_weight(_x(16, 64, seed=4), 4)
-    x = _x(2, 64, seed=6)  # two rows: one row would take the rotating matmul (test_weights_rotating_matmul.py)
+    layer = QuantizedLinear.from_weight(random_rows(16, 64, seed=4), 4)
+    x = random_rows(2, 64, seed=6)  # two rows: one row would take the rotating matmul (test_weights_rotating_matmul.py)
     with pytest.warns(RuntimeWarning, match="cuda kernel rotate_input .* failed its first-use check"):
         got = layer(x)
-    _close(got, layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
+    assert_close_relative(got, layer.tiled_matmul(layer.rotation.apply(x)), 1e-5)
     emulated_gpu.clear()
     layer(x)
     assert emulated_gpu == ["lut_matmul"]

@@ -20,8 +20,8 @@ other lanes, cuts the instructions per weight: the kernel is instruction-bound.
 
 from __future__ import annotations
 
-import os
 import math
+import os
 from functools import lru_cache
 from typing import Callable, Optional
 
@@ -32,6 +32,21 @@ from .linear import MAX_KERNEL_ROWS as MAX_ROWS  # batch rows the kernel takes; 
 
 KERNEL_NAME = "lut_matmul"
 THREADS = 128
+
+# Chunk q (CW words) of each of a warp's RPW rows n0.. into words[rr] (rows past N read row N - 1;
+# words past a row's end read 0). Shared with `rotating_matmul.py`.
+LOAD_ROW_CHUNKS = r"""    uint32_t words[RPW][CW];
+    VQ_UNROLL
+    for (int rr = 0; rr < RPW; ++rr) {
+      const VQ_GLOBAL uint32_t* src = codes + (size_t)VQ_MINI(n0 + rr, N - 1) * W + q * CW;
+      if (VEC) {
+        VQ_LOAD_U4(words[rr], src);
+      } else {
+        VQ_UNROLL
+        for (int k = 0; k < CW; ++k) words[rr][k] = (q * CW + k < W) ? src[k] : 0u;
+      }
+    }
+"""
 
 LUT_MATMUL = r"""
   constexpr uint32_t MASK = (1u << BITS) - 1u;
@@ -49,18 +64,7 @@ LUT_MATMUL = r"""
   float acc[MT * RPW];
   for (int i = 0; i < MT * RPW; ++i) acc[i] = 0.0f;
   for (int q = lane; q < NCHUNK; q += 32) {
-    uint32_t words[RPW][CW];
-    VQ_UNROLL
-    for (int rr = 0; rr < RPW; ++rr) {
-      const VQ_GLOBAL uint32_t* src = codes + (size_t)VQ_MINI(n0 + rr, N - 1) * W + q * CW;
-      if (VEC) {
-        VQ_LOAD_U4(words[rr], src);
-      } else {
-        VQ_UNROLL
-        for (int k = 0; k < CW; ++k) words[rr][k] = (q * CW + k < W) ? src[k] : 0u;
-      }
-    }
-    const int e0 = q * C;
+""" + LOAD_ROW_CHUNKS + r"""    const int e0 = q * C;
     VQ_UNROLL
     for (int j = 0; j < C; ++j) {
       const int bit = j * BITS;

@@ -29,13 +29,14 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 from functools import lru_cache
 from typing import Callable, Optional
 
 import mlx.core as mx
 
 from ..kernels import launch, templates
+from . import first_use
+from .kernel import LOAD_ROW_CHUNKS
 
 KERNEL_NAME = "lut_matmul_rotating"
 THREADS = 256
@@ -112,18 +113,7 @@ LUT_MATMUL_ROTATING = r"""
   VQ_UNROLL
   for (int rr = 0; rr < RPW; ++rr) acc[rr] = 0.0f;
   for (int q = lane; q < NCHUNK; q += 32) {
-    uint32_t words[RPW][CW];
-    VQ_UNROLL
-    for (int rr = 0; rr < RPW; ++rr) {
-      const VQ_GLOBAL uint32_t* src = codes + (size_t)VQ_MINI(n0 + rr, N - 1) * W + q * CW;
-      if (VEC) {
-        VQ_LOAD_U4(words[rr], src);
-      } else {
-        VQ_UNROLL
-        for (int k = 0; k < CW; ++k) words[rr][k] = src[k];
-      }
-    }
-    VQ_UNROLL
+""" + LOAD_ROW_CHUNKS + r"""    VQ_UNROLL
     for (int j = 0; j < C; ++j) {
       const int e = q * C + j;
       const float xv = xs[e + (e >> 5)];
@@ -294,26 +284,12 @@ def usable(dialect: str, dtype: str = "float32") -> bool:
 
 def checked(dialect: str) -> Optional[bool]:
     """Whether every first-use check run on `dialect` passed (None: none ran)."""
-    verdicts = [v for k, v in _VERDICTS.items() if k[0] == dialect]
-    return all(verdicts) if verdicts else None
+    return first_use.checked(_VERDICTS, dialect)
 
 
 def _check(dialect: str, cases) -> bool:
-    failures = []
-    for case in cases:
-        try:
-            record = check_case(dialect, *case)
-        except Exception as error:  # noqa: BLE001 - any failure turns the kernel off, loudly
-            failures.append(f"{case[:5]}: {error!r}"[:500])
-            continue
-        if not record["ok"]:
-            failures.append(f"{case[:5]}: error {record['vs_ops']:.2e} against the MLX ops "
-                            f"(tolerance {record['tolerance']:.0e})")
-    if failures:
-        warnings.warn(f"veloxquant_mlx: the {dialect} kernel {KERNEL_NAME} (weights/rotating_matmul.py) failed "
-                      "its first-use check and is off for this process; weight layers rotate their input and "
-                      "multiply in two launches instead. " + "; ".join(failures), RuntimeWarning, stacklevel=4)
-    return not failures
+    return first_use.run(dialect, cases, check_case, lambda c: str(c[:5]), KERNEL_NAME, "weights/rotating_matmul.py",
+                         "weight layers rotate their input and multiply in two launches instead.")
 
 
 def reset() -> None:

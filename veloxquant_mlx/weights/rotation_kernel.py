@@ -31,13 +31,13 @@ memory); that is the default route there. This kernel remains for the other dime
 from __future__ import annotations
 
 import os
-import warnings
 from functools import lru_cache
 from typing import Callable, Optional
 
 import mlx.core as mx
 
 from ..kernels import launch, templates
+from . import first_use
 from ..rotations import hadamard_base
 
 KERNEL_NAME = "rotate_input"
@@ -318,27 +318,13 @@ def usable(dialect: str, dim: Optional[int] = None, norm: bool = False, out_dtyp
 
 def checked(dialect: str) -> Optional[bool]:
     """Whether every first-use check run on `dialect` passed (None: none ran)."""
-    verdicts = [v for k, v in _VERDICTS.items() if k[0] == dialect]
-    return all(verdicts) if verdicts else None
+    return first_use.checked(_VERDICTS, dialect)
 
 
 def _check(dialect: str, cases) -> bool:
-    failures = []
-    for case in cases:
-        try:
-            record = check_case(dialect, *case)
-        except Exception as error:  # noqa: BLE001 - any failure turns the kernel off, loudly
-            failures.append(f"dim {case[0]}, norm {case[2]}, {case[3]}: {error!r}"[:500])
-            continue
-        if not record["ok"]:
-            failures.append(f"dim {case[0]}, norm {case[2]}, {case[3]}: error {record['vs_ops']:.2e} "
-                            f"against the MLX ops (tolerance {record['tolerance']:.0e})")
-    if failures:
-        warnings.warn(f"veloxquant_mlx: the {dialect} kernel {KERNEL_NAME} (weights/rotation_kernel.py) failed "
-                      "its first-use check and is off for this process; weight layers rotate their inputs "
-                      "with MLX ops instead (a multiply or mx.fast.rms_norm, then mx.hadamard_transform). "
-                      + "; ".join(failures), RuntimeWarning, stacklevel=4)
-    return not failures
+    return first_use.run(dialect, cases, check_case, lambda c: f"dim {c[0]}, norm {c[2]}, {c[3]}", KERNEL_NAME,
+                         "weights/rotation_kernel.py", "weight layers rotate their inputs with MLX ops instead "
+                         "(a multiply or mx.fast.rms_norm, then mx.hadamard_transform).")
 
 
 def reset() -> None:
