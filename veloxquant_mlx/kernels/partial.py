@@ -249,14 +249,16 @@ def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: T
     run, plan_ = runner(backend), plan(*plan_key)
     # The merge kernel attends to the fp16 sinks / window itself where it can leave the value
     # domain (and gets them as held): one launch instead of a dozen small ops per layer and step.
-    in_kernel = fp16_parts >= 0 and merge_domain(value_codec, plan_.output_shapes[0][3]) is not None
+    # (The kernel scores the fp16 keys against the queries in its value-dim threads: equal head dims only.)
+    value_dim = plan_.output_shapes[0][3]
+    in_kernel = fp16_parts >= 0 and out_shape[-1] == value_dim and merge_domain(value_codec, value_dim) is not None
 
     def step(queries, inputs, fp16, key_mean, value_mean):
         B, n_heads, _, dim = queries.shape
         kv_rows, rep = plan_.grid[1], plan_.output_shapes[0][2]
         q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_rows // B, rep, dim))
         o, ml = run(plan_, [q.astype(mx.float32)] + list(inputs))
-        if in_kernel and dim == plan_.output_shapes[0][3]:
+        if in_kernel:
             tokens = FP16Tokens(queries, list(fp16), scale, key_mean if centered else None) if fp16_parts else None
             return merge(run, o, ml, value_codec, out_shape, out_dtype, value_mean=value_mean if centered else None,
                          tokens=tokens)
