@@ -8,7 +8,7 @@ from conftest import (assert_close_relative, compile_cuda_without_spills, emulat
                       random_rows)
 
 from veloxquant_mlx.kernels import emulator
-from veloxquant_mlx.weights import QuantizedLinear, quantize_model, rotating_matmul, rotation_kernel
+from veloxquant_mlx.weights import QuantizedLinear, kernel, quantize_model, rotating_matmul, rotation_kernel
 
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
 
@@ -24,7 +24,7 @@ def test_plans_of_thellama_of_8b_form():
         assert (t["NT"], t["E"], t["LB"], t["PASSES"], t["RPW"]) == (256, 16, 4, 3, rpw)
         blocks = plan.grid[0] // plan.threadgroup[0]
         assert blocks * 8 * rpw >= out > (blocks - 1) * 8 * rpw
-        assert blocks >= rotating_matmul.TARGET_BLOCKS or rpw == 1
+        assert blocks >= kernel.TARGET_BLOCKS or rpw == 1
     assert not rotating_matmul.supports(14336) and not rotating_matmul.supports(96)
     assert not rotating_matmul.supports(8192) and rotating_matmul.supports(64)
     with pytest.raises(ValueError, match="power-of-two"):

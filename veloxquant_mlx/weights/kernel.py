@@ -107,11 +107,6 @@ templates.KERNELS.setdefault(KERNEL_NAME, {
 })
 
 
-# Input features from which the "word" layout takes two output rows per warp. Off (None of the
-# layers reach it): on down_proj alone two rows per warp measured faster (39.2 against 58.0 us,
-# weights-lut-variants), but the whole-model decode with it measured 0.59x affine against 0.69x
-# with one row (two H200 runs, docs/weights.md), so one row stays the default until repeated.
-LONG_ROW = 1 << 62
 TARGET_BLOCKS = 264  # two per SM of an H200: more rows per warp only while a launch keeps this many
 
 
@@ -124,6 +119,19 @@ def rows_per_warp(out_features: int, warps: int, batch_rows: int = 1) -> int:
     return rpw
 
 
+def chunk_layout(in_features: int, bits: int, layout: str):
+    """(codes, words, VEC) of a lane's chunk: "word", the fewest whole words (one at 4 bits); "vec",
+    four words in one 16-byte load where they hold whole codes and rows start 16-byte aligned, else
+    the 32 codes of `bits` words."""
+    if layout == "word":
+        chunk = 32 // math.gcd(32, bits)
+        return chunk, chunk * bits // 32, False
+    if layout == "vec":
+        words = 4 if 128 % bits == 0 else bits
+        return 32 * words // bits, words, words == 4 and -(-in_features * bits // 32) % 4 == 0
+    raise ValueError(f"layout must be 'word' or 'vec', got {layout!r}")
+
+
 @lru_cache(maxsize=1024)
 def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int, x_dtype: str,
          out_dtype: str, threads: int = THREADS, layout: str = "word", rpw: Optional[int] = None) -> launch.Plan:
@@ -131,24 +139,18 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
     lane's chunk is the fewest whole words ("word": one word at 4 bits; the lanes of a warp then
     read neighbouring input elements, which this kernel reads from global memory) or four words
     ("vec": one 16-byte load where rows start 16-byte aligned, else the 32 codes of `bits` words).
-    `rpw`: output rows per warp (None: for "word" 2 on rows of LONG_ROW inputs or more at up to 2
-    batch rows, else 1; for "vec" `rows_per_warp`)."""
+    `rpw`: output rows per warp (None: 1 for "word", `rows_per_warp` for "vec"). Two rows per warp
+    on down_proj alone measured faster (39.2 against 58.0 us, weights-lut-variants) but the
+    whole-model decode with it 0.59x affine against 0.69x with one row (docs/weights.md), so "word"
+    keeps one row until that is repeated."""
     group_size = in_features // groups
     mt = min(rows, MAX_ROWS)
     nwarp = threads // 32
-    words = -(-in_features * bits // 32)
-    if layout == "word":
-        chunk = 32 // math.gcd(32, bits)
-        chunk_words = chunk * bits // 32
-    elif layout == "vec":
-        chunk_words = 4 if 128 % bits == 0 else bits
-        chunk = 32 * chunk_words // bits
-    else:
-        raise ValueError(f"layout must be 'word' or 'vec', got {layout!r}")
+    chunk, chunk_words, vec = chunk_layout(in_features, bits, layout)
     if rpw is None:
-        rpw = (2 if in_features >= LONG_ROW and mt <= 2 else 1) if layout == "word" else rows_per_warp(out_features, nwarp, mt)
-    template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", words),
-                ("C", chunk), ("CW", chunk_words), ("VEC", chunk_words == 4 and words % 4 == 0),
+        rpw = 1 if layout == "word" else rows_per_warp(out_features, nwarp, mt)
+    template = [("D", in_features), ("N", out_features), ("BITS", bits), ("W", -(-in_features * bits // 32)),
+                ("C", chunk), ("CW", chunk_words), ("VEC", vec),
                 ("NCHUNK", -(-in_features // chunk)), ("RPW", rpw),
                 ("M", rows), ("MT", mt), ("NT", threads), ("NG", groups), ("GS", group_size),
                 ("TX", x_dtype), ("TO", out_dtype)]

@@ -6,8 +6,8 @@ LUT matmul (`kernel.py`). The rotation of one 4096-wide row is latency-bound: on
 waits out a dozen barriers while the GPU idles, and a Llama block pays it for six of its seven
 layers. Here every block of the matmul rotates the row itself in shared memory and then
 multiplies its output rows against the codes, so the layer is one launch. The transform is
-repeated per block, so a block takes several output rows per warp (`RPW`) to keep the repeats
-few.
+repeated per block, so a block takes several output rows per warp (`RPW`,
+`kernel.rows_per_warp`) to keep the repeats few.
 
 Scope: one batch row (decode at batch 1), a rotation of one randomised Hadamard transform of a
 power-of-two dimension D from 64 to 4096 (`StructuredRotation._one_transform`; Llama-3.1-8B's
@@ -36,15 +36,12 @@ import mlx.core as mx
 
 from ..kernels import launch, templates
 from . import first_use
+from . import kernel
 from .kernel import LOAD_ROW_CHUNKS
 
 KERNEL_NAME = "lut_matmul_rotating"
 THREADS = 256
 MIN_DIM, MAX_DIM = 64, 4096  # E >= 2 with 32 threads; D + D / 32 floats within Metal's 32 KB
-# Blocks a launch aims for at least (two per SM of an H200): more rows per warp repeat the
-# transform in fewer blocks, too few blocks leave SMs without a stream of codes.
-TARGET_BLOCKS = 264
-MAX_ROWS_PER_WARP = 4
 
 # Opt-out (VELOXQUANT_WEIGHT_ROTATING_MATMUL=0): decode calls at batch 1 take the two launches
 # (rotation, then `kernel.py`'s LUT matmul) instead. Read when a layer makes its route.
@@ -151,14 +148,6 @@ def supports(dim: int, threads: int = THREADS) -> bool:
     return MIN_DIM <= dim <= MAX_DIM and dim & (dim - 1) == 0 and threads >= 32 and threads & (threads - 1) == 0
 
 
-def rows_per_warp(out_features: int, warps: int) -> int:
-    """The most rows per warp (a power of two, <= MAX_ROWS_PER_WARP) that keeps TARGET_BLOCKS blocks."""
-    rpw = 1
-    while rpw < MAX_ROWS_PER_WARP and out_features // (warps * rpw * 2) >= TARGET_BLOCKS:
-        rpw *= 2
-    return rpw
-
-
 @lru_cache(maxsize=1024)
 def plan(in_features: int, out_features: int, bits: int, groups: int, x_dtype: str, out_dtype: str,
          threads: int = THREADS, rpw: Optional[int] = None) -> launch.Plan:
@@ -169,12 +158,10 @@ def plan(in_features: int, out_features: int, bits: int, groups: int, x_dtype: s
     nt = min(threads, in_features // 2)
     e = in_features // nt
     k, lb = int(math.log2(in_features)), int(math.log2(e))
-    # A lane's chunk: four words (one 16-byte load, VEC) where they hold whole codes, else the
-    # 32 codes of `bits` words (3 bits: three loads).
-    words = 4 if 128 % bits == 0 else bits
-    chunk = 32 * words // bits
-    vec = words == 4 and (in_features * bits // 32) % 4 == 0  # rows start 16-byte aligned
-    rpw = rows_per_warp(out_features, nt // 32) if rpw is None else rpw
+    # Four-word chunks; rows per warp as `kernel.rows_per_warp` picks them: more rows repeat the
+    # transform in fewer blocks, while the launch keeps enough blocks to stream the codes.
+    chunk, words, vec = kernel.chunk_layout(in_features, bits, "vec")
+    rpw = kernel.rows_per_warp(out_features, nt // 32) if rpw is None else rpw
     template = [("D", in_features), ("K", k), ("NT", nt), ("E", e), ("LB", lb), ("PASSES", -(-k // lb)),
                 ("N", out_features), ("BITS", bits), ("W", in_features * bits // 32), ("C", chunk),
                 ("CW", words), ("VEC", vec), ("NCHUNK", in_features // chunk), ("NG", groups),
@@ -215,8 +202,6 @@ def route(layer, x: mx.array, signs: mx.array, dialect: str) -> Optional[Callabl
     """x -> the layer's matmul of x (without bias) as one kernel launch with its arguments resolved
     here, or None where the two launches stay: `takes` says no, or the kernel failed its first-use
     check on this back end (which warned)."""
-    from . import kernel
-
     if not takes(layer, x) or not usable(dialect, launch.dtype_name(x.dtype)):
         return None
     p = _plan_for(layer, x)
