@@ -17,7 +17,7 @@ from conftest import compile_cuda_without_spills
 
 from veloxquant_mlx import KVCacheConfig, kernels
 from veloxquant_mlx.cache import CompressedKVCache
-from veloxquant_mlx.kernels import emulator, launch, native, ops, portable, selftest, templates
+from veloxquant_mlx.kernels import emulator, encode, launch, native, ops, portable, selftest, templates
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
 
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the kernel emulator")
@@ -559,6 +559,138 @@ def test_format_partial_kernels_compile_with_nvcc(options, tmp_path):
     src.write_text(templates.render_cuda(prepared.plan.kernel, prepared.plan.template, ins,
                                          {"o": "float32", "ml": "float32"}, mlx_header=False))
     compile_cuda_without_spills(src, tmp_path / "partial.o")
+
+
+# ---- the formats' encode kernel (kernels/encode.py) ------------------------------------------
+
+def _encode_fields_close(got, refs):
+    """(share of equal code words, worst relative error of the fp16 scalars)."""
+    equal, half_error = 1.0, 0.0
+    for g, r in zip(got, refs):
+        assert set(g) == set(r)
+        for name, ref in r.items():
+            a, b = np.array(g[name]), np.array(ref)
+            assert a.shape == b.shape, name
+            if a.dtype == np.uint32:
+                equal = min(equal, float(np.mean(a == b)))
+            else:
+                a, b = a.astype(np.float32), b.astype(np.float32)
+                half_error = max(half_error, float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))))
+    return equal, half_error
+
+
+ENCODE_FORMATS = [  # (method, options, dim, key bits, value bits, input dtype)
+    ("turboquant_rvq", {}, 64, 2, 3, mx.float32),
+    ("turboquant_rvq", {}, 128, 3, 4, mx.float16),
+    ("turboquant_rvq", {}, 256, 4, 2, mx.float32),
+    ("qjl", {}, 64, 2, 4, mx.float16),
+    ("qjl", {"group_size": 48}, 128, 1, 3, mx.float32),  # a ragged last value group
+    ("turboquant_prod", {}, 128, 3, 4, mx.float16),
+    ("turboquant_mse", {"options": {"renorm": True}}, 64, 3, 2, mx.float32),
+]
+
+
+@needs_cxx
+@pytest.mark.parametrize("method, options, dim, bits, value_bits, dtype", ENCODE_FORMATS,
+                         ids=lambda v: str(v) if not isinstance(v, (dict, mx.Dtype)) else None)
+def test_format_encode_kernel_equals_the_codecs_encode(method, options, dim, bits, value_bits, dtype):
+    """Rows written by the encode kernel rendered from each method's encode snippets: the fields
+    of `codec.encode`, packed as `RowLayout.pack` packs them (both roles, batch 2, 3 heads)."""
+    from veloxquant_mlx.formats import RowLayout
+    from veloxquant_mlx.kernels import encode
+    from veloxquant_mlx.methods import get_method
+
+    config = KVCacheConfig(method=method, bits=bits, value_bits=value_bits, seed=dim, **options)
+    kc, vc = get_method(method).key_codec(config, dim), get_method(method).value_codec(config, dim)
+    layout = RowLayout.of(kc.format, vc.format)
+    keys = (mx.random.normal((2, 3, 37, dim), key=mx.random.key(dim)) + 0.2).astype(dtype)
+    values = mx.random.normal((2, 3, 37, dim), key=mx.random.key(dim + 1)).astype(dtype)
+    values = values.at[0, 0, 3, 5].add(40.0)  # one outlier: a wide value group
+    refs = (kc.encode(keys), vc.encode(values))
+    # Rows (a RowStore), and one output per field (a FieldStore of per-token formats).
+    assert encode.supported(layout, kc, vc) and encode.supported(None, kc, vc)
+    rows = encode.encode_rows(ops.runner("emulator"), layout, kc, vc, keys, values)
+    assert rows.shape == (2, 3, 37, layout.words) and rows.dtype == mx.uint32
+    fields = encode.encode_fields(ops.runner("emulator"), kc, vc, keys, values)
+    for got in (layout.views(rows), fields):
+        equal, half_error = _encode_fields_close(got, refs)
+        assert equal >= encode.CHECK_MIN_EQUAL and half_error <= encode.CHECK_HALF_ERROR
+    for got, ref in zip(fields, refs):
+        assert all(got[name].dtype == ref[name].dtype for name in ref)
+
+
+@needs_cxx
+def test_format_encode_check_passes_in_the_emulator():
+    from veloxquant_mlx.kernels import encode
+
+    assert encode.check_record("emulator")["status"] == "ok"
+
+
+@needs_cxx
+@pytest.mark.parametrize("method", ["turboquant_rvq", "qjl"], ids=["rows", "fields"])
+def test_format_encoder_stores_decode_tokens_of_a_protected_cache(method, monkeypatch):
+    """A cache on the kernel back end (emulated) encodes its prefill chunk and each token leaving
+    the fp16 window with the encode kernel, into rows (turboquant_rvq) or into each field's buffer
+    (qjl, a FieldStore): the same codes as the MLX-ops encoder."""
+    from veloxquant_mlx.settings import EngineSettings
+    from veloxquant_mlx.storage import FieldStore, RowStore
+
+    launched = []
+    run_emulator = launch.run_emulator
+    monkeypatch.setattr(launch, "run_emulator", lambda plan, inputs: launched.append(plan.kernel)
+                        or run_emulator(plan, inputs))
+    config = KVCacheConfig(method=method, bits=2, value_bits=3, sink_tokens=2, residual_length=8, center=True)
+    fast = CompressedKVCache(config, settings=EngineSettings.resolve(backend="emulator"))
+    ref = CompressedKVCache(config, settings=EngineSettings.resolve(backend="portable"))
+    keys = mx.random.normal((1, 2, 100, 64), key=mx.random.key(70)) + 0.3
+    values = mx.sin(3 * keys)
+    for cache in (fast, ref):
+        cache.update_and_fetch(keys[:, :, :90], values[:, :, :90])
+        for i in range(90, 100):
+            cache.update_and_fetch(keys[:, :, i:i + 1], values[:, :, i:i + 1])
+        cache.store.flush()
+    assert fast.encoded == ref.encoded == 90
+    assert sum(name.startswith("encode_") for name in launched) == 11  # the chunk, then one per token
+    assert isinstance(fast.store, RowStore if method == "turboquant_rvq" else FieldStore)
+    equal, half_error = _encode_fields_close((fast.key_fields, fast.value_fields), (ref.key_fields, ref.value_fields))
+    assert equal >= 0.999 and half_error <= 2 ** -10
+
+
+def test_format_encoder_takes_only_codecs_with_snippets():
+    from veloxquant_mlx.formats import RowLayout
+    from veloxquant_mlx.kernels import encode
+    from veloxquant_mlx.methods import get_method
+
+    def codecs(name, dim, **options):
+        config = KVCacheConfig(method=name, bits=3, **options)
+        method = get_method(name)
+        kc, vc = method.key_codec(config, dim), method.value_codec(config, dim)
+        return RowLayout.of(kc.format, vc.format), kc, vc
+
+    assert encode.supported(*codecs("turboquant_rvq", 128))
+    assert not encode.supported(*codecs("turboquant_rvq", 96))  # a dense rotation: no kernel FWHT
+    assert not encode.supported(*codecs("polarquant", 128))  # no encode snippet
+    layout, kc, vc = codecs("kivi", 128, group_size=32)
+    assert layout is None and not encode.supported(None, kc, vc)  # per-block key scales: no snippet
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("method, options", encode.CHECK_FORMATS,
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_format_encode_kernel_compiles_with_nvcc(method, options, tmp_path):
+    from veloxquant_mlx.methods import get_method
+    from veloxquant_mlx.storage import row_layout
+
+    config = KVCacheConfig(method=method, **options)
+    kc, vc = get_method(method).key_codec(config, 128), get_method(method).value_codec(config, 128)
+    layout = row_layout(kc, vc)  # the store's: rows, or one output per field
+    plan = encode.plan(layout, kc, vc, 8, "float16")
+    outputs = dict(zip(templates.KERNELS[plan.kernel]["outputs"], plan.output_dtypes))
+    src = tmp_path / "encode.cu"
+    src.write_text(templates.render_cuda(plan.kernel, plan.template, {"kx": "float16", "vx": "float16",
+                                                                      "tab": "float32"},
+                                         outputs, mlx_header=False))
+    compile_cuda_without_spills(src, tmp_path / "encode.o")
 
 
 def test_codecs_declare_how_their_domain_is_left():

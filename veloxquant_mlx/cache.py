@@ -108,8 +108,8 @@ class CompressedKVCache(_BaseCache):
         self.model_identity: Optional[dict] = None  # `artifacts.model_identity` of that model
 
     # Immutable or shared by every cache of a config (codebooks, compiled encoders): not copied.
-    _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_row_encoder", "_settings", "window_dtype",
-                       "_routes")
+    _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_row_encoder", "_field_encoder", "_settings",
+                       "window_dtype", "_routes")
 
     def __deepcopy__(self, memo):
         """An independent cache holding the same tokens (mlx-lm's server deep-copies prompt caches)."""
@@ -141,6 +141,8 @@ class CompressedKVCache(_BaseCache):
         self.store = store_for(self.key_codec, self.value_codec, self._encode_rows, self._encode_fields)
         if isinstance(self.store, RowStore):
             self._row_encoder = engine.row_encoder(self.store.layout, self.key_codec, self.value_codec, self.settings)
+        else:
+            self._field_encoder = engine.field_encoder(self.key_codec, self.value_codec, self.settings)
 
     @property
     def encoded(self) -> int:
@@ -189,8 +191,7 @@ class CompressedKVCache(_BaseCache):
         return self._row_encoder.many(*self._centered_inputs(keys, values))
 
     def _encode_fields(self, keys: mx.array, values: mx.array):
-        keys, values = self._centered_inputs(self._position_free(keys), values)
-        return self.key_codec.encode(keys), self.value_codec.encode(values)
+        return self._field_encoder(*self._centered_inputs(self._position_free(keys), values))
 
     # ---- mlx-lm cache protocol ---------------------------------------------
     def _check_update(self, keys, values):

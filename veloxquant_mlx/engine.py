@@ -147,18 +147,28 @@ def plain_mask(mask) -> bool:
 
 # ---- encoding rows -------------------------------------------------------------------------------
 
-_ROW_ENCODERS: List[Tuple[Callable, Callable]] = []
+_ENCODERS: List[Tuple[Callable, Callable]] = []
 
 
-def register_row_encoder(supports: Callable):
-    """Decorator: `make(key_codec, value_codec, settings)` -> encode(keys, values) -> rows, for the
-    layouts where `supports(layout, settings)` (a kernel that encodes a format in one launch)."""
+def register_encoder(supports: Callable):
+    """Decorator: `make(layout, key_codec, value_codec, settings)` -> encode(keys, values), where
+    `supports(layout, key_codec, value_codec, settings)`: a kernel that encodes a format in one
+    launch. `layout` is the `RowStore`'s row layout (encode returns rows), or None for a
+    `FieldStore` (encode returns (key fields, value fields)). The last registered that supports
+    a store encodes for it; the codecs' MLX ops do where none does."""
 
     def register(make):
-        _ROW_ENCODERS.insert(0, (supports, make))
+        _ENCODERS.insert(0, (supports, make))
         return make
 
     return register
+
+
+def _registered_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> Optional[Callable]:
+    for supports, make in _ENCODERS:
+        if settings.kernels and supports(layout, key_codec, value_codec, settings):
+            return make(layout, key_codec, value_codec, settings)
+    return None
 
 
 class RowEncoder:
@@ -182,15 +192,21 @@ class RowEncoder:
 
 @functools.lru_cache(maxsize=64)
 def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> RowEncoder:
-    encode = None
-    for supports, make in _ROW_ENCODERS:
-        if settings.kernels and supports(layout, settings):
-            encode = make(key_codec, value_codec, settings)
-            break
+    encode = _registered_encoder(layout, key_codec, value_codec, settings)
     if encode is None:
         def encode(keys, values):
             return layout.pack(key_codec.encode(keys), value_codec.encode(values))
     return RowEncoder(encode, settings.compile_step and settings.backend != "emulator")
+
+
+@functools.lru_cache(maxsize=64)
+def field_encoder(key_codec, value_codec, settings: EngineSettings) -> Callable:
+    """(keys, values) (already centered) -> (key fields, value fields) for a `FieldStore`."""
+    encode = _registered_encoder(None, key_codec, value_codec, settings)
+    if encode is None:
+        def encode(keys, values):
+            return key_codec.encode(keys), value_codec.encode(values)
+    return encode
 
 
 # ---- small shared constants ----------------------------------------------------------------

@@ -203,10 +203,17 @@ class FieldStore:
         self.count = count
 
 
-def store_for(key_codec, value_codec, encode_rows, encode_fields, step: int = STEP):
-    """A `RowStore` where both formats are per token and their fields fill whole words (a
-    row then costs no bit more than the fields), else a `FieldStore`."""
+def row_layout(key_codec, value_codec) -> Optional[RowLayout]:
+    """The rows of a `RowStore` where both formats are per token and their fields fill whole
+    words (a row then costs no bit more than the fields); None: a `FieldStore`."""
     layout = RowLayout.of(key_codec.format, value_codec.format)
     if layout is not None and 32 * layout.words == key_codec.format.bits_per_token + value_codec.format.bits_per_token:
+        return layout
+    return None
+
+
+def store_for(key_codec, value_codec, encode_rows, encode_fields, step: int = STEP):
+    layout = row_layout(key_codec, value_codec)
+    if layout is not None:
         return RowStore(layout, encode_rows, step)
     return FieldStore(key_codec.format, value_codec.format, encode_fields, step)

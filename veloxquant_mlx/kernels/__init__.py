@@ -29,10 +29,10 @@ import mlx.core as mx
 
 from .. import engine
 from ..settings import CPU_BACKENDS, EngineSettings
-from . import check, dequant, launch, native, ops, partial, portable, step, templates
+from . import check, dequant, encode, launch, native, ops, partial, portable, step, templates
 
 __all__ = ["backend", "decode_attention", "prefill_attention", "kernel_supported", "mse_rows",
-           "check", "dequant", "launch", "native", "ops", "partial", "portable", "step", "templates"]
+           "check", "dequant", "encode", "launch", "native", "ops", "partial", "portable", "step", "templates"]
 
 SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
 KERNEL_BACKENDS = ("cuda", "metal", "emulator")
@@ -269,13 +269,27 @@ def format_kernel_prefill(h, queries, scale, mask=None):
 
 # ---- encoding ----------------------------------------------------------------------------------
 
-def _encoder_supports(layout, settings) -> bool:
+def _format_encoder_supports(layout, key_codec, value_codec, settings) -> bool:
+    return (settings.backend in KERNEL_BACKENDS and encode.supported(layout, key_codec, value_codec)
+            and check.usable(settings.backend))
+
+
+@engine.register_encoder(_format_encoder_supports)
+def _format_encoder(layout, key_codec, value_codec, settings):
+    """Every per-token format whose codecs have encode snippets (`encode.py`): rows, or fields."""
+    run = ops.runner(settings.backend)
+    if layout is None:
+        return functools.partial(encode.encode_fields, run, key_codec, value_codec)
+    return functools.partial(encode.encode_rows, run, layout, key_codec, value_codec)
+
+
+def _encoder_supports(layout, key_codec, value_codec, settings) -> bool:
     return (settings.backend in KERNEL_BACKENDS and mse_rows(layout) is not None
             and max(layout.key.dim, layout.value.dim) <= 1024 and check.usable(settings.backend))
 
 
-@engine.register_row_encoder(_encoder_supports)
-def _kernel_encoder(key_codec, value_codec, settings):
+@engine.register_encoder(_encoder_supports)
+def _kernel_encoder(layout, key_codec, value_codec, settings):
     run = ops.runner(settings.backend)
     return functools.partial(ops.mse_encode_rows, run, key_codec, value_codec)
 

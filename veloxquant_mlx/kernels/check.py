@@ -36,7 +36,8 @@ def _cases():
 
 _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_partial + merge (fp16 partial)",
             "check_prefill": "mse_dequant", "encode": "mse_encode", "dequant": "the formats' dequant kernel",
-            "partial": "the formats' partial kernel", "fused": "mse_partial + merge_encode (fused decode step)"}
+            "partial": "the formats' partial kernel", "format_encode": "the formats' encode kernel",
+            "fused": "mse_partial + merge_encode (fused decode step)"}
 
 
 def _dequant_record(backend: str) -> dict:
@@ -77,10 +78,11 @@ def usable(backend: str) -> bool:
 
 
 def _run(backend: str) -> bool:
-    from . import partial, selftest
+    from . import encode, partial, selftest
 
     failures = []
     jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, False, tokens=8)),
+            ("format_encode", lambda: encode.check_record(backend, encode.CHECK_FORMATS[:1])),
             ("dequant", lambda: _dequant_record(backend)), ("partial", lambda: partial.check_record(backend)),
             ("fused", lambda: selftest.run_fused(backend))]
     jobs += [(case.name, lambda case=case: selftest.run_case(case, backend)) for case in _cases()]
@@ -98,6 +100,7 @@ def _run(backend: str) -> bool:
         from .. import engine
 
         engine.row_encoder.cache_clear()  # encoders chosen while the check ran used these kernels
+        engine.field_encoder.cache_clear()
         warnings.warn(f"veloxquant_mlx: the {backend} kernels failed their first-use check and are off for this "
                       "process; turboquant_mse attends on the portable path instead. " + "; ".join(failures),
                       RuntimeWarning, stacklevel=3)

@@ -265,8 +265,9 @@ def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = Tru
         jobs += [(_encode_name(*c), lambda c=c: run_encode(backend, *c)) for c in ENCODE_CASES]
     jobs += [(case.name, lambda case=case: run_case(case, backend)) for case in cases or CASES]
     if backend in ("cuda", "metal", "emulator") and cases is None:
-        from . import partial
+        from . import encode, partial
 
+        jobs.append(("format_encode", lambda: encode.check_record(backend)))
         jobs.append(("format_partial", lambda: partial.check_record(backend)))
         jobs.append(("fused_window_center", lambda: run_fused(backend)))
     records = []

@@ -70,6 +70,10 @@ VQ_INLINE float vq_warp_sum(float x) {
   return x;
 }
 VQ_INLINE float vq_half_bits(uint32_t u) { return __half2float(__ushort_as_half((unsigned short)(u & 0xffffu))); }
+VQ_INLINE uint32_t vq_half_word(float x) { return (uint32_t)__half_as_ushort(__float2half_rn(x)); }
+#define VQ_ISFINITE(x) isfinite(x)
+#define VQ_ATAN2(y, x) atan2f((y), (x))
+#define VQ_ROUND(x) rintf(x)
 VQ_INLINE uint32_t vq_pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -128,6 +132,10 @@ typedef ulong vq_u64;
 VQ_INLINE float vq_warp_max(float x) { return simd_max(x); }
 VQ_INLINE float vq_warp_sum(float x) { return simd_sum(x); }
 VQ_INLINE float vq_half_bits(uint32_t u) { return float(as_type<half>((ushort)(u & 0xffffu))); }
+VQ_INLINE uint32_t vq_half_word(float x) { return (uint32_t)as_type<ushort>(half(x)); }
+#define VQ_ISFINITE(x) metal::isfinite(x)
+#define VQ_ATAN2(y, x) metal::precise::atan2((y), (x))
+#define VQ_ROUND(x) metal::rint(x)
 #define VQ_LOAD_U4(dst, src) { const uint4 v_ = *((const device uint4*)(src)); \
   (dst)[0] = v_.x; (dst)[1] = v_.y; (dst)[2] = v_.z; (dst)[3] = v_.w; }
 #define VQ_UNROLL8 _Pragma("unroll 8")
@@ -182,6 +190,10 @@ inline float warp_reduce(float x, bool is_max) {
 inline float vq_warp_max(float x) { return vq_emu::warp_reduce(x, true); }
 inline float vq_warp_sum(float x) { return vq_emu::warp_reduce(x, false); }
 inline float vq_half_bits(uint32_t u) { return static_cast<float>(std::bit_cast<_Float16>(static_cast<uint16_t>(u & 0xffffu))); }
+inline uint32_t vq_half_word(float x) { return std::bit_cast<uint16_t>(static_cast<_Float16>(x)); }
+#define VQ_ISFINITE(x) std::isfinite(x)
+#define VQ_ATAN2(y, x) std::atan2((y), (x))
+#define VQ_ROUND(x) std::nearbyint(x)
 inline uint32_t vq_pack_half2(float lo, float hi) {
   return static_cast<uint32_t>(std::bit_cast<uint16_t>(static_cast<_Float16>(lo))) |
          (static_cast<uint32_t>(std::bit_cast<uint16_t>(static_cast<_Float16>(hi))) << 16);

@@ -112,6 +112,22 @@ class GroupAffineCodec(Codec):
         g = f"j / {self.group_size}"
         return f"v = {a.half('min', g)} + {a.half('scale', g)} * (float){a.code('codes', 'j')};"
 
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): `affine_quantize` over the
+        thread's group, the min rounded down to fp16 and the codes taken against the fp16 scale."""
+        g, levels = self.group_size, (1 << self.bits) - 1
+        lo, hi = e.group_range(e.x, g)
+        low = e.half_down(lo)
+        scale, q = e.var(), e.var()
+        e.emit(f"const float {scale} = VQ_F(VQ_CAST(vq_half, ({hi} - {low}) / {levels}.0f));")
+        e.emit(f"float {q} = VQ_ROUND(({e.x} - {low}) / ({scale} > 0.0f ? {scale} : 1.0f));")
+        e.emit(f"if (!VQ_ISFINITE({q})) {q} = 0.0f;")
+        e.emit(f"{q} = {q} < 0.0f ? 0.0f : ({q} > {levels}.0f ? {levels}.0f : {q});")
+        e.code("codes", f"(uint32_t){q}")
+        first = f"act && t % {g} == 0"
+        e.half("scale", scale, index=f"t / {g}", when=first)
+        e.half("min", low, index=f"t / {g}", when=first)
+
     def weighted_sum(self, weights, fields):
         """p @ V straight from the codes with `mx.quantized_matmul`: the packing and the
         min + scale * code form are MLX's affine format (as mlx-lm's QuantizedKVCache

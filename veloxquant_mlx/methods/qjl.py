@@ -22,6 +22,7 @@ shorter last group allowed), as the QJL reference implementation quantizes value
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
@@ -59,6 +60,12 @@ class QJLCodec(Codec):
     def kernel_decode(self, a):
         """The dequant kernel's element j of the sketch domain: +-norm * sqrt(pi/2) / m."""
         return f"v = ({a.code('signs', 'j')} ? 1.0f : -1.0f) * {a.half('norm', '0')} * {self.scale!r}f;"
+
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): the norm and sign(S x)."""
+        sq = e.sum(f"{e.x} * {e.x}")
+        e.sketch_signs("signs", np.array(self.sketch), e.x)
+        e.half("norm", f"VQ_SQRT({sq})")
 
     def to_domain(self, x):
         return x @ self.sketch.T

@@ -57,6 +57,27 @@ class MSECodec(Codec):
         """The dequant kernel's element j (`kernels/dequant.py`): norm * c[code_j]."""
         return f"v = {a.table(self.centroids)}[{a.code('codes', 'j')}] * {a.half('norm', '0')};"
 
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps."""
+        code, norm = self.kernel_encode_stage(e)
+        e.code("codes", code)
+        e.half("norm", norm)
+
+    def kernel_encode_stage(self, e):
+        """(code, norm) C variables of `encode` for the thread's element (turboquant_prod's first stage)."""
+        sq = e.sum(f"{e.x} * {e.x}")
+        y = e.rotated(self.rotation)
+        norm, unit = e.var(), e.var()
+        e.emit(f"float {norm} = VQ_SQRT({sq});")
+        e.emit(f"const float {unit} = {y} / VQ_MAXF({norm}, 1e-30f);")
+        code = e.nearest(unit, self.boundaries)
+        if self.renorm:
+            c = e.var()
+            e.emit(f"const float {c} = {e.table(self.centroids)}[{code}];")
+            decoded = e.sum(f"{c} * {c}")
+            e.emit(f"{norm} = {norm} / VQ_MAXF(VQ_SQRT({decoded}), 1e-30f);")
+        return code, norm
+
     def to_domain(self, x):
         return self.rotation.apply(x)
 

@@ -23,6 +23,7 @@ use plain TurboQuant_mse codes at `value_bits`, as the paper does for the KV cac
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
@@ -86,6 +87,21 @@ class ProdCodec(Codec):
         mse = f"{a.table(self.mse.centroids)}[{code}] * {a.half('norm', '0')}"
         qjl = f"({sign} ? 1.0f : -1.0f) * {a.half('residual_norm', '0')} * {self.qjl_scale!r}f"
         return f"v = j < {d} ? {mse} : {qjl};"
+
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): the MSE stage, the residual
+        against its reconstruction with the fp16 norm (as `encode`), then its sketch."""
+        code, norm = self.mse.kernel_encode_stage(e)
+        decoded = e.var()
+        e.emit(f"const float {decoded} = {e.table(self.mse.centroids)}[{code}] * VQ_F(VQ_CAST(vq_half, {norm}));")
+        x_mse = e.unrotated(decoded, self.mse.rotation)
+        r = e.var()
+        e.emit(f"const float {r} = {e.x} - {x_mse};")
+        rr = e.sum(f"{r} * {r}")
+        e.sketch_signs("signs", np.array(self.sketch), r)
+        e.code("codes", code)
+        e.half("norm", norm)
+        e.half("residual_norm", f"VQ_SQRT({rr})")
 
     def to_domain(self, x):
         return mx.concatenate([self.mse.to_domain(x), x @ self.sketch.T], axis=-1)

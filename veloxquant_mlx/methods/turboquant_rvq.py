@@ -93,6 +93,23 @@ class RVQCodec(Codec):
         t1, t2 = a.table(self.centroids1), a.table(self.centroids2)
         return f"v = {a.half('norm', '0')} * ({t1}[{c1}] + {a.half('rscale', '0')} * {t2}[{c2}]);"
 
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps, with the
+        residual scale rounded to fp16 before it divides, as there."""
+        sq = e.sum(f"{e.x} * {e.x}")
+        y = e.rotated()
+        e.emit(f"const float nrm = VQ_SQRT({sq});")
+        e.emit(f"const float u = {y} / VQ_MAXF(nrm, 1e-30f);")
+        c1 = e.nearest("u", self.boundaries1)
+        e.emit(f"const float r = u - {e.table(self.centroids1)}[{c1}];")
+        rr = e.sum("r * r")
+        e.emit(f"const float rs = VQ_F(VQ_CAST(vq_half, VQ_SQRT({rr} / {self.dim}.0f)));")
+        c2 = e.nearest("r / VQ_MAXF(rs, 1e-30f)", self.boundaries2)
+        e.code("codes1", c1)
+        e.code("codes2", c2)
+        e.half("norm", "nrm")
+        e.half("rscale", "rs")
+
     def to_domain(self, x):
         return self.rotation.apply(x)
 

@@ -1,0 +1,402 @@
+"""One encode kernel for every row format with an encode snippet (CUDA, Metal, the C++ emulator).
+
+A decode step stores the token it adds. Encoding that token with the codec's MLX ops costs a
+few dozen small kernels per layer (rotation, reductions, codebook searches, packing, the
+row's concatenation), and on a GPU each is a launch: `turboquant_rvq`'s decode step ran 75
+kernels per layer that way (`docs/engine.md`, eleventh session). This kernel encodes keys
+and values of N tokens into their rows (`formats.RowLayout`) in one launch.
+
+A codec may define `kernel_encode(e)`: it emits, through an `Emit`, C statements that thread
+t of a block runs for element t of one token's vector (keys or values, already centred), as
+`kernel_decode` does for decoding (`dequant.py`). `e.x` holds the element (0 past the dim);
+`e.sum(expr)` is a reduction over the block, which every thread reaches, so snippets do not
+branch around it; `e.rotated()` is the codec's seeded-sign Hadamard rotation of the vector;
+`e.nearest(var, boundaries)` the index of the nearest of sorted centroids, as
+`codebooks.quantize`; `e.code(field, var)` and `e.half(field, expr)` store the thread's code
+and a token scalar. The template packs the codes into the row's words at the layout's slots.
+One block per token and role: grid (N * NTH, 2), block row 0 keys, 1 values.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from typing import List
+
+import mlx.core as mx
+import numpy as np
+
+from ..formats import FLOAT16, PACKED
+from ..rotations import HadamardRotation
+from . import launch, templates
+from .launch import Plan
+
+MAX_DIM = 1024  # one thread per coordinate
+
+
+class Unsupported(Exception):
+    """The snippet cannot be emitted for this codec (e.g. its rotation is not a power-of-two
+    Hadamard transform)."""
+
+
+class Emit:
+    """C statements of one role's encode snippet, with its constant tables."""
+
+    def __init__(self, layout, role: str, codec, table_start: int = 0):
+        self.layout, self.role, self.codec = layout, role, codec
+        self.dim = codec.dim
+        self.p2 = launch._pow2(codec.dim)
+        self.table_start = table_start
+        self.lines: List[str] = []
+        self.tables: List[np.ndarray] = []
+        self.table_size = 0
+        self.code_offsets = {}  # packed field name -> its first element in vq_codes
+        self.code_slots = 0
+        self.halves = set()  # fp16 fields stored
+        self._n = 0
+        self.x = "x"
+
+    def var(self) -> str:
+        """A fresh C variable name."""
+        self._n += 1
+        return f"e{self._n}"
+
+    def emit(self, line: str):
+        self.lines.append("    " + line)
+
+    def table(self, values) -> str:
+        arr = np.asarray(values, dtype=np.float32).reshape(-1)
+        offset = self.table_start + self.table_size
+        self.tables.append(arr)
+        self.table_size += arr.size
+        return f"(tab + {offset})"
+
+    def sum(self, expr: str) -> str:
+        """A float variable holding the block's sum of `expr` over the active threads."""
+        v = self.var()
+        self.emit(f"if (t < P2) vq_red[t] = act ? ({expr}) : 0.0f;")
+        self.emit("for (int i_ = t + NTH; i_ < P2; i_ += NTH) vq_red[i_] = 0.0f;")
+        self.emit("VQ_SYNC();")
+        self.emit("for (int s_ = P2 / 2; s_ > 0; s_ >>= 1) { if (t < s_) vq_red[t] += vq_red[t + s_]; VQ_SYNC(); }")
+        self.emit(f"const float {v} = vq_red[0];")
+        self.emit("VQ_SYNC();")  # vq_red is written again by the next sum
+        return v
+
+    def rotated(self, rotation=None) -> str:
+        """A float variable holding element t of R x, R = H diag(signs) / sqrt(D) (`HadamardRotation`)."""
+        rotation = rotation if rotation is not None else self.codec.rotation
+        self._check_hadamard(rotation)
+        signs = self.table(np.array(rotation.signs.astype(mx.float32)))
+        v = self.var()
+        self.emit(f"if (act) vq_buf[t] = {self.x} * {signs}[t];")
+        self._fwht()
+        self.emit(f"const float {v} = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)) : 0.0f;")
+        self.emit("VQ_SYNC();")
+        return v
+
+    @staticmethod
+    def _check_hadamard(rotation):
+        if not isinstance(rotation, HadamardRotation) or not launch.is_power_of_two(rotation.dim):
+            raise Unsupported(f"the encode kernel rotates with power-of-two Hadamard transforms, not {rotation!r}")
+
+    def _fwht(self):
+        """The unnormalised Walsh-Hadamard transform of vq_buf[0:D] in place (Sylvester order)."""
+        self.emit("VQ_SYNC();")
+        self.emit("for (int h_ = 1; h_ < D; h_ <<= 1) {")
+        self.emit("  if (act && (t & h_) == 0) { const float a_ = vq_buf[t], b_ = vq_buf[t + h_];"
+                  " vq_buf[t] = a_ + b_; vq_buf[t + h_] = a_ - b_; }")
+        self.emit("  VQ_SYNC();")
+        self.emit("}")
+
+    def unrotated(self, value: str, rotation=None) -> str:
+        """A float variable holding element t of R^T y, y the block's `value`s: the inverse of
+        `rotated` (H is symmetric, so R^T = diag(signs) H / sqrt(D))."""
+        rotation = rotation if rotation is not None else self.codec.rotation
+        self._check_hadamard(rotation)
+        signs = self.table(np.array(rotation.signs.astype(mx.float32)))
+        v = self.var()
+        self.emit(f"if (act) vq_buf[t] = {value};")
+        self._fwht()
+        self.emit(f"const float {v} = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * {signs}[t] : 0.0f;")
+        self.emit("VQ_SYNC();")
+        return v
+
+    def shared(self, value: str) -> str:
+        """The block's `value`s in shared memory (the C array's name; valid until the next helper)."""
+        self.emit(f"if (act) vq_buf[t] = {value};")
+        self.emit("VQ_SYNC();")
+        return "vq_buf"
+
+    def sketch_signs(self, name: str, sketch, value: str):
+        """Packed field `name` is sign(S v) >= 0 for the (m, D) matrix `sketch` and the block's
+        vector v of `value`s (QJL, arXiv 2406.03482, Def. 3.1): thread t takes rows t, t + NTH, ..."""
+        sketch = np.asarray(sketch, dtype=np.float32)
+        m = sketch.shape[0]
+        vec = self.shared(value)
+        rows = self.table(sketch)
+        offset = self._codes_of(name, m)
+        self.emit(f"for (int i_ = t; i_ < {m}; i_ += NTH) {{")
+        self.emit(f"  float d_ = 0.0f; for (int k_ = 0; k_ < D; ++k_) d_ += {rows}[i_ * D + k_] * {vec}[k_];")
+        self.emit(f"  vq_codes[{offset} + i_] = d_ >= 0.0f ? 1u : 0u;")
+        self.emit("}")
+        self.emit("VQ_SYNC();")
+
+    def group_range(self, value: str, group: int):
+        """(lo, hi) float variables: the min and max of the finite `value`s of thread t's group of
+        `group` consecutive elements (the last group may be shorter); 0 for a group with none."""
+        vec = self.shared(value)
+        lo, hi = self.var(), self.var()
+        self.emit(f"float {lo} = -VQ_NEG_INF, {hi} = VQ_NEG_INF;")
+        self.emit(f"if (act) {{ const int g0_ = (t / {group}) * {group};")
+        self.emit(f"  for (int k_ = g0_; k_ < VQ_MINI(g0_ + {group}, D); ++k_) {{ const float u_ = {vec}[k_];"
+                  f" if (VQ_ISFINITE(u_)) {{ {lo} = u_ < {lo} ? u_ : {lo}; {hi} = u_ > {hi} ? u_ : {hi}; }} }} }}")
+        self.emit(f"if (!VQ_ISFINITE({lo})) {lo} = 0.0f;")
+        self.emit(f"if (!VQ_ISFINITE({hi})) {hi} = 0.0f;")
+        self.emit("VQ_SYNC();")
+        return lo, hi
+
+    def half_down(self, value: str) -> str:
+        """A float variable: fp16(value) rounded toward -inf (`kivi._fp16_round_down`)."""
+        w, v = self.var(), self.var()
+        self.emit(f"uint32_t {w} = vq_half_word({value});")
+        self.emit(f"if (vq_half_bits({w}) > ({value})) {w} = {w} == 0u ? 0x8001u : ({w} >= 0x8000u ? {w} + 1u : {w} - 1u);")
+        self.emit(f"const float {v} = vq_half_bits({w});")
+        return v
+
+    def nearest(self, value: str, boundaries) -> str:
+        """A uint32 variable: how many of the sorted `boundaries` `value` exceeds."""
+        bnd = self.table(boundaries)
+        n = int(np.asarray(boundaries).size)
+        v = self.var()
+        self.emit(f"uint32_t {v} = 0u; for (int k_ = 0; k_ < {n}; ++k_) {v} += ({value} > {bnd}[k_]) ? 1u : 0u;")
+        return v
+
+    def code(self, name: str, value: str, index: str = "t"):
+        """Element `index` of packed field `name` is `value` (threads whose index is in range)."""
+        f = self.codec.format.field(name)
+        offset = self._codes_of(name, f.width)
+        self.emit(f"if (act && ({index}) < {f.width}) vq_codes[{offset} + ({index})] = {value};")
+
+    def _codes_of(self, name: str, width: int) -> int:
+        """The first element of packed field `name` in vq_codes."""
+        f = self.codec.format.field(name)
+        if f.kind != PACKED or f.tokens_per_row != 1 or f.width != width:
+            raise Unsupported(f"field {name!r} is not a per-token packed field of {width} elements")
+        if name not in self.code_offsets:
+            self.code_offsets[name] = self.code_slots
+            self.code_slots += f.width
+        return self.code_offsets[name]
+
+    def half(self, name: str, value: str, index: str = "0", when: str = "t == 0"):
+        """Element `index` of fp16 field `name` is `value`, stored by the thread(s) where `when`."""
+        f = self.codec.format.field(name)
+        if f.kind != FLOAT16 or f.tokens_per_row != 1:
+            raise Unsupported(f"field {name!r} is not a per-token fp16 field")
+        self.halves.add(name)
+        if self.layout is not None:
+            dst = f"VQ_HALF_PTR(rows)[(size_t)n * (2 * RW) + {self.layout.slot(self.role, name).start} + ({index})]"
+        else:
+            dst = f"{self.output(name)}[(size_t)n * {f.width} + ({index})]"
+        self.emit(f"if ({when}) {dst} = VQ_CAST(vq_half, {value});")
+
+    def output(self, name: str) -> str:
+        """The kernel output holding field `name` (a field store: one output per field)."""
+        return f"{self.role[0]}o_{name}"
+
+    def pack(self) -> List[str]:
+        """Statements writing the role's codes (in `vq_codes`) into the row's words."""
+        out = []
+        for name, offset in self.code_offsets.items():
+            f = self.codec.format.field(name)
+            if self.layout is not None:
+                dst = f"rows[(size_t)n * RW + {self.layout.slot(self.role, name).start} + w_]"
+            else:
+                dst = f"{self.output(name)}[(size_t)n * {f.words} + w_]"
+            out.append(
+                f"    for (int w_ = t; w_ < {f.words}; w_ += NTH) {{\n"
+                f"      uint32_t word_ = 0u;\n"
+                f"      const int first_ = (32 * w_) / {f.bits};\n"
+                f"      const int last_ = VQ_MINI({f.width - 1}, (32 * w_ + 31) / {f.bits});\n"
+                f"      for (int i_ = first_; i_ <= last_; ++i_) {{\n"
+                f"        const int sh_ = i_ * {f.bits} - 32 * w_;\n"
+                f"        const uint32_t c_ = vq_codes[{offset} + i_];\n"
+                f"        word_ |= (sh_ >= 0) ? (c_ << sh_) : (c_ >> (-sh_));\n"
+                f"      }}\n"
+                f"      {dst} = word_;\n"
+                f"    }}")
+        return out
+
+    def snippet(self) -> str:
+        self.codec.kernel_encode(self)
+        missing = {f.name for f in self.codec.format.fields} - set(self.code_offsets) - self.halves
+        if missing:
+            raise Unsupported(f"{type(self.codec).__name__}.kernel_encode stores no {sorted(missing)}")
+        head = [f"    constexpr int D = {self.dim};", f"    constexpr int P2 = {self.p2};",
+                "    const bool act = t < D;",
+                f"    const float x = act ? VQ_F({self.role[0]}x[(size_t)n * D + t]) : 0.0f;"]
+        return "\n".join(head + self.lines + ["    VQ_SYNC();"] + self.pack())
+
+
+_BODY = r"""
+  const int n = vq_bx;
+  const int t = vq_tid;
+  VQ_SHARED float vq_red[P2M];
+  VQ_SHARED float vq_buf[P2M];
+  VQ_SHARED uint32_t vq_codes[NCODES];
+  if (vq_by == 0) {
+@KEYS
+  } else {
+@VALUES
+@PAD
+  }
+"""
+
+
+@dataclass(frozen=True)
+class Program:
+    kernel: str
+    tables: mx.array
+    threads: int
+    p2: int
+    codes: int
+
+
+def supported(layout, key_codec, value_codec) -> bool:
+    """Whether both codecs emit an encode snippet for this row layout (None: a field store of
+    per-token formats, one output per field)."""
+    if max(key_codec.dim, value_codec.dim) > MAX_DIM:
+        return False
+    if layout is None and not (key_codec.format.per_token and value_codec.format.per_token):
+        return False
+    if not all(callable(getattr(c, "kernel_encode", None)) for c in (key_codec, value_codec)):
+        return False
+    try:
+        program(layout, key_codec, value_codec)
+    except Unsupported:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def program(layout, key_codec, value_codec) -> Program:
+    keys = Emit(layout, "keys", key_codec)
+    key_snippet = keys.snippet()
+    values = Emit(layout, "values", value_codec, table_start=keys.table_size)
+    value_snippet = values.snippet()
+    pad = ""
+    if layout is not None:
+        outputs = ("rows",)
+        halves = sum(s.field.width for s in layout.slots if s.field.kind == FLOAT16)
+        if halves % 2:  # the last half-word of the row is padding: zero, as RowLayout.pack writes it
+            pad = (f"    if (t == 0) VQ_HALF_PTR(rows)[(size_t)n * (2 * RW) + {2 * layout.fp16_start + halves}]"
+                   " = VQ_CAST(vq_half, 0.0f);")
+    else:
+        outputs = tuple(e.output(f.name) for e in (keys, values) for f in e.codec.format.fields)
+    body = _BODY.replace("@KEYS", key_snippet).replace("@VALUES", value_snippet).replace("@PAD", pad)
+    name = "encode_" + hashlib.sha1((body + repr(outputs)).encode()).hexdigest()[:16]
+    if name not in templates.KERNELS:
+        templates.KERNELS[name] = {"body": body, "inputs": ("kx", "vx", "tab"), "outputs": outputs}
+    tables = keys.tables + values.tables
+    tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
+    mx.eval(tab)
+    return Program(name, tab, max(key_codec.dim, value_codec.dim), max(keys.p2, values.p2),
+                   max(1, keys.code_slots, values.code_slots))
+
+
+def _output_shapes(layout, key_codec, value_codec, n: int):
+    """(shapes, dtypes) of the kernel's outputs for n tokens."""
+    if layout is not None:
+        return ((n, layout.words),), ("uint32",)
+    fields = key_codec.format.fields + value_codec.format.fields
+    return (tuple((n, f.words if f.kind == PACKED else f.width) for f in fields),
+            tuple("uint32" if f.kind == PACKED else "float16" for f in fields))
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(kernel: str, n: int, threads: int, p2: int, codes: int, row_words: int, x_dtype: str,
+          shapes: tuple, dtypes: tuple) -> Plan:
+    template = [("NTH", threads), ("P2M", p2), ("NCODES", codes), ("RW", row_words), ("TX", x_dtype)]
+    return Plan(kernel, template, (n * threads, 2, 1), (threads, 1, 1), list(shapes), list(dtypes))
+
+
+def plan(layout, key_codec, value_codec, n: int, x_dtype: str) -> Plan:
+    prog = program(layout, key_codec, value_codec)
+    shapes, dtypes = _output_shapes(layout, key_codec, value_codec, n)
+    return _plan(prog.kernel, n, prog.threads, prog.p2, prog.codes, layout.words if layout is not None else 0,
+                 x_dtype, shapes, dtypes)
+
+
+def _launch(run, layout, key_codec, value_codec, keys: mx.array, values: mx.array):
+    prog = program(layout, key_codec, value_codec)
+    *lead, _ = keys.shape
+    if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    n = 1
+    for s in lead:
+        n *= s
+    plan_ = plan(layout, key_codec, value_codec, n, launch.dtype_name(keys.dtype))
+    return run(plan_, [keys, values, prog.tables], [(*lead, shape[-1]) for shape in plan_.output_shapes])
+
+
+def encode_rows(run, layout, key_codec, value_codec, keys: mx.array, values: mx.array) -> mx.array:
+    """Rows (..., n, layout.words) of keys and values (..., n, D): what `layout.pack` of the
+    codecs' `encode` gives, in one launch."""
+    (rows,) = _launch(run, layout, key_codec, value_codec, keys, values)
+    return rows
+
+
+def encode_fields(run, key_codec, value_codec, keys: mx.array, values: mx.array):
+    """(key fields, value fields) of keys and values (..., n, D), as the codecs' `encode` gives
+    them, in one launch (a field store of per-token formats)."""
+    outs = iter(_launch(run, None, key_codec, value_codec, keys, values))
+    return tuple({f.name: next(outs) for f in codec.format.fields} for codec in (key_codec, value_codec))
+
+
+# A coordinate within float rounding of a boundary may round either way (sums in another order),
+# and a token scalar is then equal to an fp16 ulp (selftest.py's encode tolerance).
+CHECK_MIN_EQUAL = 0.999
+CHECK_HALF_ERROR = 2 ** -10
+
+
+# (method, options): every family of encode snippets; the first-use check runs the first.
+CHECK_FORMATS = (
+    ("turboquant_rvq", {"bits": 2, "value_bits": 3}),  # two packed fields and two fp16 scalars per role
+    ("qjl", {"bits": 2, "value_bits": 4, "group_size": 48}),  # a sketch; per-group value scales, ragged
+    ("turboquant_prod", {"bits": 3, "value_bits": 4}),  # mse stage, un-rotated residual, sketch
+)
+
+
+def check_record(backend: str, formats=CHECK_FORMATS) -> dict:
+    """The encode kernel of `backend` against the codecs' MLX encode (on the CPU) for each of
+    `formats`, fp16 inputs, dim 128."""
+    from ..config import KVCacheConfig
+    from ..methods import get_method
+    from ..storage import row_layout
+    from . import ops
+
+    equal, half_error = 1.0, 0.0
+    for i, (name, options) in enumerate(formats):
+        config = KVCacheConfig(method=name, **options)
+        kc, vc = get_method(name).key_codec(config, 128), get_method(name).value_codec(config, 128)
+        layout = row_layout(kc, vc)  # as the cache stores them: rows, or one buffer per field
+        keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(60 + i)).astype(mx.float16)
+        values = mx.random.normal((1, 2, 300, 128), key=mx.random.key(70 + i)).astype(mx.float16)
+        if layout is not None:
+            got = layout.views(encode_rows(ops.runner(backend), layout, kc, vc, keys, values))
+        else:
+            got = encode_fields(ops.runner(backend), kc, vc, keys, values)
+        with mx.stream(mx.cpu):  # float32 sketches (MLX's GPU matmuls run at TF32 by default)
+            refs = (kc.encode(keys), vc.encode(values))
+            mx.eval(refs)
+        for g, r in zip(got, refs):
+            for field, ref in r.items():
+                a, b = np.array(g[field]), np.array(ref)
+                if a.dtype == np.uint32:
+                    equal = min(equal, float(np.mean(a == b)))
+                else:
+                    a, b = a.astype(np.float32), b.astype(np.float32)
+                    half_error = max(half_error, float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))))
+    ok = equal >= CHECK_MIN_EQUAL and half_error <= CHECK_HALF_ERROR
+    return {"case": "format_encode", "backend": backend, "formats": [f for f, _ in formats], "codes_equal": equal,
+            "norm_rel_error": half_error, "status": "ok" if ok else "FAIL"}
