@@ -587,6 +587,8 @@ ENCODE_FORMATS = [  # (method, options, dim, key bits, value bits, input dtype)
     ("qjl", {"group_size": 48}, 128, 1, 3, mx.float32),  # a ragged last value group
     ("turboquant_prod", {}, 128, 3, 4, mx.float16),
     ("turboquant_mse", {"options": {"renorm": True}}, 64, 3, 2, mx.float32),
+    ("polarquant", {}, 128, 4, 3, mx.float16),
+    ("polarquant", {"options": {"levels": 0}}, 64, 4, 2, mx.float32),  # 6 levels; value level 2-4 at 0 bits
 ]
 
 
@@ -669,7 +671,7 @@ def test_format_encoder_takes_only_codecs_with_snippets():
 
     assert encode.supported(*codecs("turboquant_rvq", 128))
     assert not encode.supported(*codecs("turboquant_rvq", 96))  # a dense rotation: no kernel FWHT
-    assert not encode.supported(*codecs("polarquant", 128))  # no encode snippet
+    assert not encode.supported(*codecs("rabitq", 128))  # no encode snippet
     layout, kc, vc = codecs("kivi", 128, group_size=32)
     assert layout is None and not encode.supported(None, kc, vc)  # per-block key scales: no snippet
 

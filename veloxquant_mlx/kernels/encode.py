@@ -178,6 +178,12 @@ class Emit:
         offset = self._codes_of(name, f.width)
         self.emit(f"if (act && ({index}) < {f.width}) vq_codes[{offset} + ({index})] = {value};")
 
+    def stream(self, name: str) -> str:
+        """The C index of element 0 of packed field `name` in `vq_codes`, for snippets that write
+        a code stream themselves (`vq_codes[stream + i] = code`, one element per code of the
+        field's width, stored by the threads that own them; visible after the next barrier)."""
+        return str(self._codes_of(name, self.codec.format.field(name).width))
+
     def _codes_of(self, name: str, width: int) -> int:
         """The first element of packed field `name` in vq_codes."""
         f = self.codec.format.field(name)
@@ -364,6 +370,7 @@ CHECK_FORMATS = (
     ("turboquant_rvq", {"bits": 2, "value_bits": 3}),  # two packed fields and two fp16 scalars per role
     ("qjl", {"bits": 2, "value_bits": 4, "group_size": 48}),  # a sketch; per-group value scales, ragged
     ("turboquant_prod", {"bits": 3, "value_bits": 4}),  # mse stage, un-rotated residual, sketch
+    ("polarquant", {"bits": 4, "value_bits": 3}),  # a code stream of several widths, atan2
 )
 
 

@@ -185,6 +185,33 @@ class PolarCodec(Codec):
         self._complement = mx.array((31 - start % 32).astype(np.uint32))  # two shifts: no shift by 32
         self._mask = mx.array(((1 << widths) - 1).astype(np.uint32))
 
+    def kernel_encode(self, e):
+        """The encode kernel (`kernels/encode.py`): thread i takes pair i of each level in turn (the
+        radii of the level below in shared memory) and writes its code's bit planes, then the
+        fp16 radii's, at their places in the stream (`encode`'s order)."""
+        stream = e.stream("codes")
+        radii = e.shared(e.rotated(self.rotation))
+        position = 0
+        for level, (count, bits) in enumerate(zip(self.counts, self.bits)):
+            first = level == 0
+            e.emit(f"{{ float a_ = 0.0f, r_ = 0.0f; uint32_t c_ = 0u;")
+            e.emit(f"  if (t < {count}) {{ const float p_ = {radii}[2 * t], q_ = {radii}[2 * t + 1];")
+            e.emit("    a_ = VQ_ATAN2(q_, p_); r_ = VQ_SQRT(p_ * p_ + q_ * q_);")
+            if first:  # level 1 angles on [0, 2 pi)
+                e.emit("    if (a_ < 0.0f) a_ = a_ + 6.2831855f;")
+            if bits:
+                bnd = e.table(self.boundaries[level])
+                e.emit(f"    for (int k_ = 0; k_ < {(1 << bits) - 1}; ++k_) c_ += (a_ > {bnd}[k_]) ? 1u : 0u;")
+                e.emit(f"    for (int k_ = 0; k_ < {bits}; ++k_) vq_codes[{stream} + {position} + t * {bits} + k_] ="
+                       " (c_ >> k_) & 1u;")
+            e.emit("  }")
+            e.emit("  VQ_SYNC();")
+            e.emit(f"  if (t < {count}) {radii}[t] = r_;")
+            e.emit("  VQ_SYNC(); }")
+            position += count * bits
+        e.emit(f"if (t < {self.radii}) {{ const uint32_t w_ = vq_half_word({radii}[t]);")
+        e.emit(f"  for (int k_ = 0; k_ < 16; ++k_) vq_codes[{stream} + {position} + t * 16 + k_] = (w_ >> k_) & 1u; }}")
+
     def encode(self, x):
         y = self.rotation.apply(x.astype(mx.float32))
         *lead, _ = y.shape
