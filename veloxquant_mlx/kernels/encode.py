@@ -134,10 +134,10 @@ class Emit:
         sketch = np.asarray(sketch, dtype=np.float32)
         m = sketch.shape[0]
         vec = self.shared(value)
-        rows = self.table(sketch)
+        columns = self.table(sketch.T)  # S^T: threads of consecutive rows read consecutive words
         offset = self._codes_of(name, m)
         self.emit(f"for (int i_ = t; i_ < {m}; i_ += NTH) {{")
-        self.emit(f"  float d_ = 0.0f; for (int k_ = 0; k_ < D; ++k_) d_ += {rows}[i_ * D + k_] * {vec}[k_];")
+        self.emit(f"  float d_ = 0.0f; for (int k_ = 0; k_ < D; ++k_) d_ += {columns}[k_ * {m} + i_] * {vec}[k_];")
         self.emit(f"  vq_codes[{offset} + i_] = d_ >= 0.0f ? 1u : 0u;")
         self.emit("}")
         self.emit("VQ_SYNC();")
