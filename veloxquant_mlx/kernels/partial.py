@@ -92,8 +92,6 @@ _BODY = r"""
       for (int r = 0; r < REP; ++r) acc[u * REP + r] *= alpha[r];
     }
     if (lane < TL) {
-      // Several tokens' decodes in flight: each is a chain of dependent loads (codes, then tables).
-      VQ_UNROLL4
       for (int jj = lane; jj < ntok; jj += TL) {
         const int t = tile + jj;
         VQ_UNROLL
