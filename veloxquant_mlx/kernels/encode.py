@@ -374,9 +374,9 @@ CHECK_FORMATS = (
 )
 
 
-def check_record(backend: str, formats=CHECK_FORMATS) -> dict:
+def check_record(backend: str, formats=CHECK_FORMATS, tokens: int = 300) -> dict:
     """The encode kernel of `backend` against the codecs' MLX encode (on the CPU) for each of
-    `formats`, fp16 inputs, dim 128."""
+    `formats`, `tokens` tokens of 2 heads, fp16 inputs, dim 128."""
     from ..config import KVCacheConfig
     from ..methods import get_method
     from ..storage import row_layout
@@ -387,8 +387,8 @@ def check_record(backend: str, formats=CHECK_FORMATS) -> dict:
         config = KVCacheConfig(method=name, **options)
         kc, vc = get_method(name).key_codec(config, 128), get_method(name).value_codec(config, 128)
         layout = row_layout(kc, vc)  # as the cache stores them: rows, or one buffer per field
-        keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(60 + i)).astype(mx.float16)
-        values = mx.random.normal((1, 2, 300, 128), key=mx.random.key(70 + i)).astype(mx.float16)
+        keys = mx.random.normal((1, 2, tokens, 128), key=mx.random.key(60 + i)).astype(mx.float16)
+        values = mx.random.normal((1, 2, tokens, 128), key=mx.random.key(70 + i)).astype(mx.float16)
         if layout is not None:
             got = layout.views(encode_rows(ops.runner(backend), layout, kc, vc, keys, values))
         else:
