@@ -51,7 +51,25 @@ def tile_stride(words: int) -> int:
     return words | 1
 
 
-class Access:
+class ConstantTables:
+    """A snippet's constant tables, concatenated into the kernel's `tab` input from `table_start` on
+    (a kernel with both roles gives each its own range)."""
+
+    def __init__(self, table_start: int = 0):
+        self.table_start = table_start
+        self.tables: List[np.ndarray] = []
+        self.table_size = 0
+
+    def table(self, values) -> str:
+        """`values` (floats) as a constant table; the C expression of its first element's address."""
+        arr = np.asarray(values, dtype=np.float32).reshape(-1)
+        offset = self.table_start + self.table_size
+        self.tables.append(arr)
+        self.table_size += arr.size
+        return f"(tab + {offset})"
+
+
+class Access(ConstantTables):
     """C expressions for one role's fields, for the store's layout. Capacities (rows per
     buffer) are runtime values in `meta` (they change as the store grows; the kernel text
     does not)."""
@@ -60,15 +78,14 @@ class Access:
         """`layout`: the `RowStore`'s row layout, or None for a `FieldStore`. `meta_base`: where
         this role's per-field capacities start in `meta`; `table_start`: where its constants
         start in `tab` (a kernel reading both roles gives each its own ranges)."""
+        ConstantTables.__init__(self, table_start)
         self.role, self.codec = role, codec
-        self.meta_base, self.table_start = meta_base, table_start
+        self.meta_base = meta_base
         self.rows = layout is not None
         self.layout = layout
         self.fields = {f.name: f for f in codec.format.fields}
         self.staged = {}  # field name -> word offset in the kernel's shared tile (`stage`)
         self.lines: List[str] = []
-        self.tables: List[np.ndarray] = []
-        self.table_size = 0
         self._n = 0
 
     def _var(self) -> str:
@@ -150,14 +167,6 @@ class Access:
             f" if (s_ + {width} > 32) {v} |= {self.word(name, 'w_ + 1')} << (32 - s_);"
             f" {v} &= {mask}; }}")
         return v
-
-    def table(self, values) -> str:
-        """`values` (floats) as a constant table; the C expression of its first element's address."""
-        arr = np.asarray(values, dtype=np.float32).reshape(-1)
-        offset = self.table_start + self.table_size
-        self.tables.append(arr)
-        self.table_size += arr.size
-        return f"(tab + {offset})"
 
     def snippet(self) -> str:
         body = self.codec.kernel_decode(self)  # first: it emits the code loads into self.lines

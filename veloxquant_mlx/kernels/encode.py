@@ -30,6 +30,7 @@ import numpy as np
 from ..formats import FLOAT16, PACKED
 from ..rotations import HadamardRotation
 from . import launch, templates
+from .dequant import ConstantTables
 from .launch import Plan
 
 MAX_DIM = 1024  # one thread per coordinate
@@ -40,17 +41,15 @@ class Unsupported(Exception):
     Hadamard transform)."""
 
 
-class Emit:
+class Emit(ConstantTables):
     """C statements of one role's encode snippet, with its constant tables."""
 
     def __init__(self, layout, role: str, codec, table_start: int = 0):
         self.layout, self.role, self.codec = layout, role, codec
         self.dim = codec.dim
         self.p2 = launch._pow2(codec.dim)
-        self.table_start = table_start
+        ConstantTables.__init__(self, table_start)
         self.lines: List[str] = []
-        self.tables: List[np.ndarray] = []
-        self.table_size = 0
         self.code_offsets = {}  # packed field name -> its first element in vq_codes
         self.code_slots = 0
         self.halves = set()  # fp16 fields stored
@@ -65,13 +64,6 @@ class Emit:
     def emit(self, line: str):
         self.lines.append("    " + line)
 
-    def table(self, values) -> str:
-        arr = np.asarray(values, dtype=np.float32).reshape(-1)
-        offset = self.table_start + self.table_size
-        self.tables.append(arr)
-        self.table_size += arr.size
-        return f"(tab + {offset})"
-
     def sum(self, expr: str) -> str:
         """A float variable holding the block's sum of `expr` over the active threads."""
         v = self.var()
@@ -85,40 +77,32 @@ class Emit:
 
     def rotated(self, rotation=None) -> str:
         """A float variable holding element t of R x, R = H diag(signs) / sqrt(D) (`HadamardRotation`)."""
-        rotation = rotation if rotation is not None else self.codec.rotation
-        self._check_hadamard(rotation)
-        signs = self.table(np.array(rotation.signs.astype(mx.float32)))
-        v = self.var()
-        self.emit(f"if (act) vq_buf[t] = {self.x} * {signs}[t];")
-        self._fwht()
-        self.emit(f"const float {v} = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)) : 0.0f;")
-        self.emit("VQ_SYNC();")
-        return v
+        signs = self._signs(rotation)
+        return self._hadamard(f"{self.x} * {signs}[t]", "")
 
-    @staticmethod
-    def _check_hadamard(rotation):
+    def unrotated(self, value: str, rotation=None) -> str:
+        """A float variable holding element t of R^T y, y the block's `value`s: the inverse of
+        `rotated` (H is symmetric, so R^T = diag(signs) H / sqrt(D))."""
+        signs = self._signs(rotation)
+        return self._hadamard(value, f" * {signs}[t]")
+
+    def _signs(self, rotation) -> str:
+        rotation = rotation if rotation is not None else self.codec.rotation
         if not isinstance(rotation, HadamardRotation) or not launch.is_power_of_two(rotation.dim):
             raise Unsupported(f"the encode kernel rotates with power-of-two Hadamard transforms, not {rotation!r}")
+        return self.table(np.array(rotation.signs.astype(mx.float32)))
 
-    def _fwht(self):
-        """The unnormalised Walsh-Hadamard transform of vq_buf[0:D] in place (Sylvester order)."""
+    def _hadamard(self, load: str, after: str) -> str:
+        """H (load) / sqrt(D) `after`: the Walsh-Hadamard transform (Sylvester order) in shared memory."""
+        v = self.var()
+        self.emit(f"if (act) vq_buf[t] = {load};")
         self.emit("VQ_SYNC();")
         self.emit("for (int h_ = 1; h_ < D; h_ <<= 1) {")
         self.emit("  if (act && (t & h_) == 0) { const float a_ = vq_buf[t], b_ = vq_buf[t + h_];"
                   " vq_buf[t] = a_ + b_; vq_buf[t + h_] = a_ - b_; }")
         self.emit("  VQ_SYNC();")
         self.emit("}")
-
-    def unrotated(self, value: str, rotation=None) -> str:
-        """A float variable holding element t of R^T y, y the block's `value`s: the inverse of
-        `rotated` (H is symmetric, so R^T = diag(signs) H / sqrt(D))."""
-        rotation = rotation if rotation is not None else self.codec.rotation
-        self._check_hadamard(rotation)
-        signs = self.table(np.array(rotation.signs.astype(mx.float32)))
-        v = self.var()
-        self.emit(f"if (act) vq_buf[t] = {value};")
-        self._fwht()
-        self.emit(f"const float {v} = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * {signs}[t] : 0.0f;")
+        self.emit(f"const float {v} = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)){after} : 0.0f;")
         self.emit("VQ_SYNC();")
         return v
 
