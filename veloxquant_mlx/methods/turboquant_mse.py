@@ -24,6 +24,17 @@ from ..rotations import random_rotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
 
 
+def kernel_rotated_unit(e, rotation):
+    """(norm, unit) C variables of the encode kernel (`kernels/encode.py`): ||x|| and element t of
+    R x / ||x||, the input of a Lloyd-Max stage for the coordinate law of a random unit vector."""
+    sq = e.sum(f"{e.x} * {e.x}")
+    y = e.rotated(rotation)
+    norm, unit = e.var(), e.var()
+    e.emit(f"float {norm} = VQ_SQRT({sq});")
+    e.emit(f"const float {unit} = {y} / VQ_MAXF({norm}, 1e-30f);")
+    return norm, unit
+
+
 class MSECodec(Codec):
     def __init__(self, dim: int, bits: int, seed: int, params=None, renorm: bool = False):
         self.dim = self.domain_dim = dim
@@ -65,11 +76,7 @@ class MSECodec(Codec):
 
     def kernel_encode_stage(self, e):
         """(code, norm) C variables of `encode` for the thread's element (turboquant_prod's first stage)."""
-        sq = e.sum(f"{e.x} * {e.x}")
-        y = e.rotated(self.rotation)
-        norm, unit = e.var(), e.var()
-        e.emit(f"float {norm} = VQ_SQRT({sq});")
-        e.emit(f"const float {unit} = {y} / VQ_MAXF({norm}, 1e-30f);")
+        norm, unit = kernel_rotated_unit(e, self.rotation)
         code = e.nearest(unit, self.boundaries)
         if self.renorm:
             c = e.var()

@@ -32,6 +32,7 @@ from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
 from ..rotations import random_rotation, rotation_from_params, rotation_params
 from .base import Codec, Method, register_method
+from .turboquant_mse import kernel_rotated_unit
 
 DEFAULT_SECOND_PASS_BITS = 1
 
@@ -96,18 +97,15 @@ class RVQCodec(Codec):
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps, with the
         residual scale rounded to fp16 before it divides, as there."""
-        sq = e.sum(f"{e.x} * {e.x}")
-        y = e.rotated()
-        e.emit(f"const float nrm = VQ_SQRT({sq});")
-        e.emit(f"const float u = {y} / VQ_MAXF(nrm, 1e-30f);")
-        c1 = e.nearest("u", self.boundaries1)
-        e.emit(f"const float r = u - {e.table(self.centroids1)}[{c1}];")
+        norm, unit = kernel_rotated_unit(e, self.rotation)
+        c1 = e.nearest(unit, self.boundaries1)
+        e.emit(f"const float r = {unit} - {e.table(self.centroids1)}[{c1}];")
         rr = e.sum("r * r")
         e.emit(f"const float rs = VQ_F(VQ_CAST(vq_half, VQ_SQRT({rr} / {self.dim}.0f)));")
         c2 = e.nearest("r / VQ_MAXF(rs, 1e-30f)", self.boundaries2)
         e.code("codes1", c1)
         e.code("codes2", c2)
-        e.half("norm", "nrm")
+        e.half("norm", norm)
         e.half("rscale", "rs")
 
     def to_domain(self, x):
