@@ -378,3 +378,68 @@ def test_first_use_calibration_through_an_eval_spec(calibration_cache):
     resolved = calibrated_for([fp16, spec], model, CharTokenizer())
     assert resolved[0] is fp16 and Path(resolved[1].config.artifact_dir).is_relative_to(calibration_cache)
     assert len(resolved[1].make_caches(model)) == len(model.layers)
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+def test_ratequant_takes_the_formats_kernels(small, tmp_path):
+    """ratequant's snippets (one file: methods/ratequant.py): on the kernel back end (emulated) a
+    calibrated cache encodes with the encode kernel, the dequant kernel equals `decode`, and the
+    formats' partial kernel equals the engine's MLX-ops decode of the same codes."""
+    from veloxquant_mlx import EngineSettings, engine
+    from veloxquant_mlx.kernels import dequant, encode, ops, partial
+
+    config = KVCacheConfig(method="ratequant", bits=3, options={"kbudget": 2.5, "vbudget": 3.0, "renorm": True})
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    settings = EngineSettings.resolve(backend="emulator")
+    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(settings=settings)
+    tokens = _sequences(1, 60, seed=9)[0]
+    small(tokens[None, :50], cache=caches)
+    for i in range(50, 60):
+        small(tokens[None, i : i + 1], cache=caches)
+    cache = caches[0]
+    cache.store.flush()
+    assert cache.encoded == 60
+    for c in caches:
+        assert encode.supported(c.store.layout, c.key_codec, c.value_codec)
+        for role, codec in (("keys", c.key_codec), ("values", c.value_codec)):
+            out = dequant.dequantize(ops.runner("emulator"), c.store, role, codec, c.encoded, mx.float32)
+            assert mx.array_equal(out, codec.decode(c.store.fields(role))).item()
+    ref_cache = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(
+        settings=EngineSettings.resolve(backend="portable"))
+    small(tokens[None, :50], cache=ref_cache)
+    for i in range(50, 60):
+        small(tokens[None, i : i + 1], cache=ref_cache)
+    for c, r in zip(caches, ref_cache):
+        r.store.flush()
+        got, want = np.array(c.store.rows[..., :60, :]), np.array(r.store.rows[..., :60, :])
+        assert np.mean(got == want) >= encode.CHECK_MIN_EQUAL
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
+    h = cache._history()
+    ref = engine.compiled_decode(h, q, 0.2, compiled=False)
+    out = partial.decode(h, q, 0.2, chunk=partial.THREADS)
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+@pytest.mark.parametrize("width, renorm", [(2.5, False), (3.25, True)])
+def test_ratequant_snippets_at_fractional_widths(width, renorm):
+    """Two code widths per token (the first `high` coordinates one bit wider): the encode kernel's
+    rows equal `encode`'s, and the dequant kernel equals `decode`, bit for bit (head dim 128)."""
+    from veloxquant_mlx.kernels import dequant, encode, ops
+    from veloxquant_mlx.storage import row_layout, store_for
+
+    kc, vc = RateCodec(128, width, seed=1, renorm=renorm), RateCodec(128, 2.0, seed=2)
+    assert kc.high and kc.low == int(width)
+    layout = row_layout(kc, vc)
+    run = ops.runner("emulator")
+    keys = mx.random.normal((1, 2, 9, 128), key=mx.random.key(1)).astype(mx.float16)
+    values = mx.random.normal((1, 2, 9, 128), key=mx.random.key(2)).astype(mx.float16)
+    store = store_for(kc, vc, lambda k, v: encode.encode_rows(run, layout, kc, vc, k, v), None)
+    store.append(keys, values)
+    store.flush()
+    assert mx.array_equal(store.rows[..., :9, :], layout.pack(kc.encode(keys), vc.encode(values))).item()
+    for role, codec in (("keys", kc), ("values", vc)):
+        out = dequant.dequantize(run, store, role, codec, 9, mx.float32)
+        assert mx.array_equal(out, codec.decode(store.fields(role))).item()

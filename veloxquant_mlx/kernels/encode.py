@@ -160,7 +160,7 @@ class Emit(ConstantTables):
         """Element `index` of packed field `name` is `value` (threads whose index is in range)."""
         f = self.codec.format.field(name)
         offset = self._codes_of(name, f.width)
-        self.emit(f"if (act && ({index}) < {f.width}) vq_codes[{offset} + ({index})] = {value};")
+        self.emit(f"if (act && ({index}) >= 0 && ({index}) < {f.width}) vq_codes[{offset} + ({index})] = {value};")
 
     def stream(self, name: str) -> str:
         """The C index of element 0 of packed field `name` in `vq_codes`, for snippets that write

@@ -108,6 +108,34 @@ class RateCodec(Codec):
         unit = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         return unit * fields["norm"].astype(mx.float32)
 
+    def kernel_decode(self, a):
+        """The kernels' element j (`kernels/dequant.py`): norm * c[code_j], from the wider codes for
+        j < high and the narrower ones after (indices clamped, so that both loads stay in range)."""
+        terms = []
+        for name, start, stop, bits in self._parts():
+            index = f"(j < {start} ? 0 : VQ_MINI(j - {start}, {stop - start - 1}))"
+            terms.append((start, f"{a.table(self.books[bits].centroids)}[{a.code(name, index)}]"))
+        value = terms[0][1] if len(terms) == 1 else f"(j < {terms[1][0]} ? {terms[0][1]} : {terms[1][1]})"
+        return f"v = {value} * {a.half('norm', '0')};"
+
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps, element t coded
+        at the width of its part."""
+        from .turboquant_mse import kernel_rotated_unit
+
+        norm, unit = kernel_rotated_unit(e, self.rotation)
+        decoded = []
+        for name, start, stop, bits in self._parts():
+            book = self.books[bits]
+            code = e.nearest(unit, book.boundaries)
+            e.code(name, code, index=f"t - {start}")
+            decoded.append((start, f"{e.table(book.centroids)}[{code}]"))
+        if self.renorm:
+            c = decoded[0][1] if len(decoded) == 1 else f"(t < {decoded[1][0]} ? {decoded[0][1]} : {decoded[1][1]})"
+            sq = e.sum(f"{c} * {c}")
+            e.emit(f"{norm} = {norm} / VQ_MAXF(VQ_SQRT({sq}), 1e-30f);")
+        e.half("norm", norm)
+
     def to_domain(self, x):
         return self.rotation.apply(x)
 
