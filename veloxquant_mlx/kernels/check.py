@@ -102,7 +102,8 @@ def _run(backend: str) -> bool:
         engine.row_encoder.cache_clear()  # encoders chosen while the check ran used these kernels
         engine.field_encoder.cache_clear()
         warnings.warn(f"veloxquant_mlx: the {backend} kernels failed their first-use check and are off for this "
-                      "process; turboquant_mse attends on the portable path instead. " + "; ".join(failures),
+                      "process; every format attends and encodes on the engine's portable (MLX-ops) paths instead. "
+                      + "; ".join(failures),
                       RuntimeWarning, stacklevel=3)
         return False
     return True
