@@ -1,10 +1,11 @@
-"""One encode kernel for every row format with an encode snippet (CUDA, Metal, the C++ emulator).
+"""One encode kernel for every per-token format with an encode snippet (CUDA, Metal, the C++ emulator).
 
 A decode step stores the token it adds. Encoding that token with the codec's MLX ops costs a
 few dozen small kernels per layer (rotation, reductions, codebook searches, packing, the
 row's concatenation), and on a GPU each is a launch: `turboquant_rvq`'s decode step ran 75
 kernels per layer that way (`docs/engine.md`, eleventh session). This kernel encodes keys
-and values of N tokens into their rows (`formats.RowLayout`) in one launch.
+and values of N tokens in one launch, into their rows (`formats.RowLayout`, a `RowStore`) or
+into one output per field (a `FieldStore`).
 
 A codec may define `kernel_encode(e)`: it emits, through an `Emit`, C statements that thread
 t of a block runs for element t of one token's vector (keys or values, already centred), as
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import List
 
@@ -29,7 +31,7 @@ import numpy as np
 
 from ..formats import FLOAT16, PACKED
 from ..rotations import HadamardRotation
-from . import launch, templates
+from . import launch, ops, templates
 from .dequant import ConstantTables
 from .launch import Plan
 
@@ -320,12 +322,8 @@ def plan(layout, key_codec, value_codec, n: int, x_dtype: str) -> Plan:
 def _launch(run, layout, key_codec, value_codec, keys: mx.array, values: mx.array):
     prog = program(layout, key_codec, value_codec)
     *lead, _ = keys.shape
-    if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
-        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
-    n = 1
-    for s in lead:
-        n *= s
-    plan_ = plan(layout, key_codec, value_codec, n, launch.dtype_name(keys.dtype))
+    keys, values = ops.encode_inputs(keys, values)
+    plan_ = plan(layout, key_codec, value_codec, math.prod(lead), launch.dtype_name(keys.dtype))
     return run(plan_, [keys, values, prog.tables], [(*lead, shape[-1]) for shape in plan_.output_shapes])
 
 
@@ -358,6 +356,27 @@ CHECK_FORMATS = (
 )
 
 
+def fields_agreement(got, refs):
+    """(share of equal packed words, worst relative error of the fp16 scalars, whether every field
+    has the reference's name and shape) of (key fields, value fields) `got` against `refs`."""
+    equal, half_error, same = 1.0, 0.0, True
+    for g, r in zip(got, refs):
+        same &= set(g) == set(r)
+        for field, ref in r.items():
+            if field not in g:
+                continue
+            a, b = np.array(g[field]), np.array(ref)
+            same &= a.shape == b.shape and a.dtype == b.dtype
+            if a.shape != b.shape:
+                continue
+            if a.dtype == np.uint32:
+                equal = min(equal, float(np.mean(a == b)))
+            else:
+                a, b = a.astype(np.float32), b.astype(np.float32)
+                half_error = max(half_error, float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))))
+    return equal, half_error, same
+
+
 def check_record(backend: str, formats=CHECK_FORMATS, tokens: int = 300) -> dict:
     """The encode kernel of `backend` against the codecs' MLX encode (on the CPU) for each of
     `formats`, `tokens` tokens of 2 heads, fp16 inputs, dim 128."""
@@ -366,7 +385,7 @@ def check_record(backend: str, formats=CHECK_FORMATS, tokens: int = 300) -> dict
     from ..storage import row_layout
     from . import ops
 
-    equal, half_error = 1.0, 0.0
+    equal, half_error, same = 1.0, 0.0, True
     for i, (name, options) in enumerate(formats):
         config = KVCacheConfig(method=name, **options)
         kc, vc = get_method(name).key_codec(config, 128), get_method(name).value_codec(config, 128)
@@ -380,14 +399,8 @@ def check_record(backend: str, formats=CHECK_FORMATS, tokens: int = 300) -> dict
         with mx.stream(mx.cpu):  # float32 sketches (MLX's GPU matmuls run at TF32 by default)
             refs = (kc.encode(keys), vc.encode(values))
             mx.eval(refs)
-        for g, r in zip(got, refs):
-            for field, ref in r.items():
-                a, b = np.array(g[field]), np.array(ref)
-                if a.dtype == np.uint32:
-                    equal = min(equal, float(np.mean(a == b)))
-                else:
-                    a, b = a.astype(np.float32), b.astype(np.float32)
-                    half_error = max(half_error, float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30))))
-    ok = equal >= CHECK_MIN_EQUAL and half_error <= CHECK_HALF_ERROR
+        e, h, s = fields_agreement(got, refs)
+        equal, half_error, same = min(equal, e), max(half_error, h), same and s
+    ok = equal >= CHECK_MIN_EQUAL and half_error <= CHECK_HALF_ERROR and same
     return {"case": "format_encode", "backend": backend, "formats": [f for f, _ in formats], "codes_equal": equal,
             "norm_rel_error": half_error, "status": "ok" if ok else "FAIL"}

@@ -12,6 +12,8 @@ kernels index flat memory), and outputs come back in their final shapes.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -95,20 +97,23 @@ def _role(codec, x):
     return x, spec, consts
 
 
+def encode_inputs(keys: mx.array, values: mx.array):
+    """Keys and values in one input dtype an encode kernel takes (float32 unless both are the same
+    float16, bfloat16 or float32)."""
+    if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
+        return keys.astype(mx.float32), values.astype(mx.float32)
+    return keys, values
+
+
 def mse_encode_rows(run: Runner, key_codec, value_codec, keys: mx.array, values: mx.array) -> mx.array:
     """Rows (..., n, KW + VW + 1) of `rows.py` for keys and values (..., n, D), one launch:
     what `RowLayout.encode` computes with the codecs' MLX ops."""
     *lead, _ = keys.shape
-    if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
-        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    keys, values = encode_inputs(keys, values)
     keys, kspec, kc = _role(key_codec, keys)
     values, vspec, vc = _role(value_codec, values)
-    if keys.dtype != values.dtype:
-        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
-    n = 1
-    for s in lead:
-        n *= s
-    plan = launch.encode_plan(n, kspec, vspec, launch.dtype_name(keys.dtype))
+    keys, values = encode_inputs(keys, values)  # a role rotated by MLX ops comes back float32
+    plan = launch.encode_plan(math.prod(lead), kspec, vspec, launch.dtype_name(keys.dtype))
     (rows,) = run(plan, [
         keys, values, kc["signs"] if kc["signs"] is not None else _dummy(),
         vc["signs"] if vc["signs"] is not None else _dummy(),

@@ -207,6 +207,7 @@ def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, renorm: bool, t
     from ..formats import RowLayout
     from ..methods.turboquant_mse import MSECodec
     from ..settings import EngineSettings
+    from .encode import fields_agreement
 
     extra = {"renorm": True} if renorm else {}
     kc, vc = MSECodec(kd, kb, seed=3, **extra), MSECodec(vd, vb, seed=4, **extra)
@@ -215,15 +216,8 @@ def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, renorm: bool, t
     k = mx.array(rng.standard_normal((2, 3, tokens, kd)).astype(np.float32)).astype(mx.float16)
     v = mx.array(rng.standard_normal((2, 3, tokens, vd)).astype(np.float32)).astype(mx.float16)
     rows = row_encoder(layout, kc, vc, EngineSettings.resolve(backend=backend)).many(k, v)
-    got = layout.views(rows)
-    refs = (kc.encode(k), vc.encode(v))
-    equal, norm_err, shapes = 1.0, 0.0, rows.shape == (2, 3, tokens, layout.words)
-    for g, r in zip(got, refs):
-        equal = min(equal, float(np.mean(np.array(g["codes"]) == np.array(r["codes"]))))
-        n_got, n_ref = np.array(g["norm"], np.float32), np.array(r["norm"], np.float32)
-        norm_err = max(norm_err, float(np.max(np.abs(n_got - n_ref) / np.maximum(np.abs(n_ref), 1e-30))))
-        shapes &= g["codes"].shape == r["codes"].shape and g["norm"].shape == r["norm"].shape
-    ok = equal >= ENCODE_MIN_EQUAL and norm_err <= 2 ** -10 and shapes
+    equal, norm_err, same = fields_agreement(layout.views(rows), (kc.encode(k), vc.encode(v)))
+    ok = equal >= ENCODE_MIN_EQUAL and norm_err <= 2 ** -10 and same and rows.shape == (2, 3, tokens, layout.words)
     return {"case": _encode_name(kd, kb, vd, vb, renorm), "backend": backend,
             "codes_equal": equal, "norm_rel_error": norm_err, "status": "ok" if ok else "FAIL"}
 
