@@ -11,8 +11,12 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
                    matmul off: every layer rotates its own input with MLX ops (a multiply by
                    signs x column scale, then mx.hadamard_transform: two launches), then the LUT matmul;
   per-layer-rotating  the same model as the library runs it by default: decode at batch 1 takes
-                   the LUT matmul with the rotation in its prologue (`weights/rotating_matmul.py`,
-                   one launch per layer) for the 4096-wide inputs; down_proj (14336) as per-layer;
+                   the LUT matmul with the rotation in its prologue (`weights/rotating_matmul.py`)
+                   for the 4096-wide inputs, q/k/v in one launch and gate/up in another
+                   (`weights/siblings.py`), o_proj in its own; down_proj (14336) as per-layer;
+  per-layer-rotating-single  the same with one launch per layer (VELOXQUANT_WEIGHT_SIBLING_LAUNCH=0);
+  per-layer-rotating-rpw2  per-layer-rotating with two output rows per warp in the plain LUT
+                   kernel (down_proj; `kernel.ROWS_PER_WARP`);
   shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
                    their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
                    `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
@@ -49,9 +53,10 @@ from mlx_lm.generate import generate_step
 from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, resolve_dtype, shape_config
 from veloxquant_mlx.weights import kernel, quantize_model, rotating_matmul, rotation_kernel
 
-VARIANTS = ("affine", "per-layer", "per-layer-rotating", "shared", "shared-rotating", "per-layer-fused",
-            "shared-fused", "shared-compiled")
-DEFAULT_VARIANTS = ("affine", "per-layer", "per-layer-rotating", "shared", "shared-rotating")
+VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "per-layer-rotating-rpw2",
+            "shared", "shared-rotating", "per-layer-fused", "shared-fused", "shared-compiled")
+DEFAULT_VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "shared",
+                    "shared-rotating")
 
 
 def decode_rate(model, prompt: mx.array, tokens: int) -> float:
@@ -109,13 +114,16 @@ def use(variant: str) -> None:
     """Settings a variant runs under (read when a layer first meets an input shape)."""
     kernel.COMPILE_ROUTES = variant == "shared-compiled"
     rotation_kernel.FUSED_ROTATION = variant.endswith("-fused")
-    rotating_matmul.ROTATING_MATMUL = variant.endswith("-rotating")
+    rotating_matmul.ROTATING_MATMUL = "-rotating" in variant
+    rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")
+    kernel.ROWS_PER_WARP = 2 if variant.endswith("-rpw2") else None
 
 
 def fused_rotation(variant: str) -> str:
     """Which kernel the variant's rotations ran in, by its first-use check's verdict."""
     module, name = {"-fused": (rotation_kernel, "rotate_input"),
-                    "-rotating": (rotating_matmul, "in the matmul")}.get("-" + variant.rsplit("-", 1)[-1], (None, ""))
+                    "-rotating": (rotating_matmul, "in the matmul")}.get(
+        "-rotating" if "-rotating" in variant else "-" + variant.rsplit("-", 1)[-1], (None, ""))
     if module is None:
         return "no (ops)"
     dialect = kernel._gpu_dialect()

@@ -49,6 +49,7 @@ def emulated_gpu(monkeypatch):
     emulate_gpu_kernels(monkeypatch, launched)
     monkeypatch.setattr(rotating_matmul, "_VERDICTS", {})
     monkeypatch.setattr(rotating_matmul, "GPU_CHECK_CASES", rotating_matmul.CHECK_CASES)
+    monkeypatch.setattr(rotating_matmul, "GPU_GROUP_CHECK_CASES", rotating_matmul.GROUP_CHECK_CASES)
     monkeypatch.setattr(rotation_kernel, "_VERDICTS", {})
     yield launched
 
@@ -83,23 +84,97 @@ def test_other_dimensions_and_rotated_inputs_keep_two_launches(emulated_gpu):
 
 
 def test_model_decode_logits_are_unchanged(emulated_gpu, monkeypatch):
-    """A one-token step: six of a block's seven layers (the 64-wide inputs) take one launch each,
-    down_proj (28 * 8) the rotation and the LUT matmul; logits equal the two-launch and CPU paths."""
+    """A one-token step: q/k/v take one grouped launch, gate/up another, o_proj its own rotating
+    launch and down_proj (28 * 8 wide) the rotation and the LUT matmul; the logits equal, bit for
+    bit, one rotating launch per layer's, and the two-launch and CPU paths' within rounding."""
     token = mx.array([[14]])
     model = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
     fused = model(token)
     emulated_gpu.clear()
     assert_close_relative(model(token), fused, 0.0)
-    assert emulated_gpu.count("lut_matmul_rotating") == 2 * 6
-    assert emulated_gpu.count("lut_matmul") == 2 * 1
+    assert sorted(emulated_gpu) == sorted(2 * ["lut_matmul_rotating_3", "lut_matmul_rotating",
+                                               "lut_matmul_rotating_2", "lut_matmul"])
+    monkeypatch.setattr(rotating_matmul, "SIBLING_LAUNCH", False)
+    single = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
+    emulated_gpu.clear()
+    assert_close_relative(fused, single(token), 0.0)
+    assert emulated_gpu.count("lut_matmul_rotating") == 2 * 6 and len(emulated_gpu) == 2 * 7
     monkeypatch.setattr(rotating_matmul, "ROTATING_MATMUL", False)
     two = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
     emulated_gpu.clear()
     assert_close_relative(fused, two(token), 1e-4)
-    assert "lut_matmul_rotating" not in emulated_gpu
+    assert not any(name.startswith("lut_matmul_rotating") for name in emulated_gpu)
     monkeypatch.undo()  # the CPU's own path (C++ LUT matmul and MLX ops)
     cpu = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
     assert_close_relative(fused, cpu(token), 1e-4)
+
+
+@needs_cxx
+@pytest.mark.parametrize("case", rotating_matmul.GROUP_CHECK_CASES + (
+    (128, (40, 8, 8), 4, None, "float16", 32, 2),
+    (256, (64, 100), 2, 64, "float16", 64, 4)))
+def test_sibling_launch_equals_each_layers_two_launch_forward(case):
+    record = rotating_matmul.check_group_case("emulator", *case)
+    assert record["ok"], record
+
+
+def test_sibling_plan_gives_each_layer_whole_blocks():
+    """The 8B shape's q/k/v and gate/up: each layer's blocks start after the one before's, and
+    cover its rows."""
+    for outs in ((4096, 1024, 1024), (14336, 14336)):
+        plan = rotating_matmul.group_plan(4096, outs, 4, 1, "float16", "float16")
+        t = dict(plan.template)
+        per_block = t["NT"] // 32 * t["RPW"]
+        starts = [t[f"B{i}"] for i in range(len(outs))] + [plan.grid[0] // plan.threadgroup[0]]
+        assert starts[0] == 0 and "N" not in t
+        for i, n in enumerate(outs):
+            assert t[f"N{i}"] == n and (starts[i + 1] - starts[i] - 1) * per_block < n <= (starts[i + 1] - starts[i]) * per_block
+    with pytest.raises(ValueError, match="sibling launch takes"):
+        rotating_matmul.group_plan(64, (8, 8, 8, 8), 4, 1, "float32", "float32")
+
+
+def test_siblings_take_their_outputs_only_for_the_same_input(emulated_gpu):
+    """The first sibling called launches for all; a sibling called on the same array takes its
+    own output; another input, or a layer called twice, launches again. Every output equals the
+    layer's own forward."""
+    from veloxquant_mlx.weights.siblings import SiblingLaunch
+
+    layers = [QuantizedLinear.from_weight(random_rows(n, 64, seed=n), 4, seed=n, column_alpha=0.5) for n in (24, 8, 8)]
+    group = SiblingLaunch(layers)
+    for index, layer in enumerate(layers):
+        layer.__dict__["_siblings"] = (group, index)
+    x, y = random_rows(1, 64, seed=6), random_rows(1, 64, seed=7)
+
+    def expected(layer, x):
+        return layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales))
+    assert rotating_matmul.group_usable("cuda", "float32") and rotating_matmul.usable("cuda", "float32")
+    emulated_gpu.clear()  # the first-use checks' launches
+    for layer in layers:
+        assert_close_relative(layer(x), expected(layer, x), 1e-5)
+    assert emulated_gpu == ["lut_matmul_rotating_3"]
+    assert_close_relative(layers[0](x), expected(layers[0], x), 1e-5)  # called twice: launches again
+    assert_close_relative(layers[1](y), expected(layers[1], y), 1e-5)  # another input: launches again
+    assert_close_relative(layers[2](y), expected(layers[2], y), 1e-5)  # a sibling of that launch: none
+    assert emulated_gpu == ["lut_matmul_rotating_3"] * 3
+    three = random_rows(3, 64, seed=8)  # more rows: each layer's own route
+    emulated_gpu.clear()
+    assert_close_relative(layers[1](three), expected(layers[1], three), 1e-5)
+    assert emulated_gpu == ["lut_matmul"]
+
+
+def test_a_failed_sibling_check_warns_and_keeps_one_launch_per_layer(emulated_gpu, monkeypatch):
+    name = rotating_matmul.group_kernel_name(3)
+    broken = dict(rotating_matmul.templates.KERNELS[name])
+    broken["body"] = broken["body"].replace("v[r] * scale", "v[r] * scale * 2.0f")
+    monkeypatch.setitem(rotating_matmul.templates.KERNELS, name, broken)
+    model = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
+    token = mx.array([[14]])
+    with pytest.warns(RuntimeWarning, match="lut_matmul_rotating_2 and lut_matmul_rotating_3 .* failed its first-use"):
+        got = model(token)
+    assert rotating_matmul.checked("cuda") is False
+    emulated_gpu.clear()
+    assert_close_relative(model(token), got, 0.0)
+    assert emulated_gpu.count("lut_matmul_rotating") == 2 * 6 and name not in emulated_gpu
 
 
 def test_a_failed_first_use_check_warns_and_keeps_two_launches(emulated_gpu, monkeypatch):
@@ -129,3 +204,21 @@ def test_cuda_source_compiles_with_nvcc_without_spills(tmp_path):
         src.write_text(templates.render_cuda(rotating_matmul.KERNEL_NAME, plan.template, ins, {"out": "float16"},
                                              mlx_header=False))
         compile_cuda_without_spills(src, tmp_path / f"rotating{out}.o")
+    for outs in ((4096, 1024, 1024), (14336, 14336)):  # the sibling launches of q/k/v and gate/up
+        plan = rotating_matmul.group_plan(4096, outs, 4, 1, "float16", "float16")
+        n = len(outs)
+        ins = {"x": "float16", **{f"w{i}": "float16" for i in range(n)}, **{f"codes{i}": "uint32" for i in range(n)},
+               **{f"scales{i}": "float16" for i in range(n)}, "lut": "float32"}
+        src = tmp_path / f"siblings{n}.cu"
+        src.write_text(templates.render_cuda(plan.kernel, plan.template, ins, {f"out{i}": "float16" for i in range(n)},
+                                             mlx_header=False))
+        compile_cuda_without_spills(src, tmp_path / f"siblings{n}.o")
+
+
+@needs_cxx
+def test_weights_selftest_runs_the_sibling_cases_in_the_emulator(capsys):
+    from veloxquant_mlx.weights import selftest
+
+    assert selftest.main(["--backend", "emulator", "--cases", ",".join(selftest.EMULATOR_SIBLING_CASES)]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in selftest.EMULATOR_SIBLING_CASES) and "2/2 cases passed" in out

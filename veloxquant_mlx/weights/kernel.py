@@ -32,6 +32,9 @@ from .linear import MAX_KERNEL_ROWS as MAX_ROWS  # batch rows the kernel takes; 
 
 KERNEL_NAME = "lut_matmul"
 THREADS = 128
+# Output rows per warp of the layers' launches (None: `plan`'s choice, one row with one-word
+# chunks). A benchmark setting, read when a layer plans a new input shape.
+ROWS_PER_WARP: Optional[int] = None
 
 # Chunk q (CW words) of each of a warp's RPW rows n0.. into words[rr] (rows past N read row N - 1;
 # words past a row's end read 0). Shared with `rotating_matmul.py`.
@@ -166,7 +169,8 @@ def _plan_for(rotated: mx.array, layer) -> launch.Plan:
     found = plans.get((rows, rotated.dtype))
     if found is None:
         name = launch.dtype_name(rotated.dtype)
-        found = plan(rows, layer.in_features, layer.out_features, layer.bits, layer.scales.shape[1], name, name)
+        found = plan(rows, layer.in_features, layer.out_features, layer.bits, layer.scales.shape[1], name, name,
+                     rpw=ROWS_PER_WARP)
         plans[(rows, rotated.dtype)] = found
     return found
 

@@ -267,8 +267,12 @@ class QuantizedLinear(nn.Module):
         dialect = kernel.dialect_for(x) if decode else None
         # the first stage's signs times the input scale, in x's dtype, as `rotation.apply` forms them
         signs = None if self.input_rotated else self._rotation._signs(0, x.dtype, self.get("input_scales"))
-        # on a GPU back end, one batch row: the rotation inside the matmul's launch, where the kernel takes it
-        fused = rotating_matmul.route(self, x, signs, dialect) if dialect else None
+        # on a GPU back end, one batch row: the rotation inside the matmul's launch, where the kernel
+        # takes it; one launch for this layer and its siblings where they have been linked
+        siblings = self.__dict__.get("_siblings") if dialect else None
+        fused = siblings[0].route(siblings[1], x, dialect) if siblings is not None else None
+        if fused is None and dialect:
+            fused = rotating_matmul.route(self, x, signs, dialect)
         if fused is not None:
             self._routes[(x.shape, x.dtype)] = fused
             return fused

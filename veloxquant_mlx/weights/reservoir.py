@@ -45,6 +45,7 @@ from .linear import QuantizedLinear
 from .model import fingerprint, quantized_layers
 from .rotation import StructuredRotation
 from .shared import RotatingRMSNorm, rotating_norms
+from .siblings import link_siblings
 
 MAGIC = b"VQWRSV\x00\x01"
 FORMAT_VERSION = 2
@@ -273,4 +274,5 @@ def graft_reservoir(model: nn.Module, path, verify: bool = True) -> nn.Module:
     layers, _ = load_reservoir(path, verify=verify)
     del modules
     model.update_modules(tree_unflatten(list(layers.items())))
+    link_siblings(model)
     return model

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -46,6 +46,9 @@ MIN_DIM, MAX_DIM = 64, 4096  # E >= 2 with 32 threads; D + D / 32 floats within 
 # Opt-out (VELOXQUANT_WEIGHT_ROTATING_MATMUL=0): decode calls at batch 1 take the two launches
 # (rotation, then `kernel.py`'s LUT matmul) instead. Read when a layer makes its route.
 ROTATING_MATMUL = os.environ.get("VELOXQUANT_WEIGHT_ROTATING_MATMUL", "1") == "1"
+# Opt-out (VELOXQUANT_WEIGHT_SIBLING_LAUNCH=0): linked sibling layers (`siblings.py`) launch one
+# kernel each instead of one for the group. Read when a group makes its launch.
+SIBLING_LAUNCH = os.environ.get("VELOXQUANT_WEIGHT_SIBLING_LAUNCH", "1") == "1"
 
 # Template constants: D, K = log2 D, NT threads, E = D / NT, LB = log2 E, PASSES = ceil(K / LB),
 # N (output rows), BITS, W (words per row), C / CW (codes / words of a lane's chunk), VEC (CW = 4
@@ -53,7 +56,8 @@ ROTATING_MATMUL = os.environ.get("VELOXQUANT_WEIGHT_ROTATING_MATMUL", "1") == "1
 # NG / GS (scale groups / their size), RPW (output rows per warp), TX (x and w), TO (output).
 # Inputs: x (1, D) TX, w (D) TX (the first stage's signs times the column scale), codes (N, W) u32,
 # scales (N, NG), lut (2^BITS) f32. Output: out (1, N) TO. Grid: ceil(N / (NT / 32 * RPW)) blocks of NT.
-LUT_MATMUL_ROTATING = r"""
+# The transform of x * w into xs (shared memory, padded), in every block.
+_ROTATE_INPUT = r"""
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   constexpr int NWARP = NT / 32;
   VQ_SHARED float lut_s[1 << BITS];
@@ -100,12 +104,16 @@ LUT_MATMUL_ROTATING = r"""
     }
     VQ_SYNC();
   }
-  // The RPW rows of a warp together: each lane loads its chunk of every row (RPW loads in
+"""
+
+# The RPW output rows of each warp against the rotated row; block bx of the layer (codes,
+# scales, out, N).
+_MULTIPLY = r"""  // The RPW rows of a warp together: each lane loads its chunk of every row (RPW loads in
   // flight), then reads each rotated input element once for all of them. Rows past N load row
   // N - 1 (the same trips and warp sums in every warp) and are not stored.
   const int warp = t / 32;
   const int lane = t % 32;
-  const int n0 = (vq_bx * NWARP + warp) * RPW;
+  const int n0 = (bx * NWARP + warp) * RPW;
   float acc[RPW];
   VQ_UNROLL
   for (int rr = 0; rr < RPW; ++rr) acc[rr] = 0.0f;
@@ -136,11 +144,53 @@ LUT_MATMUL_ROTATING = r"""
   }
 """
 
+LUT_MATMUL_ROTATING = "  const int bx = vq_bx;\n" + _ROTATE_INPUT + _MULTIPLY
+
 templates.KERNELS.setdefault(KERNEL_NAME, {
     "body": LUT_MATMUL_ROTATING,
     "inputs": ("x", "w", "codes", "scales", "lut"),
     "outputs": ("out",),
 })
+
+
+# ---- sibling layers in one launch ------------------------------------------------
+# Layers that read one input (a Llama block's q/k/v, or gate/up) each rotate it with their own
+# signs. One launch serves L of them: its blocks are the layers' blocks one after the other
+# (layer l's start at block Bl, B0 = 0), and each block rotates the input with its layer's w
+# and multiplies its layer's rows, so no block straddles two layers. Template constants as
+# above, with Nl (rows of layer l) and Bl instead of N; inputs x, w0.., codes0.., scales0.., lut
+# (one codebook: the layers share bits); outputs out0... A decode step then makes 2 weight
+# launches for a block's five input-sharing layers instead of 5.
+GROUP_SIZES = (2, 3)
+
+
+def group_kernel_name(count: int) -> str:
+    return f"{KERNEL_NAME}_{count}"
+
+
+def _pick(name: str, count: int) -> str:
+    """`layer == 0 ? name0 : (layer == 1 ? name1 : name2)` for `count` layers."""
+    chain = f"{name}{count - 1}"
+    for i in reversed(range(count - 1)):
+        chain = f"(layer == {i} ? {name}{i} : {chain})"
+    return chain
+
+
+def _group_body(count: int) -> str:
+    layer = " + ".join(f"(vq_bx >= B{i})" for i in range(1, count))
+    prologue = f"  const int layer = {layer};\n  const int bx = vq_bx - {_pick('B', count)};\n"
+    prologue += f"  const int N = {_pick('N', count)};\n"
+    for name in ("w", "codes", "scales", "out"):
+        prologue += f"  const auto {name} = {_pick(name, count)};\n"
+    return prologue + _ROTATE_INPUT + _MULTIPLY
+
+
+for _count in GROUP_SIZES:
+    templates.KERNELS.setdefault(group_kernel_name(_count), {
+        "body": _group_body(_count),
+        "inputs": ("x",) + tuple(f"{name}{i}" for name in ("w", "codes", "scales") for i in range(_count)) + ("lut",),
+        "outputs": tuple(f"out{i}" for i in range(_count)),
+    })
 
 
 def supports(dim: int, threads: int = THREADS) -> bool:
@@ -168,6 +218,83 @@ def plan(in_features: int, out_features: int, bits: int, groups: int, x_dtype: s
                 ("GS", in_features // groups), ("RPW", rpw), ("TX", x_dtype), ("TO", out_dtype)]
     grid = (-(-out_features // (nt // 32 * rpw)) * nt, 1, 1)
     return launch.Plan(KERNEL_NAME, template, grid, (nt, 1, 1), [(1, out_features)], [out_dtype])
+
+
+@lru_cache(maxsize=256)
+def group_plan(in_features: int, out_features: Tuple[int, ...], bits: int, groups: int, x_dtype: str,
+               out_dtype: str, threads: int = THREADS, rpw: Optional[int] = None) -> launch.Plan:
+    """One launch for sibling layers of `out_features` rows each, reading one (1, in_features)
+    row: `plan`'s constants, rows per warp picked for their rows together, each layer's blocks
+    after the one before's."""
+    if len(out_features) not in GROUP_SIZES:
+        raise ValueError(f"a sibling launch takes {GROUP_SIZES} layers, got {len(out_features)}")
+    total = sum(out_features)
+    one = dict(plan(in_features, total, bits, groups, x_dtype, out_dtype, threads, rpw).template)
+    nt, rpw = one["NT"], one["RPW"]
+    per_block = nt // 32 * rpw
+    starts, blocks = [], 0
+    for n in out_features:
+        starts.append(blocks)
+        blocks += -(-n // per_block)
+    template = [(k, v) for k, v in one.items() if k != "N"]
+    template += [(f"N{i}", n) for i, n in enumerate(out_features)] + [(f"B{i}", b) for i, b in enumerate(starts)]
+    return launch.Plan(group_kernel_name(len(out_features)), template, (blocks * nt, 1, 1), (nt, 1, 1),
+                       [(1, n) for n in out_features], [out_dtype] * len(out_features))
+
+
+def _group_inputs(layers, x: mx.array, signs) -> list:
+    return ([x.reshape(1, layers[0].in_features)] + list(signs) + [layer.codes for layer in layers]
+            + [layer.scales for layer in layers] + [layers[0].codebook])
+
+
+def group_matmul(x: mx.array, layers, signs, dialect: str, threads: int = THREADS,
+                 rpw: Optional[int] = None) -> List[mx.array]:
+    """Each layer's T(x * signs_l) (W_l R_l^T)^T for one batch row, in one launch (dialect "cuda",
+    "metal" or "emulator")."""
+    name = launch.dtype_name(x.dtype)
+    first = layers[0]
+    p = group_plan(first.in_features, tuple(layer.out_features for layer in layers), first.bits,
+                   first.scales.shape[1], name, name, threads, rpw)
+    inputs = _group_inputs(layers, x, signs)
+    if dialect == "emulator":
+        outs = [mx.array(o) for o in launch.run_emulator(p, inputs)]
+    else:
+        outs = launch.run_mlx(dialect, p, inputs)
+    return [o.reshape(*x.shape[:-1], layer.out_features) for o, layer in zip(outs, layers)]
+
+
+def group_takes(layers, x: mx.array) -> bool:
+    """Whether sibling layers' calls on x may take one launch: SIBLING_LAUNCH on, each would take the rotating
+    matmul (`takes`), and they share the input width, bits, scale groups and codebook."""
+    first = layers[0]
+    return (SIBLING_LAUNCH and len(layers) in GROUP_SIZES and all(takes(layer, x) for layer in layers)
+            and all((layer.in_features, layer.bits, layer.scales.shape[1]) ==
+                    (first.in_features, first.bits, first.scales.shape[1]) for layer in layers))
+
+
+def group_route(layers, x: mx.array, dialect: str) -> Optional[Callable[[mx.array], List[mx.array]]]:
+    """x -> the layers' matmuls of x (without bias) as one launch with its arguments resolved
+    here, or None where each layer keeps its own route (`group_takes` says no, or the kernel
+    failed its first-use check on this back end, which warned)."""
+    if not group_takes(layers, x) or not group_usable(dialect, launch.dtype_name(x.dtype)):
+        return None
+    name = launch.dtype_name(x.dtype)
+    first = layers[0]
+    p = group_plan(first.in_features, tuple(layer.out_features for layer in layers), first.bits,
+                   first.scales.shape[1], name, name)
+    run = launch._mlx_kernel(dialect, p.kernel)
+    template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+    grid, threads = p.grid, p.threadgroup
+    lead = tuple(x.shape[:-1])
+    shapes, dtypes = [lead + (layer.out_features,) for layer in layers], [x.dtype] * len(layers)
+    signs = [layer.rotation._signs(0, x.dtype, layer.get("input_scales")) for layer in layers]
+
+    def matmul(x, *arrays):
+        return run(inputs=[x, *arrays], template=template, grid=grid, threadgroup=threads,
+                   output_shapes=shapes, output_dtypes=dtypes)
+    matmul = kernel.compiled(matmul)
+    return lambda x: matmul(x, *signs, *[layer["codes"] for layer in layers],
+                            *[layer["scales"] for layer in layers], first["codebook"])
 
 
 def _plan_for(layer, x: mx.array, threads: int = THREADS, rpw: Optional[int] = None) -> launch.Plan:
@@ -254,7 +381,40 @@ def check_case(dialect: str, dim: int, out_features: int, bits: int, group_size:
             "ok": error <= tolerance}
 
 
-_VERDICTS = {}  # (dialect, dtype) -> passed
+# (in, (out of each layer), bits, group size or None, dtype, threads, rows per warp): two and
+# three siblings, ragged last blocks, groups; on a GPU also the 8B shape's q/k/v.
+GROUP_CHECK_CASES = (
+    (64, (40, 24), 4, None, "float32", 32, 2),
+    (128, (72, 16, 16), 3, 32, "float32", 32, 1),
+)
+GPU_GROUP_CHECK_CASES = GROUP_CHECK_CASES + ((4096, (4096, 1024, 1024), 4, None, "float16", THREADS, None),)
+
+
+def check_group_case(dialect: str, dim: int, out_features: Tuple[int, ...], bits: int, group_size: Optional[int],
+                     dtype: str, threads: int = THREADS, rpw: Optional[int] = None, seed: int = 0) -> dict:
+    """The sibling launch against each layer's two-step forward: the largest max |out - ref| / max |ref|."""
+    import numpy as np
+
+    from .linear import QuantizedLinear
+
+    rng = np.random.default_rng([seed, dim, bits, *out_features])
+    layers = [QuantizedLinear.from_weight(mx.array(rng.standard_normal((n, dim)).astype(np.float32)), bits,
+                                          seed=seed + i, group_size=group_size, column_alpha=0.5)
+              for i, n in enumerate(out_features)]
+    x = mx.array(rng.standard_normal((1, dim)).astype(np.float32)).astype(getattr(mx, dtype))
+    signs = [layer.rotation._signs(0, x.dtype, layer.get("input_scales")) for layer in layers]
+    got = group_matmul(x, layers, signs, dialect, threads, rpw)
+    error = 0.0
+    for layer, s, out in zip(layers, signs, got):
+        ref = (mx.hadamard_transform(x * s).astype(mx.float32) @ layer.rotated_weight().T).astype(mx.float32)
+        error = max(error, float(mx.max(mx.abs(out.astype(mx.float32) - ref)) / mx.max(mx.abs(ref))))
+    tolerance = TOLERANCES[dtype]
+    return {"kernel": group_kernel_name(len(out_features)), "dim": dim, "out": list(out_features), "bits": bits,
+            "group_size": group_size, "dtype": dtype, "threads": threads, "rpw": rpw, "vs_ops": error,
+            "tolerance": tolerance, "ok": error <= tolerance}
+
+
+_VERDICTS = {}  # (dialect, dtype) -> passed; (dialect, dtype, "group") for the sibling launch
 
 
 def usable(dialect: str, dtype: str = "float32") -> bool:
@@ -264,6 +424,19 @@ def usable(dialect: str, dtype: str = "float32") -> bool:
     if key not in _VERDICTS:
         cases = [(*c[:4], dtype, *c[5:]) for c in (GPU_CHECK_CASES if dialect != "emulator" else CHECK_CASES)]
         _VERDICTS[key] = _check(dialect, cases)
+    return _VERDICTS[key]
+
+
+def group_usable(dialect: str, dtype: str = "float32") -> bool:
+    """First-use check of the sibling launch, as `usable`; a failure warns and the layers keep
+    one launch each."""
+    key = (dialect, dtype, "group")
+    if key not in _VERDICTS:
+        cases = [(*c[:4], dtype, *c[5:]) for c in (GPU_GROUP_CHECK_CASES if dialect != "emulator"
+                                                   else GROUP_CHECK_CASES)]
+        _VERDICTS[key] = first_use.run(dialect, cases, check_group_case, lambda c: str(c[:5]),
+                                       " and ".join(map(group_kernel_name, GROUP_SIZES)), "weights/rotating_matmul.py",
+                                       "sibling weight layers (q/k/v, gate/up) launch one kernel each instead.")
     return _VERDICTS[key]
 
 

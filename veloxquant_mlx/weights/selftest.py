@@ -30,7 +30,9 @@ folded weight, then the Hadamard transform, in one launch) against
 
 The ``rotating-*`` cases check the LUT matmul with the rotation in its prologue
 (`rotating_matmul.py`, one batch row) against the two-step MLX forward (``ops``), and on a GPU
-the layer's own forward through the route it keeps (``layer``, ``compiled``).
+the layer's own forward through the route it keeps (``layer``, ``compiled``). The ``siblings-*``
+cases check the grouped form (q/k/v or gate/up in one launch) the same way (``ops``; on a GPU
+``layers`` and ``compiled`` through linked layers, `siblings.py`).
 
 Exit status 1 if any case fails.
 """
@@ -152,6 +154,66 @@ def run_rotating_case(case: RotatingCase, backend: str) -> dict:
             errors[name] = _route_error(case.name, name, compiled, through_layer)
     tolerance = TOLERANCES[case.dtype]
     return {**asdict(case), "kernel": rotating_matmul.KERNEL_NAME, "backend": backend, "errors": errors,
+            "tolerance": tolerance, "ok": all(e <= tolerance for e in errors.values())}
+
+
+@dataclass
+class SiblingCase:
+    """Sibling layers reading one input in one launch (`rotating_matmul.group_matmul`), one batch row."""
+    name: str
+    in_features: int
+    out_features: tuple
+    bits: int
+    group_size: Optional[int] = None
+    dtype: str = "float32"
+    threads: int = rotating_matmul.THREADS
+    rpw: Optional[int] = None
+
+
+SIBLING_CASES = [
+    SiblingCase("siblings-qkv-4096-fp16-b4", 4096, (4096, 1024, 1024), 4, dtype="float16"),
+    SiblingCase("siblings-gate-up-4096-fp16-b4", 4096, (14336, 14336), 4, dtype="float16"),
+    SiblingCase("siblings-qkv-4096-bf16-b3-groups128", 4096, (4096, 1024, 1024), 3, group_size=128,
+                dtype="bfloat16"),
+    SiblingCase("siblings-128x72x16x16-b3-groups32-threads32", 128, (72, 16, 16), 3, group_size=32, threads=32,
+                rpw=1),
+    SiblingCase("siblings-64x40x24-fp16-threads32-rpw2", 64, (40, 24), 4, dtype="float16", threads=32, rpw=2),
+]
+EMULATOR_SIBLING_CASES = ["siblings-128x72x16x16-b3-groups32-threads32", "siblings-64x40x24-fp16-threads32-rpw2"]
+
+
+def run_sibling_case(case: SiblingCase, backend: str) -> dict:
+    """``ops``: the launch against each layer's two-step MLX forward; on a GPU also ``layers`` and
+    ``compiled``: the linked layers' own forwards on one row (`siblings.SiblingLaunch`), without
+    and with mx.compile."""
+    from .siblings import SiblingLaunch
+
+    record = rotating_matmul.check_group_case(backend, case.in_features, case.out_features, case.bits,
+                                              case.group_size, case.dtype, case.threads, case.rpw)
+    errors = {"ops": record["vs_ops"]}
+    if backend != "emulator" and case.threads == rotating_matmul.THREADS and case.rpw is None:
+        rng = np.random.default_rng([2, case.in_features, *case.out_features])
+        weights = [mx.array(rng.standard_normal((n, case.in_features)).astype(np.float32))
+                   for n in case.out_features]
+        x = mx.array(rng.standard_normal((1, 1, case.in_features)).astype(np.float32)).astype(getattr(mx, case.dtype))
+
+        def through_layers():
+            layers = [QuantizedLinear.from_weight(w, case.bits, seed=i, group_size=case.group_size, column_alpha=0.5)
+                      for i, w in enumerate(weights)]
+            group = SiblingLaunch(layers)
+            if group.route(0, x, backend) is None:
+                return float("inf")
+            for index, layer in enumerate(layers):
+                layer.__dict__["_siblings"] = (group, index)
+            error = 0.0
+            for layer, out in [(layer, layer(x)) for layer in layers]:
+                ref = layer.tiled_matmul(layer.rotation.apply(x, layer.input_scales).astype(mx.float32))
+                error = max(error, float(mx.max(mx.abs(out.astype(mx.float32) - ref)) / mx.max(mx.abs(ref))))
+            return error
+        for name, compiled in (("layers", False), ("compiled", True)):
+            errors[name] = _route_error(case.name, name, compiled, through_layers)
+    tolerance = TOLERANCES[case.dtype]
+    return {**asdict(case), "kernel": record["kernel"], "backend": backend, "errors": errors,
             "tolerance": tolerance, "ok": all(e <= tolerance for e in errors.values())}
 
 
@@ -278,17 +340,18 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     backend = args.backend or default_backend()
-    every = CASES + ROTATION_CASES + ROTATING_CASES
+    every = CASES + ROTATION_CASES + ROTATING_CASES + SIBLING_CASES
     if args.cases:
         names = args.cases.split(",")
     elif backend == "emulator":
-        names = EMULATOR_CASES + EMULATOR_ROTATION_CASES + EMULATOR_ROTATING_CASES
+        names = EMULATOR_CASES + EMULATOR_ROTATION_CASES + EMULATOR_ROTATING_CASES + EMULATOR_SIBLING_CASES
     else:
         names = [c.name for c in every]
     unknown = set(names) - {c.name for c in every}
     if unknown:
         parser.error(f"unknown cases {sorted(unknown)}")
-    runners = {Case: run_case, RotationCase: run_rotation_case, RotatingCase: run_rotating_case}
+    runners = {Case: run_case, RotationCase: run_rotation_case, RotatingCase: run_rotating_case,
+               SiblingCase: run_sibling_case}
     results = []
     for case in every:
         if case.name not in names:
