@@ -14,9 +14,14 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
                    the LUT matmul with the rotation in its prologue (`weights/rotating_matmul.py`)
                    for the 4096-wide inputs, q/k/v in one launch and gate/up in another
                    (`weights/siblings.py`), o_proj in its own; down_proj (14336) as per-layer;
+                   each route's launches under mx.compile (the GPU default, `kernel.COMPILE_ROUTES`);
   per-layer-rotating-single  the same with one launch per layer (VELOXQUANT_WEIGHT_SIBLING_LAUNCH=0);
   per-layer-rotating-rpw2  per-layer-rotating with two output rows per warp in the plain LUT
                    kernel (down_proj; `kernel.ROWS_PER_WARP`);
+  per-layer-rotating-compiled  per-layer-rotating with every route wrapped in mx.compile (on a GPU
+                   the same as the default since the thirteenth session: `kernel.COMPILE_ROUTES`);
+  per-layer-rotating-rpw2-compiled  both;
+  per-layer-rotating-uncompiled  per-layer-rotating with no route compiled (VELOXQUANT_WEIGHT_COMPILE=0);
   shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
                    their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
                    `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
@@ -54,7 +59,9 @@ from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights
 from veloxquant_mlx.weights import kernel, quantize_model, rotating_matmul, rotation_kernel
 
 VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "per-layer-rotating-rpw2",
-            "shared", "shared-rotating", "per-layer-fused", "shared-fused", "shared-compiled")
+            "per-layer-rotating-compiled", "per-layer-rotating-rpw2-compiled", "per-layer-rotating-uncompiled",
+            "shared", "shared-rotating",
+            "per-layer-fused", "shared-fused", "shared-compiled")
 DEFAULT_VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "shared",
                     "shared-rotating")
 
@@ -70,23 +77,38 @@ def decode_rate(model, prompt: mx.array, tokens: int) -> float:
     return tokens / (time.perf_counter() - start)
 
 
-def host_ms(model, rounds: int = 20, prompt: int = 8) -> float:
-    """Host time to build one decode step's graph (not evaluated): what mlx-lm's pipelined
-    decode overlaps with the GPU, so the GPU waits when it exceeds the step's GPU time."""
+def host_ms(model, rounds: int = 20, prompt: int = 8, profile: str = "") -> tuple:
+    """(host ms to build one decode step's graph, not evaluated: what mlx-lm's pipelined decode
+    overlaps with the GPU, so the GPU waits when it exceeds the step's GPU time; ms to build and
+    evaluate one step alone). With `profile`, cProfile's top functions of the builds go there."""
+    import cProfile
+    import io
+    import pstats
+
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
     mx.eval(model(mx.zeros((1, prompt), dtype=mx.int32), cache=cache))
     token = mx.zeros((1, 1), dtype=mx.int32)
-    times = []
+    builds, steps = [], []
+    profiler = cProfile.Profile() if profile else None
     for _ in range(rounds):
         start = time.perf_counter()
+        if profiler:
+            profiler.enable()
         logits = model(token, cache=cache)
-        times.append(time.perf_counter() - start)
+        if profiler:
+            profiler.disable()
+        builds.append(time.perf_counter() - start)
         mx.eval(logits)
+        steps.append(time.perf_counter() - start)
         for c in cache:
             c.trim(1)
-    return 1e3 * statistics.median(times)
+    if profiler:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(30)
+        Path(profile).write_text(text.getvalue())
+    return 1e3 * statistics.median(builds), 1e3 * statistics.median(steps)
 
 
 def last_logits(model, prompt: mx.array) -> mx.array:
@@ -112,11 +134,12 @@ def build(variant: str, args, overrides) -> tuple:
 
 def use(variant: str) -> None:
     """Settings a variant runs under (read when a layer first meets an input shape)."""
-    kernel.COMPILE_ROUTES = variant == "shared-compiled"
+    # "-compiled": every route (shared-compiled too); "-uncompiled": none; else the library's default
+    kernel.COMPILE_ROUTES = True if variant.endswith("-compiled") else False if variant.endswith("-uncompiled") else None
     rotation_kernel.FUSED_ROTATION = variant.endswith("-fused")
     rotating_matmul.ROTATING_MATMUL = "-rotating" in variant
     rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")
-    kernel.ROWS_PER_WARP = 2 if variant.endswith("-rpw2") else None
+    kernel.ROWS_PER_WARP = 2 if "-rpw2" in variant else None
 
 
 def fused_rotation(variant: str) -> str:
@@ -143,6 +166,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                         help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--profile", default="", help="comma-separated variants whose graph builds are cProfiled "
+                                                          "(host-profile-VARIANT.txt)")
     parser.add_argument("--out", default="benchmarks/results/gpu/weights-model-decode-fused")
     args = parser.parse_args()
     variants = [v for v in args.variants.split(",") if v]
@@ -168,9 +193,12 @@ def main() -> None:
             logits = last_logits(model, prompt)
             error = float(mx.sqrt(mx.mean(mx.square(logits - ref_logits))) / mx.sqrt(mx.mean(mx.square(ref_logits))))
             decode_rate(model, prompt, 8)  # warm-up: compile the kernels
+            profile = str(Path(args.out) / f"host-profile-{variant}.txt") if variant in args.profile.split(",") else ""
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            build_ms, step_ms = host_ms(model, profile=profile)
             record[variant] = {"quantize_s": seconds, "logits_rel_rms_error_vs_fp16": error,
-                               "host_ms_per_step": host_ms(model), "fused_rotation": fused_rotation(variant),
-                               "tok_s": []}
+                               "host_ms_per_step": build_ms, "step_alone_ms": step_ms,
+                               "fused_rotation": fused_rotation(variant), "tok_s": []}
             models[variant] = model
             print(json.dumps({"variant": variant, **record[variant]}), flush=True)
         except Exception as exc:  # reported in the table; the other variants still run
@@ -209,17 +237,18 @@ def write(args, variants, record, errors) -> None:
          "rounds_done": rounds, "note": "lm_head and embeddings are MLX affine in every variant"}, indent=2))
     shape = args.shape + (f" ({args.layers} layers)" if args.layers else "")
     lines = [f"| {shape}, {args.bits}-bit weights, {args.dtype} | decode tok/s (median of {rounds}) | vs affine "
-             "| host ms to build a step's graph | logits rel. RMS error vs fp16 | quantize s | rotation kernel |",
-             "|---|---|---|---|---|---|---|"]
+             "| host ms to build a step's graph | ms to build and run a step alone | logits rel. RMS error vs fp16 "
+             "| quantize s | rotation kernel |",
+             "|---|---|---|---|---|---|---|---|"]
     for variant in variants:
         r = record.get(variant)
         if r is None or (variant in errors and not r["tok_s"]):
             if variant in errors:
-                lines.append(f"| {variant} | failed: {errors[variant][:120]} | | | | | |")
+                lines.append(f"| {variant} | failed: {errors[variant][:120]} | | | | | | |")
             continue
         rate = f"{r['median_tok_s']:.1f}" if r["median_tok_s"] else "n/m"
         ratio = f"{r['vs_affine']:.2f}x" if r["vs_affine"] else "n/a"
-        lines.append(f"| {variant} | {rate} | {ratio} | {r['host_ms_per_step']:.2f} | "
+        lines.append(f"| {variant} | {rate} | {ratio} | {r['host_ms_per_step']:.2f} | {r['step_alone_ms']:.2f} | "
                      f"{r['logits_rel_rms_error_vs_fp16']:.4f} | {r['quantize_s']:.1f} | "
                      f"{r['fused_rotation'] if variant != 'affine' else '-'} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")

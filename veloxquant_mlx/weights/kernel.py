@@ -189,15 +189,19 @@ def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:
     return out.reshape(*lead, layer.out_features)
 
 
-# Wrap each layer's kernel call in mx.compile (VELOXQUANT_WEIGHT_COMPILE=1): a compiled call
-# replays the traced primitive instead of building the kernel's call (its source text and
-# template arguments) again. Read when a layer makes its route for a new input shape.
-COMPILE_ROUTES = os.environ.get("VELOXQUANT_WEIGHT_COMPILE", "0") == "1"
+# Wrap each layer's kernel call in mx.compile: a compiled call replays the traced primitive
+# instead of building the kernel's call again (MLX writes the kernel's source text and template
+# arguments for every call), which cuts host time per decode step. VELOXQUANT_WEIGHT_COMPILE:
+# unset, the GPU back ends' routes only (None; measured in docs/weights.md); "1" every route,
+# the CPU's too; "0" none. Read when a layer makes its route for a new input shape.
+COMPILE_ROUTES: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("VELOXQUANT_WEIGHT_COMPILE", ""))
 
 
-def compiled(function: Callable) -> Callable:
-    """`function` under mx.compile when COMPILE_ROUTES is on (decided when a route is made)."""
-    return mx.compile(function) if COMPILE_ROUTES else function
+def compiled(function: Callable, gpu: bool) -> Callable:
+    """`function` under mx.compile where COMPILE_ROUTES says so for a route on a GPU back end
+    (`gpu`) or not (decided when a route is made)."""
+    on = gpu if COMPILE_ROUTES is None else COMPILE_ROUTES
+    return mx.compile(function) if on else function
 
 
 def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
@@ -231,7 +235,7 @@ def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
             return y.astype(x.dtype).reshape(out_shape)
     else:
         return layer.tiled_matmul
-    matmul = compiled(matmul)
+    matmul = compiled(matmul, gpu=dialect in ("cuda", "metal"))
     # the arrays are read from the layer at each call (they are its parameters; the item
     # lookup of the Module's dict is much cheaper than its attribute lookup)
     return lambda x: matmul(x, layer["codes"], layer["scales"], layer["codebook"])

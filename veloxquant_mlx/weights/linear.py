@@ -288,7 +288,7 @@ class QuantizedLinear(nn.Module):
                 def rotate(x: mx.array, signs: mx.array) -> mx.array:
                     return apply_signed(x * signs)
                 if decode:  # not prefill shapes: a compiled function traces again for every new shape
-                    rotate = kernel.compiled(rotate)
+                    rotate = kernel.compiled(rotate, gpu=dialect is not None)
 
             def route(x: mx.array) -> mx.array:
                 return matmul(rotate(x, signs))

@@ -169,8 +169,9 @@ class RotatingRMSNorm(nn.Module):
             run = self.__dict__.get("_run")
         if run is None:
             rotation, eps = self._rotation, self.eps
+            # kept for prefill shapes too, which vary: compiled only where every route is (COMPILE_ROUTES)
             run = self.__dict__["_run"] = kernel.compiled(
-                lambda x, weight: rotation.apply_signed(mx.fast.rms_norm(x, weight, eps)))
+                lambda x, weight: rotation.apply_signed(mx.fast.rms_norm(x, weight, eps)), gpu=False)
         if x.size // x.shape[-1] <= kernel.MAX_ROWS:  # decode shapes; prefill ones vary
             self._routes[(x.shape, x.dtype)] = run
         return run
