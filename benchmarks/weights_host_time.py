@@ -10,7 +10,10 @@ building does not depend on them). The kernel stand-in returns `mx.zeros` of the
 shape, so MLX's own cost of a custom-kernel call (building its source text) is not in
 these numbers; the lead's GPU run (`weights_gpu_model_decode.py`) has it. Variants:
 `affine` (MLX nn.quantize 4-bit, its quantized matmul), `per-layer` (ours, one rotation
-per layer), `shared` (ours, shared input rotations; only where the checkout has them).
+per layer, as the library runs it: sibling launches and compiled routes), `per-layer-single`
+(one launch per layer), `per-layer-uncompiled` (no route compiled), `shared` (ours, shared
+input rotations; only where the checkout has them). The MLP is 28 * hidden / 16 wide, a
+Hadamard size that is not a power of two, as Llama-3.1-8B's 14336.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import weights_gpu_model_decode as model_decode  # benchmarks/ (run as a script 
 
 def tiny_llama(layers: int, hidden: int) -> nn.Module:
     args = llama.ModelArgs(model_type="llama", hidden_size=hidden, num_hidden_layers=layers,
-                           intermediate_size=2 * hidden, num_attention_heads=8, num_key_value_heads=2,
+                           intermediate_size=28 * hidden // 16, num_attention_heads=8, num_key_value_heads=2,
                            rms_norm_eps=1e-5, vocab_size=256, tie_word_embeddings=False)
     mx.random.seed(0)
     model = llama.Model(args)
@@ -44,12 +47,20 @@ def tiny_llama(layers: int, hidden: int) -> nn.Module:
 
 def stand_in_kernel(*_args, **_kwargs):
     def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes, **_):
-        return [mx.zeros(output_shapes[0], output_dtypes[0])]
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
     return run
 
 
-def host_ms(model, rounds: int) -> float:
-    return model_decode.host_ms(model, rounds, prompt=4)
+def host_ms(model, rounds: int, profile: str = "") -> float:
+    return model_decode.host_ms(model, rounds, prompt=4, profile=profile)[0]
+
+
+def use(variant: str) -> None:
+    """The settings a variant's routes are made under (each model makes them on its first step)."""
+    from veloxquant_mlx.weights import rotating_matmul
+
+    kernel.COMPILE_ROUTES = False if variant.endswith("-uncompiled") else None
+    rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")
 
 
 def main() -> None:
@@ -59,24 +70,32 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=5, help="variants take turns this many times")
     parser.add_argument("--label", default="", help="a name for this checkout in the table")
+    parser.add_argument("--profile", default="", help="comma-separated variants to cProfile (host-profile-NAME.txt)")
     parser.add_argument("--out", default="benchmarks/results/weights-host-time-cpu")
     args = parser.parse_args()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     kernel._gpu_dialect = lambda: "cuda"  # the GPU route, with the stand-in kernel below
     launch._mlx_kernel = stand_in_kernel
+    # the stand-in computes nothing, so the kernels' first-use checks would turn them off
+    from veloxquant_mlx.weights import rotating_matmul
+    rotating_matmul.usable = rotating_matmul.group_usable = lambda *_: True
     shares = "share_rotations" in inspect.signature(quantize_model).parameters
     models = {}
     affine = tiny_llama(args.layers, args.hidden)
     nn.quantize(affine, group_size=64, bits=4)
     models["affine"] = affine
-    for variant in ("per-layer", "shared") if shares else ("per-layer",):
+    for variant in ("per-layer", "per-layer-single", "per-layer-uncompiled", "shared") if shares else ("per-layer",):
         model = tiny_llama(args.layers, args.hidden)
         extra = {"share_rotations": variant == "shared"} if shares else {}
         quantize_model(model, 4, skip=("lm_head",), progress=False, **extra)
         models[variant] = model
     times = {name: [] for name in models}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, model in models.items():
-            times[name].append(host_ms(model, args.rounds))
+            use(name)
+            profile = (str(Path(args.out) / f"host-profile-{name}.txt") if repeat == 0 and name in args.profile.split(",")
+                       else "")
+            times[name].append(host_ms(model, args.rounds, profile))
     median = {name: statistics.median(t) for name, t in times.items()}
     record = {"checkout": str(Path(veloxquant_mlx.__file__).parent.parent), "label": args.label,
               "args": vars(args), "host_ms_per_step": times, "median_host_ms_per_step": median,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import os
 from functools import lru_cache
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
@@ -204,11 +204,12 @@ def compiled(function: Callable, gpu: bool) -> Callable:
     return mx.compile(function) if on else function
 
 
-def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
-    """The matmul `layer` runs for inputs of this shape and dtype (kept by the layer):
-    the GPU kernel with its launch arguments resolved here, once, so that a call is one
-    `mx.fast.*_kernel` call with no reshape (the kernel reads x as rows of in_features and
-    writes the output in its final shape); the C++ CPU kernel; or the tiled matmul."""
+def launch_function(layer, rotated: mx.array) -> Optional[Tuple[Callable, bool]]:
+    """(f(x, codes, scales, codebook) -> the layer's matmul of x, whether it is a GPU launch) for
+    inputs of this shape and dtype, with the launch arguments resolved here, once: the GPU
+    kernel as one `mx.fast.*_kernel` call with no reshape (it reads x as rows of in_features and
+    writes the output in its final shape), or the C++ CPU kernel. None where the matmul does not
+    take the arrays this way (the emulator, the CPU without the kernel)."""
     dialect = dialect_for(rotated)
     if dialect in ("cuda", "metal"):
         p = _plan_for(rotated, layer)
@@ -221,11 +222,8 @@ def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
         def matmul(x, codes, scales, codebook):
             return run(inputs=[x, codes, scales, codebook], template=template, grid=grid, threadgroup=threads,
                        output_shapes=out_shapes, output_dtypes=out_dtypes)[0]
-    elif dialect is not None:
-        return lambda x: lut_matmul(x, layer, dialect)
-    elif native_cpu_for(rotated, layer) and layer.scales.dtype != mx.float16:
-        return lambda x: native_lut_matmul(x, layer)
-    elif native_cpu_for(rotated, layer):
+        return matmul, True
+    if dialect is None and native_cpu_for(rotated, layer) and layer.scales.dtype == mx.float16:
         lut = native.module().lut_matmul
         bits, rows_in = layer.bits, (-1, layer.in_features)
         out_shape = tuple(rotated.shape[:-1]) + (layer.out_features,)
@@ -233,9 +231,23 @@ def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
         def matmul(x, codes, scales, codebook):
             y = lut(x.reshape(rows_in).astype(mx.float32), codes, scales, codebook, bits)
             return y.astype(x.dtype).reshape(out_shape)
-    else:
+        return matmul, False
+    return None
+
+
+def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
+    """The matmul `layer` runs for inputs of this shape and dtype (kept by the layer): the
+    `launch_function` (compiled where `compiled` says so), the emulator's launch, the C++ CPU
+    kernel on non-fp16 scales, or the tiled matmul."""
+    found = launch_function(layer, rotated)
+    if found is None:
+        dialect = dialect_for(rotated)
+        if dialect is not None:
+            return lambda x: lut_matmul(x, layer, dialect)
+        if native_cpu_for(rotated, layer):
+            return lambda x: native_lut_matmul(x, layer)
         return layer.tiled_matmul
-    matmul = compiled(matmul, gpu=dialect in ("cuda", "metal"))
+    matmul = compiled(found[0], gpu=found[1])
     # the arrays are read from the layer at each call (they are its parameters; the item
     # lookup of the Module's dict is much cheaper than its attribute lookup)
     return lambda x: matmul(x, layer["codes"], layer["scales"], layer["codebook"])

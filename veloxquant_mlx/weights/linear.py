@@ -276,12 +276,25 @@ class QuantizedLinear(nn.Module):
         if fused is not None:
             self._routes[(x.shape, x.dtype)] = fused
             return fused
-        matmul = kernel.route(self, x) if decode else self.tiled_matmul
+        # on a GPU back end the multiply and the transform in one launch, where the kernel takes them
+        rotate = (rotation_kernel.route(x, self._rotation, signs) if decode and not self.input_rotated
+                  else None)
+        launch = (kernel.launch_function(self, x) if decode and rotate is None and not self.input_rotated
+                  else None)
+        if launch is None:
+            matmul = kernel.route(self, x) if decode else self.tiled_matmul
         if self.input_rotated:
             route = matmul
+        elif launch is not None:
+            # the rotation's ops and the matmul's launch as one function: one compiled call a step
+            apply_signed, run = self._rotation.apply_signed, launch[0]
+            rotated_matmul = kernel.compiled(
+                lambda x, signs, codes, scales, codebook: run(apply_signed(x * signs), codes, scales, codebook),
+                gpu=launch[1])
+
+            def route(x: mx.array) -> mx.array:
+                return rotated_matmul(x, signs, self["codes"], self["scales"], self["codebook"])
         else:
-            # on a GPU back end the multiply and the transform in one launch, where the kernel takes them
-            rotate = rotation_kernel.route(x, self._rotation, signs) if decode else None
             if rotate is None:
                 apply_signed = self._rotation.apply_signed
 

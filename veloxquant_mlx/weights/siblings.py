@@ -12,6 +12,7 @@ grouped kernel that failed its first-use check, which warned) takes the layer's 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, List, Optional
 
 import mlx.core as mx
@@ -29,6 +30,7 @@ class SiblingLaunch:
         self._launches = {}  # (shape, dtype) -> the grouped launch, or None where it is not taken
         self._input: Optional[mx.array] = None
         self._outputs: List[Optional[mx.array]] = [None] * len(self.layers)
+        self._untaken = 0
 
     def route(self, index: int, x: mx.array, dialect: str) -> Optional[Callable[[mx.array], mx.array]]:
         """x -> layer `index`'s matmul of x (no bias) through the grouped launch, or None."""
@@ -38,15 +40,17 @@ class SiblingLaunch:
         launch = self._launches[key]
         if launch is None:
             return None
-        return lambda x: self._output(index, x, launch)
+        return partial(self._output, index, launch=launch)
 
     def _output(self, index: int, x: mx.array, launch) -> mx.array:
         outputs = self._outputs
         if x is not self._input or outputs[index] is None:
             outputs = self._outputs = list(launch(x))
             self._input = x  # held until every sibling took its output, so its id is not reused
+            self._untaken = len(outputs)
         out, outputs[index] = outputs[index], None
-        if all(o is None for o in outputs):
+        self._untaken -= 1
+        if not self._untaken:
             self._input = None
         return out
 
