@@ -443,3 +443,11 @@ def test_ratequant_snippets_at_fractional_widths(width, renorm):
     for role, codec in (("keys", kc), ("values", vc)):
         out = dequant.dequantize(run, store, role, codec, 9, mx.float32)
         assert mx.array_equal(out, codec.decode(store.fields(role))).item()
+
+
+def test_describe_names_ratequants_budgets_not_its_nominal_widths():
+    """`bits`/`value_bits` only default ratequant's budgets, so the label names the budgets."""
+    config = KVCacheConfig(method="ratequant", bits=4, value_bits=4, options={"kbudget": 2.5, "vbudget": 3.0})
+    assert config.describe() == "ratequant budgets K2.5/V3"
+    assert KVCacheConfig(method="ratequant", bits=3, value_bits=2).describe() == "ratequant budgets K3/V2"
+    assert KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2).describe() == "turboquant_mse K3/V2"

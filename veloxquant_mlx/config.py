@@ -133,7 +133,10 @@ class KVCacheConfig:
     def describe(self) -> str:
         """A short label naming every setting that changes the codes (the defaults' group
         size and seed left out), so that two configs that encode differently never read the same."""
-        text = f"{self.method} K{self.bits}/V{self.value_bits}"
+        from .methods import get_method
+
+        method = get_method(self.method)
+        text = f"{self.method} {method.widths_label(self)}"
         if self.sink_tokens:
             text += f" sinks={self.sink_tokens}"
         if self.residual_length:
@@ -141,7 +144,8 @@ class KVCacheConfig:
         if self.center:
             text += " centered"
         for key, value in sorted(self.options.items()):
-            text += f" {key}={value}"
+            if key not in method.width_options:
+                text += f" {key}={value}"
         if self.group_size != KVCacheConfig.group_size:
             text += f" group={self.group_size}"
         if self.seed != KVCacheConfig.seed:

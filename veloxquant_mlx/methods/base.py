@@ -163,6 +163,14 @@ class Method:
         if config.options.get("smooth_keys", 0) > 1:
             raise ValueError(f"option smooth_keys (SmoothQuant's alpha) must be in (0, 1], got {config.options['smooth_keys']}")
 
+    # options that `widths_label` already names
+    width_options: ClassVar[frozenset] = frozenset()
+
+    @classmethod
+    def widths_label(cls, config) -> str:
+        """The widths as `KVCacheConfig.describe` names them."""
+        return f"K{config.bits}/V{config.value_bits}"
+
     @classmethod
     def check_model(cls, model) -> None:
         """Raise `integration.UnsupportedModelError` naming a model this method cannot serve

@@ -287,7 +287,7 @@ class PolarQuant(Method):
     options = {"levels": int}
     summary = "rotation + recursive polar transform, per-level angle codebooks, fp16 final radii"
     status = "experimental"
-    status_note = "several times turboquant_mse's error at the same bits, and no decode kernel (slow)"
+    status_note = "several times turboquant_mse's error at the same bits"
     values_summary = "turboquant_mse codes at value_bits"
 
     @classmethod

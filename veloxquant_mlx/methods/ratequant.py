@@ -226,6 +226,7 @@ class RateQuant(Method):
     key_bits = range(1, 9)
     value_bits = range(1, 9)
     options = {"kbudget": float, "vbudget": float, "renorm": bool, "base": str, "objective": str}
+    width_options = frozenset({"kbudget", "vbudget"})
     bases = ("mse", "kivi")
     calibrated = True
     status = "experimental"
@@ -237,6 +238,12 @@ class RateQuant(Method):
     def budget(cls, config, role: str) -> float:
         return float(config.options.get("kbudget" if role == "keys" else "vbudget",
                                         config.bits if role == "keys" else config.value_bits))
+
+    @classmethod
+    def widths_label(cls, config) -> str:
+        """The budgets, not `bits`/`value_bits`, which only default them: the widths per layer
+        come from the artifact."""
+        return f"budgets K{cls.budget(config, 'keys'):g}/V{cls.budget(config, 'values'):g}"
 
     @classmethod
     def validate(cls, config) -> None:
