@@ -158,16 +158,10 @@ def run_rotating_case(case: RotatingCase, backend: str) -> dict:
 
 
 @dataclass
-class SiblingCase:
-    """Sibling layers reading one input in one launch (`rotating_matmul.group_matmul`), one batch row."""
-    name: str
-    in_features: int
+class SiblingCase(RotatingCase):
+    """Sibling layers reading one input in one launch (`rotating_matmul.group_matmul`), one batch
+    row: `out_features` holds each layer's rows."""
     out_features: tuple
-    bits: int
-    group_size: Optional[int] = None
-    dtype: str = "float32"
-    threads: int = rotating_matmul.THREADS
-    rpw: Optional[int] = None
 
 
 SIBLING_CASES = [
