@@ -11,7 +11,8 @@ Variants: `ref` (the float32 model as loaded on the CPU), `ref-fp16` (cast to fl
 `vq4` / `vq4-emb` (ours, C++ kernel; -emb: the tied embedding/head too), `vq4-tiled` /
 `vq4-emb-tiled` (VELOXQUANT_KERNELS=portable: codes decoded in tiles), `affine4` /
 `affine4-emb` (nn.quantize group 64, mx.quantized_matmul), `affine4-dequant` (the same weights
-dequantized to float32: the speed of a float model).
+dequantized to float32: the speed of a float model), `vq4-uncompiled` (vq4 with no route under
+mx.compile, VELOXQUANT_WEIGHT_COMPILE=0).
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def run_once(name: str, model, prompt: mx.array, tokens: int) -> tuple[float, fl
     if name.endswith("-tiled"):
         os.environ["VELOXQUANT_KERNELS"] = "portable"
     kernel._native_cpu.cache_clear()  # the choice is made once per process otherwise
+    # routes are made at a model's first call (the warm-up round), under this setting
+    kernel.COMPILE_ROUTES = not name.endswith("-uncompiled")
     try:
         cache = make_prompt_cache(model)
         logits = model(prompt[None], cache=cache)

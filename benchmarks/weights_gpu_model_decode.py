@@ -18,8 +18,8 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
   per-layer-rotating-single  the same with one launch per layer (VELOXQUANT_WEIGHT_SIBLING_LAUNCH=0);
   per-layer-rotating-rpw2  per-layer-rotating with two output rows per warp in the plain LUT
                    kernel (down_proj; `kernel.ROWS_PER_WARP`);
-  per-layer-rotating-compiled  per-layer-rotating with every route wrapped in mx.compile (on a GPU
-                   the same as the default since the thirteenth session: `kernel.COMPILE_ROUTES`);
+  per-layer-rotating-compiled  per-layer-rotating with every kept route wrapped in mx.compile (the
+                   same as the default since the thirteenth session: `kernel.COMPILE_ROUTES`);
   per-layer-rotating-rpw2-compiled  both;
   per-layer-rotating-uncompiled  per-layer-rotating with no route compiled (VELOXQUANT_WEIGHT_COMPILE=0);
   shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
@@ -134,8 +134,8 @@ def build(variant: str, args, overrides) -> tuple:
 
 def use(variant: str) -> None:
     """Settings a variant runs under (read when a layer first meets an input shape)."""
-    # "-compiled": every route (shared-compiled too); "-uncompiled": none; else the library's default
-    kernel.COMPILE_ROUTES = True if variant.endswith("-compiled") else False if variant.endswith("-uncompiled") else None
+    # "-uncompiled": no route compiled; else the library's default (compiled; "-compiled" names it)
+    kernel.COMPILE_ROUTES = not variant.endswith("-uncompiled")
     rotation_kernel.FUSED_ROTATION = variant.endswith("-fused")
     rotating_matmul.ROTATING_MATMUL = "-rotating" in variant
     rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")

@@ -59,7 +59,7 @@ def use(variant: str) -> None:
     """The settings a variant's routes are made under (each model makes them on its first step)."""
     from veloxquant_mlx.weights import rotating_matmul
 
-    kernel.COMPILE_ROUTES = False if variant.endswith("-uncompiled") else None
+    kernel.COMPILE_ROUTES = not variant.endswith("-uncompiled")
     rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")
 
 

@@ -580,6 +580,7 @@ def test_calibrated_codes_share_rotations_too():
 def test_layer_routes_are_kept_per_decode_shape_and_compile_on_the_cpu(monkeypatch):
     from veloxquant_mlx.weights import kernel
 
+    monkeypatch.setattr(kernel, "COMPILE_ROUTES", False)
     layer = QuantizedLinear.from_weight(_weight(40, NON_HADAMARD_DIM, seed=2), 4, column_alpha=0.5,
                                         bias=mx.arange(40).astype(mx.float32))
     x, big = _weight(1, NON_HADAMARD_DIM, seed=3)[None], _weight(kernel.MAX_ROWS + 3, NON_HADAMARD_DIM, seed=4)

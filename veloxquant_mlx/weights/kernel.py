@@ -189,19 +189,18 @@ def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:
     return out.reshape(*lead, layer.out_features)
 
 
-# Wrap each layer's kernel call in mx.compile: a compiled call replays the traced primitive
-# instead of building the kernel's call again (MLX writes the kernel's source text and template
-# arguments for every call), which cuts host time per decode step. VELOXQUANT_WEIGHT_COMPILE:
-# unset, the GPU back ends' routes only (None; measured in docs/weights.md); "1" every route,
-# the CPU's too; "0" none. Read when a layer makes its route for a new input shape.
-COMPILE_ROUTES: Optional[bool] = {"1": True, "0": False}.get(os.environ.get("VELOXQUANT_WEIGHT_COMPILE", ""))
+# Wrap each kept decode route in mx.compile: a compiled call replays the traced graph instead of
+# building it again, which on a GPU skips MLX's per-call writing of the kernel's source text and
+# template arguments (host time limits decode there) and on the CPU fuses the rotation's ops;
+# both measured faster (docs/weights.md). VELOXQUANT_WEIGHT_COMPILE=0 turns it off. Read when a
+# layer makes its route for a new input shape.
+COMPILE_ROUTES = os.environ.get("VELOXQUANT_WEIGHT_COMPILE", "1") == "1"
 
 
-def compiled(function: Callable, gpu: bool) -> Callable:
-    """`function` under mx.compile where COMPILE_ROUTES says so for a route on a GPU back end
-    (`gpu`) or not (decided when a route is made)."""
-    on = gpu if COMPILE_ROUTES is None else COMPILE_ROUTES
-    return mx.compile(function) if on else function
+def compiled(function: Callable) -> Callable:
+    """`function` under mx.compile when COMPILE_ROUTES is on (decided when a route is made).
+    Only for routes kept per input shape: a compiled function traces again for every new one."""
+    return mx.compile(function) if COMPILE_ROUTES else function
 
 
 def launch_function(layer, rotated: mx.array) -> Optional[Tuple[Callable, bool]]:
@@ -247,7 +246,7 @@ def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
         if native_cpu_for(rotated, layer):
             return lambda x: native_lut_matmul(x, layer)
         return layer.tiled_matmul
-    matmul = compiled(found[0], gpu=found[1])
+    matmul = compiled(found[0])
     # the arrays are read from the layer at each call (they are its parameters; the item
     # lookup of the Module's dict is much cheaper than its attribute lookup)
     return lambda x: matmul(x, layer["codes"], layer["scales"], layer["codebook"])

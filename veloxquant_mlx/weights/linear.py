@@ -289,8 +289,7 @@ class QuantizedLinear(nn.Module):
             # the rotation's ops and the matmul's launch as one function: one compiled call a step
             apply_signed, run = self._rotation.apply_signed, launch[0]
             rotated_matmul = kernel.compiled(
-                lambda x, signs, codes, scales, codebook: run(apply_signed(x * signs), codes, scales, codebook),
-                gpu=launch[1])
+                lambda x, signs, codes, scales, codebook: run(apply_signed(x * signs), codes, scales, codebook))
 
             def route(x: mx.array) -> mx.array:
                 return rotated_matmul(x, signs, self["codes"], self["scales"], self["codebook"])
@@ -301,7 +300,7 @@ class QuantizedLinear(nn.Module):
                 def rotate(x: mx.array, signs: mx.array) -> mx.array:
                     return apply_signed(x * signs)
                 if decode:  # not prefill shapes: a compiled function traces again for every new shape
-                    rotate = kernel.compiled(rotate, gpu=dialect is not None)
+                    rotate = kernel.compiled(rotate)
 
             def route(x: mx.array) -> mx.array:
                 return matmul(rotate(x, signs))

@@ -292,7 +292,7 @@ def group_route(layers, x: mx.array, dialect: str) -> Optional[Callable[[mx.arra
     def matmul(x, *arrays):
         return run(inputs=[x, *arrays], template=template, grid=grid, threadgroup=threads,
                    output_shapes=shapes, output_dtypes=dtypes)
-    matmul = kernel.compiled(matmul, gpu=True)
+    matmul = kernel.compiled(matmul)
     return lambda x: matmul(x, *signs, *[layer["codes"] for layer in layers],
                             *[layer["scales"] for layer in layers], first["codebook"])
 
@@ -340,7 +340,7 @@ def route(layer, x: mx.array, signs: mx.array, dialect: str) -> Optional[Callabl
     def matmul(x, signs, codes, scales, codebook):
         return run(inputs=[x, signs, codes, scales, codebook], template=template, grid=grid,
                    threadgroup=threads, output_shapes=shapes, output_dtypes=dtypes)[0]
-    matmul = kernel.compiled(matmul, gpu=True)
+    matmul = kernel.compiled(matmul)
     return lambda x: matmul(x, signs, layer["codes"], layer["scales"], layer["codebook"])
 
 

@@ -258,7 +258,7 @@ def route(x: mx.array, rotation, weight: mx.array, eps: Optional[float] = None
     def rotated(x: mx.array, weight: mx.array) -> mx.array:
         return run(inputs=[x, weight, base, params], template=template, grid=grid, threadgroup=threads,
                    output_shapes=shapes, output_dtypes=dtypes)[0]
-    return kernel.compiled(rotated, gpu=True)
+    return kernel.compiled(rotated)
 
 
 # ---- checks -------------------------------------------------------------------

@@ -164,15 +164,16 @@ class RotatingRMSNorm(nn.Module):
         the rest of R as MLX ops."""
         from . import kernel, rotation_kernel
 
+        decode = x.size // x.shape[-1] <= kernel.MAX_ROWS  # decode shapes are kept; prefill ones vary
         run = rotation_kernel.route(x, self._rotation, self["folded_weight"], eps=self.eps)
         if run is None:
-            run = self.__dict__.get("_run")
-        if run is None:
             rotation, eps = self._rotation, self.eps
-            # kept for prefill shapes too, which vary: compiled only where every route is (COMPILE_ROUTES)
-            run = self.__dict__["_run"] = kernel.compiled(
-                lambda x, weight: rotation.apply_signed(mx.fast.rms_norm(x, weight, eps)), gpu=False)
-        if x.size // x.shape[-1] <= kernel.MAX_ROWS:  # decode shapes; prefill ones vary
+
+            def run(x: mx.array, weight: mx.array) -> mx.array:
+                return rotation.apply_signed(mx.fast.rms_norm(x, weight, eps))
+            if decode:
+                run = kernel.compiled(run)
+        if decode:
             self._routes[(x.shape, x.dtype)] = run
         return run
 
