@@ -138,7 +138,6 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     return _linked(share_input_rotations(model, groups))
 
 
-
 def _linked(model: nn.Module) -> nn.Module:
     """`model` with the sibling layers of each recognised block sharing one launch (`siblings.py`)."""
     from .siblings import link_siblings
