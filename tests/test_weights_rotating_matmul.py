@@ -222,3 +222,27 @@ def test_weights_selftest_runs_the_sibling_cases_in_the_emulator(capsys):
     assert selftest.main(["--backend", "emulator", "--cases", ",".join(selftest.EMULATOR_SIBLING_CASES)]) == 0
     out = capsys.readouterr().out
     assert all(name in out for name in selftest.EMULATOR_SIBLING_CASES) and "2/2 cases passed" in out
+
+
+def test_siblings_are_linked_by_quantize_model_and_graft_reservoir_only_where_they_can_share(tmp_path):
+    """q/k/v and gate/up of each recognised block get one SiblingLaunch, o_proj and down_proj none;
+    a grafted reservoir is linked the same way; layers whose input the norm rotates
+    (share_rotations) are not linked."""
+    from veloxquant_mlx.weights import graft_reservoir, save_reservoir
+    from veloxquant_mlx.weights.siblings import link_siblings
+
+    def groups(model):
+        found = {}
+        for path, module in model.named_modules():
+            linked = module.__dict__.get("_siblings") if isinstance(module, QuantizedLinear) else None
+            if linked is not None:
+                found.setdefault(id(linked[0]), []).append((linked[1], path.rsplit(".", 1)[-1]))
+        return sorted(tuple(name for _, name in sorted(members)) for members in found.values())
+
+    model = quantize_model(llama_of_8b_form(), 4, seed=0, progress=False)
+    expected = 2 * [("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj")]
+    assert groups(model) == sorted(expected)
+    path = save_reservoir(model, tmp_path / "model.vqw")
+    assert groups(graft_reservoir(llama_of_8b_form(), path)) == sorted(expected)
+    shared = quantize_model(llama_of_8b_form(), 4, seed=0, share_rotations=True, progress=False)
+    assert groups(shared) == [] and link_siblings(shared) == 0
