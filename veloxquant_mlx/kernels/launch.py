@@ -263,6 +263,11 @@ def _mlx_kernel(dialect: str, kernel: str):
 _MLX_ARGS: Dict[int, tuple] = {}
 
 
+def mlx_template(plan: Plan) -> list:
+    """The plan's template constants as `mx.fast.*_kernel` takes them (dtype names as MLX dtypes)."""
+    return [(k, _DTYPES[v] if isinstance(v, str) else v) for k, v in plan.template]
+
+
 def run_mlx(dialect: str, plan: Plan, inputs: Sequence[mx.array], shapes=None) -> List[mx.array]:
     """Run a plan with `mx.fast.cuda_kernel` (dialect "cuda") or `mx.fast.metal_kernel`;
     `shapes` overrides the plan's output shapes (same sizes, e.g. the caller's final shape)."""
@@ -271,8 +276,7 @@ def run_mlx(dialect: str, plan: Plan, inputs: Sequence[mx.array], shapes=None) -
     if args is None or args[0] is not plan:
         if len(_MLX_ARGS) > 8192:  # plans are cached by their makers; this only bounds stale ids
             _MLX_ARGS.clear()
-        template = [(k, _DTYPES[v] if isinstance(v, str) else v) for k, v in plan.template]
-        args = (plan, template, [_DTYPES[d] for d in plan.output_dtypes])
+        args = (plan, mlx_template(plan), [_DTYPES[d] for d in plan.output_dtypes])
         _MLX_ARGS[id(plan)] = args
     return kernel(
         inputs=list(inputs),

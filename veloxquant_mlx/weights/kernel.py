@@ -213,7 +213,7 @@ def launch_function(layer, rotated: mx.array) -> Optional[Tuple[Callable, bool]]
     if dialect in ("cuda", "metal"):
         p = _plan_for(rotated, layer)
         run = launch._mlx_kernel(dialect, p.kernel)
-        template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+        template = launch.mlx_template(p)
         out_shapes = [tuple(rotated.shape[:-1]) + (layer.out_features,)]
         out_dtypes = [launch._DTYPES[d] for d in p.output_dtypes]
         grid, threads = p.grid, p.threadgroup

@@ -283,7 +283,7 @@ def group_route(layers, x: mx.array, dialect: str) -> Optional[Callable[[mx.arra
     p = group_plan(first.in_features, tuple(layer.out_features for layer in layers), first.bits,
                    first.scales.shape[1], name, name)
     run = launch._mlx_kernel(dialect, p.kernel)
-    template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+    template = launch.mlx_template(p)
     grid, threads = p.grid, p.threadgroup
     lead = tuple(x.shape[:-1])
     shapes, dtypes = [lead + (layer.out_features,) for layer in layers], [x.dtype] * len(layers)
@@ -333,7 +333,7 @@ def route(layer, x: mx.array, signs: mx.array, dialect: str) -> Optional[Callabl
         return None
     p = _plan_for(layer, x)
     run = launch._mlx_kernel(dialect, KERNEL_NAME)
-    template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+    template = launch.mlx_template(p)
     grid, threads = p.grid, p.threadgroup
     shapes, dtypes = [tuple(x.shape[:-1]) + (layer.out_features,)], [x.dtype]
 

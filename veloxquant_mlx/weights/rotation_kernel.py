@@ -251,7 +251,7 @@ def route(x: mx.array, rotation, weight: mx.array, eps: Optional[float] = None
         return None
     p = plan(x.size // dim, dim, launch.dtype_name(out_dtype), norm)
     run = launch._mlx_kernel(dialect, KERNEL_NAME)
-    template = [(k, launch._DTYPES[v] if isinstance(v, str) else v) for k, v in p.template]
+    template = launch.mlx_template(p)
     base, params = base_matrix(dim), _params(0.0 if eps is None else float(eps))
     grid, threads, shapes, dtypes = p.grid, p.threadgroup, [tuple(x.shape)], [out_dtype]
 
