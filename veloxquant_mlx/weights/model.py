@@ -139,13 +139,10 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
 
 
 def _linked(model: nn.Module) -> nn.Module:
-    """`model` with the sibling layers of each recognised block sharing one launch (`siblings.py`)
-    and its MLPs compiled at decode shapes (`compiled_mlp.py`)."""
-    from .compiled_mlp import compile_mlps
+    """`model` with the sibling layers of each recognised block sharing one launch (`siblings.py`)."""
     from .siblings import link_siblings
 
     link_siblings(model)
-    compile_mlps(model)
     return model
 
 
