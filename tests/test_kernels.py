@@ -755,3 +755,12 @@ def test_kivi_native_kernel_rejects_bad_arguments():
         run(q, codes, ks, ks, codes, vs, vs, 64, 8, 4, 32, 1)
     with pytest.raises(ValueError, match="float16"):
         run(q, codes, ks.astype(mx.float32), ks, codes, vs, vs, 64, 4, 4, 32, 1)
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+def test_the_ratequant_selftest_record_passes_in_the_emulator():
+    """The self-test's ratequant record (what a GPU run checks) on the C++ emulation."""
+    record = selftest.run_ratequant("emulator")
+    assert record["status"] == "ok", record
+    assert record["rows_equal"] == 1.0 and record["partial_vs_compiled_decode"] <= 1e-5

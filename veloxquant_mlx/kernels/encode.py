@@ -205,18 +205,7 @@ class Emit(ConstantTables):
                 dst = f"rows[(size_t)n * RW + {self.layout.slot(self.role, name).start} + w_]"
             else:
                 dst = f"{self.output(name)}[(size_t)n * {f.words} + w_]"
-            out.append(
-                f"    for (int w_ = t; w_ < {f.words}; w_ += NTH) {{\n"
-                f"      uint32_t word_ = 0u;\n"
-                f"      const int first_ = (32 * w_) / {f.bits};\n"
-                f"      const int last_ = VQ_MINI({f.width - 1}, (32 * w_ + 31) / {f.bits});\n"
-                f"      for (int i_ = first_; i_ <= last_; ++i_) {{\n"
-                f"        const int sh_ = i_ * {f.bits} - 32 * w_;\n"
-                f"        const uint32_t c_ = vq_codes[{offset} + i_];\n"
-                f"        word_ |= (sh_ >= 0) ? (c_ << sh_) : (c_ >> (-sh_));\n"
-                f"      }}\n"
-                f"      {dst} = word_;\n"
-                f"    }}")
+            out.append(templates.pack_codes(f.bits, f.width, f.words, offset, f"{dst} = word_;"))
         return out
 
     def snippet(self) -> str:

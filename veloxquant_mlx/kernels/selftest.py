@@ -252,6 +252,73 @@ def run_fused(backend: str, sinks: int = 2, window: int = 8, tokens: int = 200) 
             "rows_equal": rows_equal, "tolerance": tolerance, "status": "ok" if ok else "FAIL"}
 
 
+def run_ratequant(backend: str) -> Dict:
+    """ratequant's snippets on `backend`: (1) at fractional widths (two code widths per token, head
+    dim 128) the encode kernel's rows against `encode`'s and the dequant kernel against `decode`;
+    (2) a ratequant cache calibrated on a random-weight llama (per-layer widths from a 2.5 / 3-bit
+    budget) through the formats' partial kernel against the engine's MLX-ops decode of its codes."""
+    import tempfile
+
+    from mlx_lm.models import llama
+
+    from .. import engine
+    from ..calibration import calibrate
+    from ..config import KVCacheConfig
+    from ..integration import KVCacheBuilder
+    from ..methods.ratequant import RateCodec
+    from ..settings import EngineSettings
+    from ..storage import row_layout, store_for
+    from . import dequant, encode, ops, partial
+
+    run = ops.runner(backend)
+    rows_equal, decode_error = 1.0, 0.0
+    for width, renorm in ((2.5, False), (3.25, True)):
+        kc, vc = RateCodec(128, width, seed=1, renorm=renorm), RateCodec(128, 2.0, seed=2)
+        layout = row_layout(kc, vc)
+        keys = mx.random.normal((1, 2, 33, 128), key=mx.random.key(1)).astype(mx.float16)
+        values = mx.random.normal((1, 2, 33, 128), key=mx.random.key(2)).astype(mx.float16)
+        store = store_for(kc, vc, lambda k, v: encode.encode_rows(run, layout, kc, vc, k, v), None)
+        store.append(keys, values)
+        store.flush()
+        with mx.stream(mx.cpu):
+            want = layout.pack(kc.encode(keys), vc.encode(values))
+            mx.eval(want)
+        rows_equal = min(rows_equal, float(np.mean(np.array(store.rows[..., :33, :]) == np.array(want))))
+        for role, codec in (("keys", kc), ("values", vc)):
+            out = dequant.dequantize(run, store, role, codec, 33, mx.float32)
+            with mx.stream(mx.cpu):
+                ref = codec.decode(store.fields(role))
+                mx.eval(ref)
+            decode_error = max(decode_error, _rel(np.array(out), np.array(ref)))
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+                           num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    config = KVCacheConfig(method="ratequant", bits=3, options={"kbudget": 2.5, "vbudget": 3.0, "renorm": True})
+    sequences = [mx.random.randint(0, 512, (64,), key=mx.random.key(60 + i)) for i in range(2)]
+    with tempfile.TemporaryDirectory() as artifacts:
+        calibrate(model, config, sequences, artifacts, progress=False)
+        caches = KVCacheBuilder(config.replace(artifact_dir=artifacts)).for_model(model).build(
+            settings=EngineSettings.resolve(backend=backend))
+        model(mx.random.randint(0, 512, (1, 300), key=mx.random.key(70)), cache=caches)
+    partial_error = 0.0
+    for cache in caches:
+        cache.store.flush()
+        q = mx.random.normal((1, 8, 1, 32), key=mx.random.key(5))
+        h = cache._history()
+        with mx.stream(mx.cpu):
+            ref = engine.compiled_decode(h, q, 0.2, compiled=False)
+            mx.eval(ref)
+        out = partial.decode(h, q, 0.2, chunk=partial.THREADS)
+        partial_error = max(partial_error, _rel(np.array(out), np.array(ref)))
+    ok = (rows_equal >= encode.CHECK_MIN_EQUAL and decode_error <= TOLERANCES["float32"]
+          and partial_error <= partial.CHECK_TOLERANCE)
+    return {"case": "ratequant_kernels", "backend": backend, "rows_equal": rows_equal,
+            "dequant_vs_decode": decode_error, "partial_vs_compiled_decode": partial_error,
+            "status": "ok" if ok else "FAIL"}
+
+
 def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = True, safe: bool = False) -> List[Dict]:
     """All records; with `safe`, a case that raises is recorded as an error, not raised."""
     jobs = []
@@ -264,6 +331,7 @@ def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = Tru
         jobs.append(("format_encode", lambda: encode.check_record(backend)))
         jobs.append(("format_partial", lambda: partial.check_record(backend)))
         jobs.append(("fused_window_center", lambda: run_fused(backend)))
+        jobs.append(("ratequant_kernels", lambda: run_ratequant(backend)))
     records = []
     for name, job in jobs:
         try:

@@ -269,6 +269,24 @@ _PROLOGUES = {
 # ceil(D*BITS/32)), NB (= 2^BITS - 1 boundaries), P2 (next power of two >= D),
 # ROTATE (apply the seeded-sign Hadamard rotation here; D a power of two),
 # RENORM (store ||x|| / ||c[codes]||). Threads t >= D idle but keep the barriers.
+def pack_codes(bits, count, words, first_code, store: str) -> str:
+    """C statements packing `count` codes of `bits` bits, `vq_codes[first_code + i]`, into `words`
+    uint32 words, LSB first (the layout of `packing.py`): thread t makes words t, t + NTH, ...,
+    and `store` writes word `word_` at index `w_`. The mse encoder and every format's encode
+    kernel (`encode.Emit.pack`) share it."""
+    return (f"    for (int w_ = t; w_ < {words}; w_ += NTH) {{\n"
+            f"      uint32_t word_ = 0u;\n"
+            f"      const int first_ = (32 * w_) / {bits};\n"
+            f"      const int last_ = VQ_MINI({count} - 1, (32 * w_ + 31) / {bits});\n"
+            f"      for (int i_ = first_; i_ <= last_; ++i_) {{\n"
+            f"        const int sh_ = i_ * {bits} - 32 * w_;\n"
+            f"        const uint32_t c_ = vq_codes[{first_code} + i_];\n"
+            f"        word_ |= (sh_ >= 0) ? (c_ << sh_) : (c_ >> (-sh_));\n"
+            f"      }}\n"
+            f"      {store}\n"
+            f"    }}")
+
+
 _ENCODE_ROLE = r"""
   if (@GUARD) {
     constexpr int D = @D;
@@ -323,17 +341,7 @@ _ENCODE_ROLE = r"""
       }
       out_norm = nrm / VQ_MAXF(VQ_SQRT(vq_red[0]), 1e-30f);
     }
-    if (t < W) {
-      uint32_t word = 0u;
-      const int first = (32 * t) / BITS;
-      const int last = VQ_MINI(D - 1, (32 * t + 31) / BITS);
-      for (int i = first; i <= last; ++i) {
-        const int sh = i * BITS - 32 * t;
-        const uint32_t c = vq_codes[i];
-        word |= (sh >= 0) ? (c << sh) : (c >> (-sh));
-      }
-      if (@STORE) @OUT[(size_t)@ROW * RW + @OFF + t] = word;
-    }
+@PACK
     if (t == 0 && (@STORE)) VQ_HALF_PTR(@OUT)[((size_t)@ROW * RW + KW + VW) * 2 + @ROLE] = VQ_CAST(vq_half, out_norm);
     @RESULT
   }
@@ -345,7 +353,8 @@ def _encode_role(role: int, prefix: str, arrays: str, *, guard: str = "", value:
     """One role of an encoder: `guard` selects the threads' block, `value` is thread t's
     coordinate, the packed row goes to `out[row]` when `store`, `result` may keep the
     thread's code and the fp16-rounded norm (`code`, `out_norm`)."""
-    text = _ENCODE_ROLE.replace("@GUARD", guard or f"vq_by == {role}").replace("@VALUE", value)
+    text = _ENCODE_ROLE.replace("@PACK", pack_codes("@BITS", "@D", "@W", 0, "if (@STORE) @OUT[(size_t)@ROW * RW + @OFF + w_] = word_;"))
+    text = text.replace("@GUARD", guard or f"vq_by == {role}").replace("@VALUE", value)
     text = text.replace("@ROW", row).replace("@OUT", out).replace("@STORE", store).replace("@RESULT", result)
     text = text.replace("@ROLE", str(role)).replace("@OFF", "0" if role == 0 else "KW")
     for name in ("D", "BITS", "W", "NB", "P2", "ROTATE", "RENORM"):
