@@ -367,7 +367,9 @@ def main(argv=None) -> int:
                 if r["vs_stored"] > r["tolerance"]:
                     r["status"] = "FAIL"
         failed += r["status"] == "FAIL"
-        errs = " ".join(f"{k}={v:.2e}" for k, v in r.items() if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error"))
+        errs = " ".join(f"{k}={v:.2e}" for k, v in r.items()
+                        if k.startswith("vs_") or k.endswith("_vs_compiled_decode") or k.endswith("_vs_decode")
+                        or k in ("codes_equal", "norm_rel_error", "rows_equal"))
         print(f"{r['status']:>14}  {r['case']:<36} {errs}")
     if args.write:
         np.savez_compressed(args.write, **arrays)
