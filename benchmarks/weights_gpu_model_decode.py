@@ -16,6 +16,9 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
                    (`weights/siblings.py`), o_proj in its own; down_proj (14336) as per-layer;
                    each route's launches under mx.compile (the GPU default, `kernel.COMPILE_ROUTES`);
   per-layer-rotating-single  the same with one launch per layer (VELOXQUANT_WEIGHT_SIBLING_LAUNCH=0);
+  per-layer-rotating-fused  per-layer-rotating with down_proj's rotation (the one layer the rotating
+                   matmul does not take) one launch of the fused kernel (`rotation_kernel.FUSED_ROTATION`)
+                   instead of a multiply and mx.hadamard_transform;
   per-layer-rotating-rpw2  per-layer-rotating with two output rows per warp in the plain LUT
                    kernel (down_proj; `kernel.ROWS_PER_WARP`);
   per-layer-rotating-compiled  per-layer-rotating with every kept route wrapped in mx.compile (the
@@ -58,7 +61,8 @@ from mlx_lm.generate import generate_step
 from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, resolve_dtype, shape_config
 from veloxquant_mlx.weights import kernel, quantize_model, rotating_matmul, rotation_kernel
 
-VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "per-layer-rotating-rpw2",
+VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "per-layer-rotating-fused",
+            "per-layer-rotating-rpw2",
             "per-layer-rotating-compiled", "per-layer-rotating-rpw2-compiled", "per-layer-rotating-uncompiled",
             "shared", "shared-rotating",
             "per-layer-fused", "shared-fused", "shared-compiled")
@@ -151,7 +155,12 @@ def fused_rotation(variant: str) -> str:
         return "no (ops)"
     dialect = kernel._gpu_dialect()
     verdict = module.checked(dialect) if dialect else None
-    return {True: name, False: f"no: {name} failed its first-use check"}.get(verdict, "no: no GPU back end")
+    said = {True: name, False: f"no: {name} failed its first-use check"}.get(verdict, "no: no GPU back end")
+    if "-rotating" in variant and variant.endswith("-fused"):  # down_proj through the fused kernel
+        verdict = rotation_kernel.checked(dialect) if dialect else None
+        said += "; down_proj: " + {True: "rotate_input", False: "ops (rotate_input failed its check)"}.get(
+            verdict, "ops")
+    return said
 
 
 def main() -> None:
