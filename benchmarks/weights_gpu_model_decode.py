@@ -25,6 +25,8 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
                    same as the default since the thirteenth session: `kernel.COMPILE_ROUTES`);
   per-layer-rotating-rpw2-compiled  both;
   per-layer-rotating-uncompiled  per-layer-rotating with no route compiled (VELOXQUANT_WEIGHT_COMPILE=0);
+  per-layer-rotating-unfused-mlp  per-layer-rotating with each MLP as its layers' calls, not one compiled
+                   call (`compiled_mlp.COMPILE_MLPS` off; on by default since the fourteenth session);
   shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
                    their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
                    `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
@@ -59,12 +61,12 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, resolve_dtype, shape_config
-from veloxquant_mlx.weights import kernel, quantize_model, rotating_matmul, rotation_kernel
+from veloxquant_mlx.weights import compiled_mlp, kernel, quantize_model, rotating_matmul, rotation_kernel
 
 VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "per-layer-rotating-fused",
             "per-layer-rotating-rpw2",
             "per-layer-rotating-compiled", "per-layer-rotating-rpw2-compiled", "per-layer-rotating-uncompiled",
-            "shared", "shared-rotating",
+            "per-layer-rotating-unfused-mlp", "shared", "shared-rotating",
             "per-layer-fused", "shared-fused", "shared-compiled")
 DEFAULT_VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "shared",
                     "shared-rotating")
@@ -144,6 +146,7 @@ def use(variant: str) -> None:
     rotating_matmul.ROTATING_MATMUL = "-rotating" in variant
     rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")
     kernel.ROWS_PER_WARP = 2 if "-rpw2" in variant else None
+    compiled_mlp.COMPILE_MLPS = not variant.endswith("-unfused-mlp")
 
 
 def fused_rotation(variant: str) -> str:

@@ -11,7 +11,8 @@ shape, so MLX's own cost of a custom-kernel call (building its source text) is n
 these numbers; the lead's GPU run (`weights_gpu_model_decode.py`) has it. Variants:
 `affine` (MLX nn.quantize 4-bit, its quantized matmul), `per-layer` (ours, one rotation
 per layer, as the library runs it: sibling launches and compiled routes), `per-layer-single`
-(one launch per layer), `per-layer-uncompiled` (no route compiled), `shared` (ours, shared
+(one launch per layer), `per-layer-uncompiled` (no route compiled), `per-layer-unfused-mlp` (each MLP as its layers'
+calls, not one compiled call: `compiled_mlp.COMPILE_MLPS` off), `shared` (ours, shared
 input rotations; only where the checkout has them). The MLP is 28 * hidden / 16 wide, a
 Hadamard size that is not a power of two, as Llama-3.1-8B's 14336.
 """
@@ -57,8 +58,9 @@ def host_ms(model, rounds: int, profile: str = "") -> float:
 
 def use(variant: str) -> None:
     """The settings a variant's routes are made under (each model makes them on its first step)."""
-    from veloxquant_mlx.weights import rotating_matmul
+    from veloxquant_mlx.weights import compiled_mlp, rotating_matmul
 
+    compiled_mlp.COMPILE_MLPS = not variant.endswith("-unfused-mlp")
     kernel.COMPILE_ROUTES = not variant.endswith("-uncompiled")
     rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")
 
@@ -84,7 +86,8 @@ def main() -> None:
     affine = tiny_llama(args.layers, args.hidden)
     nn.quantize(affine, group_size=64, bits=4)
     models["affine"] = affine
-    for variant in ("per-layer", "per-layer-single", "per-layer-uncompiled", "shared") if shares else ("per-layer",):
+    ours = ("per-layer", "per-layer-single", "per-layer-uncompiled", "per-layer-unfused-mlp", "shared")
+    for variant in ours if shares else ("per-layer",):
         model = tiny_llama(args.layers, args.hidden)
         extra = {"share_rotations": variant == "shared"} if shares else {}
         quantize_model(model, 4, skip=("lm_head",), progress=False, **extra)

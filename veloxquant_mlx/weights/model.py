@@ -139,10 +139,13 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
 
 
 def _linked(model: nn.Module) -> nn.Module:
-    """`model` with the sibling layers of each recognised block sharing one launch (`siblings.py`)."""
+    """`model` with the sibling layers of each recognised block sharing one launch (`siblings.py`)
+    and its MLPs compiled at decode shapes (`compiled_mlp.py`)."""
+    from .compiled_mlp import compile_mlps
     from .siblings import link_siblings
 
     link_siblings(model)
+    compile_mlps(model)
     return model
 
 

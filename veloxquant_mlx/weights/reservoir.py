@@ -45,6 +45,7 @@ from .linear import QuantizedLinear
 from .model import fingerprint, quantized_layers
 from .rotation import StructuredRotation
 from .shared import RotatingRMSNorm, rotating_norms
+from .compiled_mlp import compile_mlps
 from .siblings import link_siblings
 
 MAGIC = b"VQWRSV\x00\x01"
@@ -275,4 +276,5 @@ def graft_reservoir(model: nn.Module, path, verify: bool = True) -> nn.Module:
     del modules
     model.update_modules(tree_unflatten(list(layers.items())))
     link_siblings(model)
+    compile_mlps(model)
     return model

@@ -101,7 +101,7 @@ class StructuredRotation:
             if stage:
                 x = x * self._signs(stage, x.dtype, None)
             if self.perms is not None:
-                x = mx.take(x, self.perms[stage], axis=-1)
+                x = mx.take(x, self._perm(stage), axis=-1)
             if len(self.blocks) == 1:
                 x = mx.hadamard_transform(x)
             else:
@@ -136,6 +136,14 @@ class StructuredRotation:
                 y = mx.take(y, self._inverse_perm(stage), axis=-1)
             y = y * self._signs(stage, y.dtype, None)
         return y
+
+    def _perm(self, stage: int) -> mx.array:
+        """perms[stage], kept: a view made once, so that a compiled caller that takes the layer's
+        parameters as inputs (`compiled_mlp.py`) meets it as a constant, not as the parameter."""
+        if not hasattr(self, "_stage_perms"):
+            self._stage_perms = [self.perms[s] for s in range(self.stages)]
+            mx.eval(self._stage_perms)
+        return self._stage_perms[stage]
 
     def _inverse_perm(self, stage: int) -> mx.array:
         if not hasattr(self, "_inverse"):
