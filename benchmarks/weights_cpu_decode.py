@@ -12,7 +12,8 @@ Variants: `ref` (the float32 model as loaded on the CPU), `ref-fp16` (cast to fl
 `vq4-emb-tiled` (VELOXQUANT_KERNELS=portable: codes decoded in tiles), `affine4` /
 `affine4-emb` (nn.quantize group 64, mx.quantized_matmul), `affine4-dequant` (the same weights
 dequantized to float32: the speed of a float model), `vq4-uncompiled` (vq4 with no route under
-mx.compile, VELOXQUANT_WEIGHT_COMPILE=0).
+mx.compile, VELOXQUANT_WEIGHT_COMPILE=0), `vq4-unfused-mlp` (vq4 with each MLP as its layers'
+calls, not one compiled call: `compiled_mlp.COMPILE_MLPS` off).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def weights_mb(model) -> float:
 
 def run_once(name: str, model, prompt: mx.array, tokens: int) -> tuple[float, float]:
     """(tokens per second of wall clock, CPU seconds of this process, all threads, per token)."""
-    from veloxquant_mlx.weights import kernel
+    from veloxquant_mlx.weights import compiled_mlp, kernel
 
     env = os.environ.get("VELOXQUANT_KERNELS")
     if name.endswith("-tiled"):
@@ -75,6 +76,7 @@ def run_once(name: str, model, prompt: mx.array, tokens: int) -> tuple[float, fl
     kernel._native_cpu.cache_clear()  # the choice is made once per process otherwise
     # routes are made at a model's first call (the warm-up round), under this setting
     kernel.COMPILE_ROUTES = not name.endswith("-uncompiled")
+    compiled_mlp.COMPILE_MLPS = not name.endswith("-unfused-mlp")
     try:
         cache = make_prompt_cache(model)
         logits = model(prompt[None], cache=cache)
