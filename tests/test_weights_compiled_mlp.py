@@ -29,7 +29,14 @@ def quantized(make, compile_mlps, monkeypatch):
     return model
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def llama_of_structured_rotations():
+    """Hidden 576 (SmolLM2's) and MLP 1152: dimensions that take the multi-stage rotation with
+    permutations, not one Hadamard transform."""
+    return tiny_llama(hidden=576, heads=9, kv_heads=3)
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3, llama_of_structured_rotations],
+                         ids=["llama", "gemma3", "llama-576"])
 def test_compiled_mlps_compute_what_the_layer_calls_do(make, monkeypatch):
     eager = decode_logits(quantized(make, False, monkeypatch))
     model = quantized(make, True, monkeypatch)
