@@ -264,11 +264,6 @@ _PROLOGUES = {
 # Kernel bodies
 # ----------------------------------------------------------------------------
 
-# One role (keys or values) of `mse_encode_kv`; `@` names are substituted with
-# the role's constants / arrays by `_encode_role`. D (dim), BITS, W (=
-# ceil(D*BITS/32)), NB (= 2^BITS - 1 boundaries), P2 (next power of two >= D),
-# ROTATE (apply the seeded-sign Hadamard rotation here; D a power of two),
-# RENORM (store ||x|| / ||c[codes]||). Threads t >= D idle but keep the barriers.
 def pack_codes(bits, count, words, first_code, store: str) -> str:
     """C statements packing `count` codes of `bits` bits, `vq_codes[first_code + i]`, into `words`
     uint32 words, LSB first (the layout of `packing.py`): thread t makes words t, t + NTH, ...,
@@ -287,6 +282,11 @@ def pack_codes(bits, count, words, first_code, store: str) -> str:
             f"    }}")
 
 
+# One role (keys or values) of `mse_encode_kv`; `@` names are substituted with
+# the role's constants / arrays by `_encode_role`. D (dim), BITS, W (=
+# ceil(D*BITS/32)), NB (= 2^BITS - 1 boundaries), P2 (next power of two >= D),
+# ROTATE (apply the seeded-sign Hadamard rotation here; D a power of two),
+# RENORM (store ||x|| / ||c[codes]||). Threads t >= D idle but keep the barriers.
 _ENCODE_ROLE = r"""
   if (@GUARD) {
     constexpr int D = @D;
@@ -353,7 +353,8 @@ def _encode_role(role: int, prefix: str, arrays: str, *, guard: str = "", value:
     """One role of an encoder: `guard` selects the threads' block, `value` is thread t's
     coordinate, the packed row goes to `out[row]` when `store`, `result` may keep the
     thread's code and the fp16-rounded norm (`code`, `out_norm`)."""
-    text = _ENCODE_ROLE.replace("@PACK", pack_codes("@BITS", "@D", "@W", 0, "if (@STORE) @OUT[(size_t)@ROW * RW + @OFF + w_] = word_;"))
+    store_word = "if (@STORE) @OUT[(size_t)@ROW * RW + @OFF + w_] = word_;"
+    text = _ENCODE_ROLE.replace("@PACK", pack_codes("@BITS", "@D", "@W", 0, store_word))
     text = text.replace("@GUARD", guard or f"vq_by == {role}").replace("@VALUE", value)
     text = text.replace("@ROW", row).replace("@OUT", out).replace("@STORE", store).replace("@RESULT", result)
     text = text.replace("@ROLE", str(role)).replace("@OFF", "0" if role == 0 else "KW")

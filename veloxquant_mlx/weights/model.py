@@ -121,7 +121,7 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     if calibration is not None:
         _quantize_calibrated(model, bits, seed, paths, sorted(tables), calibration, group_size=group_size,
                              stages=stages, column_alpha=column_alpha, progress=progress, inputs=inputs)
-        return _linked(share_input_rotations(model, groups))
+        return link_decode_paths(share_input_rotations(model, groups))
     modules = dict(model.named_modules())
     for path in tqdm(paths, desc=f"quantizing to {bits} bits", unit="layer", disable=not progress):
         module = modules.pop(path)
@@ -135,10 +135,10 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
                                                 **{"column_alpha": column_alpha, **inputs.get(path, {})})
         model.update_modules(tree_unflatten([(path, layer)]))
         del module
-    return _linked(share_input_rotations(model, groups))
+    return link_decode_paths(share_input_rotations(model, groups))
 
 
-def _linked(model: nn.Module) -> nn.Module:
+def link_decode_paths(model: nn.Module) -> nn.Module:
     """`model` with the sibling layers of each recognised block sharing one launch (`siblings.py`)
     and its MLPs compiled at decode shapes (`compiled_mlp.py`)."""
     from .compiled_mlp import compile_mlps

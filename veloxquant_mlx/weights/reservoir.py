@@ -42,11 +42,9 @@ from mlx.utils import tree_unflatten
 from .affine import GroupAffineLinear
 from .embedding import QuantizedEmbedding
 from .linear import QuantizedLinear
-from .model import fingerprint, quantized_layers
+from .model import fingerprint, link_decode_paths, quantized_layers
 from .rotation import StructuredRotation
 from .shared import RotatingRMSNorm, rotating_norms
-from .compiled_mlp import compile_mlps
-from .siblings import link_siblings
 
 MAGIC = b"VQWRSV\x00\x01"
 FORMAT_VERSION = 2
@@ -275,6 +273,4 @@ def graft_reservoir(model: nn.Module, path, verify: bool = True) -> nn.Module:
     layers, _ = load_reservoir(path, verify=verify)
     del modules
     model.update_modules(tree_unflatten(list(layers.items())))
-    link_siblings(model)
-    compile_mlps(model)
-    return model
+    return link_decode_paths(model)
