@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from . import kernel
 from .linear import MAX_KERNEL_ROWS, QuantizedLinear
+from .shared import transformer_blocks
 
 # Benchmarks compare against it off; `VELOXQUANT_WEIGHT_COMPILE=0` (kernel.COMPILE_ROUTES) turns it
 # off with every other compiled route. Read at each new input shape.
@@ -37,13 +38,11 @@ def compiles(mlp: nn.Module) -> bool:
 
 
 def compile_mlps(model: nn.Module) -> int:
-    """Make the `mlp` of every block (a module with `self_attn` and `mlp` children) whose
+    """Make the `mlp` of every block (`shared.transformer_blocks`) whose
     layers are all ours a `compiled` one; returns how many. Again on a model already done,
     it forgets the traced forms (the layers may have been replaced)."""
     count = 0
-    for _, module in model.named_modules():
-        if not (isinstance(module, nn.Module) and "self_attn" in module and "mlp" in module):
-            continue
+    for _, module in transformer_blocks(model):
         mlp = module["mlp"]
         if isinstance(mlp, nn.Module) and compiles(mlp):
             base = getattr(type(mlp), "uncompiled_class", type(mlp))

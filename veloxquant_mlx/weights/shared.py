@@ -67,13 +67,17 @@ def _norm_offset(norm) -> Optional[float]:
     return None
 
 
+def transformer_blocks(model: nn.Module):
+    """(path, module) of every transformer block: a module with `self_attn` and `mlp` children."""
+    return [(path, module) for path, module in model.named_modules()
+            if isinstance(module, nn.Module) and "self_attn" in module and "mlp" in module]
+
+
 def find_shared_inputs(model: nn.Module) -> Tuple[List[SharedInput], List[str]]:
-    """(the shared inputs of every recognised block, the paths of blocks not recognised).
-    A block is a module with `self_attn` and `mlp` children."""
+    """(the shared inputs of every recognised block, the paths of blocks not recognised);
+    blocks as `transformer_blocks` finds them."""
     found, unrecognised = [], []
-    for path, module in model.named_modules():
-        if not (isinstance(module, nn.Module) and "self_attn" in module and "mlp" in module):
-            continue
+    for path, module in transformer_blocks(model):
         names = BLOCKS.get(type(module).__module__)
         if names is None:
             unrecognised.append(f"{path} ({type(module).__module__}.{type(module).__name__})")
