@@ -57,7 +57,7 @@ def timed(make, rounds: int) -> dict:
             "nodes": sum(nodes.values()), "nodes_by_primitive": nodes}
 
 
-def parts(model, context: int, vocab: int) -> dict:
+def parts(model, context: int, vocab: int, rounds: int, api_trace: bool) -> dict:
     layer = model.model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     x = mx.random.normal((1, 1, model.args.hidden_size), key=mx.random.key(0)).astype(mx.float16)
@@ -80,9 +80,9 @@ def parts(model, context: int, vocab: int) -> dict:
                        ("model step", lambda: [model(token, cache=cache)])):
         for _ in range(3):  # the first calls make the routes and the compiled traces
             mx.eval(make())
-        record[name] = timed(make, ROUNDS)
+        record[name] = timed(make, rounds)
         rewind()
-    if API_TRACE:
+    if api_trace:
         record["model step"]["cuda_api"] = cuda_api_calls(lambda: [model(token, cache=cache)])
         rewind()
     return record
@@ -142,12 +142,7 @@ def cuda_api_calls(make, steps: int = 5) -> dict:
             for name, (n, us) in sorted(calls.items(), key=lambda kv: -kv[1][1])}
 
 
-ROUNDS = 30
-API_TRACE = False
-
-
 def main() -> None:
-    global ROUNDS, API_TRACE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-3.1-8b")
     parser.add_argument("--layers", type=int, default=2)
@@ -161,7 +156,6 @@ def main() -> None:
     parser.add_argument("--loop-steps", type=int, default=400)
     parser.add_argument("--out", default="benchmarks/results/gpu/dispatch-breakdown")
     args = parser.parse_args()
-    ROUNDS, API_TRACE = args.rounds, args.api_trace
     overrides = {"num_hidden_layers": args.layers}
     if args.loop:
         decode_loop(quantized(args.loop, args.shape, overrides), args.context, args.loop_steps)
@@ -169,7 +163,7 @@ def main() -> None:
     results = {}
     for variant in ("affine", "codebook"):
         model = quantized(variant, args.shape, overrides)
-        results[variant] = parts(model, args.context, model.args.vocab_size)
+        results[variant] = parts(model, args.context, model.args.vocab_size, args.rounds, args.api_trace)
         print(json.dumps({variant: {k: (v["build_us"], v["dispatch_us"], v["nodes"]) for k, v in results[variant].items()}}),
               flush=True)
     out = Path(args.out)

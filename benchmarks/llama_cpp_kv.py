@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from veloxquant_mlx.evaluation.data import load_text, tokenize_prefix
-from veloxquant_mlx.models import smollm2_gguf_path
+from veloxquant_mlx.models import gemma3_gguf_path, smollm2_gguf_path
 
 # ggml block layouts: (bytes per block, values per block)
 BLOCKS = {"f16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32), "q4_1": (20, 32), "q5_0": (22, 32), "q5_1": (24, 32)}
@@ -62,6 +62,8 @@ def window_logprobs(llm, window: list, chunk: int) -> np.ndarray:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--text", required=True)
+    parser.add_argument("--model", default="smollm2", choices=("smollm2", "gemma3-270m"),
+                        help="the embedded GGUF models: SmolLM2-135M (Q4_1) or Gemma 3 270M (Q4_K_M)")
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--windows", type=int, default=2)
     parser.add_argument("--chunk", type=int, default=512)
@@ -78,11 +80,11 @@ def main():
         caches.insert(0, parse_cache("f16"))
     from veloxquant_mlx.models import load_model
 
-    _, tokenizer = load_model("smollm2")
+    _, tokenizer = load_model(args.model)
     ids = tokenize_prefix(tokenizer, load_text(args.text), args.skip_tokens + args.ctx * args.windows)
     ids = ids[args.skip_tokens:]
     windows = [ids[w * args.ctx:(w + 1) * args.ctx] for w in range(args.windows)]
-    gguf = smollm2_gguf_path()
+    gguf = smollm2_gguf_path() if args.model == "smollm2" else gemma3_gguf_path()
 
     tallies = {c["cache"]: {"nll": [], "kl": [], "agree": [], "seconds": 0.0} for c in caches}
     reference = []
