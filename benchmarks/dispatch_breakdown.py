@@ -101,26 +101,6 @@ def quantized(variant: str, shape: str, overrides: dict):
     return model
 
 
-def decode_loop(model, context: int, steps: int) -> None:
-    """Greedy decode after a `context`-token prompt, pipelined as mlx-lm's generate_step."""
-    cache = make_prompt_cache(model)
-    mx.eval(model(mx.random.randint(0, model.args.vocab_size, (1, context), key=mx.random.key(2)), cache=cache))
-
-    def step(y):
-        return mx.argmax(model(y, cache=cache)[:, -1, :], axis=-1)[None]
-
-    y = step(mx.array([[1]]))
-    mx.eval(y)
-    start = time.perf_counter()
-    for _ in range(steps):
-        nxt = step(y)
-        mx.async_eval(nxt)
-        y.item()
-        y = nxt
-    mx.eval(y)
-    print(json.dumps({"steps": steps, "ms_per_token": 1e3 * (time.perf_counter() - start) / steps}), flush=True)
-
-
 def cuda_api_calls(make, steps: int = 5) -> dict:
     """The CUDA runtime and driver calls the host makes while dispatching `steps` steps
     (PyTorch's profiler, which records them through CUPTI): count and us per step, by name."""
@@ -150,16 +130,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--api-trace", action="store_true",
                         help="also record the CUDA API calls of the model's step (needs PyTorch)")
-    parser.add_argument("--loop", default="", metavar="VARIANT",
-                        help="only decode --loop-steps steps of one variant (affine or codebook), built and "
-                             "dispatched as mlx-lm does, for a sampling profiler (py-spy --native) to watch")
-    parser.add_argument("--loop-steps", type=int, default=400)
     parser.add_argument("--out", default="benchmarks/results/gpu/dispatch-breakdown")
     args = parser.parse_args()
     overrides = {"num_hidden_layers": args.layers}
-    if args.loop:
-        decode_loop(quantized(args.loop, args.shape, overrides), args.context, args.loop_steps)
-        return
     results = {}
     for variant in ("affine", "codebook"):
         model = quantized(variant, args.shape, overrides)
