@@ -27,8 +27,9 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights
-from veloxquant_mlx.weights import kernel, quantize_model
+from veloxquant_mlx.weights import kernel
+
+from dispatch_breakdown import quantized  # benchmarks/ (run as a script from the repo root)
 
 TRIVIAL = "int elem = blockIdx.x * blockDim.x + threadIdx.x; out[elem] = a0[elem];"
 TRIVIAL_METAL = "uint elem = thread_position_in_grid.x; out[elem] = a0[elem];"
@@ -65,11 +66,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/gpu/compiled-call-cost")
     args = parser.parse_args()
     overrides = {"num_hidden_layers": 2}
-    affine = build_shape_model(args.shape, "float16", None, seed=0, overrides=overrides)
-    quantize_weights(affine, 4)
-    ours = build_shape_model(args.shape, "float16", None, seed=0, overrides=overrides)
-    quantize_model(ours, 4, seed=0, skip=("lm_head",), progress=False)
-    mx.eval(affine.parameters(), ours.parameters())
+    affine, ours = quantized("affine", args.shape, overrides), quantized("codebook", args.shape, overrides)
     hidden = ours.args.hidden_size
     x = mx.random.normal((1, 1, hidden), key=mx.random.key(0)).astype(mx.float16)
     small = [mx.random.normal((1, 1, 4096), key=mx.random.key(i)).astype(mx.float16) for i in range(11)]
