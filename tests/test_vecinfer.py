@@ -251,7 +251,9 @@ def test_coherent_generation_on_smollm2(tmp_path):
         return out
 
     fp16 = greedy(None)
-    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(model).build()
+    # the presets' 4 fp16 sinks (8 of the prompt's 12 tokens still go to codes): without them the greedy
+    # answer of 2-bit vecinfer depends on the CPU's float rounding (an Intel Xeon answered "Germany.")
+    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path), sink_tokens=4)).for_model(model).build()
     got = greedy(caches)
     assert got[:2] == fp16[:2], (tokenizer.decode(got), tokenizer.decode(fp16))
     assert "Berlin" in tokenizer.decode(got)

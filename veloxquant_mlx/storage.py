@@ -35,6 +35,16 @@ def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: in
     return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
 
 
+def _with_spare_capacity(buffer: mx.array, step: int) -> mx.array:
+    """A loaded buffer of exactly its stored rows, grown to the capacity that appending them
+    would have left: the loaded store then computes on the shapes of the one that was saved
+    (its decode reads the whole capacity, masked), so its outputs match it bit for bit."""
+    spare = -buffer.shape[2] % step
+    if not spare:
+        return buffer
+    return mx.concatenate([buffer, mx.zeros((*buffer.shape[:2], spare, buffer.shape[3]), buffer.dtype)], axis=2)
+
+
 def _drop_front(buffer: mx.array, rows: int, used: int, step: int) -> mx.array:
     """`buffer` without its first `rows` rows, of which `used` hold data: the rest keeps the
     capacity (shapes stay fixed, so compiled steps replay) unless whole steps of it are free."""
@@ -127,7 +137,7 @@ class RowStore:
         return 0 if self.rows is None else self.rows.nbytes // self.rows.shape[2] * self.count
 
     def load(self, key_fields: Fields, value_fields: Fields, count: int):
-        self.rows = self.layout.pack(key_fields, value_fields) if count else None
+        self.rows = _with_spare_capacity(self.layout.pack(key_fields, value_fields), self.step) if count else None
         self.count = count
 
 
@@ -199,7 +209,10 @@ class FieldStore:
                    for role, fields in self.buffers.items() for name, buf in fields.items())
 
     def load(self, key_fields: Fields, value_fields: Fields, count: int):
-        self.buffers = {"keys": dict(key_fields), "values": dict(value_fields)}
+        per_row = self.tokens_per_row
+        self.buffers = {role: {name: _with_spare_capacity(buf, max(1, self.step // per_row[role][name]))
+                               for name, buf in fields.items()}
+                        for role, fields in (("keys", key_fields), ("values", value_fields))}
         self.count = count
 
 
