@@ -275,7 +275,7 @@ def write(args, variants, record, errors) -> None:
         ratio = f"{r['vs_affine']:.2f}x" if r["vs_affine"] else "n/a"
         paired = f"{r['median_round_ratio']:.2f}x" if r["median_round_ratio"] else "n/a"
         lines.append(f"| {variant} | {rate} | {ratio} | {paired} | {r['host_ms_per_step']:.2f} | "
-                     f"{r.get('dispatch_ms_per_step', float('nan')):.2f} | {r['step_alone_ms']:.2f} | "
+                     f"{r['dispatch_ms_per_step']:.2f} | {r['step_alone_ms']:.2f} | "
                      f"{r['logits_rel_rms_error_vs_fp16']:.4f} | {r['quantize_s']:.1f} | "
                      f"{r['fused_rotation'] if variant != 'affine' else '-'} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")

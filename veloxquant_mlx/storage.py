@@ -26,23 +26,29 @@ from .formats import Fields, RowLayout
 STEP = 256
 
 
+def _padded(buffer: mx.array, capacity: int) -> mx.array:
+    """`buffer` with zero rows appended up to `capacity` rows."""
+    spare = capacity - buffer.shape[2]
+    if not spare:
+        return buffer
+    return mx.concatenate([buffer, mx.zeros((*buffer.shape[:2], spare, buffer.shape[3]), buffer.dtype)], axis=2)
+
+
 def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: int) -> mx.array:
     capacity = 0 if buffer is None else buffer.shape[2]
     if rows_needed <= capacity:
         return buffer
     new_capacity = math.ceil(rows_needed / step) * step
-    extra = mx.zeros((*like.shape[:2], new_capacity - capacity, like.shape[3]), dtype=like.dtype)
-    return extra if buffer is None else mx.concatenate([buffer, extra], axis=2)
+    if buffer is None:
+        return mx.zeros((*like.shape[:2], new_capacity, like.shape[3]), dtype=like.dtype)
+    return _padded(buffer, new_capacity)
 
 
 def _with_spare_capacity(buffer: mx.array, step: int) -> mx.array:
     """A loaded buffer of exactly its stored rows, grown to the capacity that appending them
     would have left: the loaded store then computes on the shapes of the one that was saved
     (its decode reads the whole capacity, masked), so its outputs match it bit for bit."""
-    spare = -buffer.shape[2] % step
-    if not spare:
-        return buffer
-    return mx.concatenate([buffer, mx.zeros((*buffer.shape[:2], spare, buffer.shape[3]), buffer.dtype)], axis=2)
+    return _padded(buffer, math.ceil(buffer.shape[2] / step) * step)
 
 
 def _drop_front(buffer: mx.array, rows: int, used: int, step: int) -> mx.array:
@@ -52,8 +58,7 @@ def _drop_front(buffer: mx.array, rows: int, used: int, step: int) -> mx.array:
         return buffer
     left = used - rows
     capacity = min(buffer.shape[2], max(step, math.ceil(left / step) * step))
-    kept = buffer[..., rows:used, :]
-    return mx.concatenate([kept, mx.zeros((*kept.shape[:2], capacity - left, kept.shape[3]), kept.dtype)], axis=2)
+    return _padded(buffer[..., rows:used, :], capacity)
 
 
 class RowStore:
@@ -154,6 +159,10 @@ class FieldStore:
     def tokens_per_row(self) -> Dict[str, Dict[str, int]]:
         return {role: {f.name: f.tokens_per_row for f in fmt.fields} for role, fmt in self.formats.items()}
 
+    def _rows_step(self, tokens_per_row: int) -> int:
+        """A field's growth step in rows: `step` tokens."""
+        return max(1, self.step // tokens_per_row)
+
     @property
     def capacity(self) -> int:
         """Tokens every field has room for, in whole blocks."""
@@ -169,7 +178,7 @@ class FieldStore:
             per_row = self.tokens_per_row[role]
             for name, field in encoded.items():
                 row = self.count // per_row[name]
-                buf = _grow(self.buffers[role].get(name), row + field.shape[2], field, max(1, self.step // per_row[name]))
+                buf = _grow(self.buffers[role].get(name), row + field.shape[2], field, self._rows_step(per_row[name]))
                 buf[..., row : row + field.shape[2], :] = field
                 self.buffers[role][name] = buf
         self.count += count
@@ -194,7 +203,7 @@ class FieldStore:
                 if count % per_row[name]:
                     raise ValueError(f"cannot drop {count} tokens from {role}.{name} ({per_row[name]} per row)")
                 fields[name] = _drop_front(buf, count // per_row[name], -(-self.count // per_row[name]),
-                                           max(1, self.step // per_row[name]))
+                                           self._rows_step(per_row[name]))
         self.count -= count
 
     @property
@@ -210,7 +219,7 @@ class FieldStore:
 
     def load(self, key_fields: Fields, value_fields: Fields, count: int):
         per_row = self.tokens_per_row
-        self.buffers = {role: {name: _with_spare_capacity(buf, max(1, self.step // per_row[role][name]))
+        self.buffers = {role: {name: _with_spare_capacity(buf, self._rows_step(per_row[role][name]))
                                for name, buf in fields.items()}
                         for role, fields in (("keys", key_fields), ("values", value_fields))}
         self.count = count
