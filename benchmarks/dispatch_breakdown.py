@@ -130,12 +130,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--api-trace", action="store_true",
                         help="also record the CUDA API calls of the model's step (needs PyTorch)")
+    parser.add_argument("--share-layers", action="store_true",
+                        help="make every layer the first one (one set of modules called --layers times), to "
+                             "see what distinct layers cost the host")
     parser.add_argument("--out", default="benchmarks/results/gpu/dispatch-breakdown")
     args = parser.parse_args()
     overrides = {"num_hidden_layers": args.layers}
     results = {}
     for variant in ("affine", "codebook"):
         model = quantized(variant, args.shape, overrides)
+        if args.share_layers:
+            model.model.layers = [model.model.layers[0]] * args.layers
         results[variant] = parts(model, args.context, model.args.vocab_size, args.rounds, args.api_trace)
         print(json.dumps({variant: {k: (v["build_us"], v["dispatch_us"], v["nodes"]) for k, v in results[variant].items()}}),
               flush=True)
@@ -143,7 +148,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"device": str(mx.default_device()), "args": vars(args),
                                                   "parts": results}, indent=2))
-    lines = [f"| {args.shape} ({args.layers} layers), fp16, context {args.context} | affine build us | ours build us "
+    shared = ", one layer's modules shared" if args.share_layers else ""
+    lines = [f"| {args.shape} ({args.layers} layers{shared}), fp16, context {args.context} | affine build us | ours build us "
              "| affine dispatch us | ours dispatch us | affine nodes | ours nodes |", "|---|---:|---:|---:|---:|---:|---:|"]
     for part in results["affine"]:
         a, o = results["affine"][part], results["codebook"][part]
