@@ -27,6 +27,9 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
   per-layer-rotating-uncompiled  per-layer-rotating with no route compiled (VELOXQUANT_WEIGHT_COMPILE=0);
   per-layer-rotating-unfused-mlp  per-layer-rotating with each MLP as its layers' calls, not one compiled
                    call (`compiled_mlp.COMPILE_MLPS` off; on by default since the fourteenth session);
+  per-layer-rotating-uncompiled-blocks  per-layer-rotating with each block's halves around its attention as
+                   their modules' calls, not two compiled calls (`compiled_block.COMPILE_BLOCKS` off; on by
+                   default since the sixteenth session);
   shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
                    their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
                    `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
@@ -61,12 +64,12 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step
 
 from veloxquant_mlx.evaluation.shapes import build_shape_model, quantize_weights, resolve_dtype, shape_config
-from veloxquant_mlx.weights import compiled_mlp, kernel, quantize_model, rotating_matmul, rotation_kernel
+from veloxquant_mlx.weights import compiled_block, compiled_mlp, kernel, quantize_model, rotating_matmul, rotation_kernel
 
 VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "per-layer-rotating-fused",
             "per-layer-rotating-rpw2",
             "per-layer-rotating-compiled", "per-layer-rotating-rpw2-compiled", "per-layer-rotating-uncompiled",
-            "per-layer-rotating-unfused-mlp", "shared", "shared-rotating",
+            "per-layer-rotating-unfused-mlp", "per-layer-rotating-uncompiled-blocks", "shared", "shared-rotating",
             "per-layer-fused", "shared-fused", "shared-compiled")
 DEFAULT_VARIANTS = ("affine", "per-layer", "per-layer-rotating", "per-layer-rotating-single", "shared",
                     "shared-rotating")
@@ -152,6 +155,7 @@ def use(variant: str) -> None:
     rotating_matmul.SIBLING_LAUNCH = not variant.endswith("-single")
     kernel.ROWS_PER_WARP = 2 if "-rpw2" in variant else None
     compiled_mlp.COMPILE_MLPS = not variant.endswith("-unfused-mlp")
+    compiled_block.COMPILE_BLOCKS = not variant.endswith("-uncompiled-blocks")
 
 
 def fused_rotation(variant: str) -> str:

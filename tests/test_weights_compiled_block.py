@@ -1,0 +1,106 @@
+"""Each llama-family block's halves around its attention as compiled calls at decode shapes
+(weights/compiled_block.py)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import gemma3_text, llama, qwen2
+from mlx_lm.models.cache import make_prompt_cache
+
+from conftest import tiny_gemma3, tiny_llama
+from veloxquant_mlx import KVCacheConfig
+from veloxquant_mlx.integration import make_prompt_cache as compressed_cache
+from veloxquant_mlx.weights import compiled_block, graft_reservoir, kernel, quantize_model, save_reservoir
+
+
+def decode_logits(model, make_cache=make_prompt_cache, steps=3):
+    """The prompt's last logits and those of `steps` decode steps, evaluated step by step
+    as mlx-lm's generate does."""
+    cache = make_cache(model)
+    out = [model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), cache=cache)[:, -1]]
+    mx.eval(out)
+    for token in range(steps):
+        out.append(model(mx.array([[11 + token]]), cache=cache)[:, -1])
+        mx.eval(out[-1])
+    return mx.concatenate(out)
+
+
+def quantized(make, compile_blocks, monkeypatch):
+    monkeypatch.setattr(compiled_block, "COMPILE_BLOCKS", compile_blocks)
+    model = make()
+    quantize_model(model, 4, skip=("lm_head",), progress=False)
+    return model
+
+
+def tiny_qwen2():
+    """Qwen2's block: llama's with biases on q/k/v."""
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=96,
+                           tie_word_embeddings=False)
+    mx.random.seed(3)
+    model = qwen2.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, lambda: tiny_llama(hidden=576, heads=9, kv_heads=3)],
+                         ids=["llama", "qwen2", "llama-576"])
+def test_compiled_blocks_compute_what_the_block_does(make, monkeypatch):
+    eager = decode_logits(quantized(make, False, monkeypatch))
+    model = quantized(make, True, monkeypatch)
+    got = decode_logits(model)
+    assert mx.array_equal(got, eager)
+    block = model.model.layers[0]
+    # decode shapes took the compiled halves; the 10-token prompt (prefill-sized) did not
+    assert list(block._decode_halves) == [((1, 1, block.self_attn.q_proj.in_features), mx.float32)]
+    assert type(block).__name__ == "TransformerBlock" and isinstance(block, (llama.TransformerBlock,
+                                                                             qwen2.TransformerBlock))
+
+
+def test_with_a_compressed_kv_cache(monkeypatch):
+    """The attention function is the one the cache's hook installed, so the compressed cache attends."""
+    config = KVCacheConfig.preset("vq4")
+    eager = decode_logits(quantized(tiny_llama, False, monkeypatch), lambda m: compressed_cache(m, config))
+    model = quantized(tiny_llama, True, monkeypatch)
+    caches = []
+    got = decode_logits(model, lambda m: caches.append(compressed_cache(m, config)) or caches[-1])
+    assert mx.array_equal(got, eager)
+    assert caches[0][0].offset == 13 and model.model.layers[1]._decode_halves
+
+
+def test_other_blocks_keep_their_call(monkeypatch):
+    model = quantized(tiny_gemma3, True, monkeypatch)
+    decode_logits(model)
+    block = model.model.layers[0]
+    assert type(block) is gemma3_text.TransformerBlock and "_decode_halves" not in block.__dict__
+
+
+def test_compiled_blocks_read_updated_parameters(monkeypatch):
+    models = [quantized(tiny_llama, flag, monkeypatch) for flag in (False, True)]
+    before = decode_logits(models[1])
+    for model in models:
+        for block in model.model.layers:
+            block.self_attn.o_proj.update({"scales": block.self_attn.o_proj.scales * 2})
+            block.input_layernorm.update({"weight": block.input_layernorm.weight * 0.5})
+    after = [decode_logits(model) for model in models]
+    assert mx.array_equal(after[1], after[0])
+    assert not mx.allclose(after[1], before)
+
+
+def test_off_with_the_compiled_routes(monkeypatch):
+    monkeypatch.setattr(kernel, "COMPILE_ROUTES", False)
+    model = quantized(tiny_llama, True, monkeypatch)
+    decode_logits(model)
+    assert model.model.layers[0]._decode_halves == {}
+
+
+def test_a_grafted_model_compiles_its_blocks_afresh(tmp_path, monkeypatch):
+    model = quantized(tiny_llama, True, monkeypatch)
+    expected = decode_logits(model)
+    path = tmp_path / "model.reservoir"
+    save_reservoir(model, path)
+    target = tiny_llama()
+    graft_reservoir(target, path)
+    block = target.model.layers[1]
+    assert type(block).uncompiled_class is llama.TransformerBlock and block._decode_halves == {}
+    assert mx.array_equal(decode_logits(target), expected)
+    assert block._decode_halves
