@@ -56,6 +56,30 @@ def test_compiled_blocks_compute_what_the_block_does(make, monkeypatch):
                                                                              qwen2.TransformerBlock))
 
 
+def llama_with_rope(scaling):
+    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                           rope_scaling=scaling, max_position_embeddings=64)
+    mx.random.seed(4)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("scaling, inside", [
+    ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16}, True),
+    ({"type": "dynamic", "factor": 2.0}, False)], ids=["llama3", "dynamic"])
+def test_the_rotary_embedding_inside_or_outside(scaling, inside, monkeypatch):
+    """Llama 3's rotary embedding takes an array offset and runs inside the first half; the dynamic
+    NTK one does arithmetic on the offset and runs outside. Both as the block's own call."""
+    make = lambda: llama_with_rope(scaling)  # noqa: E731
+    eager = decode_logits(quantized(make, False, monkeypatch), steps=5)
+    model = quantized(make, True, monkeypatch)
+    assert mx.array_equal(decode_logits(model, steps=5), eager)
+    (halves,) = model.model.layers[0]._decode_halves.values()
+    assert halves.rope_inside is inside
+
+
 def test_with_a_compressed_kv_cache(monkeypatch):
     """The attention function is the one the cache's hook installed, so the compressed cache attends."""
     config = KVCacheConfig.preset("vq4")

@@ -7,19 +7,22 @@ attention: the norm, q/k/v, their reshapes and transposes, the output's transpos
 reshape, o_proj, the residual adds and the MLP's norm. At decode shapes the block's class is
 swapped for a subclass whose call runs, as mlx-lm's `Attention` and `TransformerBlock` do:
 
-    q, k, v = before(x)                  compiled: norm, projections, split into heads
-    rotary embedding, cache update, attention
-                                         mlx-lm's own calls, outside: they read the cache's
-                                         Python offset, which would retrace every step
+    q, k, v = before(x, offset)          compiled: norm, projections, split into heads, rotary
+                                         embedding (the offset an array input, so that one trace
+                                         serves every position)
+    cache update, attention              mlx-lm's own calls, outside: the cache is Python state
     out = after(attention output, x)     compiled: heads merged, o_proj, residual, norm, MLP, residual
 
-The attention function is looked up in the block's module at each call, so a compressed
-cache's hook (`integration.install_attention_hook`) is honoured. Only the blocks of
-`BLOCK_MODULES` take it, whose attention is exactly this sequence; other blocks keep
-their own call. As for the MLPs: the class keeps its name and parameters, the compiled
-halves read the current parameters at every call (`mx.compile(inputs=...)`), the first
-call of each input shape runs uncompiled (it makes the layers' routes and runs their first-use
-checks), and prefill shapes stay uncompiled.
+A rotary embedding that cannot take an array offset stays outside too. The attention
+function is looked up in the block's module at each call, so a compressed cache's hook
+(`integration.install_attention_hook`) is honoured. Only the blocks of `BLOCK_MODULES` take
+it, whose attention is exactly this sequence; other blocks keep their own call. As for the
+MLPs: the class keeps its name and parameters, the first call of each input shape runs
+uncompiled (it makes the layers' routes and runs their first-use checks), and prefill shapes
+stay uncompiled. Unlike them, the parameters enter the traces as constants, so that a call
+passes only its activations (`mx.compile` flattens every input tree at every call); each call
+first checks that every parameter is still the array its trace holds, and traces again if
+one was replaced (`model.update`).
 """
 
 from __future__ import annotations
@@ -54,25 +57,69 @@ def compile_blocks(model: nn.Module) -> int:
     return count
 
 
-def _halves(block: nn.Module):
-    """(before, after) of `block`, each under mx.compile with its modules' parameters as inputs."""
-    attn = block.self_attn
+def _parameter_leaves(tree, out: list) -> list:
+    """(container, key, array) of every array in a tree of modules, dicts and lists."""
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, (list, tuple)) else ()
+    for key, value in items:
+        if isinstance(value, mx.array):
+            out.append((tree, key, value))
+        elif isinstance(value, (dict, list, tuple)):
+            _parameter_leaves(value, out)
+    return out
 
-    def before(x):
-        b, n, _ = x.shape
-        h = block.input_layernorm(x)
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-        return (q.reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3),
-                k.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3),
-                v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
 
-    def after(attended, x):
-        b, n, _ = x.shape
-        h = x + attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(b, n, -1))
-        return h + block.mlp(block.post_attention_layernorm(h))
+# mlx-lm's rotary embeddings that hand `offset` to mx.fast.rope unchanged, so that it may be an array
+# (an input of the compiled half, so one trace serves every position); DynamicNTKScalingRoPE does
+# arithmetic on it and stays outside.
+ROPES_TAKING_ARRAY_OFFSETS = ("RoPE", "Llama3RoPE", "YarnRoPE", "SuScaledRoPE", "ProportionalRoPE")
+_OFFSETS: dict = {}  # the cache offset of the step -> it as an array, made once for every layer
 
-    return (mx.compile(before, inputs=[block.input_layernorm, attn.q_proj, attn.k_proj, attn.v_proj]),
-            mx.compile(after, inputs=[attn.o_proj, block.post_attention_layernorm, block.mlp]))
+
+def _offset_array(offset) -> mx.array:
+    if isinstance(offset, mx.array):
+        return offset
+    array = _OFFSETS.get(offset)
+    if array is None:
+        if len(_OFFSETS) > 16:
+            _OFFSETS.clear()
+        array = _OFFSETS[offset] = mx.array(offset, dtype=mx.int32)
+    return array
+
+
+class Halves:
+    """The compiled halves of one block at one input shape, with the parameters their traces
+    hold as constants (`current`: whether each is still the block's)."""
+
+    def __init__(self, block: nn.Module):
+        attn, mlp = block.self_attn, block.mlp
+        mlp_call = getattr(type(mlp), "uncompiled_class", type(mlp)).__call__
+        self.rope_inside = type(attn.rope).__name__ in ROPES_TAKING_ARRAY_OFFSETS
+
+        def before(x, offset):
+            b, n, _ = x.shape
+            h = block.input_layernorm(x)
+            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+            q = q.reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+            k = k.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            if offset is not None:
+                q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+            return q, k, v
+
+        def after(attended, x):
+            b, n, _ = x.shape
+            h = x + attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(b, n, -1))
+            return h + mlp_call(mlp, block.post_attention_layernorm(h))
+
+        self.before = mx.compile(before if self.rope_inside else lambda x: before(x, None))
+        self.after = mx.compile(after)
+        self.leaves = _parameter_leaves([block.input_layernorm, attn, block.post_attention_layernorm, mlp], [])
+
+    def current(self) -> bool:
+        for container, key, array in self.leaves:
+            if container[key] is not array:
+                return False
+        return True
 
 
 @lru_cache(maxsize=None)
@@ -83,21 +130,24 @@ def compiled_class(base: type) -> type:
         if cache is None:
             return base.__call__(self, x, mask, cache)
         halves = self._decode_halves.get((x.shape, x.dtype))
-        if halves is None:
+        if halves is None or not halves.current():
             y = base.__call__(self, x, mask, cache)
             if x.size // x.shape[-1] <= MAX_KERNEL_ROWS and COMPILE_BLOCKS and kernel.COMPILE_ROUTES:
-                # evaluated, the constants the layers' routes keep hold no graph back to the parameters
+                # evaluated, the arrays the traces keep as constants hold no graph
                 mx.eval(y)
-                self._decode_halves[(x.shape, x.dtype)] = _halves(self)
+                self._decode_halves[(x.shape, x.dtype)] = Halves(self)
             return y
         attn = self.self_attn
-        queries, keys, values = halves[0](x)
-        queries = attn.rope(queries, offset=cache.offset)
-        keys = attn.rope(keys, offset=cache.offset)
+        if halves.rope_inside:
+            queries, keys, values = halves.before(x, _offset_array(cache.offset))
+        else:
+            queries, keys, values = halves.before(x)
+            queries = attn.rope(queries, offset=cache.offset)
+            keys = attn.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         attention = sys.modules[base.__module__].scaled_dot_product_attention
         attended = attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
-        return halves[1](attended, x)
+        return halves.after(attended, x)
 
     return type(base.__name__, (base,), {"__call__": __call__, "uncompiled_class": base,
                                          "__module__": base.__module__, "__qualname__": base.__qualname__})
