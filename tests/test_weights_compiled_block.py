@@ -42,18 +42,19 @@ def tiny_qwen2():
     return model
 
 
-@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, lambda: tiny_llama(hidden=576, heads=9, kv_heads=3)],
-                         ids=["llama", "qwen2", "llama-576"])
+@pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, lambda: tiny_llama(hidden=576, heads=9, kv_heads=3),
+                                  tiny_gemma3], ids=["llama", "qwen2", "llama-576", "gemma3"])
 def test_compiled_blocks_compute_what_the_block_does(make, monkeypatch):
-    eager = decode_logits(quantized(make, False, monkeypatch))
+    eager = decode_logits(quantized(make, False, monkeypatch), steps=40)
     model = quantized(make, True, monkeypatch)
-    got = decode_logits(model)
+    got = decode_logits(model, steps=40)
     assert mx.array_equal(got, eager)
-    block = model.model.layers[0]
-    # decode shapes took the compiled halves; the 10-token prompt (prefill-sized) did not
-    assert list(block._decode_halves) == [((1, 1, block.self_attn.q_proj.in_features), mx.float32)]
-    assert type(block).__name__ == "TransformerBlock" and isinstance(block, (llama.TransformerBlock,
-                                                                             qwen2.TransformerBlock))
+    # decode shapes took the compiled halves in every layer (Gemma's sliding and global ones, the
+    # 40 steps past its 32-token window); the 10-token prompt (prefill-sized) did not
+    for block in model.model.layers:
+        assert list(block._decode_halves) == [((1, 1, block.self_attn.q_proj.in_features), mx.float32)]
+        assert type(block).__name__ == "TransformerBlock" and isinstance(
+            block, (llama.TransformerBlock, qwen2.TransformerBlock, gemma3_text.TransformerBlock))
 
 
 def llama_with_rope(scaling):
@@ -80,22 +81,28 @@ def test_the_rotary_embedding_inside_or_outside(scaling, inside, monkeypatch):
     assert halves.rope_inside is inside
 
 
-def test_with_a_compressed_kv_cache(monkeypatch):
+@pytest.mark.parametrize("make", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3"])
+def test_with_a_compressed_kv_cache(make, monkeypatch):
     """The attention function is the one the cache's hook installed, so the compressed cache attends."""
-    config = KVCacheConfig.preset("vq4")
-    eager = decode_logits(quantized(tiny_llama, False, monkeypatch), lambda m: compressed_cache(m, config))
-    model = quantized(tiny_llama, True, monkeypatch)
+    config = KVCacheConfig.preset("vq4", residual_length=8)  # fits Gemma's 32-token sliding window
+    eager = decode_logits(quantized(make, False, monkeypatch), lambda m: compressed_cache(m, config), steps=40)
+    model = quantized(make, True, monkeypatch)
     caches = []
-    got = decode_logits(model, lambda m: caches.append(compressed_cache(m, config)) or caches[-1])
+    got = decode_logits(model, lambda m: caches.append(compressed_cache(m, config)) or caches[-1], steps=40)
     assert mx.array_equal(got, eager)
-    assert caches[0][0].offset == 13 and model.model.layers[1]._decode_halves
+    assert caches[0][-1].offset == 50 and model.model.layers[-1]._decode_halves
 
 
 def test_other_blocks_keep_their_call(monkeypatch):
-    model = quantized(tiny_gemma3, True, monkeypatch)
+    class Block(llama.TransformerBlock):  # a block class of another module
+        pass
+
+    model = tiny_llama()
+    model.model.layers[0].__class__ = Block
+    quantize_model(model, 4, skip=("lm_head",), progress=False)
     decode_logits(model)
-    block = model.model.layers[0]
-    assert type(block) is gemma3_text.TransformerBlock and "_decode_halves" not in block.__dict__
+    assert type(model.model.layers[0]) is Block and "_decode_halves" not in model.model.layers[0].__dict__
+    assert model.model.layers[1]._decode_halves
 
 
 def test_compiled_blocks_read_updated_parameters(monkeypatch):

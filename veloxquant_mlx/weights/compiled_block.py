@@ -1,11 +1,12 @@
-"""The two halves of each llama-family block around its attention as compiled calls at decode shapes.
+"""The two halves of each transformer block around its attention as compiled calls at decode shapes.
 
 A decode step's graph is built in Python while the GPU runs the previous step; ours is
 host-bound (docs/weights.md, "Each block's halves as compiled calls"). With the MLP compiled
 (`compiled_mlp.py`), a block still makes about fifteen Python-level calls around its
 attention: the norm, q/k/v, their reshapes and transposes, the output's transpose and
 reshape, o_proj, the residual adds and the MLP's norm. At decode shapes the block's class is
-swapped for a subclass whose call runs, as mlx-lm's `Attention` and `TransformerBlock` do:
+swapped for a subclass whose call runs, as mlx-lm's `Attention` and `TransformerBlock` do
+(llama's here; `HALVES` has each architecture's):
 
     q, k, v = before(x, offset)          compiled: norm, projections, split into heads, rotary
                                          embedding (the offset an array input, so that one trace
@@ -15,8 +16,8 @@ swapped for a subclass whose call runs, as mlx-lm's `Attention` and `Transformer
 
 A rotary embedding that cannot take an array offset stays outside too. The attention
 function is looked up in the block's module at each call, so a compressed cache's hook
-(`integration.install_attention_hook`) is honoured. Only the blocks of `BLOCK_MODULES` take
-it, whose attention is exactly this sequence; other blocks keep their own call. As for the
+(`integration.install_attention_hook`) is honoured. Only the blocks of the architectures in
+`HALVES` (llama, qwen2, gemma3_text) take it; other blocks keep their own call. As for the
 MLPs: the class keeps its name and parameters, the first call of each input shape runs
 uncompiled (it makes the layers' routes and runs their first-use checks), and prefill shapes
 stay uncompiled. Unlike them, the parameters enter the traces as constants, so that a call
@@ -40,17 +41,15 @@ from .shared import transformer_blocks
 # Benchmarks compare against it off; `VELOXQUANT_WEIGHT_COMPILE=0` (kernel.COMPILE_ROUTES) turns it
 # off with every other compiled route. Read at each new input shape.
 COMPILE_BLOCKS = True
-# mlx-lm modules whose TransformerBlock and Attention compute exactly what `_decode` does.
-BLOCK_MODULES = ("mlx_lm.models.llama", "mlx_lm.models.qwen2")
 
 
 def compile_blocks(model: nn.Module) -> int:
-    """Make every block of `BLOCK_MODULES` a `compiled_class` one; returns how many. Again on a
-    model already done, it forgets the traced forms (the layers may have been replaced)."""
+    """Make every block of an architecture in `HALVES` a `compiled_class` one; returns how many.
+    Again on a model already done, it forgets the traced forms (the layers may have been replaced)."""
     count = 0
     for _, block in transformer_blocks(model):
         base = getattr(type(block), "uncompiled_class", type(block))
-        if base.__module__ in BLOCK_MODULES and base.__name__ == "TransformerBlock":
+        if base.__module__ in HALVES and base.__name__ == "TransformerBlock":
             block.__class__ = compiled_class(base)
             block.__dict__["_decode_halves"] = {}
             count += 1
@@ -86,34 +85,79 @@ def _offset_array(offset) -> mx.array:
     return array
 
 
+def _heads(attn, q, k, v, x):
+    """q, k, v split into heads, (batch, heads, tokens, head dim), as mlx-lm's attentions do."""
+    b, n, _ = x.shape
+    return (q.reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3),
+            k.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3),
+            v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
+
+
+def _merged(attended, x):
+    b, n, _ = x.shape
+    return attended.transpose(0, 2, 1, 3).reshape(b, n, -1)
+
+
+def _llama_halves(block, module, mlp_call):
+    """mlx-lm's llama and qwen2 blocks: attention(norm(x)) + x, then mlp(norm(h)) + h."""
+    attn = block.self_attn
+
+    def before(x, offset):
+        h = block.input_layernorm(x)
+        q, k, v = _heads(attn, attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), x)
+        if offset is not None:
+            q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+        return q, k, v
+
+    def after(attended, x):
+        h = x + attn.o_proj(_merged(attended, x))
+        return h + mlp_call(block.mlp, block.post_attention_layernorm(h))
+
+    return before, after
+
+
+def _gemma3_halves(block, module, mlp_call):
+    """mlx-lm's gemma3_text block: q and k normed per head before the rotary embedding, and a norm
+    on each branch's output before its clipped residual."""
+    attn, clip_residual = block.self_attn, module.clip_residual
+
+    def before(x, offset):
+        h = block.input_layernorm(x)
+        q, k, v = _heads(attn, attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), x)
+        q, k = attn.q_norm(q), attn.k_norm(k)
+        if offset is not None:
+            q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+        return q, k, v
+
+    def after(attended, x):
+        h = clip_residual(x, block.post_attention_layernorm(attn.o_proj(_merged(attended, x))))
+        r = mlp_call(block.mlp, block.pre_feedforward_layernorm(h))
+        return clip_residual(h, block.post_feedforward_layernorm(r))
+
+    return before, after
+
+
+# mlx-lm module of a TransformerBlock -> its halves around the attention, computing exactly what its
+# block and attention calls compute. Every one's middle is the same: rotary embedding (unless inside
+# `before`), `cache.update_and_fetch`, the module's scaled_dot_product_attention.
+HALVES = {
+    "mlx_lm.models.llama": _llama_halves,
+    "mlx_lm.models.qwen2": _llama_halves,
+    "mlx_lm.models.gemma3_text": _gemma3_halves,
+}
+
+
 class Halves:
     """The compiled halves of one block at one input shape, with the parameters their traces
     hold as constants (`current`: whether each is still the block's)."""
 
-    def __init__(self, block: nn.Module):
-        attn, mlp = block.self_attn, block.mlp
-        mlp_call = getattr(type(mlp), "uncompiled_class", type(mlp)).__call__
-        self.rope_inside = type(attn.rope).__name__ in ROPES_TAKING_ARRAY_OFFSETS
-
-        def before(x, offset):
-            b, n, _ = x.shape
-            h = block.input_layernorm(x)
-            q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-            q = q.reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
-            k = k.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            v = v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
-            if offset is not None:
-                q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
-            return q, k, v
-
-        def after(attended, x):
-            b, n, _ = x.shape
-            h = x + attn.o_proj(attended.transpose(0, 2, 1, 3).reshape(b, n, -1))
-            return h + mlp_call(mlp, block.post_attention_layernorm(h))
-
+    def __init__(self, block: nn.Module, base: type):
+        mlp_call = getattr(type(block.mlp), "uncompiled_class", type(block.mlp)).__call__
+        before, after = HALVES[base.__module__](block, sys.modules[base.__module__], mlp_call)
+        self.rope_inside = type(block.self_attn.rope).__name__ in ROPES_TAKING_ARRAY_OFFSETS
         self.before = mx.compile(before if self.rope_inside else lambda x: before(x, None))
         self.after = mx.compile(after)
-        self.leaves = _parameter_leaves([block.input_layernorm, attn, block.post_attention_layernorm, mlp], [])
+        self.leaves = _parameter_leaves(block, [])
 
     def current(self) -> bool:
         for container, key, array in self.leaves:
@@ -135,7 +179,7 @@ def compiled_class(base: type) -> type:
             if x.size // x.shape[-1] <= MAX_KERNEL_ROWS and COMPILE_BLOCKS and kernel.COMPILE_ROUTES:
                 # evaluated, the arrays the traces keep as constants hold no graph
                 mx.eval(y)
-                self._decode_halves[(x.shape, x.dtype)] = Halves(self)
+                self._decode_halves[(x.shape, x.dtype)] = Halves(self, base)
             return y
         attn = self.self_attn
         if halves.rope_inside:
