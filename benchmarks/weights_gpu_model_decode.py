@@ -14,7 +14,9 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
                    the LUT matmul with the rotation in its prologue (`weights/rotating_matmul.py`)
                    for the 4096-wide inputs, q/k/v in one launch and gate/up in another
                    (`weights/siblings.py`), o_proj in its own; down_proj (14336) as per-layer;
-                   each route's launches under mx.compile (the GPU default, `kernel.COMPILE_ROUTES`);
+                   each route's launches under mx.compile (the GPU default, `kernel.COMPILE_ROUTES`),
+                   each MLP one compiled call and each block's halves around its attention two
+                   (`compiled_mlp.py`, `compiled_block.py`);
   per-layer-rotating-single  the same with one launch per layer (VELOXQUANT_WEIGHT_SIBLING_LAUNCH=0);
   per-layer-rotating-fused  per-layer-rotating with down_proj's rotation (the one layer the rotating
                    matmul does not take) one launch of the fused kernel (`rotation_kernel.FUSED_ROTATION`)
