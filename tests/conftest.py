@@ -6,6 +6,28 @@ from mlx_lm.models import gemma3_text, llama
 from veloxquant_mlx import KVCacheConfig, available_methods
 
 
+def random_model(module, seed=0, **args):
+    """`module.Model` of `module.ModelArgs(**args)` with seeded random weights, evaluated."""
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs(**args))
+    mx.eval(model.parameters())
+    return model
+
+
+def decode_logits(model, make_cache=None, steps=3):
+    """The last logits of a 10-token prompt and those of `steps` decode steps, evaluated step by
+    step as mlx-lm's generate does; the cache from `make_cache(model)` (mlx-lm's by default)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = (make_cache or make_prompt_cache)(model)
+    out = [model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), cache=cache)[:, -1]]
+    mx.eval(out)
+    for token in range(steps):
+        out.append(model(mx.array([[11 + token]]), cache=cache)[:, -1])
+        mx.eval(out[-1])
+    return mx.concatenate(out)
+
+
 def tiny_llama(layers=2, hidden=256, heads=8, kv_heads=2, vocab=512, seed=0):
     """A random-weight llama of real structure (GQA, RoPE) for fast tests."""
     args = llama.ModelArgs(
@@ -189,10 +211,6 @@ def llama_of_8b_form(seed=0):
     """Llama-3.1-8B's dimensions in small: hidden 2^k (as 4096), intermediate 28 * 2^k (as 14336)."""
     from mlx_lm.models import llama
 
-    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=28 * 8,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
-                           rope_traditional=False)
-    mx.random.seed(seed)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return random_model(llama, seed, model_type="llama", hidden_size=64, num_hidden_layers=2,
+                        intermediate_size=28 * 8, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                        vocab_size=96, rope_traditional=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mlx_lm.models import llama
 
-from conftest import random_sequences, tiny_gemma3, tiny_llama
+from conftest import random_model, random_sequences, tiny_gemma3, tiny_llama
 
 from veloxquant_mlx import EngineSettings
 from veloxquant_mlx.calibration import calibrate
@@ -28,13 +28,9 @@ def _sequences(n=2, length=96, vocab=512, seed=0):
 
 def _plain_llama(traditional: bool):
     """tiny_llama with the chosen RoPE pairing (conftest's uses traditional pairs)."""
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
-                           rope_traditional=traditional)
-    mx.random.seed(1)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return random_model(llama, 1, model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512,
+                        rope_traditional=traditional)
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["traditional", "halves"])

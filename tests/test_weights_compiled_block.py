@@ -4,24 +4,10 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.models import gemma3_text, llama, qwen2
-from mlx_lm.models.cache import make_prompt_cache
-
-from conftest import tiny_gemma3, tiny_llama
+from conftest import decode_logits, random_model, tiny_gemma3, tiny_llama
 from veloxquant_mlx import KVCacheConfig
 from veloxquant_mlx.integration import make_prompt_cache as compressed_cache
-from veloxquant_mlx.weights import compiled_block, graft_reservoir, kernel, quantize_model, save_reservoir
-
-
-def decode_logits(model, make_cache=make_prompt_cache, steps=3):
-    """The prompt's last logits and those of `steps` decode steps, evaluated step by step
-    as mlx-lm's generate does."""
-    cache = make_cache(model)
-    out = [model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), cache=cache)[:, -1]]
-    mx.eval(out)
-    for token in range(steps):
-        out.append(model(mx.array([[11 + token]]), cache=cache)[:, -1])
-        mx.eval(out[-1])
-    return mx.concatenate(out)
+from veloxquant_mlx.weights import compiled_block, compiled_mlp, graft_reservoir, kernel, quantize_model, save_reservoir
 
 
 def quantized(make, compile_blocks, monkeypatch):
@@ -33,13 +19,9 @@ def quantized(make, compile_blocks, monkeypatch):
 
 def tiny_qwen2():
     """Qwen2's block: llama's with biases on q/k/v."""
-    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=96,
-                           tie_word_embeddings=False)
-    mx.random.seed(3)
-    model = qwen2.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return random_model(qwen2, 3, model_type="qwen2", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=96,
+                        tie_word_embeddings=False)
 
 
 @pytest.mark.parametrize("make", [tiny_llama, tiny_qwen2, lambda: tiny_llama(hidden=576, heads=9, kv_heads=3),
@@ -58,13 +40,9 @@ def test_compiled_blocks_compute_what_the_block_does(make, monkeypatch):
 
 
 def llama_with_rope(scaling):
-    args = llama.ModelArgs(model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
-                           num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
-                           rope_scaling=scaling, max_position_embeddings=64)
-    mx.random.seed(4)
-    model = llama.Model(args)
-    mx.eval(model.parameters())
-    return model
+    return random_model(llama, 4, model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+                        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=96,
+                        rope_scaling=scaling, max_position_embeddings=64)
 
 
 @pytest.mark.parametrize("scaling, inside", [
@@ -105,33 +83,55 @@ def test_other_blocks_keep_their_call(monkeypatch):
     assert model.model.layers[1]._decode_halves
 
 
-def test_compiled_blocks_read_updated_parameters(monkeypatch):
-    models = [quantized(tiny_llama, flag, monkeypatch) for flag in (False, True)]
+# (module and flag of the feature, where a block keeps its compiled calls, the class it swaps)
+FEATURES = {
+    "block": (compiled_block, "COMPILE_BLOCKS", lambda block: block._decode_halves, llama.TransformerBlock,
+              lambda block: block),
+    "mlp": (compiled_mlp, "COMPILE_MLPS", lambda block: block.mlp._decode_calls, llama.MLP, lambda block: block.mlp),
+}
+
+
+def quantized_with(feature, on, monkeypatch):
+    """tiny_llama quantized with `feature` on or off, and the other off."""
+    for name, (module, flag, *_) in FEATURES.items():
+        monkeypatch.setattr(module, flag, on and name == feature)
+    model = tiny_llama()
+    quantize_model(model, 4, skip=("lm_head",), progress=False)
+    return model
+
+
+@pytest.mark.parametrize("feature", FEATURES)
+def test_compiled_calls_read_updated_parameters(feature, monkeypatch):
+    models = [quantized_with(feature, on, monkeypatch) for on in (False, True)]
     before = decode_logits(models[1])
     for model in models:
         for block in model.model.layers:
-            block.self_attn.o_proj.update({"scales": block.self_attn.o_proj.scales * 2})
+            for layer in (block.self_attn.o_proj, block.mlp.down_proj):
+                layer.update({"scales": layer.scales * 2})
             block.input_layernorm.update({"weight": block.input_layernorm.weight * 0.5})
     after = [decode_logits(model) for model in models]
     assert mx.array_equal(after[1], after[0])
     assert not mx.allclose(after[1], before)
 
 
-def test_off_with_the_compiled_routes(monkeypatch):
+@pytest.mark.parametrize("feature", FEATURES)
+def test_off_with_the_compiled_routes(feature, monkeypatch):
     monkeypatch.setattr(kernel, "COMPILE_ROUTES", False)
-    model = quantized(tiny_llama, True, monkeypatch)
+    model = quantized_with(feature, True, monkeypatch)
     decode_logits(model)
-    assert model.model.layers[0]._decode_halves == {}
+    assert FEATURES[feature][2](model.model.layers[0]) == {}
 
 
-def test_a_grafted_model_compiles_its_blocks_afresh(tmp_path, monkeypatch):
-    model = quantized(tiny_llama, True, monkeypatch)
+@pytest.mark.parametrize("feature", FEATURES)
+def test_a_grafted_model_compiles_afresh(feature, tmp_path, monkeypatch):
+    _, _, kept, base, swapped = FEATURES[feature]
+    model = quantized_with(feature, True, monkeypatch)
     expected = decode_logits(model)
     path = tmp_path / "model.reservoir"
     save_reservoir(model, path)
     target = tiny_llama()
     graft_reservoir(target, path)
     block = target.model.layers[1]
-    assert type(block).uncompiled_class is llama.TransformerBlock and block._decode_halves == {}
+    assert type(swapped(block)).uncompiled_class is base and kept(block) == {}
     assert mx.array_equal(decode_logits(target), expected)
-    assert block._decode_halves
+    assert kept(block)

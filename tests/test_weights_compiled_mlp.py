@@ -1,28 +1,19 @@
-"""Each MLP of a quantized model as one compiled call at decode shapes (weights/compiled_mlp.py)."""
+"""Each MLP of a quantized model as one compiled call at decode shapes (weights/compiled_mlp.py); with
+the compiled blocks, reading updated parameters, switching off and grafting are tested in
+test_weights_compiled_block.py."""
 
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import gemma3_text, llama
-from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import tiny_gemma3, tiny_llama
-from veloxquant_mlx.weights import compiled_mlp, graft_reservoir, kernel, quantize_model, save_reservoir
-
-
-def decode_logits(model, steps=3):
-    """The prompt's last logits and those of `steps` decode steps, evaluated step by step
-    as mlx-lm's generate does."""
-    cache = make_prompt_cache(model)
-    out = [model(mx.array([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]), cache=cache)[:, -1]]
-    mx.eval(out)
-    for token in range(steps):
-        out.append(model(mx.array([[11 + token]]), cache=cache)[:, -1])
-        mx.eval(out[-1])
-    return mx.concatenate(out)
+from conftest import decode_logits, tiny_gemma3, tiny_llama
+from veloxquant_mlx.weights import compiled_block, compiled_mlp, quantize_model
 
 
 def quantized(make, compile_mlps, monkeypatch):
+    """Blocks with compiled halves call the MLP's own call inside them: here they are off."""
+    monkeypatch.setattr(compiled_block, "COMPILE_BLOCKS", False)
     monkeypatch.setattr(compiled_mlp, "COMPILE_MLPS", compile_mlps)
     model = make()
     quantize_model(model, 4, skip=("lm_head",), progress=False)
@@ -59,34 +50,3 @@ def test_the_mlp_keeps_its_class_and_parameters(monkeypatch):
     gemma = tiny_gemma3()
     quantize_model(gemma, 4, skip=("lm_head",), progress=False)
     assert isinstance(gemma.model.layers[0].mlp, gemma3_text.MLP)
-
-
-def test_compiled_mlps_read_updated_parameters(monkeypatch):
-    models = [quantized(tiny_llama, flag, monkeypatch) for flag in (False, True)]
-    before = decode_logits(models[1])
-    for model in models:
-        for block in model.model.layers:
-            block.mlp.down_proj.update({"scales": block.mlp.down_proj.scales * 2})
-    after = [decode_logits(model) for model in models]
-    assert mx.array_equal(after[1], after[0])
-    assert not mx.allclose(after[1], before)
-
-
-def test_off_with_the_compiled_routes(monkeypatch):
-    monkeypatch.setattr(kernel, "COMPILE_ROUTES", False)
-    model = quantized(tiny_llama, True, monkeypatch)
-    decode_logits(model)
-    assert model.model.layers[0].mlp._decode_calls == {}
-
-
-def test_a_grafted_model_compiles_its_mlps_afresh(tmp_path, monkeypatch):
-    model = quantized(tiny_llama, True, monkeypatch)
-    expected = decode_logits(model)
-    path = tmp_path / "model.reservoir"
-    save_reservoir(model, path)
-    target = tiny_llama()
-    graft_reservoir(target, path)
-    mlp = target.model.layers[1].mlp
-    assert type(mlp).uncompiled_class is llama.MLP and mlp._decode_calls == {}
-    assert mx.array_equal(decode_logits(target), expected)
-    assert mlp._decode_calls
