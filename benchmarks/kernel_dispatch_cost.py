@@ -27,36 +27,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import mlx.core as mx
 
 from veloxquant_mlx.weights import QuantizedLinear, rotating_matmul
 
-from dispatch_breakdown import quantized  # benchmarks/ (run as a script from the repo root)
+from dispatch_breakdown import quantized, timed  # benchmarks/ (run as a script from the repo root)
 
 DIM = 4096
 
 
 def timed_chain(step, x: mx.array, nodes: int, rounds: int) -> dict:
     """Build and dispatch us per node of `nodes` applications of `step` from x."""
-    builds, dispatches = [], []
-    for _ in range(rounds + 3):
-        mx.synchronize()
-        start = time.perf_counter()
+    def chain():
         y = x
         for _ in range(nodes):
             y = step(y)
-        built = time.perf_counter()
-        mx.async_eval(y)
-        dispatched = time.perf_counter()
-        mx.eval(y)
-        builds.append(built - start)
-        dispatches.append(dispatched - built)
-    return {"build_us": 1e6 * statistics.median(builds[3:]) / nodes,
-            "dispatch_us": 1e6 * statistics.median(dispatches[3:]) / nodes}
+        return [y]
+    record = timed(chain, rounds)
+    return {"build_us": record["build_us"] / nodes, "dispatch_us": record["dispatch_us"] / nodes}
 
 
 def copy_kernel(dialect: str, inputs: int = 1, outputs: int = 1, template: int = 0, header_bytes: int = 0,
