@@ -35,6 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from . import kernel
+from .compiled_mlp import with_call
 from .linear import MAX_KERNEL_ROWS
 from .shared import transformer_blocks
 
@@ -193,5 +194,4 @@ def compiled_class(base: type) -> type:
         attended = attention(queries, keys, values, cache=cache, scale=attn.scale, mask=mask)
         return halves.after(attended, x)
 
-    return type(base.__name__, (base,), {"__call__": __call__, "uncompiled_class": base,
-                                         "__module__": base.__module__, "__qualname__": base.__qualname__})
+    return with_call(base, __call__)

@@ -69,5 +69,11 @@ def compiled_class(base: type) -> type:
             self._decode_calls[key] = mx.compile(partial(base.__call__, self), inputs=self)
         return y
 
-    return type(base.__name__, (base,), {"__call__": __call__, "uncompiled_class": base,
+    return with_call(base, __call__)
+
+
+def with_call(base: type, call) -> type:
+    """The subclass of `base` whose `__call__` is `call`, under base's name and module, with
+    `uncompiled_class` naming base (an instance's class is swapped for it: `compile_mlps`)."""
+    return type(base.__name__, (base,), {"__call__": call, "uncompiled_class": base,
                                          "__module__": base.__module__, "__qualname__": base.__qualname__})

@@ -140,8 +140,8 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
 
 def link_decode_paths(model: nn.Module) -> nn.Module:
     """`model` with the sibling layers of each recognised block sharing one launch (`siblings.py`),
-    its MLPs compiled at decode shapes (`compiled_mlp.py`), and the llama-family blocks' halves
-    around the attention compiled at decode shapes (`compiled_block.py`)."""
+    its MLPs compiled at decode shapes (`compiled_mlp.py`), and the halves of its llama, qwen2 and
+    Gemma 3 blocks around the attention compiled at decode shapes (`compiled_block.py`)."""
     from .compiled_block import compile_blocks
     from .compiled_mlp import compile_mlps
     from .siblings import link_siblings
