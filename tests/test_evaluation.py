@@ -194,6 +194,16 @@ def test_benchmark_bits_per_coordinate_count_every_sequence_of_a_batch(tmp_path)
         assert bits[3][label] == pytest.approx(value, rel=0.05), (label, bits)
 
 
+def test_benchmark_with_compiled_blocks(tmp_path):
+    out = tmp_path / "compiled"
+    run_cli("benchmark", "--shape", "tiny", "--contexts", "64", "--decode-tokens", "3", "--repeats", "1",
+            "--warmup", "0", "--methods", "fp16,kivi:4", "--compile-blocks", "--min-free-gb", "0",
+            "--no-figures", "--out", out)
+    results = load(out)
+    assert results["settings"]["compiled_blocks"] == 2  # the tiny shape's two llama blocks
+    assert [r["status"] for r in results["records"]] == ["ok", "ok"]
+
+
 def test_watchdog_stops_configurations(tmp_path):
     out = tmp_path / "guarded"
     run_cli("benchmark", "--shape", "tiny", "--contexts", "64,128", "--decode-tokens", "2",

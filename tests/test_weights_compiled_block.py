@@ -2,6 +2,7 @@
 (weights/compiled_block.py)."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
 from mlx_lm.models import gemma3_text, llama, qwen2
 from conftest import decode_logits, random_model, tiny_gemma3, tiny_llama
@@ -81,6 +82,25 @@ def test_other_blocks_keep_their_call(monkeypatch):
     decode_logits(model)
     assert type(model.model.layers[0]) is Block and "_decode_halves" not in model.model.layers[0].__dict__
     assert model.model.layers[1]._decode_halves
+
+
+@pytest.mark.parametrize("method", ["fp16", "turboquant_mse:3:vbits=4,sinks=4,window=8,center=true,renorm=true",
+                                    "kivi:4", "turboquant_rvq:2", "polarquant:4", "qjl:4"])
+def test_an_affine_weight_model_with_each_kv_method(method):
+    """`veloxquant benchmark --compile-blocks` compiles the blocks of its MLX-affine model for every
+    method: the decode logits equal the blocks' own calls with each method's cache."""
+    from veloxquant_mlx.evaluation.specs import parse_method_spec
+
+    spec = parse_method_spec(method)
+    logits = []
+    for compiled in (False, True):
+        model = tiny_llama()
+        nn.quantize(model, group_size=64, bits=4)
+        if compiled:
+            assert compiled_block.compile_blocks(model) == 2
+        logits.append(decode_logits(model, spec.make_caches, steps=12))
+    assert mx.array_equal(logits[1], logits[0])
+    assert model.model.layers[0]._decode_halves
 
 
 # (module and flag of the feature, where a block keeps its compiled calls, the class it swaps)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 DEFAULT_PPL_METHODS = "fp16,mlx-q8,mlx-q4,turboquant_mse:4,turboquant_mse:3"
@@ -172,6 +173,14 @@ def run_benchmark_command(args) -> None:
     if not args.shape and not args.model:
         args.model = "smollm2"
     model, source, dtype_name, weights, tokenizer = _benchmark_model(args)
+    compiled_blocks = 0
+    if args.compile_blocks:
+        from ..weights.compiled_block import HALVES, compile_blocks
+
+        compiled_blocks = compile_blocks(model)  # the same model serves every method, fp16 included
+        if not compiled_blocks:
+            warnings.warn(f"--compile-blocks: no block of this model is of {', '.join(sorted(HALVES))}; "
+                          "every block runs its own call", stacklevel=2)
     specs = calibrated_for(specs, model, tokenizer)
     layout = kv_layout(model)
     vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or 1000
@@ -179,7 +188,7 @@ def run_benchmark_command(args) -> None:
     results["settings"] = {
         "model_source": source, "dtype": dtype_name, "weights": weights, "contexts": contexts,
         "decode_tokens": args.decode_tokens, "repeats": args.repeats, "warmup": args.warmup,
-        "prefill_chunk": args.chunk, "batch": args.batch,
+        "prefill_chunk": args.chunk, "batch": args.batch, "compiled_blocks": compiled_blocks,
         "max_seconds_per_config": args.max_seconds, "min_free_gb": args.min_free_gb,
     }
     results["settings"]["kernel_check_s"] = _first_use_check()
@@ -268,6 +277,9 @@ def register_benchmark_cli(subparsers) -> None:
                        help="quantize the weights (nn.quantize, group 64); default: float weights")
     bench.add_argument("--dtype", default="auto", choices=["auto", "float16", "bfloat16", "float32"],
                        help="activation dtype (auto: float16 on GPU, float32 on CPU)")
+    bench.add_argument("--compile-blocks", action="store_true",
+                       help="run the model's llama, qwen2 or Gemma 3 blocks as two compiled calls around the "
+                            "attention at decode shapes (weights/compiled_block.py), for every method alike")
     bench.add_argument("--max-seconds", type=float, default=300.0,
                        help="time budget per configuration; fewer repeats when exceeded")
     bench.set_defaults(func=run_benchmark_command)
