@@ -86,12 +86,21 @@ def _offset_array(offset) -> mx.array:
     return array
 
 
-def _heads(attn, q, k, v, x):
-    """q, k, v split into heads, (batch, heads, tokens, head dim), as mlx-lm's attentions do."""
+def _attention_inputs(block, x, offset, head_norms=None):
+    """q, k, v of the block's normed input, split into heads (batch, heads, tokens, head dim) as
+    mlx-lm's attentions do, q and k then normed per head (`head_norms`, Gemma's) and, with an
+    offset, given the rotary embedding."""
+    attn = block.self_attn
     b, n, _ = x.shape
-    return (q.reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3),
-            k.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3),
-            v.reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3))
+    h = block.input_layernorm(x)
+    q = attn.q_proj(h).reshape(b, n, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    k = attn.k_proj(h).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    v = attn.v_proj(h).reshape(b, n, attn.n_kv_heads, -1).transpose(0, 2, 1, 3)
+    if head_norms is not None:
+        q, k = head_norms[0](q), head_norms[1](k)
+    if offset is not None:
+        q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
+    return q, k, v
 
 
 def _merged(attended, x):
@@ -104,11 +113,7 @@ def _llama_halves(block, module, mlp_call):
     attn = block.self_attn
 
     def before(x, offset):
-        h = block.input_layernorm(x)
-        q, k, v = _heads(attn, attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), x)
-        if offset is not None:
-            q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
-        return q, k, v
+        return _attention_inputs(block, x, offset)
 
     def after(attended, x):
         h = x + attn.o_proj(_merged(attended, x))
@@ -123,12 +128,7 @@ def _gemma3_halves(block, module, mlp_call):
     attn, clip_residual = block.self_attn, module.clip_residual
 
     def before(x, offset):
-        h = block.input_layernorm(x)
-        q, k, v = _heads(attn, attn.q_proj(h), attn.k_proj(h), attn.v_proj(h), x)
-        q, k = attn.q_norm(q), attn.k_norm(k)
-        if offset is not None:
-            q, k = attn.rope(q, offset=offset), attn.rope(k, offset=offset)
-        return q, k, v
+        return _attention_inputs(block, x, offset, head_norms=(attn.q_norm, attn.k_norm))
 
     def after(attended, x):
         h = clip_residual(x, block.post_attention_layernorm(attn.o_proj(_merged(attended, x))))
