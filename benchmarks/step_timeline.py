@@ -71,10 +71,10 @@ def step_record(trace_events, wall_ms: float, build_ms: float) -> dict:
         "span_ms": span / 1e3, "idle_in_span_ms": (span - busy) / 1e3,
         "by_kind": {k: {"count": c, "ms": t} for k, (c, t) in sorted(by_kind.items(), key=lambda kv: -kv[1][1])},
         "top": [{"name": n, "count": c, "ms": t} for n, (c, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:12]],
-        # The first kernels in launch order (about two layers), with their launch shapes.
+        # The first kernels in launch order (two or more layers), with their launch shapes.
         "sequence": [{"name": e["name"][:70], "us": e["dur"], "grid": e.get("args", {}).get("grid"),
                       "block": e.get("args", {}).get("block"), "stream": e.get("args", {}).get("stream")}
-                     for e in kernels[:48]],
+                     for e in kernels[:320]],
     }
 
 

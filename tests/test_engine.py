@@ -54,6 +54,30 @@ def test_compiled_decode_equals_generic_for_every_method(method, protected):
     assert cache.last_path == expected
 
 
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+@pytest.mark.parametrize("method", ALL)
+def test_sdpa_decode_equals_generic_where_it_applies(method, protected):
+    # The GPU decode path for formats without a kernel (decode the capacity, MLX's fused
+    # attention), run here on the CPU: a GPU device as the settings see it.
+    settings = EngineSettings.resolve(backend="portable", gpu_device=True)
+    cache = _filled(method, settings=settings, **(PROTECTED if protected else {}))
+    h = cache._history()
+    q = mx.random.normal((2, 6, 1, 64), key=mx.random.key(3))
+    orthogonal = cache.key_codec.format.orthogonal_domain and cache.value_codec.format.orthogonal_domain
+    assert engine._sdpa_decode_supports(h, q, None) == (orthogonal and not cache.key_codec.positional)
+    assert not engine._sdpa_decode_supports(h, mx.concatenate([q, q], axis=2), None)  # decode only
+    if not orthogonal:
+        return
+    ref = _generic(cache, q, 0.125)
+    out = engine.sdpa_decode(h, q, 0.125)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    # fp16 queries: the history is decoded to fp16 for the fused attention
+    half = engine.sdpa_decode(h, q.astype(mx.float16), 0.125)
+    assert half.dtype == mx.float16
+    assert mx.allclose(half.astype(mx.float32), ref, rtol=2e-2, atol=2e-2).item()
+
+
 @pytest.mark.parametrize("changes", [{}, {"sink_tokens": 3}, {"sink_tokens": 2, "center": True}],
                          ids=["plain", "sinks", "sinks_center"])
 @pytest.mark.parametrize("method", [m for m in ALL if m not in ("qjl", "turboquant_prod", "kivi")])

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from veloxquant_mlx import packing
 from veloxquant_mlx.packing import pack, packed_words, unpack
 
 LENGTHS = [1, 7, 31, 32, 33, 80, 100, 127, 128, 129]
@@ -102,3 +103,19 @@ def test_bad_inputs():
         pack(mx.zeros((4,), dtype=mx.float32), 3)
     with pytest.raises(ValueError):
         unpack(mx.zeros((3,), dtype=mx.uint32), 3, 10)  # 10 codes of 3 bits need 1 word
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+@pytest.mark.parametrize("n", [1, 31, 64, 100, 257])
+def test_gpu_forms_of_pack_and_unpack_equal_the_cpu_forms(bits, n):
+    # On a GPU, codes that straddle words are packed by masked sums and unpacked by selects (one
+    # fused kernel each); on the CPU by per-word sums and a concatenation. Both forms, on the CPU.
+    codes = mx.array(np.random.default_rng(bits * 1000 + n).integers(0, 1 << bits, (2, 3, n)).astype(np.uint32))
+    words = pack(codes, bits)
+    layout, blocks = packing._layout(bits), -(-n // 32)
+    padded = packing._pad_last(codes, blocks * 32).reshape(2, 3, blocks, 32)
+    by_masks = packing._pack_by_masks(padded, layout).reshape(2, 3, blocks * bits)[..., : words.shape[-1]]
+    assert mx.array_equal(by_masks, words)
+    by_selects = packing._unpack_by_selects(packing._pad_last(words, blocks * bits).reshape(2, 3, blocks, bits),
+                                            bits, layout)[..., :n]
+    assert mx.array_equal(by_selects, codes.astype(mx.uint8))

@@ -130,7 +130,16 @@ def quantize(x: mx.array, codebook_or_boundaries: Codebook | mx.array) -> mx.arr
     With sorted centroids the nearest one is the number of midpoints x exceeds.
     """
     boundaries = getattr(codebook_or_boundaries, "boundaries", codebook_or_boundaries)
-    return (x[..., None] > boundaries).sum(axis=-1).astype(mx.uint8)
+    if boundaries.shape[0] > 15:
+        return (x[..., None] > boundaries).sum(axis=-1).astype(mx.uint8)
+    # Up to 4 bits, one compare and add per midpoint, against Python floats: elementwise only, so
+    # `mx.compile` fuses it with what comes before (a broadcast compare and a sum are two launches
+    # and an (..., K) array; indexing the boundaries array would be a gather per midpoint).
+    midpoints = boundaries.tolist()
+    codes = (x > midpoints[0]).astype(mx.uint8)
+    for midpoint in midpoints[1:]:
+        codes = codes + (x > midpoint).astype(mx.uint8)
+    return codes
 
 
 def dequantize(codes: mx.array, codebook_or_centroids: Codebook | mx.array) -> mx.array:

@@ -10,8 +10,8 @@ dispatch table):
 
 Per-format kernels register their own paths in their own modules (`kernels/` for the
 "mse" format family); this module registers the paths that serve every format:
-a compiled decode step that decodes the codes with the codec's MLX ops, and a GPU
-prefill that decodes the history once and runs MLX's fused attention. The generic
+a compiled decode step that decodes the codes with the codec's MLX ops, and GPU decode
+and prefill paths that decode the history and run MLX's fused attention. The generic
 blockwise path (`attention.attend`) is the fallback, always correct. A new method adds
 a codec with a `Format`; it needs no change here, and a kernel for its format
 registers itself.
@@ -347,6 +347,75 @@ def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, comp
     none = small_array((0.0,), mx.float32)
     return fn(queries, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]],
               small_array((h.count,)), fp16, h.key_mean if centered else none, h.value_mean if centered else none)
+
+
+def _sdpa_decode_supports(h: History, queries: mx.array, mask) -> bool:
+    return (h.settings.on_gpu and queries.shape[2] == 1 and h.count > 0 and plain_mask(mask)
+            and h.settings.compile_step and h.settings.backend != "emulator" and not h.key_codec.positional
+            and h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain)
+
+
+@register_path("sdpa_decode", "decode", _sdpa_decode_supports, priority=1)
+def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.array:
+    """Decode on a GPU for formats without a kernel (and the portable back end): the whole
+    capacity decoded to the queries' dtype by one compiled call, the fp16 sinks/window mapped
+    into the domains in front of it, then MLX's fused attention over the rows in use. A
+    handful of launches per layer, where the split-by-split softmax of `compiled_decode`
+    takes dozens; the decoded history of one layer exists only until its attention has run."""
+    store = h.store
+    key_fields, value_fields = store.fields("keys", 0, store.capacity), store.fields("values", 0, store.capacity)
+    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
+    parts, fp16 = h.fp16_inputs()
+    centered = h.value_mean is not None
+    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+    none = small_array((0.0,), mx.float32)
+    keys, values = _decoded_history_fn(h.key_codec, h.value_codec, names, parts, centered, dtype)(
+        [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]], fp16,
+        h.key_mean if centered else none, h.value_mean if centered else none)
+    fp16_held = fp16[0].shape[2] if parts < 0 else sum(keys_part.shape[2] for keys_part in fp16[::2])
+    held = fp16_held + h.count
+    q = _into_key_domain_fn(h.key_codec, dtype)(queries)
+    out = mx.fast.scaled_dot_product_attention(q, keys[..., :held, :], values[..., :held, :], scale=scale)
+    return _out_of_value_domain_fn(h.value_codec, h.kv_heads, centered, queries.dtype)(
+        out, h.value_mean if centered else none)
+
+
+@functools.lru_cache(maxsize=128)
+def _decoded_history_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], fp16_parts: int,
+                        centered: bool, dtype):
+    def decoded(key_bufs, value_bufs, fp16, key_mean, value_mean):
+        keys = key_codec.decode(dict(zip(names[0], key_bufs))).astype(dtype)
+        values = value_codec.decode(dict(zip(names[1], value_bufs))).astype(dtype)
+        tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
+        if tokens is None:
+            return keys, values
+        # In front: one query's attention does not depend on the order of the keys.
+        fp16_keys, fp16_values = tokens[0].astype(mx.float32), tokens[1].astype(mx.float32)
+        if centered:
+            fp16_values = fp16_values - value_mean
+        keys = mx.concatenate([key_codec.to_domain(fp16_keys).astype(dtype), keys], axis=2)
+        values = mx.concatenate([value_codec.to_domain(fp16_values).astype(dtype), values], axis=2)
+        return keys, values
+
+    return mx.compile(decoded)
+
+
+@functools.lru_cache(maxsize=32)
+def _into_key_domain_fn(key_codec, dtype):
+    return mx.compile(lambda queries: key_codec.to_domain(queries.astype(mx.float32)).astype(dtype))
+
+
+@functools.lru_cache(maxsize=32)
+def _out_of_value_domain_fn(value_codec, kv_heads: int, centered: bool, out_dtype):
+    def out_of_domain(out, value_mean):
+        out = value_codec.from_domain(out.astype(mx.float32))
+        if centered:
+            B, n_heads, L, dv = out.shape
+            out = out.reshape(B, kv_heads, n_heads // kv_heads, L, dv) + value_mean.astype(mx.float32)[:, :, None]
+            out = out.reshape(B, n_heads, L, dv)
+        return out.astype(out_dtype)
+
+    return mx.compile(out_of_domain)
 
 
 @functools.lru_cache(maxsize=128)
