@@ -86,18 +86,14 @@ def elementwise_decode(lookup: str):
 
 def layer_step(h, queries, decode, split: int):
     """A compiled decode step for history `h`, traced with `decode` as the codec's decode."""
-    store = h.store
-    capacity = store.capacity
-    key_fields, value_fields = store.fields("keys", 0, capacity), store.fields("values", 0, capacity)
-    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
-    per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
+    names, per_row, kb, vb = engine.capacity_fields(h)
+    capacity = h.store.capacity
     parts, fp16 = h.fp16_inputs()
     saved_split, saved_decode = engine.DECODE_SPLIT, MSECodec.decode
     engine.DECODE_SPLIT, MSECodec.decode = split, decode
     try:
         fn = engine._decode_fn.__wrapped__(h.key_codec, h.value_codec, names, per_row, capacity,
                                            tuple(queries.shape), queries.dtype, DIM ** -0.5, parts, False)
-        kb, vb = [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]]
         count, none = engine.small_array((h.count,)), engine.small_array((0.0,), mx.float32)
         mx.eval(fn(queries, kb, vb, count, fp16, none, none))  # trace now, with the patches in place
     finally:

@@ -330,23 +330,30 @@ def _compiled_decode_supports(h: History, queries: mx.array, mask) -> bool:
             and h.settings.backend != "emulator")
 
 
+def capacity_fields(h: History):
+    """The store's fields over its whole capacity, as compiled decode steps take them:
+    (names (key field names, value field names), tokens per row (keys, values), key buffers,
+    value buffers), buffers in the order of the names."""
+    store = h.store
+    key_fields, value_fields = store.fields("keys", 0, store.capacity), store.fields("values", 0, store.capacity)
+    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
+    per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
+    return names, per_row, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]]
+
+
 @register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0)
 def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, compiled: bool = True) -> mx.array:
     """Decode for every format: the codes of the whole capacity are decoded split by split
     with the codecs' MLX ops, tokens past `count` masked, and the fp16 sinks/window merged,
     in one `mx.compile`d graph whose shapes change only when the store grows."""
-    store = h.store
-    capacity = store.capacity
-    key_fields, value_fields = store.fields("keys", 0, capacity), store.fields("values", 0, capacity)
-    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
-    per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
+    names, per_row, key_bufs, value_bufs = capacity_fields(h)
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
-    fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, capacity, tuple(queries.shape), queries.dtype,
-                    float(scale), parts, centered, compiled, h.sinks if h.key_codec.positional else 0)
+    fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, h.store.capacity, tuple(queries.shape),
+                    queries.dtype, float(scale), parts, centered, compiled, h.sinks if h.key_codec.positional else 0)
     none = small_array((0.0,), mx.float32)
-    return fn(queries, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]],
-              small_array((h.count,)), fp16, h.key_mean if centered else none, h.value_mean if centered else none)
+    return fn(queries, key_bufs, value_bufs, small_array((h.count,)), fp16, h.key_mean if centered else none,
+              h.value_mean if centered else none)
 
 
 def _sdpa_decode_supports(h: History, queries: mx.array, mask) -> bool:
@@ -362,16 +369,13 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
     into the domains in front of it, then MLX's fused attention over the rows in use. A
     handful of launches per layer, where the split-by-split softmax of `compiled_decode`
     takes dozens; the decoded history of one layer exists only until its attention has run."""
-    store = h.store
-    key_fields, value_fields = store.fields("keys", 0, store.capacity), store.fields("values", 0, store.capacity)
-    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
+    names, _, key_bufs, value_bufs = capacity_fields(h)
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
     dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
     none = small_array((0.0,), mx.float32)
     keys, values = _decoded_history_fn(h.key_codec, h.value_codec, names, parts, centered, dtype)(
-        [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]], fp16,
-        h.key_mean if centered else none, h.value_mean if centered else none)
+        key_bufs, value_bufs, fp16, h.key_mean if centered else none, h.value_mean if centered else none)
     fp16_held = fp16[0].shape[2] if parts < 0 else sum(keys_part.shape[2] for keys_part in fp16[::2])
     held = fp16_held + h.count
     q = _into_key_domain_fn(h.key_codec, dtype)(queries)
