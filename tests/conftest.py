@@ -131,6 +131,17 @@ def assert_engine_paths_agree(model, config, tokens, settings=None):
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(3))
     out, ref = engine.compiled_decode(cache._history(), q, 0.2), generic(q)
     assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+    # the GPU decode path for formats without a kernel, with the settings of a GPU device
+    cache.settings = settings.replace(gpu_device=True)
+    try:
+        on_gpu = cache._history()
+    finally:
+        cache.settings = settings
+    orthogonal = cache.key_codec.format.orthogonal_domain and cache.value_codec.format.orthogonal_domain
+    assert engine._sdpa_decode_supports(on_gpu, q, None) == (orthogonal and not cache.key_codec.positional)
+    if engine._sdpa_decode_supports(on_gpu, q, None):
+        out = engine.sdpa_decode(on_gpu, q, 0.2)
+        assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
     q = mx.random.normal((1, 4, 100, 32), key=mx.random.key(4))
     history = cache._history()
     # a key domain that is not orthogonal cannot put fp16 keys and decoded ones in one SDPA call

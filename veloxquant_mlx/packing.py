@@ -60,7 +60,7 @@ def _layout(bits: int) -> dict:
         "shift_in_word": mx.array(np.where(word[None] == in_word, shift[None], 0).astype(np.uint32)),
         "ends_in_word": mx.array(ends_in_word),
         "complement_in_word": mx.array(np.where(ends_in_word, 31 - shift[None], 0).astype(np.uint32)),
-        "start_word": word,
+        "starts_at": [mx.array(word == k) for k in range(bits)],
         "straddle_complement": mx.array(np.where(straddles, 31 - shift, 31).astype(np.uint32)),
         "shift": mx.array(shift.astype(np.uint32)),
         "complement": mx.array((31 - shift).astype(np.uint32)),
@@ -162,12 +162,12 @@ def _unpack_by_selects(words: mx.array, bits: int, layout: dict) -> mx.array:
     grouped form's concatenation is a copy per word; on the CPU it is the faster one)."""
     *lead, blocks, _ = words.shape
     words = words[..., None]  # (..., blocks, bits, 1) against the block's 32 codes
-    start = layout["start_word"]
+    starts_at = layout["starts_at"]
     low, high = words[..., 0, :], words[..., 1, :]
     for k in range(1, bits):
-        low = mx.where(mx.array(start == k), words[..., k, :], low)
+        low = mx.where(starts_at[k], words[..., k, :], low)
         if k + 1 < bits:
-            high = mx.where(mx.array(start + 1 == k + 1), words[..., k + 1, :], high)
+            high = mx.where(starts_at[k], words[..., k + 1, :], high)
     codes = (low >> layout["shift"]) | ((high << 1) << layout["straddle_complement"])
     return (codes & ((1 << bits) - 1)).astype(mx.uint8).reshape(*lead, blocks * _BLOCK)
 
