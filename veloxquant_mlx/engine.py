@@ -379,9 +379,18 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
     fp16_held = fp16[0].shape[2] if parts < 0 else sum(keys_part.shape[2] for keys_part in fp16[::2])
     held = fp16_held + h.count
     q = _into_key_domain_fn(h.key_codec, dtype)(queries)
-    out = mx.fast.scaled_dot_product_attention(q, keys[..., :held, :], values[..., :held, :], scale=scale)
-    return _out_of_value_domain_fn(h.value_codec, h.kv_heads, centered, queries.dtype)(
-        out, h.value_mean if centered else none)
+    return _from_value_domain(h, mx.fast.scaled_dot_product_attention(q, keys[..., :held, :], values[..., :held, :],
+                                                                      scale=scale), queries)
+
+
+def fp16_into_domains(key_codec, value_codec, keys: mx.array, values: mx.array, value_mean, dtype):
+    """fp16 sinks/window tokens (keys as held, centred) into the codecs' domains, values centred
+    first where the cache centres them (`value_mean`, else None), so they join decoded codes."""
+    values = values.astype(mx.float32)
+    if value_mean is not None:
+        values = values - value_mean
+    return (key_codec.to_domain(keys.astype(mx.float32)).astype(dtype),
+            value_codec.to_domain(values).astype(dtype))
 
 
 @functools.lru_cache(maxsize=128)
@@ -394,12 +403,9 @@ def _decoded_history_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tu
         if tokens is None:
             return keys, values
         # In front: one query's attention does not depend on the order of the keys.
-        fp16_keys, fp16_values = tokens[0].astype(mx.float32), tokens[1].astype(mx.float32)
-        if centered:
-            fp16_values = fp16_values - value_mean
-        keys = mx.concatenate([key_codec.to_domain(fp16_keys).astype(dtype), keys], axis=2)
-        values = mx.concatenate([value_codec.to_domain(fp16_values).astype(dtype), values], axis=2)
-        return keys, values
+        fp16_keys, fp16_values = fp16_into_domains(key_codec, value_codec, *tokens,
+                                                   value_mean if centered else None, dtype)
+        return mx.concatenate([fp16_keys, keys], axis=2), mx.concatenate([fp16_values, values], axis=2)
 
     return mx.compile(decoded)
 
@@ -501,9 +507,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
 
     def into_domains(fk, fv):
-        if h.value_mean is not None:
-            fv = fv.astype(mx.float32) - h.value_mean
-        return kc.to_domain(fk.astype(mx.float32)).astype(dtype), vc.to_domain(fv.astype(mx.float32)).astype(dtype)
+        return fp16_into_domains(kc, vc, fk, fv, h.value_mean, dtype)
 
     s = h.sinks
     fp16 = h.fp16
@@ -526,7 +530,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     if band and not chunk_rule:
         B, n_heads, L, _ = queries.shape
         group = max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
-        q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
+        q = _into_key_domain_fn(kc, dtype)(queries)
         outs = []
         for a in range(0, L, group):
             qpos = mx.arange(h.offset - L + a, h.offset - L + min(a + group, L))[:, None]
@@ -544,18 +548,15 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
         fk, fv = into_domains(*fp16)
         keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
         values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
-    q = kc.to_domain(queries.astype(mx.float32)).astype(dtype)
+    q = _into_key_domain_fn(kc, dtype)(queries)
     return _from_value_domain(h, mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
                               queries)
 
 
 def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array:
-    out = h.value_codec.from_domain(out.astype(mx.float32))
-    if h.value_mean is not None:
-        B, n_heads, L, dv = out.shape
-        out = out.reshape(B, h.kv_heads, n_heads // h.kv_heads, L, dv) + h.value_mean.astype(mx.float32)[:, :, None]
-        out = out.reshape(B, n_heads, L, dv)
-    out = out.astype(queries.dtype)
+    centered = h.value_mean is not None
+    out = _out_of_value_domain_fn(h.value_codec, h.kv_heads, centered, queries.dtype)(
+        out, h.value_mean if centered else small_array((0.0,), mx.float32))
     if h.settings.on_gpu and queries.shape[2] > 1:
         # The next layer's decoded history is built only once this one's is freed. Without
         # this sync the whole chunk's graph is evaluated at once and its transients made
