@@ -171,3 +171,16 @@ def test_argument_errors():
         lloyd_max("sphere", 2)
     with pytest.raises(ValueError, match="dim"):
         lloyd_max("sphere", 2, dim=2)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_quantize_counts_the_midpoints_each_input_exceeds(bits, dtype):
+    # Up to 4 bits quantize compares against the midpoints one at a time (a chain that mx.compile
+    # fuses); above, against all at once. Both must give the count of float32 midpoints exceeded.
+    boundaries = mx.sort(mx.random.normal((2 ** bits - 1,), key=mx.random.key(bits)))
+    # random inputs, and the midpoints themselves (equal is not above)
+    x = mx.concatenate([mx.random.normal((4, 257), key=mx.random.key(7)),
+                        mx.broadcast_to(boundaries, (4, boundaries.shape[0]))], axis=1).astype(dtype)
+    expected = (x.astype(mx.float32)[..., None] > boundaries).sum(axis=-1).astype(mx.uint8)
+    assert mx.array_equal(quantize(x, boundaries), expected)

@@ -135,6 +135,8 @@ def quantize(x: mx.array, codebook_or_boundaries: Codebook | mx.array) -> mx.arr
     # Up to 4 bits, one compare and add per midpoint, against Python floats: elementwise only, so
     # `mx.compile` fuses it with what comes before (a broadcast compare and a sum are two launches
     # and an (..., K) array; indexing the boundaries array would be a gather per midpoint).
+    if x.dtype in (mx.float16, mx.bfloat16):
+        x = x.astype(mx.float32)  # a Python float compares in x's dtype; the midpoints are float32
     midpoints = boundaries.tolist()
     codes = (x > midpoints[0]).astype(mx.uint8)
     for midpoint in midpoints[1:]:
