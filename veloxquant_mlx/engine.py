@@ -368,7 +368,8 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
     capacity decoded to the queries' dtype by one compiled call, the fp16 sinks/window mapped
     into the domains in front of it, then MLX's fused attention over the rows in use. A
     handful of launches per layer, where the split-by-split softmax of `compiled_decode`
-    takes dozens; the decoded history of one layer exists only until its attention has run."""
+    takes dozens. The decoded history is a transient of the layer's attention, freed once it
+    has run (docs/engine.md gives the step's measured peak)."""
     names, _, key_bufs, value_bufs = capacity_fields(h)
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
