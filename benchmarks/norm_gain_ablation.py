@@ -10,7 +10,10 @@ VARIANT:
   ls            keys and values store the least-squares gain ||x|| <u, c> / ||c||^2 (u the rotated
                 unit vector, c its decoded codes): the scale that minimises ||x - s c||;
   ls-values     the least-squares gain for values, renorm for keys;
-  gamma1.5      ||x|| / ||c||^1.5 for both (more than renorm).
+  gamma1.5      ||x|| / ||c||^1.5 for both (more than renorm);
+  unbiased      keys and values store ||x|| / <u, c>: the decoded vector's projection on the true one
+                is exact (more than renorm, since <u, c> <= ||c||);
+  unbiased-values  the unbiased scale for values, renorm for keys.
 
 The variants other than `values-plain` replace the codec's MLX encode, so run them on the portable
 path (`VELOXQUANT_KERNELS=portable`), which encodes with it; `default` gives the same numbers there
@@ -28,7 +31,7 @@ import veloxquant_mlx.methods.turboquant_mse as turboquant_mse
 from veloxquant_mlx.cli import main
 from veloxquant_mlx.packing import pack
 
-VARIANTS = ("default", "values-plain", "ls", "ls-values", "gamma1.5")
+VARIANTS = ("default", "values-plain", "ls", "ls-values", "gamma1.5", "unbiased", "unbiased-values")
 
 
 def encoder(variant: str, role: str):
@@ -43,6 +46,8 @@ def encoder(variant: str, role: str):
         squared = mx.maximum(mx.sum(decoded * decoded, axis=-1, keepdims=True), 1e-30)
         if variant == "ls" or (variant == "ls-values" and role == "values"):
             scale = norm * mx.sum(unit * decoded, axis=-1, keepdims=True) / squared
+        elif variant == "unbiased" or (variant == "unbiased-values" and role == "values"):
+            scale = norm / mx.maximum(mx.sum(unit * decoded, axis=-1, keepdims=True), 1e-30)
         elif variant == "gamma1.5":
             scale = norm / squared ** 0.75
         else:
@@ -69,9 +74,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variant", choices=VARIANTS)
     parser.add_argument("--text", default="../shared/data/wikitext2-test.txt")
+    parser.add_argument("--skip-tokens", default="200000", help="where the window starts (200000: the presets' "
+                        "tuning window; 0: the quality table's)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     use(args.variant)
-    sys.exit(main(["eval", "ppl", "--text", args.text, "--skip-tokens", "200000", "--ctx", "2048", "--windows", "1",
+    sys.exit(main(["eval", "ppl", "--text", args.text, "--skip-tokens", args.skip_tokens, "--ctx", "2048", "--windows", "1",
                    "--chunk", "512", "--no-figures", "--no-progress", "--min-free-gb", "0.5",
                    "--methods", "fp16,vq4,vq3,vq2", "--out", args.out]))

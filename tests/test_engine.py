@@ -414,3 +414,18 @@ def test_load_prompt_cache_in_a_fresh_process(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["CompressedKVCache", "5"]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_unbiased_value_scale_makes_each_projection_exact(bits):
+    # turboquant_mse's `unbiased_values`: values store ||x|| / <u, c>, so <decoded, x> = ||x||^2 (up to
+    # the fp16 rounding of the stored scale), where renorm's ||x|| / ||c|| falls short by the cosine.
+    from veloxquant_mlx.methods.turboquant_mse import MSECodec
+
+    x = mx.random.normal((3, 2, 50, 64), key=mx.random.key(bits)) * 3
+    norms2 = mx.sum(x * x, axis=-1)
+    for scale, low, high in (("unbiased", 1 - 2e-3, 1 + 2e-3), ("renorm", 0.3, 0.999)):
+        codec = MSECodec(64, bits, seed=2, renorm=True, unbiased=scale == "unbiased")
+        assert codec.scale == scale and codec.format.param("scale") == scale
+        ratio = mx.sum(codec.reconstruct(codec.encode(x)) * x, axis=-1) / norms2
+        assert low <= mx.min(ratio).item() and mx.max(ratio).item() <= high, (scale, mx.min(ratio), mx.max(ratio))

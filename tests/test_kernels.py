@@ -147,7 +147,7 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
 
 QUICK = [c for c in selftest.CASES if c.name in (
     "d128_k3v4_gqa4_fp16", "d128_k3v3_window_sinks_center", "d64_k4v2_gqa3_batch2", "d96_k3v4_prerotated",
-    "prefill_d64_k3v3_center", "d128_k3v4_gqa4_fp16_simt")]
+    "prefill_d64_k3v3_center", "d128_k3v4_gqa4_fp16_simt", "d128_k3v2_unbiased_values")]
 
 
 @needs_cxx
@@ -162,8 +162,9 @@ def test_emulated_kernels_match_portable_generic_and_fp64(case):
 
 
 @needs_cxx
-@pytest.mark.parametrize("spec", [(128, 3, 128, 4, False), (64, 4, 64, 2, True), (96, 3, 96, 4, False),
-                                  (128, 3, 64, 4, False)], ids=str)
+@pytest.mark.parametrize("spec", [(128, 3, 128, 4, "norm"), (64, 4, 64, 2, "renorm"), (96, 3, 96, 4, "norm"),
+                                  (128, 3, 64, 4, "norm"), (128, 3, 128, 2, "unbiased"), (96, 3, 96, 2, "unbiased")],
+                         ids=str)
 def test_emulated_encode_matches_codec(spec):
     record = selftest.run_encode("emulator", *spec)
     assert record["status"] == "ok", record
@@ -378,10 +379,10 @@ def test_compiled_append_stores_what_the_op_by_op_path_stores(monkeypatch, cente
 
 @needs_cxx
 @pytest.mark.parametrize("center", [False, True])
-@pytest.mark.parametrize("bits,value_bits,renorm", [(3, 4, False), (2, 2, True)])
-def test_fused_step_equals_store_then_attend(center, bits, value_bits, renorm):
-    cfg = KVCacheConfig(method="turboquant_mse", bits=bits, value_bits=value_bits, center=center,
-                        options={"renorm": renorm})
+@pytest.mark.parametrize("bits,value_bits,options", [(3, 4, {"renorm": False}), (2, 2, {"renorm": True}),
+                                                      (3, 2, {"renorm": True, "unbiased_values": True})], ids=str)
+def test_fused_step_equals_store_then_attend(center, bits, value_bits, options):
+    cfg = KVCacheConfig(method="turboquant_mse", bits=bits, value_bits=value_bits, center=center, options=options)
     k = mx.random.normal((1, 2, 301, 64), key=mx.random.key(bits)).astype(mx.float16)
     v = mx.random.normal((1, 2, 301, 64), key=mx.random.key(7)).astype(mx.float16)
     q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(8)).astype(mx.float16)

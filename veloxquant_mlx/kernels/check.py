@@ -81,7 +81,7 @@ def _run(backend: str) -> bool:
     from . import encode, partial, selftest
 
     failures = []
-    jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, False, tokens=8)),
+    jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, "norm", tokens=8)),
             ("format_encode", lambda: encode.check_record(backend, encode.CHECK_FORMATS[:1])),
             ("dequant", lambda: _dequant_record(backend)), ("partial", lambda: partial.check_record(backend)),
             ("fused", lambda: selftest.run_fused(backend))]

@@ -42,13 +42,13 @@ def _words(dim: int, bits: int) -> int:
 
 # ---- plans ------------------------------------------------------------------
 
-def _role_constants(prefix: str, dim: int, bits: int, rotate: bool, renorm: bool):
+def _role_constants(prefix: str, dim: int, bits: int, rotate: bool, scale: int):
     if rotate and not is_power_of_two(dim):
         raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
     return [
         (f"{prefix}D", dim), (f"{prefix}BITS", bits), (f"{prefix}W", _words(dim, bits)),
         (f"{prefix}NB", (1 << bits) - 1), (f"{prefix}P2", _pow2(dim)),
-        (f"{prefix}ROTATE", bool(rotate)), (f"{prefix}RENORM", bool(renorm)),
+        (f"{prefix}ROTATE", bool(rotate)), (f"{prefix}SCALE", int(scale)),
     ]
 
 
@@ -58,7 +58,8 @@ def _pow2(n: int) -> int:
 
 @lru_cache(maxsize=256)
 def encode_plan(n: int, key: tuple, value: tuple, x_dtype: str) -> Plan:
-    """`key` / `value`: (dim, bits, rotate, renorm). Keys and values of n vectors, one launch."""
+    """`key` / `value`: (dim, bits, rotate, scale: an index of `turboquant_mse.SCALES`). Keys and
+    values of n vectors, one launch."""
     (kd, kb, kr, kn), (vd, vb, vr, vn) = key, value
     threads = max(kd, vd)
     if threads > 1024:
@@ -209,7 +210,7 @@ def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool,
 @lru_cache(maxsize=4096)
 def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple, value: tuple, *, center: bool,
                       x_dtype: str, out_dtype: str, plain_tokens: int = 0) -> Plan:
-    """`key` / `value`: (bits, renorm). Both roles rotate in-kernel, so dim is a power of two.
+    """`key` / `value`: (bits, scale). Both roles rotate in-kernel, so dim is a power of two.
     `plain_tokens`: a bound on the fp16 sinks/window tokens it attends to (0: none)."""
     if not is_power_of_two(dim) or dim > 1024:
         raise ValueError(f"merge_encode needs a power-of-two dim <= 1024, got {dim}")

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..methods.turboquant_mse import SCALES
 from ..rotations import HadamardRotation
 from . import launch
 
@@ -88,12 +89,17 @@ def constants(codec) -> dict:
 
 # ---- encoding -----------------------------------------------------------------
 
+def scale_index(codec) -> int:
+    """The kernels' SCALE constant for an mse codec: its stored scale's index in `SCALES`."""
+    return SCALES.index(codec.scale)
+
+
 def _role(codec, x):
     consts = constants(codec)
     rotate = consts["signs"] is not None
     if not rotate:  # a dense (or non power-of-two Hadamard) rotation: rotate first
         x = codec.rotation.apply(x.astype(mx.float32))
-    spec = (codec.dim, codec.bits, rotate, bool(getattr(codec, "renorm", False)))
+    spec = (codec.dim, codec.bits, rotate, scale_index(codec))
     return x, spec, consts
 
 
@@ -270,8 +276,8 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
     if na + nb > MAX_PLAIN_TOKENS:
         raise ValueError(f"merge_encode attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
     bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
-    plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, bool(key_codec.renorm)),
-                                    (value_codec.bits, bool(value_codec.renorm)), center=centered,
+    plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, scale_index(key_codec)),
+                                    (value_codec.bits, scale_index(value_codec)), center=centered,
                                     x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype),
                                     plain_tokens=bound)
     B, H = keys.shape[:2]

@@ -71,6 +71,7 @@ CASES: List[Case] = [
     Case("d256_k2v4_gqa8", 256, 2, 4, 8, kv_heads=1, tokens=260, seed=6),
     Case("d96_k3v4_prerotated", 96, 3, 4, 2, tokens=200, seed=7),
     Case("d128_k3v4_renorm", 128, 3, 4, 4, tokens=400, seed=8, options={"renorm": True}),
+    Case("d128_k3v2_unbiased_values", 128, 3, 2, 4, tokens=400, seed=11, options={"renorm": True, "unbiased_values": True}),
     Case("d128_k3v4_gqa4_fp16_simt", 128, 3, 4, 4, tokens=1000, dtype="float16", seed=1, tensor_cores=False),
     Case("d256_k2v4_gqa8_simt", 256, 2, 4, 8, kv_heads=1, tokens=260, seed=6, tensor_cores=False),
     Case("d128_k3v3_window_sinks_center_simt", 128, 3, 3, 4, tokens=500, seed=3, tensor_cores=False,
@@ -190,35 +191,38 @@ def run_case(case: Case, backend: str) -> Dict:
     return record
 
 
-# (key dim, key bits, value dim, value bits, renorm): keys and values go through one launch.
+# (key dim, key bits, value dim, value bits, scale): keys and values go through one launch. scale
+# "norm" or "renorm" for both roles; "unbiased": renorm keys, unbiased values (`unbiased_values`).
 ENCODE_CASES = [
-    (128, 3, 128, 4, False), (128, 3, 128, 4, True), (128, 1, 128, 8, False), (128, 2, 128, 3, True),
-    (64, 4, 64, 2, False), (64, 3, 64, 3, True), (96, 3, 96, 4, False), (96, 2, 96, 2, True),
-    (256, 3, 256, 4, False), (128, 3, 64, 4, False), (64, 4, 128, 2, True),
+    (128, 3, 128, 4, "norm"), (128, 3, 128, 4, "renorm"), (128, 1, 128, 8, "norm"), (128, 2, 128, 3, "renorm"),
+    (64, 4, 64, 2, "norm"), (64, 3, 64, 3, "renorm"), (96, 3, 96, 4, "norm"), (96, 2, 96, 2, "renorm"),
+    (256, 3, 256, 4, "norm"), (128, 3, 64, 4, "norm"), (64, 4, 128, 2, "renorm"),
+    (128, 3, 128, 2, "unbiased"), (64, 4, 64, 3, "unbiased"), (96, 3, 96, 2, "unbiased"),
 ]
 
 
-def _encode_name(kd, kb, vd, vb, renorm):
-    return f"encode_k{kd}x{kb}_v{vd}x{vb}{'_renorm' if renorm else ''}"
+def _encode_name(kd, kb, vd, vb, scale):
+    return f"encode_k{kd}x{kb}_v{vd}x{vb}{'' if scale == 'norm' else '_' + scale}"
 
 
-def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, renorm: bool, tokens: int = 40) -> Dict:
+def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, scale: str, tokens: int = 40) -> Dict:
     from ..engine import row_encoder
     from ..formats import RowLayout
     from ..methods.turboquant_mse import MSECodec
     from ..settings import EngineSettings
     from .encode import fields_agreement
 
-    extra = {"renorm": True} if renorm else {}
-    kc, vc = MSECodec(kd, kb, seed=3, **extra), MSECodec(vd, vb, seed=4, **extra)
+    renorm = scale != "norm"
+    kc, vc = MSECodec(kd, kb, seed=3, renorm=renorm), MSECodec(vd, vb, seed=4, renorm=renorm,
+                                                               unbiased=scale == "unbiased")
     layout = RowLayout.of(kc.format, vc.format)
-    rng = np.random.default_rng([kd, kb, vd, vb, int(renorm)])
+    rng = np.random.default_rng([kd, kb, vd, vb, ("norm", "renorm", "unbiased").index(scale)])
     k = mx.array(rng.standard_normal((2, 3, tokens, kd)).astype(np.float32)).astype(mx.float16)
     v = mx.array(rng.standard_normal((2, 3, tokens, vd)).astype(np.float32)).astype(mx.float16)
     rows = row_encoder(layout, kc, vc, EngineSettings.resolve(backend=backend)).many(k, v)
     equal, norm_err, same = fields_agreement(layout.views(rows), (kc.encode(k), vc.encode(v)))
     ok = equal >= ENCODE_MIN_EQUAL and norm_err <= 2 ** -10 and same and rows.shape == (2, 3, tokens, layout.words)
-    return {"case": _encode_name(kd, kb, vd, vb, renorm), "backend": backend,
+    return {"case": _encode_name(kd, kb, vd, vb, scale), "backend": backend,
             "codes_equal": equal, "norm_rel_error": norm_err, "status": "ok" if ok else "FAIL"}
 
 

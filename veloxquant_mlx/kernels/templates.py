@@ -286,7 +286,8 @@ def pack_codes(bits, count, words, first_code, store: str) -> str:
 # the role's constants / arrays by `_encode_role`. D (dim), BITS, W (=
 # ceil(D*BITS/32)), NB (= 2^BITS - 1 boundaries), P2 (next power of two >= D),
 # ROTATE (apply the seeded-sign Hadamard rotation here; D a power of two),
-# RENORM (store ||x|| / ||c[codes]||). Threads t >= D idle but keep the barriers.
+# SCALE (the stored scale, `turboquant_mse.SCALES`: 0 ||x||, 1 ||x|| / ||c[codes]||,
+# 2 ||x|| / <u, c[codes]>). Threads t >= D idle but keep the barriers.
 _ENCODE_ROLE = r"""
   if (@GUARD) {
     constexpr int D = @D;
@@ -295,7 +296,7 @@ _ENCODE_ROLE = r"""
     constexpr int NB = @NB;
     constexpr int P2 = @P2;
     constexpr bool ROTATE = @ROTATE;
-    constexpr bool RENORM = @RENORM;
+    constexpr int SCALE = @SCALE;
     const VQ_GLOBAL TX* x = @x;
     const VQ_GLOBAL float* signs = @signs;
     const VQ_GLOBAL float* bnd = @bnd;
@@ -330,16 +331,16 @@ _ENCODE_ROLE = r"""
     if (act) vq_codes[t] = code;
     float out_norm = nrm;
     VQ_SYNC();
-    if (RENORM) {
+    if (SCALE != 0) {
       const float c = act ? cent[code] : 0.0f;
-      if (t < P2) vq_red[t] = c * c;
+      if (t < P2) vq_red[t] = SCALE == 2 ? y * c : c * c;
       for (int i = t + NTH; i < P2; i += NTH) vq_red[i] = 0.0f;
       VQ_SYNC();
       for (int s = P2 / 2; s > 0; s >>= 1) {
         if (t < s) vq_red[t] += vq_red[t + s];
         VQ_SYNC();
       }
-      out_norm = nrm / VQ_MAXF(VQ_SQRT(vq_red[0]), 1e-30f);
+      out_norm = nrm / VQ_MAXF(SCALE == 2 ? vq_red[0] : VQ_SQRT(vq_red[0]), 1e-30f);
     }
 @PACK
     if (t == 0 && (@STORE)) VQ_HALF_PTR(@OUT)[((size_t)@ROW * RW + KW + VW) * 2 + @ROLE] = VQ_CAST(vq_half, out_norm);
@@ -358,7 +359,7 @@ def _encode_role(role: int, prefix: str, arrays: str, *, guard: str = "", value:
     text = text.replace("@GUARD", guard or f"vq_by == {role}").replace("@VALUE", value)
     text = text.replace("@ROW", row).replace("@OUT", out).replace("@STORE", store).replace("@RESULT", result)
     text = text.replace("@ROLE", str(role)).replace("@OFF", "0" if role == 0 else "KW")
-    for name in ("D", "BITS", "W", "NB", "P2", "ROTATE", "RENORM"):
+    for name in ("D", "BITS", "W", "NB", "P2", "ROTATE", "SCALE"):
         text = text.replace(f"@{name}", f"{prefix}{name}")
     for name in ("x", "signs", "bnd", "cent"):
         text = text.replace(f"@{name}", f"{arrays}{name}")

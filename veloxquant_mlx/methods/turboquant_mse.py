@@ -35,11 +35,19 @@ def kernel_rotated_unit(e, rotation):
     return norm, unit
 
 
+# What a token stores as its scale s (decoded = s * c[codes], c on the unit sphere's codebook):
+# "norm" ||x||; "renorm" ||x|| / ||c|| (the decoded vector keeps the true norm); "unbiased"
+# ||x|| / <u, c> with u = Rx / ||x|| (its projection on the true vector is exact, so errors
+# averaged over many tokens, as attention's value sum does, do not shrink the output).
+SCALES = ("norm", "renorm", "unbiased")
+
+
 class MSECodec(Codec):
-    def __init__(self, dim: int, bits: int, seed: int, params=None, renorm: bool = False):
+    def __init__(self, dim: int, bits: int, seed: int, params=None, renorm: bool = False, unbiased: bool = False):
         self.dim = self.domain_dim = dim
         self.bits = bits
         self.renorm = renorm
+        self.scale = "unbiased" if unbiased else ("renorm" if renorm else "norm")
         if params:
             self.rotation = rotation_from_params(params)
             self.centroids = params["centroids"]
@@ -48,16 +56,20 @@ class MSECodec(Codec):
             self.centroids = lloyd_max("sphere", bits, dim).centroids
         self.boundaries = (self.centroids[1:] + self.centroids[:-1]) / 2
         self.format = Format("turboquant_mse", dim, dim, (packed("codes", dim, bits), fp16("norm")),
-                             kernel="mse", kernel_params=(("bits", bits), ("renorm", bool(renorm))))
+                             kernel="mse", kernel_params=(("bits", bits), ("scale", self.scale)))
 
     def encode(self, x):
         x = x.astype(mx.float32)
         norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
         unit = self.rotation.apply(x) / mx.maximum(norm, 1e-30)
         codes = quantize(unit, self.boundaries)
-        if self.renorm:
+        if self.scale != "norm":
             decoded = dequantize(codes, self.centroids)
-            norm = norm / mx.maximum(mx.sqrt(mx.sum(decoded * decoded, axis=-1, keepdims=True)), 1e-30)
+            if self.scale == "unbiased":
+                gain = mx.sum(unit * decoded, axis=-1, keepdims=True)
+            else:
+                gain = mx.sqrt(mx.sum(decoded * decoded, axis=-1, keepdims=True))
+            norm = norm / mx.maximum(gain, 1e-30)
         return {"codes": pack(codes, self.bits), "norm": norm.astype(mx.float16)}
 
     def decode(self, fields):
@@ -78,11 +90,14 @@ class MSECodec(Codec):
         """(code, norm) C variables of `encode` for the thread's element (turboquant_prod's first stage)."""
         norm, unit = kernel_rotated_unit(e, self.rotation)
         code = e.nearest(unit, self.boundaries)
-        if self.renorm:
+        if self.scale != "norm":
             c = e.var()
             e.emit(f"const float {c} = {e.table(self.centroids)}[{code}];")
-            decoded = e.sum(f"{c} * {c}")
-            e.emit(f"{norm} = {norm} / VQ_MAXF(VQ_SQRT({decoded}), 1e-30f);")
+            if self.scale == "unbiased":
+                gain = e.sum(f"{unit} * {c}")
+            else:
+                gain = f"VQ_SQRT({e.sum(f'{c} * {c}')})"
+            e.emit(f"{norm} = {norm} / VQ_MAXF({gain}, 1e-30f);")
         return code, norm
 
     def to_domain(self, x):
@@ -102,11 +117,11 @@ class MSECodec(Codec):
 class TurboQuantMSE(Method):
     key_bits = range(1, 9)
     value_bits = range(1, 9)
-    options = {"renorm": bool}
+    options = {"renorm": bool, "unbiased_values": bool}
     summary = "random rotation + Lloyd-Max codes + fp16 norm"
     status = "recommended"
     status_note = "the best quality of the methods here at every bit width measured; CPU, CUDA and Metal decode kernels"
-    encode_options = frozenset({"renorm"})  # same codebooks and rotations with or without it
+    encode_options = frozenset({"renorm", "unbiased_values"})  # same codebooks and rotations with or without them
     values_summary = "same codec at value_bits"
 
     @classmethod
@@ -115,4 +130,5 @@ class TurboQuantMSE(Method):
 
     @classmethod
     def value_codec(cls, config, dim, params=None):
-        return MSECodec(dim, config.value_bits, config.seed + 1, params, config.options.get("renorm", False))
+        return MSECodec(dim, config.value_bits, config.seed + 1, params, config.options.get("renorm", False),
+                        config.options.get("unbiased_values", False))
