@@ -46,7 +46,6 @@ class MSECodec(Codec):
     def __init__(self, dim: int, bits: int, seed: int, params=None, renorm: bool = False, unbiased: bool = False):
         self.dim = self.domain_dim = dim
         self.bits = bits
-        self.renorm = renorm
         self.scale = "unbiased" if unbiased else ("renorm" if renorm else "norm")
         if params:
             self.rotation = rotation_from_params(params)
