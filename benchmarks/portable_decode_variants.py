@@ -8,13 +8,15 @@ layer's query) and evaluated once per step. turboquant_mse keys at 3 bits, value
 Rows, taking turns in every round (median step ms over `--rounds`):
 - fp16: MLX's fused SDPA over fp16 keys and values (what the portable path competes with);
 - the engine's `compiled_decode` as a cache on the portable back end runs it, with the
-  codec's decode (`packing.unpack` + a centroid gather) as it is;
-- the same step with the codes unpacked by broadcast shifts and selects only, which
-  `mx.compile` fuses into one kernel per role, and the centroids then looked up by a
-  gather or by a chain of selects (then decode, lookup and norm fuse too);
+  codec's decode (`packing.unpack`, then a centroid gather) or with the centroids looked up by
+  a chain of selects, which `mx.compile` fuses with the unpacking and the norm;
 - each of those with the whole capacity decoded as one split instead of 4096-token splits;
 - the whole capacity decoded to fp16 by one compiled call, sliced to the tokens held, and
-  MLX's fused SDPA in the codecs' domains.
+  MLX's fused SDPA in the codecs' domains (what `engine.sdpa_decode` now does, with the gather).
+
+The recorded run (`results/gpu/run45-portable/variants-4k`) predates the broadcast unpacking in
+`packing`: its "elementwise unpack" rows were this script's own copy of what `packing.unpack` now
+does on a GPU, and its "current decode" rows the grouped unpacking that the CPU keeps.
 """
 
 from __future__ import annotations
@@ -30,35 +32,12 @@ import numpy as np
 
 from veloxquant_mlx import EngineSettings, engine
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
+from veloxquant_mlx.packing import unpack
 
 from engine_profile import DIM, Q_HEADS, filled  # noqa: E402  (benchmarks/ is on the path)
 
 LAYERS = 32
 SPEC = "turboquant_mse:3:vbits=4"
-
-
-def unpack_elementwise(words: mx.array, bits: int, n: int) -> mx.array:
-    """packing.unpack with broadcasting shifts and selects only (no gather, no concatenate)."""
-    *lead, count = words.shape
-    mask = (1 << bits) - 1
-    if 32 % bits == 0:
-        shifts = mx.array(np.arange(32 // bits, dtype=np.uint32) * bits)
-        return ((words[..., None] >> shifts) & mask).reshape(*lead, count * (32 // bits))[..., :n]
-    blocks = -(-n // 32)
-    if count < blocks * bits:
-        words = mx.pad(words, [(0, 0)] * len(lead) + [(0, blocks * bits - count)])
-    words = words.reshape(*lead, blocks, bits)
-    start = np.arange(32) * bits
-    first, shift = start // 32, start % 32
-    straddles = shift + bits > 32
-    low = high = mx.zeros((1,), mx.uint32)
-    for k in range(bits):
-        word = words[..., k : k + 1]
-        low = mx.where(mx.array(first == k), word, low)
-        high = mx.where(mx.array(straddles & (first + 1 == k)), word, high)
-    complement = mx.array(np.where(straddles, 32 - shift, 0).astype(np.uint32))
-    codes = (low >> mx.array(shift.astype(np.uint32))) | mx.where(mx.array(straddles), high << complement, 0)
-    return (codes & mask).reshape(*lead, blocks * 32)[..., :n]
 
 
 def lookup_select(codes: mx.array, centroids) -> mx.array:
@@ -72,16 +51,10 @@ def lookup_select(codes: mx.array, centroids) -> mx.array:
 ORIGINAL_DECODE = MSECodec.decode
 
 
-def elementwise_decode(lookup: str):
-    def decode(self, fields):
-        codes = unpack_elementwise(fields["codes"], self.bits, self.dim)
-        if lookup == "select":
-            unit = lookup_select(codes, self.centroids)
-        else:
-            unit = mx.take(self.centroids.astype(mx.float32), codes)
-        return unit * fields["norm"].astype(mx.float32)
-
-    return decode
+def select_decode(self, fields):
+    """The codec's decode with the centroids looked up by selects instead of a gather."""
+    codes = unpack(fields["codes"], self.bits, self.dim)
+    return lookup_select(codes, self.centroids) * fields["norm"].astype(mx.float32)
 
 
 def layer_step(h, queries, decode, split: int):
@@ -145,17 +118,14 @@ def main():
 
     sdpa = mx.compile(lambda q, k, v: mx.fast.scaled_dot_product_attention(q, k, v, scale=DIM ** -0.5))
     variants = {"fp16 SDPA": chain([lambda q, kv=kv: sdpa(q, *kv) for kv in fp16_kv])}
-    decodes = {"current decode": ORIGINAL_DECODE, "elementwise unpack + gather": elementwise_decode("take"),
-               "elementwise unpack + select": elementwise_decode("select")}
+    decodes = {"codec decode (gather)": ORIGINAL_DECODE, "centroids by selects": select_decode}
     for split_name, split in (("4096-token splits", 4096), ("one split", capacity)):
         for name, decode in decodes.items():
             variants[f"compiled_decode, {name}, {split_name}"] = chain(
                 [layer_step(h, q0, decode, split) for h in caches])
-    variants["fp16 decode of the whole capacity + SDPA, elementwise unpack + select"] = chain(
-        [sdpa_step(h, elementwise_decode("select")) for h in caches])
-    variants["fp16 decode of the whole capacity + SDPA, elementwise unpack + gather"] = chain(
-        [sdpa_step(h, elementwise_decode("take")) for h in caches])
-    reference = variants["compiled_decode, current decode, 4096-token splits"]()
+    for name, decode in decodes.items():
+        variants[f"fp16 decode of the whole capacity + SDPA, {name}"] = chain([sdpa_step(h, decode) for h in caches])
+    reference = variants["compiled_decode, codec decode (gather), 4096-token splits"]()
     differences = {}
     for name, run in variants.items():
         out = run()
@@ -179,7 +149,7 @@ def main():
               "spec": SPEC, "rounds": args.rounds, "rows": rows}
     (out / "results.json").write_text(json.dumps(record, indent=2))
     lines = [f"| variant ({LAYERS} layers, {args.context} tokens each) | step ms (attention only) | fp16 / this "
-             "| max abs difference from the current decode |", "|---|---|---|---|"]
+             "| max abs difference from the codec decode with 4096-token splits |", "|---|---|---|---|"]
     lines += [f"| {name} | {r['step_ms']:.3f} | {r['vs_fp16_attention']:.2f} | {r['max_abs_difference_from_current']:.2e} |"
               for name, r in rows.items()]
     (out / "results.md").write_text("\n".join(lines) + "\n")

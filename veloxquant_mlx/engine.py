@@ -214,6 +214,11 @@ def field_encoder(key_codec, value_codec, settings: EngineSettings) -> Callable:
 _SMALL: Dict[tuple, mx.array] = {}
 
 
+def attention_dtype(queries: mx.array):
+    """The float dtype attention runs in for these queries: theirs, or float32 for others."""
+    return queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+
+
 def small_array(values: Tuple, dtype=mx.int32) -> mx.array:
     """A tiny constant array shared by every call with the same values (all layers of a
     decoding step pass the same token count): one host-to-device copy, not one per layer."""
@@ -373,7 +378,7 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
     names, _, key_bufs, value_bufs = capacity_fields(h)
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
-    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+    dtype = attention_dtype(queries)
     none = small_array((0.0,), mx.float32)
     keys, values = _decoded_history_fn(h.key_codec, h.value_codec, names, parts, centered, dtype)(
         key_bufs, value_bufs, fp16, h.key_mean if centered else none, h.value_mean if centered else none)
@@ -504,7 +509,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     mask, which MLX's fused kernels may not take: the queries then go in groups whose scores
     fit SDPA_MASK_BYTES even where MLX materialises them."""
     kc, vc = h.key_codec, h.value_codec
-    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+    dtype = attention_dtype(queries)
     keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
 
     def into_domains(fk, fv):

@@ -255,7 +255,7 @@ def format_kernel_decode(h, queries, scale, mask=None):
     if _orthogonal(h):
         return engine.sdpa_prefill(h, queries, scale, None, decode=_kernel_decoder)
     run, capacity = ops.runner(h.settings.backend), h.store.capacity
-    dtype = queries.dtype if queries.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float32
+    dtype = engine.attention_dtype(queries)
     keys = dequant.dequantize(run, h.store, "keys", h.key_codec, capacity, dtype)
     values = dequant.dequantize(run, h.store, "values", h.value_codec, capacity, dtype)
     return engine.attend_decoded(h, queries, scale, keys, values)

@@ -208,7 +208,7 @@ def _encode_name(kd, kb, vd, vb, scale):
 def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, scale: str, tokens: int = 40) -> Dict:
     from ..engine import row_encoder
     from ..formats import RowLayout
-    from ..methods.turboquant_mse import MSECodec
+    from ..methods.turboquant_mse import SCALES, MSECodec
     from ..settings import EngineSettings
     from .encode import fields_agreement
 
@@ -216,7 +216,7 @@ def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, scale: str, tok
     kc, vc = MSECodec(kd, kb, seed=3, renorm=renorm), MSECodec(vd, vb, seed=4, renorm=renorm,
                                                                unbiased=scale == "unbiased")
     layout = RowLayout.of(kc.format, vc.format)
-    rng = np.random.default_rng([kd, kb, vd, vb, ("norm", "renorm", "unbiased").index(scale)])
+    rng = np.random.default_rng([kd, kb, vd, vb, SCALES.index(scale)])
     k = mx.array(rng.standard_normal((2, 3, tokens, kd)).astype(np.float32)).astype(mx.float16)
     v = mx.array(rng.standard_normal((2, 3, tokens, vd)).astype(np.float32)).astype(mx.float16)
     rows = row_encoder(layout, kc, vc, EngineSettings.resolve(backend=backend)).many(k, v)

@@ -32,7 +32,7 @@ import functools
 
 import mlx.core as mx
 
-from ..engine import fp16_tokens, plain_partial, small_array
+from ..engine import attention_dtype, fp16_tokens, plain_partial, small_array
 from . import launch, ops
 
 
@@ -82,7 +82,7 @@ def uses_tensor_cores(runner_name: str, h, queries) -> bool:
 
 def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *extra):
     rows = h.store.rows
-    q_dtype = queries.dtype if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else mx.float32
+    q_dtype = attention_dtype(queries)
     centered = h.key_mean is not None
     parts, fp16 = h.fp16_inputs()
     plan, fn = _step_fn(kind, runner_name, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
