@@ -8,6 +8,7 @@
 Rows are sorted by bits per coordinate. Our rows' ΔPPL / KL are against mlx-lm's KVCache (float32 on this CPU)
 in the same eval run; llama.cpp's against its own f16 cache on the same tokens. Where several ppl folders hold
 the same label (fp16 in each), the first one's record is kept; every folder must have scored the same windows.
+Needle folders of the same cache (say 1K-2K in one run, 4K-8K in another) add up: the share is of all their cells.
 """
 
 import argparse
@@ -49,12 +50,18 @@ def main():
             if r["spec"] in rows:
                 rows[r["spec"]]["bits_used_max_2k"] = r["max_from_2048"]
                 rows[r["spec"]]["config"] = r["config"]
+    needle_lengths = set()
     for folder in args.needle:
         for r in load(folder)["records"]:
             if r["label"] in rows and r.get("accuracy") is not None:
-                rows[r["label"]]["needle"] = r["accuracy"]
-                rows[r["label"]]["needle_grid"] = r.get("grid")
-                rows[r["label"]]["needle_cells"] = r.get("scored_cases")
+                row = rows[r["label"]]
+                cells = [c for c in r["cells"] if c.get("status") == "ok"]
+                row["needle_cells"] = row.get("needle_cells", 0) + len(cells)
+                row["needle_correct"] = row.get("needle_correct", 0) + sum(bool(c["correct"]) for c in cells)
+                row["needle"] = row["needle_correct"] / row["needle_cells"]
+                row.setdefault("needle_grids", []).append(r.get("grid"))
+                needle_lengths.update(c["length"] for c in cells)
+    lengths = " / ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in sorted(needle_lengths))
     if args.llama_cpp:
         data = load(args.llama_cpp)
         for r in data["records"]:
@@ -72,8 +79,8 @@ def main():
              "and mlx-lm's against mlx-lm's KVCache in the same run, llama.cpp's against its own f16 cache on the same "
              "tokens. Bits/coord: the caches' allocated bytes at the end of a window (llama.cpp: ggml's block layout); "
              "'max used >= 2K': the presets' used bytes, the most at any context from 2048 tokens "
-             "(`presets-bits`). Needle: share of the (length, depth) cells answered, of 5 depths x 1K and 2K tokens "
-             "(cells the run finished).", "",
+             f"(`presets-bits`). Needle: share of the (length, depth) cells answered, of 5 depths at {lengths or '-'} tokens "
+             "(cells the runs finished).", "",
              "| cache | engine | bits/coord | max used >= 2K | PPL | ΔPPL | KL mean | top-1 | needle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in ordered:

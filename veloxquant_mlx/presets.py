@@ -3,7 +3,8 @@ so that a user need not know the options.
 
 `vq4`, `vq3` and `vq2` are the configurations that measured best at 4, 3 and 2 effective bits per coordinate
 on SmolLM2 (`benchmarks/results/presets-sweep`, tuned on WikiText-2 from token 200000 on; reported on the
-text's first windows, `benchmarks/results/presets-eval`). Each one's `PRESET_BITS` is an upper bound on the
+text's first windows, `benchmarks/results/presets-eval`), with `unbiased_values` added after it gained at
+every budget on the tuning window (`benchmarks/results/kv-quality-sweep/norm-gain-seventeenth`). Each one's `PRESET_BITS` is an upper bound on the
 caches' bytes per coordinate at every context of 2048 tokens or more (the fp16 sinks and window cost most at
 2048 and less after), which `tests/test_presets.py` measures from the caches' bytes. None needs calibration.
 
@@ -21,8 +22,10 @@ from typing import Dict
 from .config import KVCacheConfig
 
 # Every preset: 4 fp16 sink tokens, a short fp16 window of the newest tokens, centred keys and values,
-# and TurboQuant-MSE's `renorm` (norms rescaled so the decoded vector keeps the true norm).
-_PROTECTED = dict(sink_tokens=4, center=True, options={"renorm": True})
+# TurboQuant-MSE's `renorm` for keys (norms rescaled so the decoded key keeps the true norm) and
+# `unbiased_values` (each decoded value's projection on the true one is exact, so the errors of the
+# attention's weighted sum average out instead of shrinking it).
+_PROTECTED = dict(sink_tokens=4, center=True, options={"renorm": True, "unbiased_values": True})
 
 KV_PRESETS: Dict[str, dict] = {
     "vq4": dict(method="turboquant_mse", bits=4, value_bits=3, residual_length=32, **_PROTECTED),
