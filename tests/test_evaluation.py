@@ -9,7 +9,7 @@ import pytest
 
 from veloxquant_mlx import available_methods
 from veloxquant_mlx.evaluation.cli import main
-from veloxquant_mlx.evaluation.report import replace_section
+from veloxquant_mlx.evaluation.report import render_markdown, replace_section
 from veloxquant_mlx.evaluation.specs import MethodSpecError, parse_method_list, parse_method_spec
 from veloxquant_mlx.evaluation.watchdog import MemoryGuard, MemoryGuardTriggered, available_memory_bytes
 
@@ -179,6 +179,25 @@ def test_benchmark_tiny_shape(tmp_path):
     assert run_report == 0
     text = readme.read_text()
     assert "turboquant_mse:4" in text and "](bench/speed_vs_context.png)" in text
+    assert "| per round |" in text  # two rounds each
+
+
+def test_benchmark_report_gives_the_spread_of_the_rounds_ratios():
+    def record(label, decode_s, kind="veloxquant"):
+        return {"label": label, "kind": kind, "context": 4096, "status": "ok", "decode_tokens_per_s": 1.0,
+                "prefill_tokens_per_s": 1.0, "repeats_done": len(decode_s),
+                "runs": [{"decode_s": t, "prefill_s": 1.0} for t in decode_s]}
+
+    results = {"command": "benchmark", "settings": {"repeats": 3}, "records": [
+        record("fp16", [1.0, 1.0, 2.0], kind="baseline"), record("a", [2.0, 1.25, 2.0]), record("b", [1.0])]}
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in render_markdown(results).splitlines()
+            if line.startswith("| `")}
+    header = next(line for line in render_markdown(results).splitlines() if line.startswith("| method"))
+    column = header.split(" | ").index("per round")
+    # round by round, fp16's time over a's: 1/2, 1/1.25, 2/2
+    assert rows["| `a`"][column] == "0.50-1.00x"
+    assert rows["| `fp16` (mlx-lm)"][column] == "1.00-1.00x"
+    assert rows["| `b`"][column] == "—"  # one run, and not fp16's number of rounds
 
 
 def test_benchmark_bits_per_coordinate_count_every_sequence_of_a_batch(tmp_path):

@@ -115,7 +115,18 @@ def _benchmark(results: Dict) -> str:
         base = fp16.get(r.get("context"), {}).get(key)
         return f"{r[key] / base:.2f}x" if r.get(key) and base else "—"
 
+    def round_ratios(r, key):
+        """fp16's time over this method's, round by round (the methods take turns, so round i of
+        each ran next to the other's): the spread that a median of a noisy machine hides."""
+        base = fp16.get(r.get("context"), {}).get("runs") or []
+        runs = r.get("runs") or []
+        ratios = [b[key] / m[key] for m, b in zip(runs, base) if m.get(key) and b.get(key)]
+        if r.get("status") != "ok" or len(ratios) < 2 or len(runs) != len(base):
+            return "—"
+        return f"{min(ratios):.2f}-{max(ratios):.2f}x"
+
     with_paths = any(r.get("decode_paths") for r in results["records"])
+    with_rounds = any(len(r.get("runs") or []) > 1 for r in results["records"])
     rows = []
     for r in results["records"]:
         row = [
@@ -125,6 +136,7 @@ def _benchmark(results: Dict) -> str:
             ratio(r, "prefill_tokens_per_s"),
             _num(r.get("decode_tokens_per_s"), 1),
             ratio(r, "decode_tokens_per_s"),
+            *([round_ratios(r, "decode_s")] if with_rounds else []),
             _mib(r.get("kv_bytes")),
             _num(r.get("bits_per_coord")),
             _mib(r.get("peak_memory_bytes")),
@@ -140,10 +152,12 @@ def _benchmark(results: Dict) -> str:
         + f"; median of up to {s.get('repeats')} runs after "
         f"{s.get('warmup', 1)} untimed warm-up run(s) of the same shapes, methods taking turns; "
         f"decode = {s.get('decode_tokens')} tokens after the prompt; peak memory includes the weights; "
-        "ratios against the fp16 row of the same context and run."
+        "ratios against the fp16 row of the same context and run"
+        + ("; 'per round': the lowest and highest of the decode ratios of each round's turns." if with_rounds else ".")
     )
-    header = ["method", "context", "prefill tok/s", "vs fp16", "decode tok/s", "vs fp16", "KV MiB", "bits/coord",
-              "peak MiB", "runs"] + (["decode path"] if with_paths else []) + ["status"]
+    header = (["method", "context", "prefill tok/s", "vs fp16", "decode tok/s", "vs fp16"]
+              + (["per round"] if with_rounds else [])
+              + ["KV MiB", "bits/coord", "peak MiB", "runs"] + (["decode path"] if with_paths else []) + ["status"])
     return f"{text}\n\n{_table(header, rows)}"
 
 
