@@ -79,8 +79,8 @@ def main():
              "and mlx-lm's against mlx-lm's KVCache in the same run, llama.cpp's against its own f16 cache on the same "
              "tokens. Bits/coord: the caches' allocated bytes at the end of a window (llama.cpp: ggml's block layout); "
              "'max used >= 2K': the presets' used bytes, the most at any context from 2048 tokens "
-             f"(`presets-bits`). Needle: share of the (length, depth) cells answered, of 5 depths at {lengths or '-'} tokens "
-             "(cells the runs finished).", "",
+             f"(`presets-bits`). Needle: share of the (length, depth) cells answered, of 5 depths at "
+             f"{lengths or '-'} tokens (cells the runs finished).", "",
              "| cache | engine | bits/coord | max used >= 2K | PPL | ΔPPL | KL mean | top-1 | needle |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in ordered:

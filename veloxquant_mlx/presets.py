@@ -4,9 +4,10 @@ so that a user need not know the options.
 `vq4`, `vq3` and `vq2` are the configurations that measured best at 4, 3 and 2 effective bits per coordinate
 on SmolLM2 (`benchmarks/results/presets-sweep`, tuned on WikiText-2 from token 200000 on; reported on the
 text's first windows, `benchmarks/results/presets-eval`), with `unbiased_values` added after it gained at
-every budget on the tuning window (`benchmarks/results/kv-quality-sweep/norm-gain-seventeenth`). Each one's `PRESET_BITS` is an upper bound on the
-caches' bytes per coordinate at every context of 2048 tokens or more (the fp16 sinks and window cost most at
-2048 and less after), which `tests/test_presets.py` measures from the caches' bytes. None needs calibration.
+every budget on the tuning window (`benchmarks/results/kv-quality-sweep/norm-gain-seventeenth`). Each one's
+`PRESET_BITS` is an upper bound on the caches' bytes per coordinate at every context of 2048 tokens or more
+(the fp16 sinks and window cost most at 2048 and less after), which `tests/test_presets.py` measures from the
+caches' bytes. None needs calibration.
 
 No preset is calibrated: CommVQ keys (llama family), the best at 3 and 2 bits when calibrated on WikiText-2,
 lost to `vq3` / `vq2` when calibrated on the text shipped in the package, as a first-use calibration would be
