@@ -163,6 +163,9 @@ def test_benchmark_tiny_shape(tmp_path):
         assert r["peak_memory_bytes"] > 0 and r["kv_bytes"] > 0
         assert r["kv_tokens"] == r["context"] + 4
         assert 1 <= r["repeats_done"] <= 2
+        for run in r["runs"]:  # one interval per decoded token, together the decode time
+            assert len(run["decode_token_intervals_s"]) == 4 and min(run["decode_token_intervals_s"]) > 0
+            assert sum(run["decode_token_intervals_s"]) <= run["decode_s"] + 1e-5
     # The methods of a context take turns: round 1 of every method, then round 2.
     for context in (128, 256):
         starts = [(run["start_s"], i, r["label"]) for r in records if r["context"] == context and r["status"] == "ok"

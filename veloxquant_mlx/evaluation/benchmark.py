@@ -57,14 +57,17 @@ def attention_paths(caches) -> List[str]:
     return sorted({c.last_path for c in caches if getattr(c, "last_path", None)})
 
 
-def decode(model, caches, token: mx.array, steps: int, check: Callable[[], None]) -> None:
-    """Greedy decoding of `steps` tokens after `token` (B,)."""
+def decode(model, caches, token: mx.array, steps: int, check: Callable[[], None]) -> List[float]:
+    """Greedy decoding of `steps` tokens after `token` (B,). Returns the seconds between one
+    token's arrival and the next (the first from the call): with the next step queued before
+    the current one is read, a stall shows as one long interval, a slower step as all of them."""
 
     def step(y):
         return mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)
 
     if steps < 1:
-        return
+        return []
+    intervals, last = [], time.perf_counter()
     next_token = step(token)
     mx.async_eval(next_token)
     for n in range(steps):
@@ -73,7 +76,11 @@ def decode(model, caches, token: mx.array, steps: int, check: Callable[[], None]
             next_token = step(token)
             mx.async_eval(next_token)
         mx.eval(token)
+        now = time.perf_counter()
+        intervals.append(now - last)
+        last = now
         check()
+    return intervals
 
 
 def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chunk: int,
@@ -86,11 +93,12 @@ def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chu
         first, prefill_paths = prefill(model, caches, tokens, chunk, check)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        decode(model, caches, first, decode_tokens, check)
+        intervals = decode(model, caches, first, decode_tokens, check)
         decode_s = time.perf_counter() - start
         return {
             "prefill_s": prefill_s,
             "decode_s": decode_s,
+            "decode_token_intervals_s": intervals,
             "prefill_paths": prefill_paths,
             "decode_paths": attention_paths(caches),
             "peak_memory_bytes": mx.get_peak_memory(),
@@ -100,6 +108,14 @@ def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chu
     finally:
         del caches
         mx.clear_cache()
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return round(value, 6)
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 class ConfigRuns:
@@ -184,7 +200,7 @@ class ConfigRuns:
             # kv_bytes hold every sequence of the batch; kv_tokens count one sequence
             fp16_kv_bytes=layout.fp16_bytes(batch * kv_tokens),
             bits_per_coord=finite(layout.bits_per_coordinate(kv_bytes, batch * kv_tokens)),
-            runs=[{k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items()} for r in runs],
+            runs=[{k: _rounded(v) for k, v in r.items()} for r in runs],
         )
         return record
 
