@@ -166,6 +166,10 @@ def test_benchmark_tiny_shape(tmp_path):
         for run in r["runs"]:  # one interval per decoded token, together the decode time
             assert len(run["decode_token_intervals_s"]) == 4 and min(run["decode_token_intervals_s"]) > 0
             assert sum(run["decode_token_intervals_s"]) <= run["decode_s"] + 1e-5
+            # the host's part of each step after the first: building the next step, then launching it
+            assert len(run["decode_build_s"]) == len(run["decode_dispatch_s"]) == 3
+            assert min(run["decode_build_s"]) > 0 and min(run["decode_dispatch_s"]) >= 0
+            assert sum(run["decode_build_s"]) + sum(run["decode_dispatch_s"]) <= run["decode_s"]
     # The methods of a context take turns: round 1 of every method, then round 2.
     for context in (128, 256):
         starts = [(run["start_s"], i, r["label"]) for r in records if r["context"] == context and r["status"] == "ok"
@@ -201,6 +205,27 @@ def test_benchmark_report_gives_the_spread_of_the_rounds_ratios():
     assert rows["| `a`"][column] == "0.50-1.00x"
     assert rows["| `fp16` (mlx-lm)"][column] == "1.00-1.00x"
     assert rows["| `b`"][column] == "—"  # one run, and not fp16's number of rounds
+
+
+def test_benchmark_report_gives_the_step_and_its_host_time():
+    def run(intervals, build, dispatch):
+        return {"decode_s": sum(intervals), "prefill_s": 1.0, "decode_token_intervals_s": intervals,
+                "decode_build_s": build, "decode_dispatch_s": dispatch}
+
+    runs = [run([0.05, 0.010, 0.012, 0.011], [0.002, 0.003, 0.002], [0.004, 0.004, 0.005]),
+            run([0.05, 0.009, 0.010, 0.013], [0.003, 0.003, 0.002], [0.005, 0.004, 0.004])]
+    results = {"command": "benchmark", "settings": {"repeats": 2}, "records": [
+        {"label": "fp16", "kind": "baseline", "context": 4096, "status": "ok", "decode_tokens_per_s": 1.0,
+         "prefill_tokens_per_s": 1.0, "repeats_done": 2, "runs": runs},
+        {"label": "old", "kind": "veloxquant", "context": 4096, "status": "ok", "decode_tokens_per_s": 1.0,
+         "prefill_tokens_per_s": 1.0, "repeats_done": 1, "runs": [{"decode_s": 1.0, "prefill_s": 1.0}]}]}
+    lines = render_markdown(results).splitlines()
+    header = next(line for line in lines if line.startswith("| method")).split(" | ")
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in lines if line.startswith("| `")}
+    column = header.index("step / host ms")
+    # steps after the first of each run: median of 10, 12, 11, 9, 10, 13 ms; host: of 6, 7, 7, 8, 7, 6 ms
+    assert rows["| `fp16` (mlx-lm)"][column] == "10.50 / 7.00"
+    assert rows["| `old`"][column] == "—"  # a run recorded before host times were
 
 
 def test_benchmark_bits_per_coordinate_count_every_sequence_of_a_batch(tmp_path):

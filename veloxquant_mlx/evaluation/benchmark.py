@@ -66,21 +66,25 @@ def decode(model, caches, token: mx.array, steps: int, check: Callable[[], None]
         return mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)
 
     if steps < 1:
-        return []
-    intervals, last = [], time.perf_counter()
+        return [], [], []
+    intervals, build, dispatch, last = [], [], [], time.perf_counter()
     next_token = step(token)
     mx.async_eval(next_token)
     for n in range(steps):
         token = next_token
         if n + 1 < steps:
+            start = time.perf_counter()
             next_token = step(token)
+            built = time.perf_counter()
             mx.async_eval(next_token)
+            build.append(built - start)
+            dispatch.append(time.perf_counter() - built)
         mx.eval(token)
         now = time.perf_counter()
         intervals.append(now - last)
         last = now
         check()
-    return intervals
+    return intervals, build, dispatch
 
 
 def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chunk: int,
@@ -93,12 +97,14 @@ def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chu
         first, prefill_paths = prefill(model, caches, tokens, chunk, check)
         prefill_s = time.perf_counter() - start
         start = time.perf_counter()
-        intervals = decode(model, caches, first, decode_tokens, check)
+        intervals, build, dispatch = decode(model, caches, first, decode_tokens, check)
         decode_s = time.perf_counter() - start
         return {
             "prefill_s": prefill_s,
             "decode_s": decode_s,
             "decode_token_intervals_s": intervals,
+            "decode_build_s": build,
+            "decode_dispatch_s": dispatch,
             "prefill_paths": prefill_paths,
             "decode_paths": attention_paths(caches),
             "peak_memory_bytes": mx.get_peak_memory(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import statistics
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -125,8 +126,19 @@ def _benchmark(results: Dict) -> str:
             return "—"
         return f"{min(ratios):.2f}-{max(ratios):.2f}x"
 
+    def step_ms(r):
+        """Median decode step and, of it, the host's share (building the next step's graph and
+        launching it, with the step before still running): equal when the host is the limit."""
+        runs = [m for m in (r.get("runs") or []) if m.get("decode_build_s")]
+        if r.get("status") != "ok" or not runs:
+            return "—"
+        step = statistics.median(t for m in runs for t in m["decode_token_intervals_s"][1:])
+        host = statistics.median(b + d for m in runs for b, d in zip(m["decode_build_s"], m["decode_dispatch_s"]))
+        return f"{1000 * step:.2f} / {1000 * host:.2f}"
+
     with_paths = any(r.get("decode_paths") for r in results["records"])
     with_rounds = any(len(r.get("runs") or []) > 1 for r in results["records"])
+    with_host = any(m.get("decode_build_s") for r in results["records"] for m in (r.get("runs") or []))
     rows = []
     for r in results["records"]:
         row = [
@@ -137,6 +149,7 @@ def _benchmark(results: Dict) -> str:
             _num(r.get("decode_tokens_per_s"), 1),
             ratio(r, "decode_tokens_per_s"),
             *([round_ratios(r, "decode_s")] if with_rounds else []),
+            *([step_ms(r)] if with_host else []),
             _mib(r.get("kv_bytes")),
             _num(r.get("bits_per_coord")),
             _mib(r.get("peak_memory_bytes")),
@@ -153,10 +166,13 @@ def _benchmark(results: Dict) -> str:
         f"{s.get('warmup', 1)} untimed warm-up run(s) of the same shapes, methods taking turns; "
         f"decode = {s.get('decode_tokens')} tokens after the prompt; peak memory includes the weights; "
         "ratios against the fp16 row of the same context and run"
-        + ("; 'per round': the lowest and highest of the decode ratios of each round's turns." if with_rounds else ".")
+        + ("; 'per round': the lowest and highest of the decode ratios of each round's turns" if with_rounds else "")
+        + ("; 'step / host ms': the median decode step and the median host time of one (building and launching "
+           "the next step while this one runs; when the two are equal, the host is the limit)" if with_host else "")
+        + "."
     )
     header = (["method", "context", "prefill tok/s", "vs fp16", "decode tok/s", "vs fp16"]
-              + (["per round"] if with_rounds else [])
+              + (["per round"] if with_rounds else []) + (["step / host ms"] if with_host else [])
               + ["KV MiB", "bits/coord", "peak MiB", "runs"] + (["decode path"] if with_paths else []) + ["status"])
     return f"{text}\n\n{_table(header, rows)}"
 
