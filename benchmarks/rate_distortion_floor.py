@@ -12,6 +12,10 @@ quality a perfect b-bit code would give under the presets' sinks, window, centri
 target, no scalar or vector code of that rate on these rotated vectors meets it.
 
     PYTHONPATH=. python benchmarks/rate_distortion_floor.py --out DIR [--noise-seed N] [--methods SPECS]
+    PYTHONPATH=. python benchmarks/rate_distortion_floor.py --needle 8k:0.25 --out DIR --methods SPECS
+
+The first is `veloxquant eval ppl` on one 2048-token window; `--needle LENGTHS:DEPTHS` runs `veloxquant eval
+needle` on those cells instead.
 """
 
 from __future__ import annotations
@@ -98,9 +102,14 @@ if __name__ == "__main__":
     parser.add_argument("--methods", default=METHODS)
     parser.add_argument("--noise-seed", type=int, default=0, help="seed of the channel's noise (its draws move "
                         "one window's result by about a point of perplexity at 3 bits)")
+    parser.add_argument("--needle", help="LENGTHS:DEPTHS (e.g. 8k:0,0.25): the needle test on those cells instead")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     mx.random.seed(args.noise_seed)
+    if args.needle:
+        lengths, depths = args.needle.split(":")
+        sys.exit(main(["eval", "needle", "--text", args.text, "--lengths", lengths, "--depths", depths, "--no-figures",
+                       "--no-progress", "--min-free-gb", "0.5", "--methods", args.methods, "--out", args.out]))
     sys.exit(main(["eval", "ppl", "--text", args.text, "--skip-tokens", args.skip_tokens, "--ctx", "2048", "--windows", "1",
                    "--chunk", "512", "--no-figures", "--no-progress", "--min-free-gb", "0.5",
                    "--methods", args.methods, "--out", args.out]))
