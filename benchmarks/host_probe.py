@@ -44,8 +44,12 @@ def probe(model, spec, tokens, steps: int, chunk: int) -> dict:
         token = nxt
     del caches
     mx.clear_cache()
-    med = lambda xs: 1000 * statistics.median(xs[2:])  # noqa: E731 (the first steps compile)
-    return {"method": spec.label, "build_ms": med(build), "launch_ms": med(launch), "gpu_after_launch_ms": med(rest)}
+    return {"method": spec.label, "build_ms": _median_ms(build), "launch_ms": _median_ms(launch),
+            "gpu_after_launch_ms": _median_ms(rest)}
+
+
+def _median_ms(seconds) -> float:
+    return 1000 * statistics.median(seconds[2:])  # the first two steps compile
 
 
 if __name__ == "__main__":

@@ -58,9 +58,11 @@ def attention_paths(caches) -> List[str]:
 
 
 def decode(model, caches, token: mx.array, steps: int, check: Callable[[], None]) -> List[float]:
-    """Greedy decoding of `steps` tokens after `token` (B,). Returns the seconds between one
-    token's arrival and the next (the first from the call): with the next step queued before
-    the current one is read, a stall shows as one long interval, a slower step as all of them."""
+    """Greedy decoding of `steps` tokens after `token` (B,). Returns (intervals, build, dispatch):
+    the seconds between one token's arrival and the next (the first from the call), and for each
+    step after the first the host's seconds to build its graph and to launch it (`mx.async_eval`,
+    which also waits when the GPU is behind). With the next step queued before the current one is
+    read, a stall shows as one long interval, a slower step as all of them."""
 
     def step(y):
         return mx.argmax(model(y[:, None], cache=caches)[:, -1, :], axis=-1)
