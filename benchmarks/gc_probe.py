@@ -1,5 +1,5 @@
-"""Does Python's garbage collector run during decode steps? (A candidate for the one-stall-per-run slow
-rounds of the GPU benchmark, docs/engine.md, eighteenth session.)
+"""Does Python's garbage collector run during decode steps? (A candidate for the slow rounds of the
+GPU benchmark, docs/engine.md, eighteenth session; the nineteenth found them to be every step slower, no stall.)
 
     PYTHONPATH=. python benchmarks/gc_probe.py --methods fp16,turboquant_mse:3:vbits=4,vq3 --out DIR
 
