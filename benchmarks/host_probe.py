@@ -5,7 +5,10 @@ alone: build its graph, wait until the GPU is idle, time `async_eval` (the launc
 for), then time the rest until its token is ready (GPU work left after the launch). Build + launch against
 the pipelined step says which side sets the pace.
 
-    python benchmarks/host_probe.py --context 4096 --methods "fp16,turboquant_mse:3:vbits=4" --out DIR
+    python benchmarks/host_probe.py --context 4096 --methods "fp16,turboquant_mse:3:vbits=4" [--rounds 3] --out DIR
+
+Each step's medians are over every round's steps (the first two of each turn, which compile, left out);
+the last column gives each round's median build + launch.
 """
 
 from __future__ import annotations
@@ -44,12 +47,11 @@ def probe(model, spec, tokens, steps: int, chunk: int) -> dict:
         token = nxt
     del caches
     mx.clear_cache()
-    return {"method": spec.label, "build_ms": _median_ms(build), "launch_ms": _median_ms(launch),
-            "gpu_after_launch_ms": _median_ms(rest)}
+    return {"build": build[2:], "launch": launch[2:], "rest": rest[2:]}  # the first two steps compile
 
 
-def _median_ms(seconds) -> float:
-    return 1000 * statistics.median(seconds[2:])  # the first two steps compile
+def _ms(seconds) -> float:
+    return 1000 * statistics.median(seconds)
 
 
 if __name__ == "__main__":
@@ -61,15 +63,30 @@ if __name__ == "__main__":
     parser.add_argument("--methods", required=True)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--chunk", type=int, default=2048)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="the methods take turns this many times (the host's speed drifts between turns)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     model = build_shape_model(args.shape, args.dtype, args.weights_bits)
     tokens = mx.random.randint(0, 1000, (1, args.context), key=mx.random.key(0)).astype(mx.uint32)
-    rows = [probe(model, spec, tokens, args.steps, args.chunk) for spec in parse_method_list(args.methods)]
+    specs = parse_method_list(args.methods)
+    turns = [[probe(model, spec, tokens, args.steps, args.chunk) for spec in specs] for _ in range(args.rounds)]
+    rows = []
+    for i, spec in enumerate(specs):
+        mine = [turn[i] for turn in turns]
+        row = {"method": spec.label}
+        for key, name in (("build", "build_ms"), ("launch", "launch_ms"), ("rest", "gpu_after_launch_ms")):
+            row[name] = _ms([t for m in mine for t in m[key]])
+            row[name + "_per_round"] = [_ms(m[key]) for m in mine]
+        rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
-    lines = ["| method | build ms | launch ms (GPU idle) | GPU after launch ms |", "|---|---|---|---|"]
-    lines += [f"| `{r['method']}` | {r['build_ms']:.2f} | {r['launch_ms']:.2f} | {r['gpu_after_launch_ms']:.2f} |" for r in rows]
+    lines = ["| method | build ms | launch ms (GPU idle) | GPU after launch ms | build + launch per round |",
+             "|---|---|---|---|---|"]
+    for r in rows:
+        per_round = ", ".join(f"{b + l:.2f}" for b, l in zip(r["build_ms_per_round"], r["launch_ms_per_round"]))
+        lines.append(f"| `{r['method']}` | {r['build_ms']:.2f} | {r['launch_ms']:.2f} | {r['gpu_after_launch_ms']:.2f} "
+                     f"| {per_round} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

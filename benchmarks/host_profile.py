@@ -88,7 +88,7 @@ def main():
     if kernels.backend() in ("cuda", "metal"):
         name = kernels.backend()
         c = caches[0]
-        c.store.flush()
+        c.flush()
         plan, fn = kernels.step._step_fn("fused", name, c.key_codec, c.value_codec, tuple(q.shape), q.dtype,
                                          "float16", 0.088, c.store.rows.shape[0] * c.store.rows.shape[1], c.store.rows.shape[2],
                                          False)
@@ -104,12 +104,12 @@ def main():
             lambda i: mx.fast.scaled_dot_product_attention(q, fp16[i].keys[..., :T, :], fp16[i].values[..., :T, :],
                                                            scale=0.088), L)
     for c in caches:
-        c.store.flush()
+        c.flush()
         c.settings = c.settings.replace(compile_step=False)
     result["packed step, compile off: host us/layer"] = build_us(vq_step, L)
     result["packed step, compile off: total us/layer"] = total_us(vq_step, L)
     for c in caches:
-        c.store.flush()
+        c.flush()
         c.settings = c.settings.replace(compile_step=True)
     profile = cProfile.Profile()
     profile.enable()

@@ -210,13 +210,13 @@ def microbench(T: int, args, vbits: int, copy_bw: float):
         build_time(lambda i: caches[i].attend(qs[i], scale=scale), L, args.rounds), 0)
     # The same with the compiled decode step off (kernels/step.py): the op-by-op path.
     for c in caches:
-        c.store.flush()
+        c.flush()
         c.settings = c.settings.replace(compile_step=False)
     add(f"decode step, {L} layers: packed append + attend, op by op (per layer)",
         timed(vq_step, L, args.rounds), code_bytes)
     add("host: graph build of packed append + attend, op by op (per layer)", build_time(vq_step, L, args.rounds), 0)
     for c in caches:
-        c.store.flush()
+        c.flush()
         c.settings = c.settings.replace(compile_step=True)
     del fp16
     return rows, caches

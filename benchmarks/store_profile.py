@@ -85,7 +85,7 @@ def profile(T: int, L: int):
         out[name] = None if t is None else t * 1e6
         print(f"T={T} {name}: {out[name]:.1f} us/layer" if t else f"T={T} {name}: failed", flush=True)
         for c in caches:
-            c.store.flush()
+            c.flush()
     return out
 
 

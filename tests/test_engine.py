@@ -335,7 +335,7 @@ def test_format_kernel_paths_equal_generic(method, protected):
     # The GPU paths for every format with a snippet (dequant kernel + MLX attention), emulated.
     cache = _filled(method, batch=1, tokens=64, decode=3, settings=EngineSettings.resolve(backend="emulator"),
                     **(PROTECTED if protected else {}))
-    cache.store.flush()  # the emulator back end defers decode tokens to its fused kernel step
+    cache.flush()  # the emulator back end defers decode tokens to its fused kernel step
     q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(11))
     out = kernels.format_kernel_decode(cache._history(), q, 0.125)
     assert mx.allclose(out, _generic(cache, q, 0.125), rtol=1e-4, atol=2e-5).item()

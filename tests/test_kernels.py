@@ -35,6 +35,9 @@ IN_DTYPES = {
     "mse_dequant": {"rows": "uint32", "cent": "float32", "meta": "int32"},
     "mse_encode": {n: "float32" for n in templates.KERNELS["mse_encode"]["inputs"]},
 }
+for _kernel in ("merge_encode", "merge_encode_slide"):
+    IN_DTYPES[_kernel] = {n: "float32" for n in templates.KERNELS[_kernel]["inputs"]}
+    IN_DTYPES[_kernel].update(meta="int32", q="float16", **{n: "float16" for n in ("kx", "vx", "pa_k", "pa_v", "pb_k", "pb_v")})
 
 
 def _plans():
@@ -55,6 +58,9 @@ def _plans():
             yield launch.merge_plan(2, 4, dim, 7, unrotate=True, plain=True, value_mean=True, out_dtype="float16")
             yield launch.merge_plan(2, 4, dim, 7, unrotate=False, plain=False, value_mean=True, out_dtype="float16",
                                     tokens=64, x_dtype="float16")
+            for window in (0, 64):
+                yield launch.merge_encode_plan(2, 4, dim, 7, (3, 1), (4, 2), center=True, x_dtype="float16",
+                                               out_dtype="float16", plain_tokens=68, slide_window=window)
 
 
 def _dtypes(plan):
@@ -400,29 +406,83 @@ def test_fused_step_equals_store_then_attend(center, bits, value_bits, options):
 @needs_cxx
 @pytest.mark.parametrize("sinks,window,center", [(2, 8, True), (0, 5, False), (3, 0, False)])
 def test_fused_step_takes_the_token_leaving_the_window(sinks, window, center):
-    """With fp16 sinks / a window, a decode step defers the token that leaves the window; the
-    fused step encodes, attends to (from its codes) and stores it, and merges the fp16 partial."""
+    """With fp16 sinks / a window, the token that leaves the window is encoded, attended to (from
+    its codes) and stored by the fused step, and the fp16 partial merged. With a window the new
+    token waits (`incoming`) and the merge kernel slides the window as a ring (several turns
+    here); without one the cache defers the token leaving the sinks' side. Everything else
+    reads the window in position order, as the op-by-op cache holds it."""
     from veloxquant_mlx import EngineSettings
 
     cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, center=center, sink_tokens=sinks,
                         residual_length=window)
-    k = mx.random.normal((1, 2, 303, 64), key=mx.random.key(1)).astype(mx.float16)
-    v = mx.random.normal((1, 2, 303, 64), key=mx.random.key(2)).astype(mx.float16)
+    steps = 2 * window + 3
+    k = mx.random.normal((1, 2, 300 + steps, 64), key=mx.random.key(1)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 300 + steps, 64), key=mx.random.key(2)).astype(mx.float16)
     ref = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="portable"))
     fused = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="emulator"))
     for cache in (ref, fused):
         cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
-    for t in range(300, 303):
+    for t in range(300, 300 + steps):
         q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(t)).astype(mx.float16)
         for cache in (ref, fused):
             cache.update_and_fetch(k[..., t:t + 1, :], v[..., t:t + 1, :])
-        assert fused.store.pending is not None and ref.store.pending is None
+        assert (fused.incoming is not None) == (window > 0) and (fused.store.pending is not None) == (window == 0)
+        assert ref.store.pending is None and ref.incoming is None
         expected = ref.attend(q, 0.125)
         out = fused.attend(q, 0.125)
-        assert fused.last_path == "mse_fused_step" and fused.store.pending is None
+        assert fused.last_path == "mse_fused_step" and fused.store.pending is None and fused.incoming is None
         assert selftest._rel(np.array(out.astype(mx.float32)), np.array(expected.astype(mx.float32))) < 2e-3
         assert fused.encoded == ref.encoded and fused.window == ref.window == window
         assert mx.array_equal(fused.store.rows[..., :fused.encoded, :], ref.store.rows[..., :ref.encoded, :]).item()
+    if window:
+        assert fused.window_start == steps % window  # the ring turned, and is read in order:
+        assert mx.array_equal(fused.window_keys, ref.window_keys).item()
+        assert fused.window_start == 0 and mx.array_equal(fused.window_values, ref.window_values).item()
+
+
+@needs_cxx
+@pytest.mark.parametrize("reader", ["update", "trim", "state", "prefill", "nbytes"])
+def test_a_token_waiting_to_enter_the_window_is_stored_by_any_reader(reader):
+    """A decode token that waits for the kernels' slide (`incoming`) enters the window op by op
+    when anything else reads the cache first, with the ring put back in position order: the
+    cache then equals one that never deferred it."""
+    from veloxquant_mlx import EngineSettings
+
+    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, center=True, sink_tokens=2,
+                        residual_length=6)
+    k = mx.random.normal((1, 2, 340, 64), key=mx.random.key(3)).astype(mx.float16)
+    v = mx.random.normal((1, 2, 340, 64), key=mx.random.key(4)).astype(mx.float16)
+    ref = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="portable"))
+    fused = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="emulator"))
+    for cache in (ref, fused):
+        cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
+    for t in range(300, 310):  # the ring turns past its start
+        q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(t)).astype(mx.float16)
+        for cache in (ref, fused):
+            cache.update_and_fetch(k[..., t:t + 1, :], v[..., t:t + 1, :])
+            cache.attend(q, 0.125)
+    for cache in (ref, fused):
+        cache.update_and_fetch(k[..., 310:311, :], v[..., 310:311, :])
+    assert fused.incoming is not None and fused.window_start == 4
+    for cache in (ref, fused):
+        if reader == "update":  # two tokens: a decode token would wait in its turn
+            cache.update_and_fetch(k[..., 311:313, :], v[..., 311:313, :])
+        elif reader == "trim":
+            cache.trim(3)
+        elif reader == "state":
+            cache.state = cache.state
+        elif reader == "prefill":
+            cache.update_and_fetch(k[..., 311:340, :], v[..., 311:340, :])
+        else:
+            cache.nbytes
+    assert fused.incoming is None and fused.store.pending is None and fused.window_start == 0
+    assert (fused.offset, fused.encoded, fused.window) == (ref.offset, ref.encoded, ref.window)
+    assert mx.array_equal(fused.window_keys, ref.window_keys).item()
+    assert mx.array_equal(fused.window_values, ref.window_values).item()
+    assert mx.array_equal(fused.store.rows[..., :fused.encoded, :], ref.store.rows[..., :ref.encoded, :]).item()
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(99)).astype(mx.float16)
+    a, b = fused.attend(q, 0.125), ref.attend(q, 0.125)
+    assert selftest._rel(np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))) < 2e-3
 
 
 @needs_cxx
@@ -494,7 +554,7 @@ def test_format_partial_kernel_matches_the_engines_ops_decode(options):
     cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
     keys = mx.random.normal((2, 2, 333, 64), key=mx.random.key(7)) + 0.3
     cache.update_and_fetch(keys, mx.sin(3 * keys))
-    cache.store.flush()
+    cache.flush()
     queries = mx.random.normal((2, 6, 1, 64), key=mx.random.key(8))
     h = cache._history()
     ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
@@ -527,7 +587,7 @@ def test_format_step_attends_to_fp16_tokens_in_the_merge_kernel(options, merged_
     cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
     keys = mx.random.normal((1, 2, 301, 64), key=mx.random.key(17)) + 0.3
     cache.update_and_fetch(keys, mx.sin(3 * keys))
-    cache.store.flush()
+    cache.flush()
     assert cache.window > 0
     queries = mx.random.normal((1, 6, 1, 64), key=mx.random.key(18))
     h = cache._history()
@@ -551,7 +611,7 @@ def test_format_partial_kernels_compile_with_nvcc(options, tmp_path):
     cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
     keys = mx.random.normal((1, 8, 300, 128), key=mx.random.key(3))
     cache.update_and_fetch(keys, keys)
-    cache.store.flush()
+    cache.flush()
     h = cache._history()
     prepared = partial.prepare(h.store, h.key_codec, h.value_codec, 8, 4, h.count)
     spec = templates.KERNELS[prepared.plan.kernel]
@@ -643,7 +703,7 @@ def test_format_encoder_stores_decode_tokens_of_a_protected_cache(method, monkey
         cache.update_and_fetch(keys[:, :, :90], values[:, :, :90])
         for i in range(90, 100):
             cache.update_and_fetch(keys[:, :, i:i + 1], values[:, :, i:i + 1])
-        cache.store.flush()
+        cache.flush()
     assert fast.encoded == ref.encoded == 90
     assert sum(name.startswith("encode_") for name in launched) == 11  # the chunk, then one per token
     assert isinstance(fast.store, RowStore if method == "turboquant_rvq" else FieldStore)
@@ -732,7 +792,7 @@ def test_kivi_native_kernel_matches_the_engines_ops_decode(options):
     cache = CompressedKVCache(KVCacheConfig(**options))
     keys = mx.random.normal((2, 2, 2048, 64), key=mx.random.key(9)) * mx.linspace(0.2, 3.0, 64)
     cache.update_and_fetch(keys, mx.cos(keys))
-    cache.store.flush()
+    cache.flush()
     assert cache.store.count == cache.store.capacity or cache.store.count > 1024
     queries = mx.random.normal((2, 6, 1, 64), key=mx.random.key(10))
     out = cache.attend(queries, 0.125)

@@ -22,6 +22,13 @@ Tokens leave the window in multiples of the codecs' `token_block` once more
 than `residual_length` of them wait there. `nbytes` is the sum of the live
 buffers, unused capacity included.
 
+Where a "decode_store" path can slide a full window (the turboquant_mse kernels), a
+decode token waits in `incoming` for the attention call, whose kernel encodes and
+stores the window's oldest token and writes the new one in its slot: the window is
+then a ring starting at `window_start`. Anything else that reads the cache first
+(`flush`) slides it op by op, and `window_keys` / `window_values` are always in
+position order.
+
 The cache keeps the positions (sinks, window, offset, trim) and hands attention a
 read-only `engine.History`; the codes live in a `storage` class chosen from the
 codecs' formats, and the attention path comes from the engine's registry, with the
@@ -99,7 +106,9 @@ class CompressedKVCache(_BaseCache):
         self.key_codec = self.value_codec = None
         self.store = None
         self.sink_keys = self.sink_values = None
-        self.window_keys = self.window_values = None
+        self._window_keys = self._window_values = None
+        self.window_start = 0  # where the oldest window token is held: decode kernels slide it as a ring
+        self.incoming = None  # (keys, values) of a decode token that waits to enter the window (`flush`)
         self.key_mean = self.value_mean = None
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
         self.last_path: Optional[str] = None  # the attention path of the last call
@@ -167,7 +176,48 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def window(self) -> int:
-        return 0 if self.window_keys is None else self.window_keys.shape[2]
+        return 0 if self._window_keys is None else self._window_keys.shape[2]
+
+    # The window in position order, for everything but a decode step's kernels: a token waiting
+    # to enter it enters, and a ring slid by the kernels is put back in order (one copy).
+    @property
+    def window_keys(self) -> Optional[mx.array]:
+        self._window_in_order()
+        return self._window_keys
+
+    @window_keys.setter
+    def window_keys(self, keys: Optional[mx.array]):
+        self._window_keys = keys
+
+    @property
+    def window_values(self) -> Optional[mx.array]:
+        self._window_in_order()
+        return self._window_values
+
+    @window_values.setter
+    def window_values(self, values: Optional[mx.array]):
+        self._window_values = values
+
+    def _window_in_order(self):
+        self._enter_window()
+        if self.window_start:
+            start, self.window_start = self.window_start, 0
+            self._window_keys = mx.concatenate([self._window_keys[..., start:, :], self._window_keys[..., :start, :]], 2)
+            self._window_values = mx.concatenate(
+                [self._window_values[..., start:, :], self._window_values[..., :start, :]], 2)
+
+    def _enter_window(self):
+        """The waiting decode token enters the window, its oldest token going to the store (op
+        by op: what the "decode_store" kernels would have done in the attention call)."""
+        if self.incoming is not None:
+            (keys, values), self.incoming = self.incoming, None
+            self._slide_window(keys, values, 1)
+
+    def flush(self):
+        """Store what waits for the next attention call: a token waiting to enter the window,
+        a token waiting to be encoded (`storage.RowStore.defer`)."""
+        self._enter_window()
+        self.store.flush()
 
     # ---- encoding (called by the store) ---------------------------------------
     def _centered_inputs(self, keys: mx.array, values: mx.array):
@@ -246,7 +296,7 @@ class CompressedKVCache(_BaseCache):
 
         # Positions below count the codes, so a token still waiting for its attention call
         # (an update with no attention between, as in tests or a prefill after decode) is stored first.
-        self.store.flush()
+        self.flush()
         to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
         if to_sinks > 0:
             # Copies: a view would keep the whole chunk alive (and out of `nbytes`).
@@ -259,6 +309,11 @@ class CompressedKVCache(_BaseCache):
         held = self.window
         flush = ((held + keys.shape[2] - self.config.residual_length) // self.block) * self.block
         if 0 < flush <= held and self.block == 1 and self.config.residual_length > 0:
+            if flush == 1 and self._route("slide", None, None) is not None:
+                # The attention call that follows slides the window in its kernels: they encode
+                # and store its oldest token and put this one in its slot (a "decode_store" path).
+                self.incoming = (keys, values)
+                return self.history()
             # A decode step with a full window: the oldest token leaves and the window stays one
             # contiguous array (a view of a longer one would be copied by every kernel reading it).
             self._slide_window(keys, values, flush)
@@ -295,24 +350,26 @@ class CompressedKVCache(_BaseCache):
     def _slide_window(self, keys: mx.array, values: mx.array, flush: int):
         """The first `flush` window tokens (no more than it holds) leave for the store, as the
         general path of `update_and_fetch` sends them, and `keys` / `values` join the window."""
-        leaving_keys, leaving_values = self.window_keys[..., :flush, :], self.window_values[..., :flush, :]
+        self._window_in_order()
+        leaving_keys, leaving_values = self._window_keys[..., :flush, :], self._window_values[..., :flush, :]
         self.just_encoded = (leaving_keys, leaving_values, self.sinks + self.encoded)
         self._store_for(flush)(leaving_keys, leaving_values)
-        self.window_keys = mx.concatenate([self.window_keys[..., flush:, :], keys], axis=2)
-        self.window_values = mx.concatenate([self.window_values[..., flush:, :], values], axis=2)
+        self._window_keys = mx.concatenate([self._window_keys[..., flush:, :], keys], axis=2)
+        self._window_values = mx.concatenate([self._window_values[..., flush:, :], values], axis=2)
 
     def history(self):
         return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
 
-    def _history(self, pending=None) -> engine.History:
-        """The read-only view attention paths get."""
+    def _history(self, pending=None, slide: bool = False) -> engine.History:
+        """The read-only view attention paths get; with `slide`, `pending` is the token that
+        enters the window, whose oldest token is at `window_start`."""
         return engine.History(
             store=self.store, key_codec=self.key_codec, value_codec=self.value_codec, kv_heads=self.kv_heads,
             offset=self.offset, sinks=self.sinks, window=self.window, key_mean=self.key_mean,
             value_mean=self.value_mean, settings=self.settings, fp16=self._fp16_tokens, segments=self.segments,
             fp16_parts=self._fp16_parts,
             band=self.just_encoded is not None, pending=pending, recent=self._recent_tokens,
-            fp16_from=self._fp16_from,
+            fp16_from=self._fp16_from, window_slot=self.window_start if slide else None,
         )
 
     def _recent_tokens(self):
@@ -327,8 +384,10 @@ class CompressedKVCache(_BaseCache):
         return self._centered(keys), values, first
 
     def _fp16_parts(self):
-        """The sinks' and the window's (keys, values) as held (keys not centered), present ones only."""
-        return tuple((k, v) for k, v in ((self.sink_keys, self.sink_values), (self.window_keys, self.window_values))
+        """The sinks' and the window's (keys, values) as held (keys not centered), present ones only,
+        for decode paths: the window in its ring order (one query's attention does not depend
+        on the order of its keys), not settled (a "decode_store" path may slide it)."""
+        return tuple((k, v) for k, v in ((self.sink_keys, self.sink_values), (self._window_keys, self._window_values))
                      if k is not None and k.shape[2])
 
     def _fp16_tokens(self):
@@ -369,7 +428,7 @@ class CompressedKVCache(_BaseCache):
         sized so that `query_rows` (queries x query heads) x block scores fit a tile.
         With `query_len`, tokens this update encoded are scored in fp16 by the queries
         that would still have seen them in the window."""
-        self.store.flush()
+        self.flush()
         if query_len and self.just_encoded is not None:
             just, _, first = self.just_encoded
             last = first + just.shape[2]
@@ -447,15 +506,22 @@ class CompressedKVCache(_BaseCache):
         if L == 0:
             return mx.zeros((B, heads, 0, self.value_dim), dtype=queries.dtype)
         store = self.store
-        if store.pending is not None:
+        if store.pending is not None or self.incoming is not None:
             path = self._route("decode_store", queries, mask)
             if path is not None:
-                pending = store.take_pending()
-                out, rows = path.run(self._history(pending=pending), queries, scale, mask)
+                if self.incoming is None:
+                    out, rows = path.run(self._history(pending=store.take_pending()), queries, scale, mask)
+                else:
+                    (keys, values), self.incoming = self.incoming, None
+                    store.reserve(1)
+                    out, rows, window = path.run(self._history(pending=(keys, values), slide=True), queries, scale,
+                                                 mask)
+                    self._window_keys, self._window_values = window
+                    self.window_start = (self.window_start + 1) % self.window
                 store.put_row(rows)
                 self.last_path = path.name
                 return out
-            store.flush()
+            self.flush()
         path = self._route("decode" if queries.shape[2] == 1 else "prefill", queries, mask)
         history = self._history()
         if path is None:
@@ -469,14 +535,16 @@ class CompressedKVCache(_BaseCache):
         """The registered path for this kind of call (`engine.choose`), memoised on what the
         paths' `supports` look at (shapes, dtypes, the mask's kind, the fp16 spans, whether
         codes exist and means are fixed), so a decode step does not re-run the checks.
-        "defer": whether a decode token may wait for a "decode_store" path."""
+        "defer": whether a decode token may wait for a "decode_store" path; "slide": whether
+        one may wait to enter a full window, which a "decode_store" path slides (`incoming`)."""
         if mask is not None and not isinstance(mask, str):
             return None  # an explicit mask array: the generic path applies it
+        slide = phase == "slide" or (phase == "decode_store" and self.incoming is not None)
         key = (phase, None if queries is None else (tuple(queries.shape), queries.dtype), mask, self.sinks,
-               self.window, self.just_encoded is not None, self.encoded > 0, self.key_mean is None)
+               self.window, self.just_encoded is not None, self.encoded > 0, self.key_mean is None, slide)
         if key not in self._routes:
-            history = self._history(pending=self.store.pending)
-            if phase == "defer":
+            history = self._history(pending=self.incoming or self.store.pending, slide=slide)
+            if phase in ("defer", "slide"):
                 self._routes[key] = True if engine.defers(history) else None
             else:
                 self._routes[key] = engine.choose(phase, history, queries, mask)
@@ -519,7 +587,7 @@ class CompressedKVCache(_BaseCache):
             raise CacheInputError(f"trim takes a number of tokens >= 0, got {n!r}")
         if self.store is None:
             return 0
-        self.store.flush()
+        self.flush()
         n = min(n, self.offset)
         self.just_encoded = None
         left = n
@@ -568,6 +636,8 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def nbytes(self) -> int:
+        if self.store is not None:
+            self.flush()
         arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
         arrays += [self.key_mean, self.value_mean]
         return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.nbytes)
@@ -575,6 +645,8 @@ class CompressedKVCache(_BaseCache):
     @property
     def used_nbytes(self) -> int:
         """`nbytes` without the store's unused capacity: the bytes the tokens held take."""
+        if self.store is not None:
+            self.flush()
         arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
         arrays += [self.key_mean, self.value_mean]
         return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.used_nbytes)
@@ -586,6 +658,8 @@ class CompressedKVCache(_BaseCache):
     # a flipped, truncated, swapped or edited file is refused with the layer and tensor named.
     @property
     def state(self):
+        if self.store is not None:
+            self.flush()  # before counting: a token waiting for its attention call is held
         header = {
             "format": FORMAT_VERSION,
             "config": json.loads(self.config.to_json()),
@@ -597,7 +671,6 @@ class CompressedKVCache(_BaseCache):
         }
         arrays = {}
         if self.key_codec is not None:
-            self.store.flush()
             header.update(
                 shape=[self.batch, self.kv_heads, self.key_dim, self.value_dim],
                 window_dtype=str(self.window_dtype),

@@ -6,7 +6,9 @@ dispatch table):
 * "decode": one query per head;
 * "prefill": a chunk of queries;
 * "decode_store": one query per head, and the cache's pending token is encoded,
-  attended to and stored by the same kernels (returns `(out, rows)`).
+  attended to and stored by the same kernels (returns `(out, rows)`); with a full fp16
+  window the pending token may instead be one entering it (`History.window_slot`), and
+  the path slides the window too.
 
 Per-format kernels register their own paths in their own modules (`kernels/` for the
 "mse" format family); this module registers the paths that serve every format:
@@ -43,13 +45,19 @@ class History:
                  key_mean, value_mean, settings: EngineSettings, fp16: Callable[[], Optional[Tuple]],
                  segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None,
                  recent: Optional[Callable[[], Optional[Tuple]]] = None, fp16_from: Optional[Callable] = None,
-                 fp16_parts: Optional[Callable[[], Tuple]] = None):
+                 fp16_parts: Optional[Callable[[], Tuple]] = None, window_slot: Optional[int] = None):
         self.store, self.key_codec, self.value_codec = store, key_codec, value_codec
         self.kv_heads, self.offset, self.sinks, self.window = kv_heads, offset, sinks, window
         self.key_mean, self.value_mean, self.settings = key_mean, value_mean, settings
         self._fp16, self.segments, self.band, self.pending = fp16, segments, band, pending
         self._recent, self.fp16_from = recent, fp16_from
         self._fp16_parts = fp16_parts
+        # Set when `pending` is a token entering the full fp16 window rather than one to store:
+        # the window (the last of `fp16_inputs`) is a ring whose oldest token, at this slot,
+        # is the one to encode and store; a "decode_store" path that takes such a history
+        # (`window_slot` is not None) returns (out, rows, (window keys, window values)), the
+        # window after the new token took that slot.
+        self.window_slot = window_slot
 
     @property
     def count(self) -> int:

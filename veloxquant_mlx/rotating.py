@@ -103,6 +103,8 @@ class CompressedRotatingKVCache(_BaseCache):
         return evict, dropped, self.stale + evict - dropped
 
     def _evict(self):
+        if self.inner.store is not None:
+            self.inner.flush()  # a decode token still waiting for its attention call counts as held
         _, dropped, stale = self._plan()
         if dropped:
             self.inner.store.drop_front(dropped)

@@ -37,7 +37,7 @@ def _cases():
 _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_partial + merge (fp16 partial)",
             "check_prefill": "mse_dequant", "encode": "mse_encode", "dequant": "the formats' dequant kernel",
             "partial": "the formats' partial kernel", "format_encode": "the formats' encode kernel",
-            "fused": "mse_partial + merge_encode (fused decode step)"}
+            "fused": "mse_partial + merge_encode_slide (fused decode step, window slid in the kernel)"}
 
 
 def _dequant_record(backend: str) -> dict:

@@ -209,9 +209,10 @@ def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool,
 
 @lru_cache(maxsize=4096)
 def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple, value: tuple, *, center: bool,
-                      x_dtype: str, out_dtype: str, plain_tokens: int = 0) -> Plan:
+                      x_dtype: str, out_dtype: str, plain_tokens: int = 0, slide_window: int = 0) -> Plan:
     """`key` / `value`: (bits, scale). Both roles rotate in-kernel, so dim is a power of two.
-    `plain_tokens`: a bound on the fp16 sinks/window tokens it attends to (0: none)."""
+    `plain_tokens`: a bound on the fp16 sinks/window tokens it attends to (0: none).
+    `slide_window`: the window's tokens, for `merge_encode_slide` (0: `merge_encode`)."""
     if not is_power_of_two(dim) or dim > 1024:
         raise ValueError(f"merge_encode needs a power-of-two dim <= 1024, got {dim}")
     (kb, kn), (vb, vn) = key, value
@@ -219,8 +220,12 @@ def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple,
     template = _role_constants("K", dim, kb, True, kn) + _role_constants("V", dim, vb, True, vn)
     template += [("D", dim), ("REP", rep), ("NTH", dim), ("RW", row_words), ("HAS_CENTER", bool(center)),
                  ("HAS_PLAIN", plain_tokens > 0), ("PMAX", max(1, plain_tokens)), ("TX", x_dtype), ("TO", out_dtype)]
-    return Plan("merge_encode", template, (dim, kv_rows * rep, 1), (dim, 1, 1),
-                [(kv_rows * rep, dim), (kv_rows, row_words)], [out_dtype, "uint32"], meta={"meta": [splits]})
+    shapes, dtypes = [(kv_rows * rep, dim), (kv_rows, row_words)], [out_dtype, "uint32"]
+    if slide_window:
+        shapes += [(kv_rows, slide_window, dim)] * 2
+        dtypes += [x_dtype] * 2
+    return Plan("merge_encode_slide" if slide_window else "merge_encode", template, (dim, kv_rows * rep, 1),
+                (dim, 1, 1), shapes, dtypes, meta={"meta": [splits]})
 
 
 @lru_cache(maxsize=4096)

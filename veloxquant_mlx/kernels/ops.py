@@ -260,11 +260,17 @@ MAX_PLAIN_TOKENS = 1024  # fp16 sinks + window tokens merge_encode attends to it
 
 def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
                  key_codec, value_codec, scale: float, out_dtype, key_mean=None, value_mean=None,
-                 fp16: Optional[List[mx.array]] = None):
+                 fp16: Optional[List[mx.array]] = None, slide: Optional[mx.array] = None):
     """`merge` that also encodes the new token (keys / values (B, H, 1, D)) and attends to
     it from its codes, and to `fp16` tokens: [keys, values] or [keys, values, keys, values]
     (B, H, n, D) as held (the sinks and the window; keys not centred), at most
-    MAX_PLAIN_TOKENS. (out (B, Hq, 1, D), its row (B, H, 1, RW) for `rows.py`)."""
+    MAX_PLAIN_TOKENS. (out (B, Hq, 1, D), its row (B, H, 1, RW) for `rows.py`).
+
+    `slide`: the window is the last pair of `fp16`, held as a ring, and this step slides it
+    (`merge_encode_slide`): the token encoded is the window's at slot `slide[3]`, keys / values
+    take its place, and the window after the slide comes back too. `slide` is the kernel's
+    int32 meta array [splits, sinks, window, slot], made by the caller (a compiled step takes
+    it as an input: the slot changes every step). (out, row, window keys, window values)."""
     bh, splits, rep, dim = o.shape
     kc, vc = constants(key_codec), constants(value_codec)
     if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
@@ -276,17 +282,24 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
     if na + nb > MAX_PLAIN_TOKENS:
         raise ValueError(f"merge_encode attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
     bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
+    B, H = keys.shape[:2]
+    dummy = _dummy(keys.dtype)
+    if slide is not None:  # the window is pb, the sinks (if any) pa
+        window = parts[-1].shape[2]
+        pa, pb = (parts[:2] if len(parts) > 2 else [dummy, dummy]), parts[-2:]
+        meta = slide
+    else:
+        window = 0
+        pa = parts[:2] if na else [dummy, dummy]
+        pb = parts[2:4] if nb else [dummy, dummy]
+        meta = small_array((splits, na, nb))
     plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, scale_index(key_codec)),
                                     (value_codec.bits, scale_index(value_codec)), center=centered,
                                     x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype),
-                                    plain_tokens=bound)
-    B, H = keys.shape[:2]
-    dummy = _dummy(keys.dtype)
-    pa = parts[:2] if na else [dummy, dummy]
-    pb = parts[2:4] if nb else [dummy, dummy]
-    out, rec = run(plan, [
+                                    plain_tokens=bound, slide_window=window)
+    shapes = [tuple(queries.shape), (B, H, 1, plan.output_shapes[1][1])] + [(B, H, window, dim)] * (2 if window else 0)
+    return tuple(run(plan, [
         o, ml, queries, keys, values, kc["signs"], vc["signs"], kc["boundaries"], vc["boundaries"],
-        kc["centroids"], vc["centroids"], small_array((splits, na, nb)), small_array((float(scale),), mx.float32),
+        kc["centroids"], vc["centroids"], meta, small_array((float(scale),), mx.float32),
         key_mean if centered else _dummy(), value_mean if centered else _dummy(), *pa, *pb,
-    ], [tuple(queries.shape), (B, H, 1, plan.output_shapes[1][1])])
-    return out, rec
+    ], shapes))

@@ -309,7 +309,7 @@ def check_record(backend: str) -> dict:
         cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
         keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(40 + i)) + 0.25
         cache.update_and_fetch(keys, mx.cos(keys))
-        cache.store.flush()
+        cache.flush()
         queries = mx.random.normal((1, 6, 1, 128), key=mx.random.key(50 + i))
         h = cache._history()
         with mx.stream(mx.cpu):  # full float32 (MLX's GPU matmuls run at TF32 by default)

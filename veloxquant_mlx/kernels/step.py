@@ -63,11 +63,12 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
         return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain(queries, fp16, key_mean),
                          value_mean=value_mean if centered else None)
 
-    def fused(queries, rows, meta, key_mean, value_mean, fp16, keys, values):
+    def fused(queries, rows, meta, key_mean, value_mean, fp16, keys, values, slide=None):
         # The fp16 tokens go to merge_encode as held: it centres and attends to them itself.
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
         return ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
-                                key_mean if centered else None, value_mean if centered else None, fp16=fp16)
+                                key_mean if centered else None, value_mean if centered else None, fp16=fp16,
+                                slide=slide)
 
     step = attend if kind == "attend" else fused
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.
@@ -80,7 +81,7 @@ def uses_tensor_cores(runner_name: str, h, queries) -> bool:
                           queries.shape[1] // h.kv_heads, h.key_codec.bits, h.value_codec.bits)
 
 
-def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *extra):
+def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *extra, slide: bool = False):
     rows = h.store.rows
     q_dtype = attention_dtype(queries)
     centered = h.key_mean is not None
@@ -89,6 +90,8 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
                         centered, parts, uses_tensor_cores(runner_name, h, queries))
     _, chunk, capacity, splits = plan.meta["meta"]
+    if slide:  # merge_encode_slide's meta: [splits, sinks, window, the slot of the window's oldest token]
+        extra += (small_array((splits, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot)),)
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
     return fn(queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
@@ -107,7 +110,14 @@ def fused(runner_name: str, h, queries: mx.array, keys: mx.array, values: mx.arr
     codes (and merges the fp16 sinks / window, if any), and one slice update storing its
     row. (attention output, new rows).
 
-    With an fp16 window the token encoded here is the one that just left the window (the
-    cache defers it, `cache.py`), which the decode query sees from its codes."""
-    out, row = _run_step("fused", runner_name, h, queries, scale, keys, values)
-    return out, store(h.store.rows, row, h.count)
+    With an fp16 window the token encoded here is the one that just left the window, which
+    the decode query sees from its codes: either the cache slid the window and deferred
+    that token (`cache.py`), or, with `h.window_slot` set, `keys` / `values` are the token
+    entering the window and the merge slides it (the window is a ring): the oldest token,
+    at that slot, is encoded and stored and the new one takes its slot. (attention output,
+    new rows, (window keys, window values)) then: the slide costs no launch of its own."""
+    if h.window_slot is None:
+        out, row = _run_step("fused", runner_name, h, queries, scale, keys, values)
+        return out, store(h.store.rows, row, h.count)
+    out, row, window_keys, window_values = _run_step("fused", runner_name, h, queries, scale, keys, values, slide=True)
+    return out, store(h.store.rows, row, h.count), (window_keys, window_values)

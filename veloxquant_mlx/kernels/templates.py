@@ -1000,9 +1000,20 @@ _MERGE_TOKENS = r"""  if (@GATE) {
 """
 
 
-def _merge_tokens(gate: str, center: str) -> str:
-    """`_MERGE_TOKENS` under the kernel's own flags: `gate` (fp16 tokens present), `center` (keys centred)."""
-    return _MERGE_TOKENS.replace("@GATE", gate).replace("@CENTER", center)
+_WINDOW_KEY = "pb_k + ((size_t)bh * NB + (p - NA)) * D"
+_WINDOW_VALUE = "pb_v[((size_t)bh * NB + p) * D + d]"
+
+
+def _merge_tokens(gate: str, center: str, slide: bool = False) -> str:
+    """`_MERGE_TOKENS` under the kernel's own flags: `gate` (fp16 tokens present), `center` (keys
+    centred). `slide`: the window (pb) is read as it is after the step's slide, the new token
+    kx / vx in place of the one at slot meta[3] (`MERGE_ENCODE_SLIDE`)."""
+    text = _MERGE_TOKENS.replace("@GATE", gate).replace("@CENTER", center)
+    if slide:
+        assert _WINDOW_KEY in text and _WINDOW_VALUE in text
+        text = text.replace(_WINDOW_KEY, f"(p - NA == meta[3] ? kx + (size_t)bh * D : {_WINDOW_KEY})")
+        text = text.replace(_WINDOW_VALUE, f"(p == meta[3] ? vx[(size_t)bh * D + d] : {_WINDOW_VALUE})")
+    return text
 
 
 # Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
@@ -1044,8 +1055,28 @@ MERGE = r"""
 # rec (BH, RW) u32. Grid: (D, BH*REP) threads in blocks of D.
 _KEY_RESULT = "kcode_out = code; knorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
 _VALUE_RESULT = "vcode_out = code; vnorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
-_CENTERED = "VQ_F(x[(size_t)bh * D + t]) - (HAS_CENTER ? VQ_F({mean}[(size_t)bh * D + t]) : 0.0f)"
-MERGE_ENCODE = r"""
+_CENTERED = "VQ_F({x}) - (HAS_CENTER ? VQ_F({mean}[(size_t)bh * D + t]) : 0.0f)"
+_NEW_TOKEN = "x[(size_t)bh * D + t]"
+_LEAVING_TOKEN = "{window}[((size_t)bh * meta[2] + meta[3]) * D + t]"  # the window's slot meta[3]
+# `MERGE_ENCODE_SLIDE`'s last lines: block r = 0 of kv head bh writes the window after the
+# slide, kx / vx at slot meta[3] and the held tokens elsewhere (outputs wk, wv (BH, NB, D) TX).
+_WRITE_WINDOW = r"""  if (r == 0) {
+    const int nwin = meta[2];
+    const int slot = meta[3];
+    for (int p = 0; p < nwin; ++p) {
+      const size_t i = ((size_t)bh * nwin + p) * D + t;
+      wk[i] = (p == slot) ? kx[(size_t)bh * D + t] : pb_k[i];
+      wv[i] = (p == slot) ? vx[(size_t)bh * D + t] : pb_v[i];
+    }
+  }
+"""
+
+
+def _merge_encode(slide: bool) -> str:
+    """`MERGE_ENCODE`'s body; with `slide`, `MERGE_ENCODE_SLIDE`'s."""
+    key = _LEAVING_TOKEN.format(window="pb_k") if slide else _NEW_TOKEN
+    value = _LEAVING_TOKEN.format(window="pb_v") if slide else _NEW_TOKEN
+    return r"""
   const int t = vq_tid;
   const int d = t;
 """ + _MERGE_ROW + r"""  VQ_SHARED float vq_red[D];
@@ -1055,9 +1086,9 @@ MERGE_ENCODE = r"""
   uint32_t vcode_out = 0u;
   float knorm_out = 0.0f;
   float vnorm_out = 0.0f;
-""" + _encode_role(0, "K", "k", guard="true", value=_CENTERED.format(mean="kmean"), row="bh", out="rec",
+""" + _encode_role(0, "K", "k", guard="true", value=_CENTERED.format(x=key, mean="kmean"), row="bh", out="rec",
                    store="r == 0", result=_KEY_RESULT) + "  VQ_SYNC();\n" + _encode_role(
-    1, "V", "v", guard="true", value=_CENTERED.format(mean="vmean"), row="bh", out="rec", store="r == 0",
+    1, "V", "v", guard="true", value=_CENTERED.format(x=value, mean="vmean"), row="bh", out="rec", store="r == 0",
     result=_VALUE_RESULT) + r"""
   // The new key's score for query row r, as mse_partial computes it.
   VQ_SYNC();
@@ -1082,8 +1113,17 @@ MERGE_ENCODE = r"""
 """ + _FWHT_BUF + r"""  acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   if (HAS_CENTER) acc += L * VQ_F(vmean[(size_t)bh * D + t]);
   M = M2;
-""" + _merge_tokens("HAS_PLAIN", "HAS_CENTER") + r"""  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
-"""
+""" + _merge_tokens("HAS_PLAIN", "HAS_CENTER", slide) + r"""  out[(size_t)row * D + t] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+""" + (_WRITE_WINDOW if slide else "")
+
+
+MERGE_ENCODE = _merge_encode(slide=False)
+# A decode step that also slides the fp16 window (`kernels/step.py`): the token encoded is the
+# window's oldest, at slot meta[3] of pb (the window is a ring: decode attention does not depend
+# on the order of the tokens it reads), and kx / vx, the new token, take its slot. The window
+# after the slide is an output, so a decode step of a windowed cache launches what a plain one does.
+MERGE_ENCODE_SLIDE = _merge_encode(slide=True)
+
 
 # Template constants: D, BITS, W (= ceil(D*BITS/32)), NT (threads per block),
 # TO (output dtype), RW (words per row), OFF (the role's first code word), NORMH
@@ -1138,6 +1178,12 @@ KERNELS: Dict[str, dict] = {
         "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
                    "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v"),
         "outputs": ("out", "rec"),
+    },
+    "merge_encode_slide": {
+        "body": MERGE_ENCODE_SLIDE,
+        "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
+                   "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v"),
+        "outputs": ("out", "rec", "wk", "wv"),
     },
     "merge": {
         "body": MERGE,
