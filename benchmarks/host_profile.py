@@ -1,12 +1,13 @@
 """Where the host time of one decode step goes (per layer, Llama-3.1-8B layer shape).
 
-    python benchmarks/host_profile.py [--context 4096] [--layers 32] [--out DIR]
+    python benchmarks/host_profile.py [--context 4096] [--layers 32] [--methods SPECS] [--out DIR]
 
 Builds `--layers` caches of `--context` tokens (turboquant_mse K3/V4 and mlx-lm's
 KVCache) and times, host side only (graph construction, evaluation untimed):
 the fp16 step (append + SDPA), our step through the cache (update_and_fetch +
 attend), the same with the compiled step off, and the compiled fused function
-called directly (no cache logic). Then cProfiles our step. Writes host.json.
+called directly (no cache logic). Then cProfiles our step, and times and cProfiles the step
+of each cache in `--methods` the same way. Writes host.json.
 """
 
 from __future__ import annotations
@@ -28,25 +29,29 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 from veloxquant_mlx import kernels  # noqa: E402
 from veloxquant_mlx.cache import CompressedKVCache  # noqa: E402
 from veloxquant_mlx.config import KVCacheConfig  # noqa: E402
+from veloxquant_mlx.evaluation.specs import parse_method_list  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import build_time, timed  # noqa: E402
+from kernel_bench import ERRORS, build_time, timed  # noqa: E402
 
 ROUNDS = 15
 
 
-def build_us(fn, layers: int) -> float:
-    return build_time(fn, layers, ROUNDS) * 1e6
+def build_us(fn, layers: int):
+    """Microseconds, or None where `fn` failed (kernel_bench records the error)."""
+    seconds = build_time(fn, layers, ROUNDS)
+    return None if seconds is None else seconds * 1e6
 
 
-def total_us(fn, layers: int) -> float:
-    return timed(fn, layers, ROUNDS) * 1e6
+def total_us(fn, layers: int):
+    seconds = timed(fn, layers, ROUNDS)
+    return None if seconds is None else seconds * 1e6
 
 
-def filled_layers(layers: int, tokens: int):
-    """(K3/V4 CompressedKVCaches, fp16 KVCaches): one pair per layer, Llama-3.1-8B's kv shape,
-    filled with the same random `tokens` keys (= values)."""
-    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4)
+def filled_layers(layers: int, tokens: int, cfg: KVCacheConfig = None):
+    """(CompressedKVCaches of `cfg` (default K3/V4), fp16 KVCaches): one pair per layer,
+    Llama-3.1-8B's kv shape, filled with the same random `tokens` keys (= values)."""
+    cfg = cfg or KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4)
     caches, fp16 = [], []
     for i in range(layers):
         k = mx.random.normal((1, 8, tokens, 128), key=mx.random.key(i)).astype(mx.float16)
@@ -65,6 +70,8 @@ def main():
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--methods", default=None,
+                        help="also time and profile these caches' steps (method specs, as `veloxquant benchmark` takes)")
     args = parser.parse_args()
     L, T = args.layers, args.context
     caches, fp16 = filled_layers(L, T)
@@ -97,9 +104,9 @@ def main():
         none = kernels.ops.small_array((0.0,), mx.float32)
         rows = [caches[i].store.rows for i in range(L)]
         result["compiled fused call alone: host us/layer"] = build_us(
-            lambda i: fn(q, rows[i], meta, none, none, new, new)[0], L)
+            lambda i: fn(q, rows[i], meta, none, none, [], new, new)[0], L)
         result["compiled fused call alone: total us/layer"] = total_us(
-            lambda i: fn(q, rows[i], meta, none, none, new, new)[0], L)
+            lambda i: fn(q, rows[i], meta, none, none, [], new, new)[0], L)
         result["SDPA call alone: host us/layer"] = build_us(
             lambda i: mx.fast.scaled_dot_product_attention(q, fp16[i].keys[..., :T, :], fp16[i].values[..., :T, :],
                                                            scale=0.088), L)
@@ -119,6 +126,29 @@ def main():
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
     result["profile"] = text.getvalue()
+    for spec in parse_method_list(args.methods) if args.methods else []:
+        if spec.config is None:
+            continue
+        others, _ = filled_layers(L, T, spec.config)
+
+        def other_step(i, others=others):
+            others[i].update_and_fetch(new, new)
+            return others[i].attend(q, scale=0.088)
+
+        result[f"{spec.label}: host us/layer"] = build_us(other_step, L)
+        result[f"{spec.label}: total us/layer"] = total_us(other_step, L)
+        result[f"{spec.label}: path"] = others[0].last_path
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(10):
+            mx.eval([other_step(i) for i in range(L)])
+        profile.disable()
+        text = io.StringIO()
+        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+        result[f"{spec.label}: profile"] = text.getvalue()
+        del others
+    if ERRORS:
+        result["errors"] = ERRORS
     for k, v in result.items():
         print(f"{k}: {v:.1f}" if isinstance(v, float) else f"{k}: {v}")
     if args.out:
