@@ -1058,15 +1058,35 @@ _VALUE_RESULT = "vcode_out = code; vnorm_out = VQ_F(VQ_CAST(vq_half, out_norm));
 _CENTERED = "VQ_F({x}) - (HAS_CENTER ? VQ_F({mean}[(size_t)bh * D + t]) : 0.0f)"
 _NEW_TOKEN = "x[(size_t)bh * D + t]"
 _LEAVING_TOKEN = "{window}[((size_t)bh * meta[2] + meta[3]) * D + t]"  # the window's slot meta[3]
-# `MERGE_ENCODE_SLIDE`'s last lines: block r = 0 of kv head bh writes the window after the
-# slide, kx / vx at slot meta[3] and the held tokens elsewhere (outputs wk, wv (BH, NB, D) TX).
-_WRITE_WINDOW = r"""  if (r == 0) {
+# `MERGE_ENCODE_SLIDE`'s last lines: the REP blocks of kv head bh write the window after the
+# slide, kx / vx at slot meta[3] and the held tokens elsewhere (outputs wk, wv (BH, NB, D) TX),
+# block r taking tokens r, r + REP, ...; each thread loads 8 tokens' coordinates before storing
+# any, so their loads are in flight together (a store to wk may alias pb_k for all the compiler
+# knows, so a plain loop would wait out one load per token).
+_WRITE_WINDOW = r"""  {
     const int nwin = meta[2];
     const int slot = meta[3];
-    for (int p = 0; p < nwin; ++p) {
-      const size_t i = ((size_t)bh * nwin + p) * D + t;
-      wk[i] = (p == slot) ? kx[(size_t)bh * D + t] : pb_k[i];
-      wv[i] = (p == slot) ? vx[(size_t)bh * D + t] : pb_v[i];
+    for (int p0 = r; p0 < nwin; p0 += 8 * REP) {
+      TX held_k[8];
+      TX held_v[8];
+      VQ_UNROLL
+      for (int u = 0; u < 8; ++u) {
+        const int p = p0 + u * REP;
+        if (p < nwin) {
+          const size_t i = ((size_t)bh * nwin + p) * D + t;
+          held_k[u] = (p == slot) ? kx[(size_t)bh * D + t] : pb_k[i];
+          held_v[u] = (p == slot) ? vx[(size_t)bh * D + t] : pb_v[i];
+        }
+      }
+      VQ_UNROLL
+      for (int u = 0; u < 8; ++u) {
+        const int p = p0 + u * REP;
+        if (p < nwin) {
+          const size_t i = ((size_t)bh * nwin + p) * D + t;
+          wk[i] = held_k[u];
+          wv[i] = held_v[u];
+        }
+      }
     }
   }
 """
