@@ -245,3 +245,32 @@ def test_max_kv_size_gives_full_attention_layers_mlx_lm_rotating_caches():
     got = _logits(model, tokens, caches, chunks)
     assert mx.abs(got - expected).max().item() < 2e-2 * mx.abs(expected).max().item()
     assert all(c.held == 24 for c in caches)
+
+
+def test_kernel_slid_window_evicts_like_the_op_by_op_cache():
+    """On the kernel back ends the fused decode step slides the fp16 window as a ring
+    (`incoming`); the rotating cache evicts codes before each update, so it must see the token
+    that waited as held. Emulated kernels against the portable back end, past the eviction."""
+    from veloxquant_mlx import EngineSettings
+    from veloxquant_mlx.kernels import emulator
+
+    if emulator.compiler() is None:
+        pytest.skip("no C++20 compiler for the emulator")
+    cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, residual_length=8, center=True)
+    ref = CompressedRotatingKVCache(cfg, MAX_SIZE, keep=2, settings=EngineSettings.resolve(backend="portable"))
+    fused = CompressedRotatingKVCache(cfg, MAX_SIZE, keep=2, settings=EngineSettings.resolve(backend="emulator"))
+    k, v, _ = _tokens(40)
+    for cache in (ref, fused):
+        cache.update_and_fetch(k, v)
+    for step in range(43):  # not a multiple of the window: the ring ends turned
+        k, v, q = _tokens(1)
+        outs = []
+        for cache in (ref, fused):
+            mask = cache.make_mask(1)
+            cache.update_and_fetch(k, v)
+            outs.append(cache.attend(q, DIM ** -0.5, mask=mask))
+        assert fused.last_path == "mse_fused_step", (step, fused.last_path)
+        assert mx.allclose(outs[1], outs[0], rtol=2e-2, atol=2e-3).item(), step
+        assert (fused.offset, fused.inner.encoded, fused.inner.window) == (ref.offset, ref.inner.encoded, ref.inner.window)
+    assert fused.inner.window_start == 43 % 8 and ref.offset > MAX_SIZE
+    assert mx.array_equal(fused.inner.window_keys, ref.inner.window_keys).item()
