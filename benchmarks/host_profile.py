@@ -48,6 +48,18 @@ def total_us(fn, layers: int):
     return None if seconds is None else seconds * 1e6
 
 
+def profiled(fn, layers: int) -> str:
+    """cProfile's top 25 (by own time) of 10 steps of fn(i) over the layers, each evaluated."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(10):
+        mx.eval([fn(i) for i in range(layers)])
+    profile.disable()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 def filled_layers(layers: int, tokens: int, cfg: KVCacheConfig = None):
     """(CompressedKVCaches of `cfg` (default K3/V4), fp16 KVCaches): one pair per layer,
     Llama-3.1-8B's kv shape, filled with the same random `tokens` keys (= values)."""
@@ -118,14 +130,7 @@ def main():
     for c in caches:
         c.flush()
         c.settings = c.settings.replace(compile_step=True)
-    profile = cProfile.Profile()
-    profile.enable()
-    for _ in range(10):
-        mx.eval([vq_step(i) for i in range(L)])
-    profile.disable()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-    result["profile"] = text.getvalue()
+    result["profile"] = profiled(vq_step, L)
     for spec in parse_method_list(args.methods) if args.methods else []:
         if spec.config is None:
             continue
@@ -138,14 +143,7 @@ def main():
         result[f"{spec.label}: host us/layer"] = build_us(other_step, L)
         result[f"{spec.label}: total us/layer"] = total_us(other_step, L)
         result[f"{spec.label}: path"] = others[0].last_path
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(10):
-            mx.eval([other_step(i) for i in range(L)])
-        profile.disable()
-        text = io.StringIO()
-        pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
-        result[f"{spec.label}: profile"] = text.getvalue()
+        result[f"{spec.label}: profile"] = profiled(other_step, L)
         del others
     if ERRORS:
         result["errors"] = ERRORS
