@@ -202,9 +202,8 @@ class CompressedKVCache(_BaseCache):
         self._enter_window()
         if self.window_start:
             start, self.window_start = self.window_start, 0
-            self._window_keys = mx.concatenate([self._window_keys[..., start:, :], self._window_keys[..., :start, :]], 2)
-            self._window_values = mx.concatenate(
-                [self._window_values[..., start:, :], self._window_values[..., :start, :]], 2)
+            self._window_keys = mx.roll(self._window_keys, -start, axis=2)
+            self._window_values = mx.roll(self._window_values, -start, axis=2)
 
     def _enter_window(self):
         """The waiting decode token enters the window, its oldest token going to the store (op
@@ -512,10 +511,9 @@ class CompressedKVCache(_BaseCache):
                 if self.incoming is None:
                     out, rows = path.run(self._history(pending=store.take_pending()), queries, scale, mask)
                 else:
-                    (keys, values), self.incoming = self.incoming, None
+                    incoming, self.incoming = self.incoming, None
                     store.reserve(1)
-                    out, rows, window = path.run(self._history(pending=(keys, values), slide=True), queries, scale,
-                                                 mask)
+                    out, rows, window = path.run(self._history(pending=incoming, slide=True), queries, scale, mask)
                     self._window_keys, self._window_values = window
                     self.window_start = (self.window_start + 1) % self.window
                 store.put_row(rows)
@@ -634,22 +632,22 @@ class CompressedKVCache(_BaseCache):
 
         return BatchCompressedKVCache.merge(caches)
 
-    @property
-    def nbytes(self) -> int:
+    def _dense_nbytes(self) -> int:
+        """Bytes of the arrays beside the store (sinks, window, means), a waiting token stored first."""
         if self.store is not None:
             self.flush()
-        arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
-        arrays += [self.key_mean, self.value_mean]
-        return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.nbytes)
+        arrays = (self.sink_keys, self.sink_values, self._window_keys, self._window_values, self.key_mean,
+                  self.value_mean)
+        return sum(a.nbytes for a in arrays if a is not None)
+
+    @property
+    def nbytes(self) -> int:
+        return self._dense_nbytes() + (0 if self.store is None else self.store.nbytes)
 
     @property
     def used_nbytes(self) -> int:
         """`nbytes` without the store's unused capacity: the bytes the tokens held take."""
-        if self.store is not None:
-            self.flush()
-        arrays = [self.sink_keys, self.sink_values, self.window_keys, self.window_values]
-        arrays += [self.key_mean, self.value_mean]
-        return sum(a.nbytes for a in arrays if a is not None) + (0 if self.store is None else self.store.used_nbytes)
+        return self._dense_nbytes() + (0 if self.store is None else self.store.used_nbytes)
 
     # ---- save / load --------------------------------------------------------
     # A saved layer is [header JSON, arrays]. The header holds the format version, the full
