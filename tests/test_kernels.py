@@ -404,8 +404,9 @@ def test_fused_step_equals_store_then_attend(center, bits, value_bits, options):
 
 
 @needs_cxx
-@pytest.mark.parametrize("sinks,window,center", [(2, 8, True), (0, 5, False), (3, 0, False)])
-def test_fused_step_takes_the_token_leaving_the_window(sinks, window, center):
+@pytest.mark.parametrize("sinks,window,center,batch", [(2, 8, True, 1), (0, 5, False, 1), (3, 0, False, 1),
+                                                       (2, 8, True, 2)])
+def test_fused_step_takes_the_token_leaving_the_window(sinks, window, center, batch):
     """With fp16 sinks / a window, the token that leaves the window is encoded, attended to (from
     its codes) and stored by the fused step, and the fp16 partial merged. With a window the new
     token waits (`incoming`) and the merge kernel slides the window as a ring (several turns
@@ -416,14 +417,14 @@ def test_fused_step_takes_the_token_leaving_the_window(sinks, window, center):
     cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, center=center, sink_tokens=sinks,
                         residual_length=window)
     steps = 2 * window + 3
-    k = mx.random.normal((1, 2, 300 + steps, 64), key=mx.random.key(1)).astype(mx.float16)
-    v = mx.random.normal((1, 2, 300 + steps, 64), key=mx.random.key(2)).astype(mx.float16)
+    k = mx.random.normal((batch, 2, 300 + steps, 64), key=mx.random.key(1)).astype(mx.float16)
+    v = mx.random.normal((batch, 2, 300 + steps, 64), key=mx.random.key(2)).astype(mx.float16)
     ref = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="portable"))
     fused = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="emulator"))
     for cache in (ref, fused):
         cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
     for t in range(300, 300 + steps):
-        q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(t)).astype(mx.float16)
+        q = mx.random.normal((batch, 6, 1, 64), key=mx.random.key(t)).astype(mx.float16)
         for cache in (ref, fused):
             cache.update_and_fetch(k[..., t:t + 1, :], v[..., t:t + 1, :])
         assert (fused.incoming is not None) == (window > 0) and (fused.store.pending is not None) == (window == 0)
