@@ -67,10 +67,8 @@ class RowStore:
         self.rows: Optional[mx.array] = None  # (B, H, capacity, layout.words) uint32
         self.count = 0
         self.pending: Optional[Tuple[mx.array, mx.array]] = None
-
-    @property
-    def tokens_per_row(self) -> Dict[str, Dict[str, int]]:
-        return {role: {s.field.name: 1 for s in self.layout.slots if s.role == role} for role in ("keys", "values")}
+        self.tokens_per_row: Dict[str, Dict[str, int]] = {
+            role: {s.field.name: 1 for s in layout.slots if s.role == role} for role in ("keys", "values")}
 
     @property
     def capacity(self) -> int:
@@ -154,10 +152,9 @@ class FieldStore:
         self.buffers: Dict[str, Fields] = {"keys": {}, "values": {}}
         self.count = 0
         self.pending = None  # never used: decode tokens of block formats wait in the window
-
-    @property
-    def tokens_per_row(self) -> Dict[str, Dict[str, int]]:
-        return {role: {f.name: f.tokens_per_row for f in fmt.fields} for role, fmt in self.formats.items()}
+        self.tokens_per_row: Dict[str, Dict[str, int]] = {
+            role: {f.name: f.tokens_per_row for f in fmt.fields} for role, fmt in self.formats.items()}
+        self._block = max(fmt.token_block for fmt in self.formats.values())
 
     def _rows_step(self, tokens_per_row: int) -> int:
         """A field's growth step in rows: `step` tokens."""
@@ -166,11 +163,10 @@ class FieldStore:
     @property
     def capacity(self) -> int:
         """Tokens every field has room for, in whole blocks."""
-        block = max(fmt.token_block for fmt in self.formats.values())
         per_row = self.tokens_per_row
         rows = [buf.shape[2] * per_row[role][name] for role, fields in self.buffers.items()
                 for name, buf in fields.items()]
-        return min(rows) // block * block if rows else 0
+        return min(rows) // self._block * self._block if rows else 0
 
     def append(self, keys: mx.array, values: mx.array):
         count = keys.shape[2]
