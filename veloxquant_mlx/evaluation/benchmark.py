@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -57,7 +57,8 @@ def attention_paths(caches) -> List[str]:
     return sorted({c.last_path for c in caches if getattr(c, "last_path", None)})
 
 
-def decode(model, caches, token: mx.array, steps: int, check: Callable[[], None]) -> List[float]:
+def decode(model, caches, token: mx.array, steps: int,
+           check: Callable[[], None]) -> Tuple[List[float], List[float], List[float]]:
     """Greedy decoding of `steps` tokens after `token` (B,). Returns (intervals, build, dispatch):
     the seconds between one token's arrival and the next (the first from the call), and for each
     step after the first the host's seconds to build its graph and to launch it (`mx.async_eval`,
