@@ -11,6 +11,7 @@ from conftest import ALL_METHODS, config_for
 from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, KVCacheConfig
 from veloxquant_mlx.cache import saving
 from veloxquant_mlx.integration import install_attention_hook
+from veloxquant_mlx.storage import stored_bits_per_token
 
 install_attention_hook()
 
@@ -44,7 +45,8 @@ def test_nbytes_matches_bit_budget(method, bits):
     k, v = random_kv(T, heads, dim)
     fill(cache, k, v, [300, 1, 211, 512])
     mx.eval(cache.state)
-    budget_bits = cache.key_codec.bits_per_token() + cache.value_codec.bits_per_token()
+    budget_bits = stored_bits_per_token(cache.key_codec, cache.value_codec)  # the codecs' bits, rows in whole words
+    assert budget_bits - (cache.key_codec.bits_per_token() + cache.value_codec.bits_per_token()) in (0, 16)
     expected = budget_bits / 8 * T * heads
     assert cache.window == 0 and cache.sinks == 0 and cache.encoded == T
     assert abs(cache.nbytes - expected) <= 0.03 * expected, (cache.nbytes, expected)
@@ -367,3 +369,38 @@ def test_buffers_grow_in_steps(method):
     if method != "turboquant_mse":
         return
     assert math.isclose(cache.nbytes, 512 * 2 * 2 * (64 * 4 / 8 + 2))
+
+
+@pytest.mark.parametrize("residual, sinks", [(0, 0), (8, 2)])
+def test_block_format_decode_tokens_fill_a_fixed_capacity_window(residual, sinks):
+    """KIVI's decode tokens wait in an fp16 window until a key group is full. The window is a buffer
+    of residual_length + group_size tokens that each decode token fills in place (its shape, and so
+    the compiled decode step's, stays the same from token to token); every reader sees the filled
+    tokens only, the same tokens and codes as a cache that took them all in one update."""
+    config = KVCacheConfig(method="kivi", bits=2, group_size=16, residual_length=residual, sink_tokens=sinks)
+    k, v = random_kv(120, heads=2, dim=32, seed=3)
+    stepped, whole = CompressedKVCache(config), CompressedKVCache(config)
+    stepped.update_and_fetch(k[..., :40, :], v[..., :40, :])
+    capacities = set()
+    for i in range(40, 120):
+        stepped.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
+        capacities.add(stepped._window_keys.shape[2])
+        assert stepped.window == stepped.offset - stepped.sinks - stepped.encoded
+    whole.update_and_fetch(k, v)
+    assert capacities == {residual + 16}
+    assert stepped.window_fill is not None and stepped.window == whole.window < residual + 16
+    assert mx.array_equal(stepped.window_keys, whole.window_keys) and mx.array_equal(stepped.window_values,
+                                                                                     whole.window_values)
+    for role in ("keys", "values"):
+        a, b = stepped.store.fields(role), whole.store.fields(role)
+        assert all(mx.array_equal(a[name], b[name]) for name in b)
+    # nbytes counts the whole buffer, used_nbytes its filled part.
+    spare = (residual + 16 - stepped.window) * 2 * 32 * 2 * 2  # tokens x heads x dim x fp16 x (keys, values)
+    assert stepped.nbytes - stepped.used_nbytes - (stepped.store.nbytes - stepped.store.used_nbytes) == spare
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(9))
+    assert mx.allclose(stepped.attend(q, 0.17), whole.attend(q, 0.17), atol=1e-5)
+    # A trim and a multi-token update leave the buffer for an exact window, which the next token refills.
+    stepped.trim(3)
+    assert stepped.window_fill is None and stepped.window == whole.window - 3
+    stepped.update_and_fetch(k[..., :1, :], v[..., :1, :])
+    assert stepped.window_fill == whole.window - 2 and stepped._window_keys.shape[2] == residual + 16

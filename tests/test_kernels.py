@@ -683,13 +683,13 @@ def test_format_encode_check_passes_in_the_emulator():
 
 
 @needs_cxx
-@pytest.mark.parametrize("method", ["turboquant_rvq", "qjl"], ids=["rows", "fields"])
+@pytest.mark.parametrize("method", ["turboquant_rvq", "qjl"], ids=["rows", "rows-half-word-padding"])
 def test_format_encoder_stores_decode_tokens_of_a_protected_cache(method, monkeypatch):
     """A cache on the kernel back end (emulated) encodes its prefill chunk and each token leaving
-    the fp16 window with the encode kernel, into rows (turboquant_rvq) or into each field's buffer
-    (qjl, a FieldStore): the same codes as the MLX-ops encoder."""
+    the fp16 window with the encode kernel, into its rows (qjl's with a half word of padding):
+    the same codes as the MLX-ops encoder."""
     from veloxquant_mlx.settings import EngineSettings
-    from veloxquant_mlx.storage import FieldStore, RowStore
+    from veloxquant_mlx.storage import RowStore
 
     launched = []
     run_emulator = launch.run_emulator
@@ -707,7 +707,7 @@ def test_format_encoder_stores_decode_tokens_of_a_protected_cache(method, monkey
         cache.flush()
     assert fast.encoded == ref.encoded == 90
     assert sum(name.startswith("encode_") for name in launched) == 11  # the chunk, then one per token
-    assert isinstance(fast.store, RowStore if method == "turboquant_rvq" else FieldStore)
+    assert isinstance(fast.store, RowStore)
     equal, half_error = _encode_fields_close((fast.key_fields, fast.value_fields), (ref.key_fields, ref.value_fields))
     assert equal >= 0.999 and half_error <= 2 ** -10
 
@@ -826,3 +826,33 @@ def test_the_ratequant_selftest_record_passes_in_the_emulator():
     record = selftest.run_ratequant("emulator")
     assert record["status"] == "ok", record
     assert record["rows_equal"] == 1.0 and record["vs_compiled_decode"] <= 1e-5
+
+
+@needs_cxx
+@pytest.mark.parametrize("options", [{}, {"residual_length": 8, "sink_tokens": 2}], ids=["window", "sinks-residual"])
+def test_partial_kernel_reads_the_filled_part_of_a_window_buffer(options):
+    """The formats' decode step hands KIVI's fixed-capacity window buffer to the merge kernel whole,
+    with its fill in the kernel's meta: the same output as the engine's MLX-ops decode, over a
+    key group's worth of decode steps (the window filling, flushed, filling again)."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import partial
+    from veloxquant_mlx.settings import EngineSettings
+
+    config = KVCacheConfig(method="kivi", bits=4, group_size=32, **options)
+    cache = CompressedKVCache(config, settings=EngineSettings.resolve(backend="portable"))
+    keys = mx.random.normal((1, 2, 100, 128), key=mx.random.key(1)).astype(mx.float16)
+    cache.update_and_fetch(keys, keys * 0.5)
+    fills = set()
+    for i in range(40):
+        token = mx.random.normal((1, 2, 1, 128), key=mx.random.key(100 + i)).astype(mx.float16)
+        queries = mx.random.normal((1, 6, 1, 128), key=mx.random.key(300 + i)).astype(mx.float16)
+        cache.update_and_fetch(token, mx.cos(token))
+        h = cache._history()
+        with mx.stream(mx.cpu):
+            ref = engine.compiled_decode(h, queries, 0.088, compiled=False)
+        h.settings = h.settings.replace(backend="emulator")
+        out = partial.decode(h, queries, 0.088, chunk=partial.THREADS)
+        fills.add((h.window_capacity, h.window))
+        assert mx.allclose(out.astype(mx.float32), ref.astype(mx.float32), atol=1e-3), i
+    capacity = options.get("residual_length", 0) + 32
+    assert {c for c, _ in fills} == {capacity} and len({w for _, w in fills}) > 20

@@ -12,6 +12,7 @@ from veloxquant_mlx import CompressedKVCache, KVCacheConfig
 from veloxquant_mlx.integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
 from veloxquant_mlx.methods.rabitq import RaBitQCodec
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
+from veloxquant_mlx.storage import stored_bits_per_token
 
 
 def _estimates(bits, seeds, k, q):
@@ -102,7 +103,9 @@ def test_bytes_per_token_match_the_format(bits, value_bits):
     # keys: D*B code bits + two fp16 scalars; values: TurboQuant-MSE's D*b + fp16 norm
     assert cache.key_codec.bits_per_token() == dim * bits + 32
     assert cache.value_codec.bits_per_token() == dim * value_bits + 16
-    expected = (dim * (bits + value_bits) + 48) / 8 * T * heads
+    # Stored in rows: the three fp16 scalars take two words, a half word of padding per token.
+    assert stored_bits_per_token(cache.key_codec, cache.value_codec) == dim * (bits + value_bits) + 64
+    expected = (dim * (bits + value_bits) + 64) / 8 * T * heads
     assert abs(cache.nbytes - expected) <= 0.03 * expected, (cache.nbytes, expected)
 
 

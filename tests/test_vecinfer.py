@@ -11,6 +11,7 @@ from conftest import assert_engine_paths_agree, random_sequences
 from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.integration import KVCacheBuilder
+from veloxquant_mlx.storage import stored_bits_per_token
 from veloxquant_mlx.methods.outliers import CalibrationRequiredError
 from veloxquant_mlx.methods.vecinfer import (ProductVQCodec, kmeans, kmeans_plus_plus, learn_codebooks, nearest_centroid,
                                              smoothing_factors)
@@ -157,9 +158,11 @@ def test_bytes_per_token_match_the_stated_width(small, tmp_path, bits, options, 
     config = KVCacheConfig(method="vecinfer", bits=bits, options=options)
     calibrate(small, config, _sequences(), tmp_path, progress=False)
     _, caches = _forward(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 512, seed=2)[0])
-    stated = sum(c.kv_heads * 512 * (key_bits + value_bits) / 8 for c in caches)
     assert caches[0].key_codec.format.bits_per_token == key_bits
     assert caches[0].value_codec.format.bits_per_token == value_bits
+    row_bits = -(-(key_bits + value_bits) // 32) * 32  # stored in rows of whole words
+    assert stored_bits_per_token(caches[0].key_codec, caches[0].value_codec) == row_bits
+    stated = sum(c.kv_heads * 512 * row_bits / 8 for c in caches)
     measured = sum(c.nbytes for c in caches)
     assert abs(measured - stated) / stated < 0.03, (measured, stated)
 

@@ -108,6 +108,7 @@ class CompressedKVCache(_BaseCache):
         self.sink_keys = self.sink_values = None
         self._window_keys = self._window_values = None
         self.window_start = 0  # where the oldest window token is held: decode kernels slide it as a ring
+        self.window_fill = None  # tokens of a fixed-capacity window buffer that hold tokens (`_tail_append`)
         self.incoming = None  # (keys, values) of a decode token that waits to enter the window (`flush`)
         self.key_mean = self.value_mean = None
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
@@ -176,6 +177,8 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def window(self) -> int:
+        if self.window_fill is not None:
+            return self.window_fill
         return 0 if self._window_keys is None else self._window_keys.shape[2]
 
     # The window in position order, for everything but a decode step's kernels: a token waiting
@@ -183,20 +186,32 @@ class CompressedKVCache(_BaseCache):
     @property
     def window_keys(self) -> Optional[mx.array]:
         self._window_in_order()
-        return self._window_keys
+        return self._held(self._window_keys)
 
     @window_keys.setter
     def window_keys(self, keys: Optional[mx.array]):
+        self._settle_window()
         self._window_keys = keys
 
     @property
     def window_values(self) -> Optional[mx.array]:
         self._window_in_order()
-        return self._window_values
+        return self._held(self._window_values)
 
     @window_values.setter
     def window_values(self, values: Optional[mx.array]):
+        self._settle_window()
         self._window_values = values
+
+    def _held(self, window: Optional[mx.array]) -> Optional[mx.array]:
+        """The tokens of a window array (a view of the filled part of a fixed-capacity buffer)."""
+        return window if self.window_fill is None else window[..., : self.window_fill, :]
+
+    def _settle_window(self):
+        """Both roles' window as exactly its tokens (before either is replaced), no buffer."""
+        if self.window_fill is not None:
+            self._window_keys, self._window_values = self._held(self._window_keys), self._held(self._window_values)
+            self.window_fill = None
 
     def _window_in_order(self):
         self._enter_window()
@@ -317,6 +332,9 @@ class CompressedKVCache(_BaseCache):
             # contiguous array (a view of a longer one would be copied by every kernel reading it).
             self._slide_window(keys, values, flush)
             return self.history()
+        if keys.shape[2] == 1 and self.block > 1:
+            self._tail_append(keys, values, flush)
+            return self.history()
         self.window_keys = _concat(self.window_keys, keys)
         self.window_values = _concat(self.window_values, values)
         if flush > 0:
@@ -338,6 +356,34 @@ class CompressedKVCache(_BaseCache):
                     kept_keys, kept_values = mx.contiguous(kept_keys), mx.contiguous(kept_values)
                 self.window_keys, self.window_values = kept_keys, kept_values
         return self.history()
+
+    def _tail_append(self, keys: mx.array, values: mx.array, flush: int):
+        """A decode token of a block format (KIVI) joins the window, held in a buffer of fixed
+        capacity (residual_length + block, the most it holds before a block leaves) that it fills
+        in part: one in-place slice update per role, and the decode step's shapes stay the same
+        from token to token. A window that grew by concatenation instead changed them on every
+        token, and a compiled decode step traced itself again for each new length (64 traces per
+        256 tokens of `kivi:4`). The kernel path reads the buffer and the fill
+        (`_fp16_parts(held=True)`), every other reader a view of the filled part."""
+        capacity = self.config.residual_length + self.block
+        if self.window_fill is None:  # into a buffer (the first decode token, or after a prefill or trim)
+            held = self.window
+            self._window_keys = _capacity(self._window_keys, keys, capacity)
+            self._window_values = _capacity(self._window_values, values, capacity)
+            self.window_fill = held
+        fill = self.window_fill
+        self._window_keys[..., fill : fill + 1, :] = keys
+        self._window_values[..., fill : fill + 1, :] = values
+        self.window_fill = fill + 1
+        if flush > 0:
+            leaving_keys, leaving_values = self._window_keys[..., :flush, :], self._window_values[..., :flush, :]
+            self.just_encoded = (leaving_keys, leaving_values, self.sinks + self.encoded)
+            self._store_for(flush)(leaving_keys, leaving_values)
+            kept = fill + 1 - flush
+            if kept:  # the residual tokens move to the front (once per block)
+                self._window_keys = _capacity(self._window_keys[..., flush : fill + 1, :], keys, capacity)
+                self._window_values = _capacity(self._window_values[..., flush : fill + 1, :], values, capacity)
+            self.window_fill = kept
 
     def _store_for(self, flush: int):
         """How `flush` tokens leaving the window reach the store. A decode step pushes one token
@@ -369,6 +415,7 @@ class CompressedKVCache(_BaseCache):
             fp16_parts=self._fp16_parts,
             band=self.just_encoded is not None, pending=pending, recent=self._recent_tokens,
             fp16_from=self._fp16_from, window_slot=self.window_start if slide else None,
+            window_capacity=None if self.window_fill is None else self._window_keys.shape[2],
         )
 
     def _recent_tokens(self):
@@ -382,12 +429,17 @@ class CompressedKVCache(_BaseCache):
             values = mx.concatenate([values, self.window_values], axis=2)
         return self._centered(keys), values, first
 
-    def _fp16_parts(self):
+    def _fp16_parts(self, held: bool = False):
         """The sinks' and the window's (keys, values) as held (keys not centered), present ones only,
         for decode paths: the window in its ring order (one query's attention does not depend
-        on the order of its keys), not settled (a "decode_store" path may slide it)."""
-        return tuple((k, v) for k, v in ((self.sink_keys, self.sink_values), (self._window_keys, self._window_values))
-                     if k is not None and k.shape[2])
+        on the order of its keys), not settled (a "decode_store" path may slide it). `held`: a
+        window buffer of fixed capacity whole (`window_fill` tokens of it filled), else its
+        filled part."""
+        window = (self._window_keys, self._window_values)
+        if not held:
+            window = tuple(self._held(a) for a in window)
+        return tuple((k, v) for k, v in ((self.sink_keys, self.sink_values), window)
+                     if k is not None and k.shape[2] and (k is not window[0] or self.window))
 
     def _fp16_tokens(self):
         parts = [(self.sink_keys, self.sink_values), (self.window_keys, self.window_values)]
@@ -632,12 +684,15 @@ class CompressedKVCache(_BaseCache):
 
         return BatchCompressedKVCache.merge(caches)
 
-    def _dense_nbytes(self) -> int:
-        """Bytes of the arrays beside the store (sinks, window, means), a waiting token stored first."""
+    def _dense_nbytes(self, used: bool = False) -> int:
+        """Bytes of the arrays beside the store (sinks, window, means), a waiting token stored first;
+        `used`: of a fixed-capacity window buffer, only its filled part."""
         if self.store is not None:
             self.flush()
-        arrays = (self.sink_keys, self.sink_values, self._window_keys, self._window_values, self.key_mean,
-                  self.value_mean)
+        window = (self._window_keys, self._window_values)
+        if used:
+            window = tuple(self._held(a) for a in window if a is not None)
+        arrays = (self.sink_keys, self.sink_values, *window, self.key_mean, self.value_mean)
         return sum(a.nbytes for a in arrays if a is not None)
 
     @property
@@ -646,8 +701,9 @@ class CompressedKVCache(_BaseCache):
 
     @property
     def used_nbytes(self) -> int:
-        """`nbytes` without the store's unused capacity: the bytes the tokens held take."""
-        return self._dense_nbytes() + (0 if self.store is None else self.store.used_nbytes)
+        """`nbytes` without the unused capacity of the store and of the window buffer: the bytes
+        the tokens held take."""
+        return self._dense_nbytes(used=True) + (0 if self.store is None else self.store.used_nbytes)
 
     # ---- save / load --------------------------------------------------------
     # A saved layer is [header JSON, arrays]. The header holds the format version, the full
@@ -876,3 +932,11 @@ def _read_state(state):
 
 def _concat(a: Optional[mx.array], b: mx.array) -> mx.array:
     return b if a is None else mx.concatenate([a, b], axis=2)
+
+
+def _capacity(held: Optional[mx.array], like: mx.array, capacity: int) -> mx.array:
+    """`held` (B, H, n, D) or None, copied into a zero buffer of `capacity` tokens shaped like `like`."""
+    if held is None or held.shape[2] == 0:
+        return mx.zeros((*like.shape[:2], capacity, like.shape[3]), like.dtype)
+    return mx.concatenate([held, mx.zeros((*held.shape[:2], capacity - held.shape[2], held.shape[3]), held.dtype)],
+                          axis=2)

@@ -243,15 +243,17 @@ def run_serve(args) -> None:
 def run_methods(args) -> None:
     from .config import KVCacheConfig
     from .methods import available_methods
+    from .storage import stored_bits_per_token
 
     rows = [("method", "key bits/token", "value bits/token", "bits/coord", "calibration", "status", "keys", "values")]
     for name, method in available_methods().items():
         bits = 16 if name == "fp16" else args.bits
         try:
             config = KVCacheConfig(method=name, bits=bits, group_size=min(args.group_size, args.head_dim))
-            key = method.key_codec(config, args.head_dim).bits_per_token()
-            value = method.value_codec(config, args.head_dim).bits_per_token()
-            per_coord = f"{(key + value) / (2 * args.head_dim):.3f}"
+            key_codec, value_codec = method.key_codec(config, args.head_dim), method.value_codec(config, args.head_dim)
+            key, value = key_codec.bits_per_token(), value_codec.bits_per_token()
+            # As stored: a row of both roles takes whole words (`storage.row_layout`).
+            per_coord = f"{stored_bits_per_token(key_codec, value_codec) / (2 * args.head_dim):.3f}"
             key, value = f"{key:g}", f"{value:g}"
         except ValueError as error:
             # Calibrated methods' widths come from their artifact; other errors are shown whole.

@@ -45,7 +45,8 @@ class History:
                  key_mean, value_mean, settings: EngineSettings, fp16: Callable[[], Optional[Tuple]],
                  segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None,
                  recent: Optional[Callable[[], Optional[Tuple]]] = None, fp16_from: Optional[Callable] = None,
-                 fp16_parts: Optional[Callable[[], Tuple]] = None, window_slot: Optional[int] = None):
+                 fp16_parts: Optional[Callable[..., Tuple]] = None, window_slot: Optional[int] = None,
+                 window_capacity: Optional[int] = None):
         self.store, self.key_codec, self.value_codec = store, key_codec, value_codec
         self.kv_heads, self.offset, self.sinks, self.window = kv_heads, offset, sinks, window
         self.key_mean, self.value_mean, self.settings = key_mean, value_mean, settings
@@ -58,6 +59,9 @@ class History:
         # (`window_slot` is not None) returns (out, rows, (window keys, window values)), the
         # window after the new token took that slot.
         self.window_slot = window_slot
+        # Set when the window is held in a buffer of this many tokens, `window` of them filled
+        # (cache.py, `_tail_append`): `fp16_inputs(held=True)` hands over the whole buffer.
+        self.window_capacity = window_capacity
 
     @property
     def count(self) -> int:
@@ -73,14 +77,16 @@ class History:
         """(keys, values) of the sinks and the window in position order (keys centered), or None."""
         return self._fp16()
 
-    def fp16_inputs(self) -> Tuple[int, List[mx.array]]:
+    def fp16_inputs(self, held: bool = False) -> Tuple[int, List[mx.array]]:
         """(parts, arrays) for a compiled decode step: the fp16 sinks' and window's keys and
         values as held, which `fp16_tokens` centres and joins inside the step's graph (op by
-        op outside it, as `fp16` does, they would cost launches on every step). parts: 0-2."""
+        op outside it, as `fp16` does, they would cost launches on every step). parts: 0-2.
+        `held`: for a path that reads a window buffer of fixed capacity whole (`window_capacity`
+        set), its filled tokens being the first `window`: the buffer, not a view of them."""
         if self._fp16_parts is None:  # a history made without the raw parts
             fp16 = self.fp16
             return (0, []) if fp16 is None else (-1, list(fp16))
-        parts = self._fp16_parts()
+        parts = self._fp16_parts(held=held)
         return len(parts), [a for part in parts for a in part]
 
     def recent(self) -> Optional[Tuple[mx.array, mx.array, int]]:
@@ -572,11 +578,25 @@ def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array
     out = _out_of_value_domain_fn(h.value_codec, h.kv_heads, centered, queries.dtype)(
         out, h.value_mean if centered else small_array((0.0,), mx.float32))
     if h.settings.on_gpu and queries.shape[2] > 1:
-        # The next layer's decoded history is built only once this one's is freed. Without
-        # this sync the whole chunk's graph is evaluated at once and its transients made
-        # the peak exceed fp16's (docs/engine.md, "Ninth session").
-        mx.eval(out)
+        bound_prefill_memory(out, h.settings.prefill_sync)
     return out
+
+
+_LAUNCHED_LAYER: List[Optional[mx.array]] = [None]  # the last prefill layer output launched ("pipelined")
+
+
+def bound_prefill_memory(out: mx.array, sync: str):
+    """Keep a GPU prefill's decoded histories from piling up. Without a sync per layer the whole
+    chunk's graph is evaluated at once and its transients made the peak exceed fp16's
+    (docs/engine.md, "Ninth session"). "layer": evaluate this layer before the next is built;
+    "pipelined": launch it, then wait for the layer launched before (`settings.prefill_sync`)."""
+    if sync == "layer":
+        mx.eval(out)
+        return
+    mx.async_eval(out)
+    previous, _LAUNCHED_LAYER[0] = _LAUNCHED_LAYER[0], out
+    if previous is not None:
+        mx.eval(previous)
 
 
 register_path("sdpa_prefill", "prefill", sdpa_prefill_supports, priority=0)(sdpa_prefill)

@@ -4,8 +4,7 @@
   (`formats.RowLayout`): a token is stored with one slice update, and the kernels
   read one contiguous row. For formats whose fields are all per token.
 * `FieldStore`: one buffer per field, for formats with per-block fields (KIVI's
-  per-channel key scales, one row per group of tokens) and for those whose fp16
-  scalars would leave half a word of a row unused.
+  per-channel key scales, one row per group of tokens).
 
 Both grow in steps of `step` tokens (shapes stay fixed between growths, which is
 what lets compiled decode steps replay), hand out read-only field views of a token
@@ -222,12 +221,27 @@ class FieldStore:
 
 
 def row_layout(key_codec, value_codec) -> Optional[RowLayout]:
-    """The rows of a `RowStore` where both formats are per token and their fields fill whole
-    words (a row then costs no bit more than the fields); None: a `FieldStore`."""
+    """The rows of a `RowStore` where both formats are per token; None: a `FieldStore`.
+
+    A row costs the fields' bits rounded up to a whole word: where the fp16 scalars fill an odd
+    number of halves (polarquant, qjl, turboquant_prod), 16 bits per token more than one buffer
+    per field (about 1.5% of a 4-bit cache of head dim 128). That buys one slice update and one
+    kernel output per decode step instead of one per field, which a GPU's host pays for on every
+    layer (docs/engine.md, twenty-first session)."""
     layout = RowLayout.of(key_codec.format, value_codec.format)
-    if layout is not None and 32 * layout.words == key_codec.format.bits_per_token + value_codec.format.bits_per_token:
+    bits = key_codec.format.bits_per_token + value_codec.format.bits_per_token
+    if layout is not None and layout.words == -(-int(bits) // 32):
         return layout
     return None
+
+
+def stored_bits_per_token(key_codec, value_codec) -> float:
+    """Bits one token of both roles takes in the store `store_for` makes: a row's whole words, or
+    the fields' bits."""
+    layout = row_layout(key_codec, value_codec)
+    if layout is not None:
+        return 32.0 * layout.words
+    return key_codec.format.bits_per_token + value_codec.format.bits_per_token
 
 
 def store_for(key_codec, value_codec, encode_rows, encode_fields, step: int = STEP):

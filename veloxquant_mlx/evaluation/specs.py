@@ -191,6 +191,12 @@ def _settings_fields(spec: str, method, settings: Dict[str, str]):
             if value not in PREFILL_RULES:
                 raise MethodSpecError(f"{spec!r}: prefill_rule must be one of {', '.join(PREFILL_RULES)}, got {value!r}")
             engine["prefill_rule"] = value
+        elif key == "prefill_sync":
+            from ..settings import PREFILL_SYNCS
+
+            if value not in PREFILL_SYNCS:
+                raise MethodSpecError(f"{spec!r}: prefill_sync must be one of {', '.join(PREFILL_SYNCS)}, got {value!r}")
+            engine["prefill_sync"] = value
         elif key == "tensor_cores":
             if value not in ("on", "off"):
                 raise MethodSpecError(f"{spec!r}: tensor_cores must be on or off, got {value!r}")

@@ -188,22 +188,27 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
     x_dtype = parts[0].dtype if parts else mx.float32
     if x_dtype not in (mx.float16, mx.float32, mx.bfloat16) or any(a.dtype != x_dtype for a in parts):
         parts, x_dtype = [a.astype(mx.float32) for a in parts], mx.float32
-    na = parts[0].shape[2] if parts else 0
-    nb = parts[2].shape[2] if len(parts) > 2 else 0
+    dummy = _dummy(x_dtype)
+    if tokens is not None and tokens.meta is not None:  # the window (pb) is a buffer it fills in part
+        pa, pb, meta = (parts[:2] if len(parts) > 2 else [dummy, dummy]), parts[-2:], tokens.meta
+        na, nb = (parts[0].shape[2] if len(parts) > 2 else 0), parts[-1].shape[2]  # nb: the buffer's capacity
+    else:
+        na = parts[0].shape[2] if parts else 0
+        nb = parts[2].shape[2] if len(parts) > 2 else 0
+        pa = parts[:2] if na else [dummy, dummy]
+        pb = parts[2:4] if nb else [dummy, dummy]
+        meta = small_array((splits, na, nb, nb))
     if na + nb > MAX_PLAIN_TOKENS:
         raise ValueError(f"merge attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
     bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
     plan = launch.merge_plan(bh, rep, dim, splits, unrotate=signs is not None, plain=plain is not None,
                              value_mean=value_mean is not None, out_dtype=launch.dtype_name(out_dtype),
                              tokens=bound, x_dtype=launch.dtype_name(x_dtype))
-    dummy = _dummy(x_dtype)
-    pa = parts[:2] if na else [dummy, dummy]
-    pb = parts[2:4] if nb else [dummy, dummy]
     centered = bool(bound) and value_mean is not None
     if centered and tokens.key_mean is None:
         raise ValueError("centred values need the key mean to centre the fp16 keys (FP16Tokens.key_mean)")
     inputs = [
-        o, ml, signs if signs is not None else _dummy(), small_array((splits, na, nb)),
+        o, ml, signs if signs is not None else _dummy(), meta,
         plain[0] if plain is not None else _dummy(),
         plain[1] if plain is not None else _dummy(),
         value_mean.astype(mx.float32) if value_mean is not None else _dummy(),
@@ -218,11 +223,19 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
 class FP16Tokens:
     """What `merge` needs to attend to the fp16 sinks / window itself: the queries (B, Hq, 1, D),
     the parts as held ([keys, values] or [keys, values, keys, values], (B, H, n, D), keys not
-    centred), the softmax scale and the key mean (None: not centred)."""
+    centred), the softmax scale and the key mean (None: not centred). `meta`: the merge kernel's
+    int32 [splits, sinks, window, window capacity] where the window is held in a buffer of fixed
+    capacity that it fills only in part (`merge_meta`); None: every part is held exactly."""
     queries: mx.array
     parts: List[mx.array]
     scale: float
     key_mean: Optional[mx.array] = None
+    meta: Optional[mx.array] = None
+
+
+def merge_meta(splits: int, sinks: int, window: int, capacity: int) -> mx.array:
+    """`FP16Tokens.meta` (one small array per step, shared by every layer)."""
+    return small_array((splits, sinks, window, capacity))
 
 
 def merge_domain(value_codec, dim: int):

@@ -27,7 +27,7 @@ import numpy as np
 
 from .. import engine
 from ..storage import RowStore
-from . import launch, templates
+from . import launch, ops, templates
 from .dequant import Access, tile_stride
 from .launch import Plan
 
@@ -242,24 +242,33 @@ def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=
 
 
 @functools.lru_cache(maxsize=256)
+def _tokens_in_merge(value_codec, value_dim: int, out_dim: int, fp16_parts: int) -> bool:
+    """Whether the merge kernel attends to the fp16 sinks / window itself (and gets them as held):
+    where it can leave the value domain. One launch instead of a dozen small ops per layer and step.
+    (The kernel scores the fp16 keys against the queries in its value-dim threads: equal head dims only.)"""
+    from .ops import merge_domain
+
+    return fp16_parts >= 0 and out_dim == value_dim and merge_domain(value_codec, value_dim) is not None
+
+
+@functools.lru_cache(maxsize=256)
 def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
-             fp16_parts: int, centered: bool, compiled: bool):
-    from .ops import FP16Tokens, merge, merge_domain, runner
+             fp16_parts: int, centered: bool, compiled: bool, window_buffer: bool = False):
+    """`window_buffer`: the window comes as a buffer of fixed capacity, with the merge kernel's
+    meta saying how much of it is filled (`ops.merge_meta`)."""
+    from .ops import FP16Tokens, merge, runner
 
     run, plan_ = runner(backend), plan(*plan_key)
-    # The merge kernel attends to the fp16 sinks / window itself where it can leave the value
-    # domain (and gets them as held): one launch instead of a dozen small ops per layer and step.
-    # (The kernel scores the fp16 keys against the queries in its value-dim threads: equal head dims only.)
-    value_dim = plan_.output_shapes[0][3]
-    in_kernel = fp16_parts >= 0 and out_shape[-1] == value_dim and merge_domain(value_codec, value_dim) is not None
+    in_kernel = _tokens_in_merge(value_codec, plan_.output_shapes[0][3], out_shape[-1], fp16_parts)
 
-    def step(queries, inputs, fp16, key_mean, value_mean):
+    def step(queries, inputs, fp16, key_mean, value_mean, tokens_meta):
         B, n_heads, _, dim = queries.shape
         kv_rows, rep = plan_.grid[1], plan_.output_shapes[0][2]
         q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_rows // B, rep, dim))
         o, ml = run(plan_, [q.astype(mx.float32)] + list(inputs))
         if in_kernel:
-            tokens = FP16Tokens(queries, list(fp16), scale, key_mean if centered else None) if fp16_parts else None
+            tokens = (FP16Tokens(queries, list(fp16), scale, key_mean if centered else None,
+                                 tokens_meta if window_buffer else None) if fp16_parts else None)
             return merge(run, o, ml, value_codec, out_shape, out_dtype, value_mean=value_mean if centered else None,
                          tokens=tokens)
         tokens = engine.fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
@@ -278,13 +287,19 @@ def decode(h, queries: mx.array, scale: float, chunk=None) -> mx.array:
     rep = n_heads // h.kv_heads
     launch_ = prepare(h.store, h.key_codec, h.value_codec, B * h.kv_heads, rep, h.count, chunk)
     backend = h.settings.backend
-    parts, fp16 = h.fp16_inputs()
+    held = (h.window_capacity is not None and h.window > 0
+            and _tokens_in_merge(h.value_codec, launch_.plan_key[4], queries.shape[-1], 0))
+    parts, fp16 = h.fp16_inputs(held=held)
+    tokens_meta = engine.small_array((0,))
+    if held:
+        sinks = fp16[0].shape[2] if parts == 2 else 0
+        tokens_meta = ops.merge_meta(launch_.plan_key[-1], sinks, h.window, h.window_capacity)
     centered = h.value_mean is not None
     fn = _step_fn(backend, launch_.plan_key, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
-                  float(scale), parts, centered, backend != "emulator" and h.settings.compile_step)
+                  float(scale), parts, centered, backend != "emulator" and h.settings.compile_step, held)
     none = engine.small_array((0.0,), mx.float32)
     return fn(queries, list(launch_.inputs), fp16, h.key_mean if centered else none,
-              h.value_mean if centered else none)
+              h.value_mean if centered else none, tokens_meta)
 
 
 # Of the largest output: float32 sums taken in another order than MLX's, and the GPU's exp.

@@ -955,6 +955,7 @@ _MERGE_PLAIN = r"""  if (HAS_PLAIN) {
 _MERGE_TOKENS = r"""  if (@GATE) {
     const int NA = meta[1];
     const int NB = meta[2];
+    const int NBS = @NBS;  // pb's tokens per head as held: NB, or a fixed-capacity tail's capacity
     VQ_SYNC();
     vq_buf[d] = VQ_F(q[(size_t)row * D + d]) * qscale[0];
     VQ_SYNC();
@@ -965,7 +966,7 @@ _MERGE_TOKENS = r"""  if (@GATE) {
       const int p = p0 + (d >> 5);
       float part = 0.0f;
       if (p < NA + NB) {
-        const VQ_GLOBAL TX* kp = (p < NA) ? pa_k + ((size_t)bh * NA + p) * D : pb_k + ((size_t)bh * NB + (p - NA)) * D;
+        const VQ_GLOBAL TX* kp = (p < NA) ? pa_k + ((size_t)bh * NA + p) * D : pb_k + ((size_t)bh * NBS + (p - NA)) * D;
         VQ_UNROLL
         for (int i = d & 31; i < D; i += 32) {
           part += vq_buf[i] * (VQ_F(kp[i]) - (@CENTER ? VQ_F(kmean[(size_t)bh * D + i]) : 0.0f));
@@ -989,7 +990,7 @@ _MERGE_TOKENS = r"""  if (@GATE) {
     for (int p = 0; p < NB; ++p) {
       const float e = VQ_EXP(vq_ps[NA + p] - mp);
       lp += e;
-      po += e * VQ_F(pb_v[((size_t)bh * NB + p) * D + d]);
+      po += e * VQ_F(pb_v[((size_t)bh * NBS + p) * D + d]);
     }
     const float Mp = VQ_MAXF(M, mp);
     const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - Mp);
@@ -1000,15 +1001,16 @@ _MERGE_TOKENS = r"""  if (@GATE) {
 """
 
 
-_WINDOW_KEY = "pb_k + ((size_t)bh * NB + (p - NA)) * D"
-_WINDOW_VALUE = "pb_v[((size_t)bh * NB + p) * D + d]"
+_WINDOW_KEY = "pb_k + ((size_t)bh * NBS + (p - NA)) * D"
+_WINDOW_VALUE = "pb_v[((size_t)bh * NBS + p) * D + d]"
 
 
-def _merge_tokens(gate: str, center: str, slide: bool = False) -> str:
+def _merge_tokens(gate: str, center: str, slide: bool = False, held: str = "NB") -> str:
     """`_MERGE_TOKENS` under the kernel's own flags: `gate` (fp16 tokens present), `center` (keys
-    centred). `slide`: the window (pb) is read as it is after the step's slide, the new token
-    kx / vx in place of the one at slot meta[3] (`MERGE_ENCODE_SLIDE`)."""
-    text = _MERGE_TOKENS.replace("@GATE", gate).replace("@CENTER", center)
+    centred), `held`: pb's tokens per head as held (its row stride). `slide`: the window (pb) is
+    read as it is after the step's slide, the new token kx / vx in place of the one at slot
+    meta[3] (`MERGE_ENCODE_SLIDE`)."""
+    text = _MERGE_TOKENS.replace("@GATE", gate).replace("@CENTER", center).replace("@NBS", held)
     if slide:
         assert _WINDOW_KEY in text and _WINDOW_VALUE in text
         text = text.replace(_WINDOW_KEY, f"(p - NA == meta[3] ? kx + (size_t)bh * D : {_WINDOW_KEY})")
@@ -1023,8 +1025,9 @@ def _merge_tokens(gate: str, center: str, slide: bool = False) -> str:
 # centred with kmean when HAS_VMEAN), PMAX (>= their count), TX (their dtype),
 # HAS_VMEAN (centered values: add l * mean_v), TO (output dtype).
 # Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, vsigns (D) f32,
-#   meta int32 [S, NA, NB], po (BH*REP, D) f32, pml (BH*REP, 2) f32, vmean (BH, D) f32,
-#   q (BH*REP, D), qscale f32 [scale], kmean (BH, D) f32, pa_k, pa_v (BH, NA, D) TX, pb_k, pb_v (BH, NB, D) TX.
+#   meta int32 [S, NA, NB, NBS], po (BH*REP, D) f32, pml (BH*REP, 2) f32, vmean (BH, D) f32,
+#   q (BH*REP, D), qscale f32 [scale], kmean (BH, D) f32, pa_k, pa_v (BH, NA, D) TX, pb_k, pb_v (BH, NBS, D) TX
+#   (the first NB of pb's NBS tokens per head: a fixed-capacity tail holds more than it fills).
 # Output: out (BH*REP, D) TO.  Grid: (D, BH*REP) threads in blocks of D.
 MERGE = r"""
   const int d = vq_tid;
@@ -1035,7 +1038,7 @@ MERGE = r"""
 """ + _FWHT_BUF + r"""    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
   }
   if (HAS_VMEAN) acc += L * vmean[(size_t)bh * D + d];
-""" + _MERGE_PLAIN + _merge_tokens("HAS_TOKENS", "HAS_VMEAN") + r"""  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
+""" + _MERGE_PLAIN + _merge_tokens("HAS_TOKENS", "HAS_VMEAN", held="meta[3]") + r"""  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
 """
 
 # One decode step's last kernel when the new token is stored by the step itself:
