@@ -276,11 +276,8 @@ def _format_encoder_supports(layout, key_codec, value_codec, settings) -> bool:
 
 @engine.register_encoder(_format_encoder_supports)
 def _format_encoder(layout, key_codec, value_codec, settings):
-    """Every per-token format whose codecs have encode snippets (`encode.py`): rows, or fields."""
-    run = ops.runner(settings.backend)
-    if layout is None:
-        return functools.partial(encode.encode_fields, run, key_codec, value_codec)
-    return functools.partial(encode.encode_rows, run, layout, key_codec, value_codec)
+    """Every per-token format whose codecs have encode snippets (`encode.py`), into its rows."""
+    return functools.partial(encode.encode_rows, ops.runner(settings.backend), layout, key_codec, value_codec)
 
 
 def _encoder_supports(layout, key_codec, value_codec, settings) -> bool:

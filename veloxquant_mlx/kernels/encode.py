@@ -4,8 +4,8 @@ A decode step stores the token it adds. Encoding that token with the codec's MLX
 few dozen small kernels per layer (rotation, reductions, codebook searches, packing, the
 row's concatenation), and on a GPU each is a launch: `turboquant_rvq`'s decode step ran 75
 kernels per layer that way (`docs/engine.md`, eleventh session). This kernel encodes keys
-and values of N tokens in one launch, into their rows (`formats.RowLayout`, a `RowStore`) or
-into one output per field (a `FieldStore`).
+and values of N tokens in one launch, into their rows (`formats.RowLayout`, a `RowStore`: every
+per-token format is stored so).
 
 A codec may define `kernel_encode(e)`: it emits, through an `Emit`, C statements that thread
 t of a block runs for element t of one token's vector (keys or values, already centred), as
@@ -186,25 +186,15 @@ class Emit(ConstantTables):
         if f.kind != FLOAT16 or f.tokens_per_row != 1:
             raise Unsupported(f"field {name!r} is not a per-token fp16 field")
         self.halves.add(name)
-        if self.layout is not None:
-            dst = f"VQ_HALF_PTR(rows)[(size_t)n * (2 * RW) + {self.layout.slot(self.role, name).start} + ({index})]"
-        else:
-            dst = f"{self.output(name)}[(size_t)n * {f.width} + ({index})]"
+        dst = f"VQ_HALF_PTR(rows)[(size_t)n * (2 * RW) + {self.layout.slot(self.role, name).start} + ({index})]"
         self.emit(f"if ({when}) {dst} = VQ_CAST(vq_half, {value});")
-
-    def output(self, name: str) -> str:
-        """The kernel output holding field `name` (a field store: one output per field)."""
-        return f"{self.role[0]}o_{name}"
 
     def pack(self) -> List[str]:
         """Statements writing the role's codes (in `vq_codes`) into the row's words."""
         out = []
         for name, offset in self.code_offsets.items():
             f = self.codec.format.field(name)
-            if self.layout is not None:
-                dst = f"rows[(size_t)n * RW + {self.layout.slot(self.role, name).start} + w_]"
-            else:
-                dst = f"{self.output(name)}[(size_t)n * {f.words} + w_]"
+            dst = f"rows[(size_t)n * RW + {self.layout.slot(self.role, name).start} + w_]"
             out.append(templates.pack_codes(f.bits, f.width, f.words, offset, f"{dst} = word_;"))
         return out
 
@@ -244,11 +234,9 @@ class Program:
 
 
 def supported(layout, key_codec, value_codec) -> bool:
-    """Whether both codecs emit an encode snippet for this row layout (None: a field store of
-    per-token formats, one output per field)."""
-    if max(key_codec.dim, value_codec.dim) > MAX_DIM:
-        return False
-    if layout is None and not (key_codec.format.per_token and value_codec.format.per_token):
+    """Whether both codecs emit an encode snippet for this row layout (None, a field store of
+    block formats: no)."""
+    if layout is None or max(key_codec.dim, value_codec.dim) > MAX_DIM:
         return False
     if not all(callable(getattr(c, "kernel_encode", None)) for c in (key_codec, value_codec)):
         return False
@@ -266,14 +254,11 @@ def program(layout, key_codec, value_codec) -> Program:
     values = Emit(layout, "values", value_codec, table_start=keys.table_size)
     value_snippet = values.snippet()
     pad = ""
-    if layout is not None:
-        outputs = ("rows",)
-        halves = sum(s.field.width for s in layout.slots if s.field.kind == FLOAT16)
-        if halves % 2:  # the last half-word of the row is padding: zero, as RowLayout.pack writes it
-            pad = (f"    if (t == 0) VQ_HALF_PTR(rows)[(size_t)n * (2 * RW) + {2 * layout.fp16_start + halves}]"
-                   " = VQ_CAST(vq_half, 0.0f);")
-    else:
-        outputs = tuple(e.output(f.name) for e in (keys, values) for f in e.codec.format.fields)
+    outputs = ("rows",)
+    halves = sum(s.field.width for s in layout.slots if s.field.kind == FLOAT16)
+    if halves % 2:  # the last half-word of the row is padding: zero, as RowLayout.pack writes it
+        pad = (f"    if (t == 0) VQ_HALF_PTR(rows)[(size_t)n * (2 * RW) + {2 * layout.fp16_start + halves}]"
+               " = VQ_CAST(vq_half, 0.0f);")
     body = _BODY.replace("@KEYS", key_snippet).replace("@VALUES", value_snippet).replace("@PAD", pad)
     name = "encode_" + hashlib.sha1((body + repr(outputs)).encode()).hexdigest()[:16]
     if name not in templates.KERNELS:
@@ -285,27 +270,15 @@ def program(layout, key_codec, value_codec) -> Program:
                    max(1, keys.code_slots, values.code_slots))
 
 
-def _output_shapes(layout, key_codec, value_codec, n: int):
-    """(shapes, dtypes) of the kernel's outputs for n tokens."""
-    if layout is not None:
-        return ((n, layout.words),), ("uint32",)
-    fields = key_codec.format.fields + value_codec.format.fields
-    return (tuple((n, f.words if f.kind == PACKED else f.width) for f in fields),
-            tuple("uint32" if f.kind == PACKED else "float16" for f in fields))
-
-
 @functools.lru_cache(maxsize=1024)
-def _plan(kernel: str, n: int, threads: int, p2: int, codes: int, row_words: int, x_dtype: str,
-          shapes: tuple, dtypes: tuple) -> Plan:
+def _plan(kernel: str, n: int, threads: int, p2: int, codes: int, row_words: int, x_dtype: str) -> Plan:
     template = [("NTH", threads), ("P2M", p2), ("NCODES", codes), ("RW", row_words), ("TX", x_dtype)]
-    return Plan(kernel, template, (n * threads, 2, 1), (threads, 1, 1), list(shapes), list(dtypes))
+    return Plan(kernel, template, (n * threads, 2, 1), (threads, 1, 1), [(n, row_words)], ["uint32"])
 
 
 def plan(layout, key_codec, value_codec, n: int, x_dtype: str) -> Plan:
     prog = program(layout, key_codec, value_codec)
-    shapes, dtypes = _output_shapes(layout, key_codec, value_codec, n)
-    return _plan(prog.kernel, n, prog.threads, prog.p2, prog.codes, layout.words if layout is not None else 0,
-                 x_dtype, shapes, dtypes)
+    return _plan(prog.kernel, n, prog.threads, prog.p2, prog.codes, layout.words, x_dtype)
 
 
 def _launch(run, layout, key_codec, value_codec, keys: mx.array, values: mx.array):
@@ -321,13 +294,6 @@ def encode_rows(run, layout, key_codec, value_codec, keys: mx.array, values: mx.
     codecs' `encode` gives, in one launch."""
     (rows,) = _launch(run, layout, key_codec, value_codec, keys, values)
     return rows
-
-
-def encode_fields(run, key_codec, value_codec, keys: mx.array, values: mx.array):
-    """(key fields, value fields) of keys and values (..., n, D), as the codecs' `encode` gives
-    them, in one launch (a field store of per-token formats)."""
-    outs = iter(_launch(run, None, key_codec, value_codec, keys, values))
-    return tuple({f.name: next(outs) for f in codec.format.fields} for codec in (key_codec, value_codec))
 
 
 # A coordinate within float rounding of a boundary may round either way (sums in another order),
@@ -378,13 +344,10 @@ def check_record(backend: str, formats=CHECK_FORMATS, tokens: int = 300) -> dict
     for i, (name, options) in enumerate(formats):
         config = KVCacheConfig(method=name, **options)
         kc, vc = get_method(name).key_codec(config, 128), get_method(name).value_codec(config, 128)
-        layout = row_layout(kc, vc)  # as the cache stores them: rows, or one buffer per field
+        layout = row_layout(kc, vc)  # as the cache stores them
         keys = mx.random.normal((1, 2, tokens, 128), key=mx.random.key(60 + i)).astype(mx.float16)
         values = mx.random.normal((1, 2, tokens, 128), key=mx.random.key(70 + i)).astype(mx.float16)
-        if layout is not None:
-            got = layout.views(encode_rows(ops.runner(backend), layout, kc, vc, keys, values))
-        else:
-            got = encode_fields(ops.runner(backend), kc, vc, keys, values)
+        got = layout.views(encode_rows(ops.runner(backend), layout, kc, vc, keys, values))
         with mx.stream(mx.cpu):  # float32 sketches (MLX's GPU matmuls run at TF32 by default)
             refs = (kc.encode(keys), vc.encode(values))
             mx.eval(refs)
