@@ -262,7 +262,8 @@ def run_methods(args) -> None:
             (name, key, value, per_coord, "yes" if method.calibrated else "no", method.status,
              method.summary, method.values_summary)
         )
-    print(f"bits at b={args.bits}, head dim {args.head_dim} (fp16 shown at 16 bits):")
+    print(f"bits at b={args.bits}, head dim {args.head_dim} (fp16 shown at 16 bits; bits/coord as stored, "
+          "a token's key and value in one row of whole 32-bit words where the formats are per token):")
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
