@@ -855,3 +855,35 @@ def test_partial_kernel_reads_the_filled_part_of_a_window_buffer(options):
         assert mx.allclose(out.astype(mx.float32), ref.astype(mx.float32), atol=1e-3), i
     capacity = options.get("residual_length", 0) + 32
     assert {c for c, _ in fills} == {capacity} and len({w for _, w in fills}) > 20
+
+
+@needs_cxx
+def test_decode_steps_split_by_the_settings_not_the_environment(monkeypatch):
+    """`EngineSettings.split_tokens` (resolved once per cache) sets the tokens per split of both
+    compiled decode steps (turboquant_mse's and the formats'); the environment is read only when
+    settings are resolved, never on the per-token path."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import partial, step
+    from veloxquant_mlx.settings import EngineSettings
+
+    monkeypatch.setenv("VELOXQUANT_SPLIT_TOKENS", "4096")  # ignored after resolve: the caches were made with 128
+    assert launch.choose_chunk(1024, 8) != 4096 and launch.choose_chunk(1024, 8, chunk=256) == 256
+    planned = []
+    plan = launch.decode_partial_plan
+    monkeypatch.setattr(launch, "decode_partial_plan", lambda *a, **k: planned.append(k["chunk"]) or plan(*a, **k))
+    prepare = partial.prepare
+    monkeypatch.setattr(partial, "prepare", lambda *a: planned.append(a[-1]) or prepare(*a))
+    step._step_fn.cache_clear()
+    settings = EngineSettings.resolve(backend="emulator", split_tokens=128)
+    queries = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3))
+    for method in ("turboquant_mse", "kivi"):
+        cache = CompressedKVCache(KVCacheConfig(method=method, bits=4), settings=settings)
+        keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(1))
+        cache.update_and_fetch(keys, keys)
+        cache.flush()
+        h = cache._history()
+        if method == "turboquant_mse":
+            step.attend("emulator", h, queries, 0.1)
+        else:
+            partial.decode(h, queries, 0.1)
+    assert planned == [128, 128]

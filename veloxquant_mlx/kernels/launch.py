@@ -7,7 +7,6 @@ so all of them run the same kernel with the same constants.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -72,11 +71,8 @@ def encode_plan(n: int, key: tuple, value: tuple, x_dtype: str) -> Plan:
 
 def choose_chunk(tokens: int, kv_rows: int, threads: int = PARTIAL_THREADS, chunk: Optional[int] = None,
                  minimum: int = 0) -> int:
-    """Tokens per split: enough splits to fill the GPU (at least `minimum` tokens where the
-    split is planned rather than given), whole tiles of `threads`."""
-    if chunk is None:
-        env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
-        chunk = int(env) if env else None
+    """Tokens per split: `chunk` (`EngineSettings.split_tokens`), or enough splits to fill the GPU
+    (at least `minimum` tokens where the split is planned rather than given), whole tiles of `threads`."""
     if chunk is None:
         chunk = -(-max(tokens, 1) * kv_rows // TARGET_BLOCKS)
         chunk = max(minimum, min(MAX_CHUNK, chunk))

@@ -285,7 +285,8 @@ def decode(h, queries: mx.array, scale: float, chunk=None) -> mx.array:
     op by op)."""
     B, n_heads = queries.shape[:2]
     rep = n_heads // h.kv_heads
-    launch_ = prepare(h.store, h.key_codec, h.value_codec, B * h.kv_heads, rep, h.count, chunk)
+    launch_ = prepare(h.store, h.key_codec, h.value_codec, B * h.kv_heads, rep, h.count,
+                      chunk if chunk is not None else h.settings.split_tokens)
     backend = h.settings.backend
     held = (h.window_capacity is not None and h.window > 0
             and _tokens_in_merge(h.value_codec, launch_.plan_key[4], queries.shape[-1], 0))

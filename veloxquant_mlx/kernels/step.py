@@ -44,15 +44,16 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 
 @functools.lru_cache(maxsize=64)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
-             scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False):
+             scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False,
+             chunk=None):
     """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
-    encodes, attends to and stores the new one (`fused`)."""
+    encodes, attends to and stores the new one (`fused`). `chunk`: tokens per split (None: planned)."""
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
     rotate_query = ops.constants(key_codec)["signs"] is not None
     plan = launch.decode_partial_plan(mma, kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity,
                                       capacity, rotate_query=rotate_query,
-                                      q_dtype=q_dtype if rotate_query else "float32")
+                                      q_dtype=q_dtype if rotate_query else "float32", chunk=chunk)
 
     def plain(queries, fp16, key_mean):
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
@@ -88,7 +89,7 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     parts, fp16 = h.fp16_inputs()
     plan, fn = _step_fn(kind, runner_name, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
-                        centered, parts, uses_tensor_cores(runner_name, h, queries))
+                        centered, parts, uses_tensor_cores(runner_name, h, queries), h.settings.split_tokens)
     _, chunk, capacity, splits = plan.meta["meta"]
     if slide:  # merge_encode_slide's meta: [splits, sinks, window, the slot of the window's oldest token]
         extra += (small_array((splits, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot)),)
