@@ -435,15 +435,16 @@ def test_unbiased_value_scale_makes_each_projection_exact(bits):
 
 
 def test_prefill_sync_is_a_setting_and_pipelined_prefill_gives_the_same_output(monkeypatch):
-    """`prefill_sync` resolves from VELOXQUANT_PREFILL_SYNC, refuses other values, reaches a cache
-    through a benchmark spec, and a prefill on a GPU device evaluated "pipelined" (each layer
-    launched, the layer before waited for) attends exactly as one evaluated layer by layer."""
+    """`prefill_sync` resolves from VELOXQUANT_PREFILL_SYNC ("pipelined" by default), refuses other
+    values, reaches a cache through a benchmark spec, and a prefill on a GPU device evaluated
+    "pipelined" (each layer launched, the layer before waited for) attends exactly as one evaluated
+    layer by layer."""
     from veloxquant_mlx.evaluation.specs import parse_method_list
 
-    monkeypatch.setenv("VELOXQUANT_PREFILL_SYNC", "pipelined")
-    assert EngineSettings.resolve().prefill_sync == "pipelined"
-    monkeypatch.delenv("VELOXQUANT_PREFILL_SYNC")
+    monkeypatch.setenv("VELOXQUANT_PREFILL_SYNC", "layer")
     assert EngineSettings.resolve().prefill_sync == "layer"
+    monkeypatch.delenv("VELOXQUANT_PREFILL_SYNC")
+    assert EngineSettings.resolve().prefill_sync == "pipelined"
     with pytest.raises(ValueError, match="prefill_sync"):
         EngineSettings(backend="portable", prefill_sync="never")
     spec = parse_method_list("turboquant_mse:3:prefill_sync=pipelined")[0]

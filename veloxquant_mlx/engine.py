@@ -588,8 +588,9 @@ _LAUNCHED_LAYER: List[Optional[mx.array]] = [None]  # the last prefill layer out
 def bound_prefill_memory(out: mx.array, sync: str):
     """Keep a GPU prefill's decoded histories from piling up. Without a sync per layer the whole
     chunk's graph is evaluated at once and its transients made the peak exceed fp16's
-    (docs/engine.md, "Ninth session"). "layer": evaluate this layer before the next is built;
-    "pipelined": launch it, then wait for the layer launched before (`settings.prefill_sync`)."""
+    (docs/engine.md, "Ninth session"). "pipelined" (the default): launch this layer, then wait for
+    the layer launched before, so the GPU has the next layer queued while the host builds the
+    one after; "layer": evaluate this layer before the next is built (`settings.prefill_sync`)."""
     if sync == "layer":
         mx.eval(out)
         return
