@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -582,7 +583,7 @@ def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array
     return out
 
 
-_LAUNCHED_LAYER: List[Optional[mx.array]] = [None]  # the last prefill layer output launched ("pipelined")
+_LAUNCHED = threading.local()  # .layer: this thread's last prefill layer output launched ("pipelined")
 
 
 def bound_prefill_memory(out: mx.array, sync: str):
@@ -595,7 +596,7 @@ def bound_prefill_memory(out: mx.array, sync: str):
         mx.eval(out)
         return
     mx.async_eval(out)
-    previous, _LAUNCHED_LAYER[0] = _LAUNCHED_LAYER[0], out
+    previous, _LAUNCHED.layer = getattr(_LAUNCHED, "layer", None), out
     if previous is not None:
         mx.eval(previous)
 
