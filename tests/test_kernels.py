@@ -887,3 +887,24 @@ def test_decode_steps_split_by_the_settings_not_the_environment(monkeypatch):
         else:
             partial.decode(h, queries, 0.1)
     assert planned == [128, 128]
+
+
+def test_formats_decode_step_leaves_windows_beyond_the_merge_kernels_reach(monkeypatch):
+    """The formats' compiled step hands the merge kernel the fp16 sinks and the whole window buffer;
+    where they exceed what it attends to (MAX_PLAIN_TOKENS), the step does not take the call (the
+    dequant-then-attention path does) instead of failing in the kernel's planning."""
+    from veloxquant_mlx.settings import EngineSettings
+
+    monkeypatch.setattr(kernels.check, "usable", lambda name: True)
+    queries = mx.zeros((1, 4, 1, 64))
+    taken = {}
+    for residual in (64, ops.MAX_PLAIN_TOKENS):
+        config = KVCacheConfig(method="kivi", bits=4, group_size=32, residual_length=residual, sink_tokens=4)
+        cache = CompressedKVCache(config, settings=EngineSettings.resolve(backend="cuda", gpu_device=True))
+        keys = mx.random.normal((1, 2, residual + 100, 64), key=mx.random.key(1))
+        cache.update_and_fetch(keys, keys)
+        cache.update_and_fetch(keys[..., :1, :], keys[..., :1, :])  # a decode token: the window is a buffer
+        h = cache._history()
+        assert h.window_capacity == residual + 32
+        taken[residual] = kernels._format_step_supports(h, queries, None)
+    assert taken == {64: True, ops.MAX_PLAIN_TOKENS: False}

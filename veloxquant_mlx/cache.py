@@ -208,9 +208,11 @@ class CompressedKVCache(_BaseCache):
         return window if self.window_fill is None else window[..., : self.window_fill, :]
 
     def _settle_window(self):
-        """Both roles' window as exactly its tokens (before either is replaced), no buffer."""
+        """Both roles' window as exactly its tokens (before either is replaced), no buffer (copies:
+        a view would keep the buffer alive, out of `nbytes`)."""
         if self.window_fill is not None:
-            self._window_keys, self._window_values = self._held(self._window_keys), self._held(self._window_values)
+            self._window_keys = mx.contiguous(self._held(self._window_keys))
+            self._window_values = mx.contiguous(self._held(self._window_values))
             self.window_fill = None
 
     def _window_in_order(self):

@@ -583,7 +583,7 @@ def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array
     return out
 
 
-_LAUNCHED = threading.local()  # .layer: this thread's last prefill layer output launched ("pipelined")
+_LAUNCHED = threading.local()  # .layer: a scalar of this thread's last prefill layer launched ("pipelined")
 
 
 def bound_prefill_memory(out: mx.array, sync: str):
@@ -595,8 +595,11 @@ def bound_prefill_memory(out: mx.array, sync: str):
     if sync == "layer":
         mx.eval(out)
         return
-    mx.async_eval(out)
-    previous, _LAUNCHED.layer = getattr(_LAUNCHED, "layer", None), out
+    # What is remembered is a scalar computed from the output, not the output: evaluated, it holds
+    # none of it (the last layer's output would otherwise stay alive until the next prefill).
+    launched = mx.sum(out[..., -1:, :1])
+    mx.async_eval(out, launched)
+    previous, _LAUNCHED.layer = getattr(_LAUNCHED, "layer", None), launched
     if previous is not None:
         mx.eval(previous)
 

@@ -235,8 +235,10 @@ def _kernel_decoder(h, role: str, dtype) -> mx.array:
 
 
 def _format_step_supports(h, queries, mask) -> bool:
+    # The merge kernel attends to at most MAX_PLAIN_TOKENS fp16 tokens as held (a window buffer whole).
+    held = h.sinks + (h.window if h.window_capacity is None else h.window_capacity)
     return (h.settings.compile_step and _decode_call(queries, mask) and _format_kernel_ok(h)
-            and queries.shape[1] % h.kv_heads == 0
+            and queries.shape[1] % h.kv_heads == 0 and held <= ops.MAX_PLAIN_TOKENS
             and partial.fits(h.store, h.key_codec, h.value_codec, queries.shape[1] // h.kv_heads))
 
 
