@@ -274,3 +274,22 @@ def test_kernel_slid_window_evicts_like_the_op_by_op_cache():
         assert (fused.offset, fused.inner.encoded, fused.inner.window) == (ref.offset, ref.inner.encoded, ref.inner.window)
     assert fused.inner.window_start == 43 % 8 and ref.offset > MAX_SIZE
     assert mx.array_equal(fused.inner.window_keys, ref.inner.window_keys).item()
+
+
+def test_block_format_window_not_a_multiple_of_its_group():
+    """A sliding window of 80 tokens with KIVI's 32-token key groups: the store grows by the window,
+    and every field must grow at least as far (the per-group key scales by 3 rows, not 2), or the
+    C++ KIVI decode refused the buffers at the first encoded group. The default back end (the C++
+    kernel where built) attends as the portable one does, past the eviction."""
+    from veloxquant_mlx import EngineSettings
+
+    config = KVCacheConfig(method="kivi", bits=4, group_size=32, residual_length=8)
+    default = CompressedRotatingKVCache(config, 80, 4)
+    portable = CompressedRotatingKVCache(config, 80, 4, settings=EngineSettings.resolve(backend="portable"))
+    keys = mx.random.normal((1, HEADS, 200, DIM), key=mx.random.key(5)).astype(mx.float16)
+    queries = mx.random.normal((1, QUERY_HEADS, 1, DIM), key=mx.random.key(6)).astype(mx.float16)
+    for i in range(200):
+        outs = [_step(cache, keys[..., i : i + 1, :], keys[..., i : i + 1, :], queries) for cache in (default, portable)]
+        assert mx.allclose(outs[0].astype(mx.float32), outs[1].astype(mx.float32), atol=2e-3).item(), i
+    assert default.inner.store.buffers["keys"]["channel_scale"].shape[2] * 32 >= default.inner.store.buffers[
+        "keys"]["codes"].shape[2]

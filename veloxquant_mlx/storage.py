@@ -156,8 +156,9 @@ class FieldStore:
         self._block = max(fmt.token_block for fmt in self.formats.values())
 
     def _rows_step(self, tokens_per_row: int) -> int:
-        """A field's growth step in rows: `step` tokens."""
-        return max(1, self.step // tokens_per_row)
+        """A field's growth step in rows: at least `step` tokens (a step that is not a multiple of
+        a block, as a sliding window's `max_size` may be, still grows every field as far)."""
+        return -(-self.step // tokens_per_row)
 
     @property
     def capacity(self) -> int:
