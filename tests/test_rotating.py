@@ -293,3 +293,18 @@ def test_block_format_window_not_a_multiple_of_its_group():
         assert mx.allclose(outs[0].astype(mx.float32), outs[1].astype(mx.float32), atol=2e-3).item(), i
     assert default.inner.store.buffers["keys"]["channel_scale"].shape[2] * 32 >= default.inner.store.buffers[
         "keys"]["codes"].shape[2]
+
+
+def test_saved_right_after_a_chunk_on_a_full_window_loads(tmp_path):
+    """After a chunk of n tokens on a full window the cache holds max_size - 1 + n tokens until the
+    next update evicts (as mlx-lm's RotatingKVCache does): such a state is valid and must load, and
+    the loaded cache decodes as the original."""
+    config = KVCacheConfig(method="kivi", bits=4, group_size=16, residual_length=8)
+    cache = CompressedRotatingKVCache(config, MAX_SIZE, keep=4)
+    for n in (70, 1, 30):  # the window is full before the 30-token chunk
+        cache.update_and_fetch(*_tokens(n)[:2])
+    assert cache.held - cache.stale > MAX_SIZE
+    save_prompt_cache(tmp_path / "c.safetensors", [cache])
+    (loaded,) = load_prompt_cache(tmp_path / "c.safetensors", config=config)
+    keys, values, queries = _tokens(1)
+    assert mx.allclose(_step(cache, keys, values, queries), _step(loaded, keys, values, queries)).item()
