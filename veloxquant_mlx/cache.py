@@ -55,7 +55,7 @@ from .attention import Segment
 from .config import KVCacheConfig
 from .methods.base import at_positions
 from .settings import EngineSettings
-from .storage import RowStore, store_for
+from .storage import RowStore, grow, store_for
 
 FORMAT_VERSION = 2  # 2: checksums, layer index, model identity (see `state`)
 _DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
@@ -370,8 +370,8 @@ class CompressedKVCache(_BaseCache):
         capacity = self.config.residual_length + self.block
         if self.window_fill is None:  # into a buffer (the first decode token, or after a prefill or trim)
             held = self.window
-            self._window_keys = _capacity(self._window_keys, keys, capacity)
-            self._window_values = _capacity(self._window_values, values, capacity)
+            self._window_keys = grow(self._window_keys, capacity, keys, capacity)
+            self._window_values = grow(self._window_values, capacity, values, capacity)
             self.window_fill = held
         fill = self.window_fill
         self._window_keys[..., fill : fill + 1, :] = keys
@@ -383,8 +383,8 @@ class CompressedKVCache(_BaseCache):
             self._store_for(flush)(leaving_keys, leaving_values)
             kept = fill + 1 - flush
             if kept:  # the residual tokens move to the front (once per block)
-                self._window_keys = _capacity(self._window_keys[..., flush : fill + 1, :], keys, capacity)
-                self._window_values = _capacity(self._window_values[..., flush : fill + 1, :], values, capacity)
+                self._window_keys = grow(self._window_keys[..., flush : fill + 1, :], capacity, keys, capacity)
+                self._window_values = grow(self._window_values[..., flush : fill + 1, :], capacity, values, capacity)
             self.window_fill = kept
 
     def _store_for(self, flush: int):
@@ -935,10 +935,3 @@ def _read_state(state):
 def _concat(a: Optional[mx.array], b: mx.array) -> mx.array:
     return b if a is None else mx.concatenate([a, b], axis=2)
 
-
-def _capacity(held: Optional[mx.array], like: mx.array, capacity: int) -> mx.array:
-    """`held` (B, H, n, D) or None, copied into a zero buffer of `capacity` tokens shaped like `like`."""
-    if held is None or held.shape[2] == 0:
-        return mx.zeros((*like.shape[:2], capacity, like.shape[3]), like.dtype)
-    return mx.concatenate([held, mx.zeros((*held.shape[:2], capacity - held.shape[2], held.shape[3]), held.dtype)],
-                          axis=2)

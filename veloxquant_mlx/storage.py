@@ -33,7 +33,9 @@ def _padded(buffer: mx.array, capacity: int) -> mx.array:
     return mx.concatenate([buffer, mx.zeros((*buffer.shape[:2], spare, buffer.shape[3]), buffer.dtype)], axis=2)
 
 
-def _grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: int) -> mx.array:
+def grow(buffer: Optional[mx.array], rows_needed: int, like: mx.array, step: int) -> mx.array:
+    """`buffer` (or a new zero one shaped like `like`) with room for `rows_needed` rows, grown in
+    whole `step`s of rows."""
     capacity = 0 if buffer is None else buffer.shape[2]
     if rows_needed <= capacity:
         return buffer
@@ -75,7 +77,7 @@ class RowStore:
 
     def reserve(self, tokens: int, like: Optional[mx.array] = None):
         """Capacity for `tokens` more tokens (`like`: any (B, H, n, words) uint32 array)."""
-        self.rows = _grow(self.rows, self.count + tokens, like if like is not None else self.rows, self.step)
+        self.rows = grow(self.rows, self.count + tokens, like if like is not None else self.rows, self.step)
 
     def append_rows(self, rows: mx.array):
         self.reserve(rows.shape[2], rows)
@@ -174,7 +176,7 @@ class FieldStore:
             per_row = self.tokens_per_row[role]
             for name, field in encoded.items():
                 row = self.count // per_row[name]
-                buf = _grow(self.buffers[role].get(name), row + field.shape[2], field, self._rows_step(per_row[name]))
+                buf = grow(self.buffers[role].get(name), row + field.shape[2], field, self._rows_step(per_row[name]))
                 buf[..., row : row + field.shape[2], :] = field
                 self.buffers[role][name] = buf
         self.count += count
