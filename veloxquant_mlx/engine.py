@@ -516,9 +516,9 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     """Prefill over the decoded history with `mx.fast.scaled_dot_product_attention`: the query
     goes into the key domain once, fp16 sinks/window tokens are mapped into the domains and
     placed in position order (so the causal mask stays the plain one), the output comes back
-    from the value domain once. One layer's decoded history exists at a time: on a GPU the
-    layer is evaluated before the next one is built, so peak memory stays below an fp16
-    cache's (whose every layer holds that much). Tokens a chunk encoded stay in fp16 for its
+    from the value domain once. At most two layers' decoded histories exist at a time: on a GPU
+    each layer waits for the one before it before the next is built (`bound_prefill_memory`), so
+    peak memory stays below an fp16 cache's (whose every layer holds that much). Tokens a chunk encoded stay in fp16 for its
     queries under the "chunk" rule (`settings.prefill_rule`), still one causal call; under the
     "decode" rule each query sees them as decoding would (a band), which needs an explicit
     mask, which MLX's fused kernels may not take: the queries then go in groups whose scores
