@@ -437,11 +437,11 @@ class CompressedKVCache(_BaseCache):
         on the order of its keys), not settled (a "decode_store" path may slide it). `held`: a
         window buffer of fixed capacity whole (`window_fill` tokens of it filled), else its
         filled part."""
-        window = (self._window_keys, self._window_values)
-        if not held:
-            window = tuple(self._held(a) for a in window)
-        return tuple((k, v) for k, v in ((self.sink_keys, self.sink_values), window)
-                     if k is not None and k.shape[2] and (k is not window[0] or self.window))
+        parts = ((self.sink_keys, self.sink_values),) if self.sinks else ()
+        if self.window:
+            window = (self._window_keys, self._window_values)
+            parts += (window if held else tuple(self._held(a) for a in window),)
+        return parts
 
     def _fp16_tokens(self):
         parts = [(self.sink_keys, self.sink_values), (self.window_keys, self.window_values)]

@@ -188,19 +188,9 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
     x_dtype = parts[0].dtype if parts else mx.float32
     if x_dtype not in (mx.float16, mx.float32, mx.bfloat16) or any(a.dtype != x_dtype for a in parts):
         parts, x_dtype = [a.astype(mx.float32) for a in parts], mx.float32
-    dummy = _dummy(x_dtype)
-    if tokens is not None and tokens.meta is not None:  # the window (pb) is a buffer it fills in part
-        pa, pb, meta = (parts[:2] if len(parts) > 2 else [dummy, dummy]), parts[-2:], tokens.meta
-        na, nb = (parts[0].shape[2] if len(parts) > 2 else 0), parts[-1].shape[2]  # nb: the buffer's capacity
-    else:
-        na = parts[0].shape[2] if parts else 0
-        nb = parts[2].shape[2] if len(parts) > 2 else 0
-        pa = parts[:2] if na else [dummy, dummy]
-        pb = parts[2:4] if nb else [dummy, dummy]
-        meta = small_array((splits, na, nb, nb))
-    if na + nb > MAX_PLAIN_TOKENS:
-        raise ValueError(f"merge attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
-    bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
+    held_window = tokens is not None and tokens.meta is not None  # pb: a window buffer filled in part
+    pa, pb, na, nb, bound = _token_slots(parts, _dummy(x_dtype), held_window, "merge")
+    meta = tokens.meta if held_window else small_array((splits, na, nb, nb))
     plan = launch.merge_plan(bh, rep, dim, splits, unrotate=signs is not None, plain=plain is not None,
                              value_mean=value_mean is not None, out_dtype=launch.dtype_name(out_dtype),
                              tokens=bound, x_dtype=launch.dtype_name(x_dtype))
@@ -236,6 +226,23 @@ class FP16Tokens:
 def merge_meta(splits: int, sinks: int, window: int, capacity: int) -> mx.array:
     """`FP16Tokens.meta` (one small array per step, shared by every layer)."""
     return small_array((splits, sinks, window, capacity))
+
+
+def _token_slots(parts: List[mx.array], dummy: mx.array, window_last: bool, kernel: str):
+    """The merge kernels' two fp16 slots from `parts` ([keys, values] or [keys, values, keys,
+    values]): (pa, pb, tokens held in pa, in pb, PMAX bound), a missing slot filled with `dummy`.
+    `window_last`: the last pair is the window and goes to pb (a ring slid by the kernel, or a
+    buffer filled in part), the sinks if any to pa; else the parts fill pa, then pb."""
+    if window_last:
+        pa, pb = (parts[:2] if len(parts) > 2 else [dummy, dummy]), parts[-2:]
+    else:
+        pa, pb = (parts[:2] or [dummy, dummy]), (parts[2:4] or [dummy, dummy])
+    na = pa[0].shape[2] if pa[0] is not dummy else 0
+    nb = pb[0].shape[2] if pb[0] is not dummy else 0
+    if na + nb > MAX_PLAIN_TOKENS:
+        raise ValueError(f"{kernel} attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
+    bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
+    return pa, pb, na, nb, bound
 
 
 def merge_domain(value_codec, dim: int):
@@ -290,22 +297,10 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
         keys, values = keys.astype(mx.float32), values.astype(mx.float32)
     centered = key_mean is not None
     parts = [a if a.dtype == keys.dtype else a.astype(keys.dtype) for a in (fp16 or [])]
-    na = parts[0].shape[2] if parts else 0
-    nb = parts[2].shape[2] if len(parts) > 2 else 0
-    if na + nb > MAX_PLAIN_TOKENS:
-        raise ValueError(f"merge_encode attends to at most {MAX_PLAIN_TOKENS} fp16 tokens, got {na + nb}")
-    bound = 0 if na + nb == 0 else max(32, 1 << (na + nb - 1).bit_length())  # few kernel variants as a window fills
+    pa, pb, na, nb, bound = _token_slots(parts, _dummy(keys.dtype), slide is not None, "merge_encode")
+    window = nb if slide is not None else 0
+    meta = slide if slide is not None else small_array((splits, na, nb))
     B, H = keys.shape[:2]
-    dummy = _dummy(keys.dtype)
-    if slide is not None:  # the window is pb, the sinks (if any) pa
-        window = parts[-1].shape[2]
-        pa, pb = (parts[:2] if len(parts) > 2 else [dummy, dummy]), parts[-2:]
-        meta = slide
-    else:
-        window = 0
-        pa = parts[:2] if na else [dummy, dummy]
-        pb = parts[2:4] if nb else [dummy, dummy]
-        meta = small_array((splits, na, nb))
     plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, scale_index(key_codec)),
                                     (value_codec.bits, scale_index(value_codec)), center=centered,
                                     x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype),
