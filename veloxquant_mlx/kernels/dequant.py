@@ -55,8 +55,10 @@ class ConstantTables:
     """A snippet's constant tables, concatenated into the kernel's `tab` input from `table_start` on
     (a kernel with both roles gives each its own range)."""
 
-    def __init__(self, table_start: int = 0):
+    def __init__(self, table_start: int = 0, table_base: str = "tab"):
+        """`table_base`: the array the snippets index (`tab`, or a kernel's shared copy of it)."""
         self.table_start = table_start
+        self.table_base = table_base
         self.tables: List[np.ndarray] = []
         self.table_size = 0
 
@@ -66,7 +68,7 @@ class ConstantTables:
         offset = self.table_start + self.table_size
         self.tables.append(arr)
         self.table_size += arr.size
-        return f"(tab + {offset})"
+        return f"({self.table_base} + {offset})"
 
 
 class Access(ConstantTables):
@@ -74,11 +76,11 @@ class Access(ConstantTables):
     buffer) are runtime values in `meta` (they change as the store grows; the kernel text
     does not)."""
 
-    def __init__(self, layout, role: str, codec, meta_base: int = 2, table_start: int = 0):
+    def __init__(self, layout, role: str, codec, meta_base: int = 2, table_start: int = 0, table_base: str = "tab"):
         """`layout`: the `RowStore`'s row layout, or None for a `FieldStore`. `meta_base`: where
         this role's per-field capacities start in `meta`; `table_start`: where its constants
         start in `tab` (a kernel reading both roles gives each its own ranges)."""
-        ConstantTables.__init__(self, table_start)
+        ConstantTables.__init__(self, table_start, table_base)
         self.role, self.codec = role, codec
         self.meta_base = meta_base
         self.rows = layout is not None
@@ -107,17 +109,26 @@ class Access(ConstantTables):
         return self.meta_base + [f.name for f in self.codec.format.fields].index(name)
 
     def stage(self, offset: int, tokens: int) -> int:
-        """Read per-token packed fields (every field of a row) from a shared tile `vq_tile` of
-        `tokens` tokens starting at token `tile`, from word `offset` on; returns the next free
-        word."""
+        """Read this role's fields for tokens [tile, tile + `tokens`) from a shared tile `vq_tile`,
+        from word `offset` on; returns the next free word. A field store stages its per-token
+        fields (a token's words at an odd stride, `tile_stride`) and the rows of its per-block
+        fp16 fields that the tile's tokens fall in (every thread of a warp reads the same row)."""
         if self.rows:
             self.staged = {f.name: offset for f in self.codec.format.fields}
             return offset  # the rows' tile is laid out by the caller (`tile_copy`)
         for f in self.codec.format.fields:
-            if f.kind == PACKED and f.tokens_per_row == 1:
+            if f.tokens_per_row == 1:
                 self.staged[f.name] = offset
                 offset += tile_stride(f.words) * tokens
+            elif f.kind != PACKED:
+                self.staged[f.name] = offset
+                offset += -(-(self._block_rows(f, tokens) * f.width) // 2)
         return offset
+
+    @staticmethod
+    def _block_rows(f, tokens: int) -> int:
+        """Rows of per-block field `f` that `tokens` consecutive tokens can touch."""
+        return (tokens - 1) // f.tokens_per_row + 2
 
     def tile_copy(self) -> str:
         """C statements copying this role's staged fields of tokens [tile, tile + ntok) into
@@ -125,10 +136,23 @@ class Access(ConstantTables):
         out = []
         for name, offset in self.staged.items():
             f = self.fields[name]
-            src = f"{self.buffer(name)} + ((size_t)bh * meta[{self.meta_index(name)}] + tile) * {f.words}"
-            out.append(f"  {{ const VQ_GLOBAL uint32_t* src_ = {src};\n"
-                       f"    for (int i_ = tid; i_ < ntok * {f.words}; i_ += NT)"
-                       f" vq_tile[{offset} + (i_ / {f.words}) * {tile_stride(f.words)} + i_ % {f.words}] = src_[i_]; }}")
+            cap = f"meta[{self.meta_index(name)}]"
+            if f.kind == PACKED:
+                src = f"{self.buffer(name)} + ((size_t)bh * {cap} + tile) * {f.words}"
+                out.append(f"  {{ const VQ_GLOBAL uint32_t* src_ = {src};\n"
+                           f"    for (int i_ = tid; i_ < ntok * {f.words}; i_ += NT)"
+                           f" vq_tile[{offset} + (i_ / {f.words}) * {tile_stride(f.words)} + i_ % {f.words}] = src_[i_]; }}")
+            elif f.tokens_per_row == 1:
+                src = f"{self.buffer(name)} + ((size_t)bh * {cap} + tile) * {f.width}"
+                out.append(f"  {{ const VQ_GLOBAL vq_half* src_ = {src};\n"
+                           f"    for (int i_ = tid; i_ < ntok * {f.width}; i_ += NT) VQ_SHALF_PTR(vq_tile)"
+                           f"[{2 * offset} + (i_ / {f.width}) * {2 * tile_stride(f.words)} + i_ % {f.width}] = src_[i_]; }}")
+            else:
+                g = f.tokens_per_row
+                src = f"{self.buffer(name)} + ((size_t)bh * {cap} + tile / {g}) * {f.width}"
+                out.append(f"  {{ const VQ_GLOBAL vq_half* src_ = {src};\n"
+                           f"    for (int i_ = tid; i_ < ((tile + ntok - 1) / {g} - tile / {g} + 1) * {f.width}; i_ += NT)"
+                           f" VQ_SHALF_PTR(vq_tile)[{2 * offset} + i_] = src_[i_]; }}")
         return "\n".join(out)
 
     def word(self, name: str, k: str) -> str:
@@ -144,7 +168,13 @@ class Access(ConstantTables):
     def half(self, name: str, k: str) -> str:
         f = self.fields[name]
         if self.rows and name in self.staged:
-            return f"VQ_F(VQ_HALF_CPTR(vq_tile)[(t - tile) * (2 * RWP) + {self.layout.slot(self.role, name).start} + ({k})])"
+            return f"VQ_F(VQ_SHALF_CPTR(vq_tile)[(t - tile) * (2 * RWP) + {self.layout.slot(self.role, name).start} + ({k})])"
+        if name in self.staged:
+            first = 2 * self.staged[name]
+            if f.tokens_per_row == 1:
+                return f"VQ_F(VQ_SHALF_CPTR(vq_tile)[{first} + (t - tile) * {2 * tile_stride(f.words)} + ({k})])"
+            g = f.tokens_per_row
+            return f"VQ_F(VQ_SHALF_CPTR(vq_tile)[{first} + (t / {g} - tile / {g}) * {f.width} + ({k})])"
         if self.rows:
             return f"VQ_F(VQ_HALF_CPTR(rows)[{self._row(name)} * (2 * RW) + {self.layout.slot(self.role, name).start} + ({k})])"
         return f"VQ_F({self.buffer(name)}[{self._row(name)} * {f.width} + ({k})])"

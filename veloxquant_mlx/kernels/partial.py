@@ -37,6 +37,9 @@ SHARED_LIMIT = 44 * 1024
 
 _BODY = r"""
   constexpr int NW = NT / 32;
+  constexpr int R4 = (REP + 3) / 4;
+  // The tile's codes, and after the last tile the lanes' value sums (vq_red).
+  constexpr int BIG = (TILE_WORDS > TL * REP * DDV) ? TILE_WORDS : TL * REP * DDV;
   const int tid = vq_tid;
   const int s = vq_bx;
   const int bh = vq_by;
@@ -45,24 +48,29 @@ _BODY = r"""
   const int S = meta[3];
   const int start = s * CH;
   const int end = VQ_MINI(start + CH, T);
-  VQ_SHARED float vq_q[REP * DDK];
-  VQ_SHARED float vq_w[NT * REP];
+  // Queries (per key element) and weights (per token) of the REP heads, padded to float4s.
+  VQ_SHARED vq_f4 vq_q4[DDK * R4];
+  VQ_SHARED vq_f4 vq_w4[NT * R4];
   VQ_SHARED float vq_wred[REP * NW];
-  VQ_SHARED float vq_red[TL * REP * DDV];
-  VQ_SHARED uint32_t vq_tile[TILE_WORDS];
-  for (int i = tid; i < REP * DDK; i += NT) vq_q[i] = q[(size_t)bh * REP * DDK + i];
+  VQ_SHARED uint32_t vq_tile[BIG];
+  auto vq_red = VQ_FPTR(vq_tile);
+@TABLES
+  for (int i = tid; i < R4 * 4 * DDK; i += NT) {
+    const int r = i / DDK;
+    VQ_FPTR(vq_q4)[(i % DDK) * (R4 * 4) + r] = (r < REP) ? q[(size_t)bh * REP * DDK + i] : 0.0f;
+  }
   VQ_SYNC();
 
   float m_run[REP];
   float l_part[REP];
   float alpha[REP];
-  float acc[JPT * REP];
+  float acc[G * REP];
   VQ_UNROLL
   for (int r = 0; r < REP; ++r) { m_run[r] = VQ_NEG_INF; l_part[r] = 0.0f; }
   VQ_UNROLL
-  for (int i = 0; i < JPT * REP; ++i) acc[i] = 0.0f;
-  const int jv = tid % DT;
-  const int lane = tid / DT;
+  for (int i = 0; i < G * REP; ++i) acc[i] = 0.0f;
+  const int g = tid % NDG;
+  const int lane = tid / NDG;
 
   for (int tile = start; tile < end; tile += NT) {
     const int ntok = VQ_MINI(NT, end - tile);
@@ -70,41 +78,50 @@ _BODY = r"""
 @STAGE
     VQ_SYNC();
     const bool valid = tid < ntok;
-    float sc[REP];
+    float sc[R4 * 4];
     VQ_UNROLL
-    for (int r = 0; r < REP; ++r) sc[r] = 0.0f;
+    for (int r = 0; r < R4 * 4; ++r) sc[r] = 0.0f;
     if (valid) {
       const int t = tile + tid;
-      VQ_UNROLL8
+      // Unrolled whole: each element's bit offset in the token's words is a constant.
+      VQ_UNROLL
       for (int j = 0; j < DDK; ++j) {
         float v = 0.0f;
         {
 @KEY
         }
         VQ_UNROLL
-        for (int r = 0; r < REP; ++r) sc[r] += vq_q[r * DDK + j] * v;
+        for (int r4 = 0; r4 < R4; ++r4) {
+          const vq_f4 qv = vq_q4[j * R4 + r4];
+          sc[4 * r4] += qv.x * v;
+          if (4 * r4 + 1 < REP) sc[4 * r4 + 1] += qv.y * v;
+          if (4 * r4 + 2 < REP) sc[4 * r4 + 2] += qv.z * v;
+          if (4 * r4 + 3 < REP) sc[4 * r4 + 3] += qv.w * v;
+        }
       }
     }
-""" + templates.ONLINE_SOFTMAX.replace("@TID", "tid").replace("@STORE", "vq_w[tid * REP + r] = p;") + r"""    VQ_SYNC();
+""" + templates.ONLINE_SOFTMAX.replace("@TID", "tid").replace("@STORE", "VQ_FPTR(vq_w4)[tid * (R4 * 4) + r] = p;") + r"""    VQ_SYNC();
     VQ_UNROLL
-    for (int u = 0; u < JPT; ++u) {
-      VQ_UNROLL
-      for (int r = 0; r < REP; ++r) acc[u * REP + r] *= alpha[r];
-    }
+    for (int i = 0; i < G * REP; ++i) acc[i] *= alpha[i % REP];
+    // Thread (lane, g) adds value elements [g * G, g * G + G) of tokens lane, lane + TL, ...
     if (lane < TL) {
       for (int jj = lane; jj < ntok; jj += TL) {
         const int t = tile + jj;
+        float wv[R4 * 4];
         VQ_UNROLL
-        for (int u = 0; u < JPT; ++u) {
-          const int j = jv + u * DT;
-          if (j < DDV) {
-            float v = 0.0f;
-            {
+        for (int r4 = 0; r4 < R4; ++r4) {
+          const vq_f4 u = vq_w4[jj * R4 + r4];
+          wv[4 * r4] = u.x; wv[4 * r4 + 1] = u.y; wv[4 * r4 + 2] = u.z; wv[4 * r4 + 3] = u.w;
+        }
+        VQ_UNROLL
+        for (int k = 0; k < G; ++k) {
+          const int j = g * G + k;
+          float v = 0.0f;
+          {
 @VALUE
-            }
-            VQ_UNROLL
-            for (int r = 0; r < REP; ++r) acc[u * REP + r] += vq_w[jj * REP + r] * v;
           }
+          VQ_UNROLL
+          for (int r = 0; r < REP; ++r) acc[k * REP + r] += wv[r] * v;
         }
       }
     }
@@ -118,18 +135,21 @@ _BODY = r"""
   }
   if (lane < TL) {
     VQ_UNROLL
-    for (int u = 0; u < JPT; ++u) {
-      const int j = jv + u * DT;
+    for (int k = 0; k < G; ++k) {
       VQ_UNROLL
-      for (int r = 0; r < REP; ++r) if (j < DDV) vq_red[(lane * REP + r) * DDV + j] = acc[u * REP + r];
+      for (int r = 0; r < REP; ++r) vq_red[(lane * REP + r) * DDV + g * G + k] = acc[k * REP + r];
     }
   }
   VQ_SYNC();
 """ + templates.PARTIAL_RESULT.replace("@TID", "tid").replace("@DV", "DDV")
 
+# Constant tables up to this many floats are copied into shared memory (polarquant's angle
+# tables, centroids); larger ones are read from `tab`.
+SHARED_TABLE_LIMIT = 2048
 
-def _indent(snippet: str) -> str:
-    return "\n".join("      " + line for line in snippet.splitlines())
+
+def _indent(snippet: str, spaces: int) -> str:
+    return "\n".join(" " * spaces + line.lstrip() for line in snippet.splitlines())
 
 
 @dataclass(frozen=True)
@@ -139,15 +159,32 @@ class Program:
     key_dim: int
     value_dim: int
     tile_bytes: int
+    table_bytes: int  # constant tables copied into shared memory
+
+
+def _accesses(layout, key_codec, value_codec, table_base: str):
+    keys = Access(layout, "keys", key_codec, meta_base=META_FIXED, table_base=table_base)
+    values = Access(layout, "values", value_codec, meta_base=META_FIXED + len(key_codec.format.fields),
+                    table_base=table_base)
+    tile_words = values.stage(keys.stage(0, THREADS), THREADS)
+    key_snippet = keys.snippet()
+    values.table_start = keys.table_size
+    value_snippet = values.snippet()
+    return keys, values, tile_words, key_snippet, value_snippet
 
 
 @functools.lru_cache(maxsize=128)
 def _program(layout, key_codec, value_codec) -> Program:
     rows = layout is not None
     key_fields, value_fields = key_codec.format.fields, value_codec.format.fields
-    keys = Access(layout, "keys", key_codec, meta_base=META_FIXED)
-    values = Access(layout, "values", value_codec, meta_base=META_FIXED + len(key_fields))
-    tile_words = values.stage(keys.stage(0, THREADS), THREADS)
+    keys, values, tile_words, key_snippet, value_snippet = _accesses(layout, key_codec, value_codec, "vq_tab")
+    table_size = keys.table_size + values.table_size
+    if table_size > SHARED_TABLE_LIMIT:
+        keys, values, tile_words, key_snippet, value_snippet = _accesses(layout, key_codec, value_codec, "tab")
+        copy_tables = ""
+    else:
+        copy_tables = (f"  VQ_SHARED float vq_tab[{max(1, table_size)}];\n"
+                       f"  for (int i = tid; i < {table_size}; i += NT) vq_tab[i] = tab[i];")
     if rows:
         tile_words = tile_stride(layout.words) * THREADS
         stage = (f"  constexpr int RWP = {tile_stride(layout.words)};\n"
@@ -155,44 +192,58 @@ def _program(layout, key_codec, value_codec) -> Program:
                  "    for (int i_ = tid; i_ < ntok * RW; i_ += NT) vq_tile[(i_ / RW) * RWP + i_ % RW] = src_[i_]; }")
     else:
         stage = "\n".join(code for code in (keys.tile_copy(), values.tile_copy()) if code)
-    key_snippet = keys.snippet()
-    values.table_start = keys.table_size
-    value_snippet = values.snippet()
     tables = keys.tables + values.tables
     tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
     if rows:
         inputs = ("rows",)
     else:
         inputs = tuple(keys.buffer(f.name) for f in key_fields) + tuple(values.buffer(f.name) for f in value_fields)
-    body = (_BODY.replace("@STAGE", stage).replace("@KEY", _indent(key_snippet))
-            .replace("@VALUE", _indent(value_snippet)).replace("TILE_WORDS", str(max(1, tile_words))))
+    body = (_BODY.replace("@STAGE", stage).replace("@KEY", _indent(key_snippet, 10))
+            .replace("@VALUE", _indent(value_snippet, 12)).replace("@TABLES", copy_tables)
+            .replace("TILE_WORDS", str(max(1, tile_words))))
     name = "partial_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]
     if name not in templates.KERNELS:
         templates.KERNELS[name] = {"body": body, "inputs": ("q",) + inputs + ("tab", "meta"), "outputs": ("o", "ml")}
-    return Program(name, tab, key_codec.format.domain_dim, value_codec.format.domain_dim, 4 * max(1, tile_words))
+    shared_tables = 4 * table_size if copy_tables else 0
+    return Program(name, tab, key_codec.format.domain_dim, value_codec.format.domain_dim,
+                   4 * max(1, tile_words), shared_tables)
 
 
 def program(store, key_codec, value_codec) -> Program:
     return _program(store.layout if isinstance(store, RowStore) else None, key_codec, value_codec)
 
 
+def value_group(value_dim: int, rep: int):
+    """Consecutive value elements per thread: the most of 8, 4, 2, 1 that divides the value
+    dim, leaves at most NT groups and keeps the accumulator (G * REP floats) to 32
+    registers; None when even one element per thread would not."""
+    for g in (8, 4, 2, 1):
+        if value_dim % g == 0 and value_dim // g <= THREADS and g * rep <= 32:
+            return g
+    return None
+
+
 def _shape_constants(key_dim: int, value_dim: int, rep: int) -> dict:
-    dt = min(value_dim, THREADS)
-    return {"DDK": key_dim, "DDV": value_dim, "REP": rep, "NT": THREADS, "DT": dt, "TL": THREADS // dt,
-            "JPT": -(-value_dim // dt)}
+    g = value_group(value_dim, rep)
+    ndg = value_dim // g
+    return {"DDK": key_dim, "DDV": value_dim, "REP": rep, "NT": THREADS, "G": g, "NDG": ndg, "TL": THREADS // ndg}
 
 
-def shared_bytes(key_dim: int, value_dim: int, rep: int) -> int:
+def shared_bytes(key_dim: int, value_dim: int, rep: int, tile_bytes: int = 0, table_bytes: int = 0) -> int:
     c = _shape_constants(key_dim, value_dim, rep)
-    return 4 * (rep * key_dim + THREADS * rep + rep * (THREADS // 32) + c["TL"] * rep * value_dim)
+    r4 = -(-rep // 4)
+    return (16 * r4 * (key_dim + THREADS) + 4 * rep * (THREADS // 32)
+            + max(tile_bytes, 4 * c["TL"] * rep * value_dim) + table_bytes)
 
 
 def fits(store, key_codec, value_codec, rep: int) -> bool:
     """Whether this kernel takes the pair at `rep` query heads per kv head (static shared
     memory, registers of the value accumulator)."""
     k, v = key_codec.format.domain_dim, value_codec.format.domain_dim
-    tile = program(store, key_codec, value_codec).tile_bytes
-    return shared_bytes(k, v, rep) + tile <= SHARED_LIMIT and -(-v // min(v, THREADS)) * rep <= 64
+    if value_group(v, rep) is None:
+        return False
+    prog = program(store, key_codec, value_codec)
+    return shared_bytes(k, v, rep, prog.tile_bytes, prog.table_bytes) <= SHARED_LIMIT
 
 
 def arrays_of(store, key_codec, value_codec):

@@ -110,7 +110,7 @@ class GroupAffineCodec(Codec):
     def kernel_decode(self, a):
         """The dequant kernel's element j (`kernels/dequant.py`): min_g + scale_g * code_j, g = j / G."""
         g = f"j / {self.group_size}"
-        return f"v = {a.half('min', g)} + {a.half('scale', g)} * (float){a.code('codes', 'j')};"
+        return f"v = {a.half('min', g)} + {a.half('scale', g)} * vq_code_float({a.code('codes', 'j')});"
 
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): `affine_quantize` over the
@@ -169,7 +169,7 @@ class ChannelGroupAffineCodec(Codec):
     def kernel_decode(self, a):
         """The dequant kernel's element j: min[c] + scale[c] * code_j, from the row of this
         token's group (`kernels/dequant.py` reads per-block fields by t / G)."""
-        return f"v = {a.half('channel_min', 'j')} + {a.half('channel_scale', 'j')} * (float){a.code('codes', 'j')};"
+        return f"v = {a.half('channel_min', 'j')} + {a.half('channel_scale', 'j')} * vq_code_float({a.code('codes', 'j')});"
 
     def score(self, queries, fields):
         """q . k straight from the codes (`mx.quantized_matmul`, CPU / Metal): within a group g
