@@ -7,8 +7,8 @@ One layer of the Llama-3.1-8B shape (32 query heads, 8 kv heads, d = 128, fp16 q
 each method spec and shape (batch x tokens): microseconds per call of the partial kernel
 (median of `--rounds` rounds; a round calls it once on each of `--layers` distinct caches, so
 the codes come from memory, not L2), the bytes of codes it reads, and that as a share of the
-device's measured copy bandwidth. The kernel's text is part of the record (its name is a hash
-of it), so two checkouts' runs of this script compare kernels. Writes format_partials.json and
+device's measured copy bandwidth. A kernel's name is a hash of its text, so two checkouts' runs
+of this script show whether they timed the same kernel. Writes format_partials.json and
 format_partials.md.
 """
 
@@ -96,9 +96,8 @@ def main(argv=None) -> int:
             plan = launches[0][0]
             row["kernels"].append({"method": spec, "kernel": plan.kernel, "layers": layers, "code_bytes": code_bytes,
                                    "splits": plan.grid[0] // partial.THREADS, "us": t * 1e6,
-                                   "GBps": code_bytes / t / 1e9, "copy_fraction": code_bytes / t / bandwidth,
-                                   "source": partial.templates.KERNELS[plan.kernel]["body"]})
-            print(json.dumps({k: v for k, v in row["kernels"][-1].items() if k != "source"}), flush=True)
+                                   "GBps": code_bytes / t / 1e9, "copy_fraction": code_bytes / t / bandwidth})
+            print(json.dumps(row["kernels"][-1]), flush=True)
             del caches, launches
         records.append(row)
     result = {"device": str(mx.default_device()), "copy_bandwidth_GBps": bandwidth / 1e9, "records": records}
