@@ -566,6 +566,35 @@ def test_format_partial_kernel_matches_the_engines_ops_decode(options):
 
 
 @needs_cxx
+@pytest.mark.parametrize("fold", [True, False], ids=["folded", "decoded"])
+def test_format_partial_kernel_folds_kivi_scales_into_queries_and_weights(fold, monkeypatch):
+    """KIVI's key scale and minimum are shared by a group of tokens and its value scale and minimum by a
+    group of channels: the partial kernel folds them into the queries and the weights (one multiply-add
+    per code) where its shared memory allows, and decodes each element otherwise; both give the ops
+    decode's output."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import partial
+    from veloxquant_mlx.settings import EngineSettings
+
+    if not fold:
+        monkeypatch.setattr(partial, "FOLD_LIMIT", 0)
+        monkeypatch.setattr(partial, "_value_fold", lambda codec, g: False)
+    cache = CompressedKVCache(KVCacheConfig(method="kivi", bits=3, group_size=16, residual_length=16),
+                              settings=EngineSettings.resolve(backend="portable"))
+    keys = mx.random.normal((1, 2, 300, 64), key=mx.random.key(27)) * mx.arange(1, 65) / 16
+    cache.update_and_fetch(keys, mx.sin(3 * keys))
+    cache.flush()
+    queries = mx.random.normal((1, 6, 1, 64), key=mx.random.key(28))
+    h = cache._history()
+    ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
+    h.settings = h.settings.replace(backend="emulator")
+    body = templates.KERNELS[partial.program(h.store, h.key_codec, h.value_codec, 3).kernel]["body"]
+    assert ("vq_qf" in body and "accm[r] += wv[r]" in body) is fold
+    out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+
+
+@needs_cxx
 @pytest.mark.parametrize("options, merged_in_kernel", [
     ({"method": "kivi", "bits": 4, "group_size": 32}, True),  # identity value domain, fp16 residual tokens
     ({"method": "turboquant_rvq", "bits": 2, "sink_tokens": 2, "residual_length": 8, "center": True}, True),
@@ -862,7 +891,6 @@ def test_decode_steps_split_by_the_settings_not_the_environment(monkeypatch):
     """`EngineSettings.split_tokens` (resolved once per cache) sets the tokens per split of both
     compiled decode steps (turboquant_mse's and the formats'); the environment is read only when
     settings are resolved, never on the per-token path."""
-    from veloxquant_mlx import engine
     from veloxquant_mlx.kernels import partial, step
     from veloxquant_mlx.settings import EngineSettings
 

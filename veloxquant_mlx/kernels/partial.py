@@ -10,9 +10,12 @@ the block updates a running softmax (max, sum) as flash-decoding does, and then 
 (lane, j) adds element j of the tile's values, decoded by the value codec's snippet,
 weighted by p. Each split leaves (o, m, l) in the value domain; `engine.merge_partials`
 merges the splits with the fp16 sinks/window partial, leaves the value domain and adds
-the value mean, in the same compiled graph. The kernel text is rendered from the two
-snippets and registered under a name derived from it, so each pair of formats compiles
-once per process and back end.
+the value mean, in the same compiled graph. A codec whose element is offset + scale * code,
+with offset and scale shared by a key block or a group of value channels, may give them
+apart (`kernel_key_fold` / `kernel_value_fold`, KIVI): the kernel then folds the query into
+each key block and the scale into each token's weight. The kernel text is rendered from the
+snippets and registered under a name derived from it, so each pair of formats compiles once
+per process and back end.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ _BODY = r"""
   VQ_SHARED uint32_t vq_tile[BIG];
   auto vq_red = VQ_FPTR(vq_tile);
 @TABLES
+@FOLD_DECL
   for (int i = tid; i < R4 * 4 * DDK; i += NT) {
     const int r = i / DDK;
     VQ_FPTR(vq_q4)[(i % DDK) * (R4 * 4) + r] = (r < REP) ? q[(size_t)bh * REP * DDK + i] : 0.0f;
@@ -65,8 +69,9 @@ _BODY = r"""
   float l_part[REP];
   float alpha[REP];
   float acc[G * REP];
+  float accm[REP];  // a folded value format's offsets, summed once per token for the thread's G elements
   VQ_UNROLL
-  for (int r = 0; r < REP; ++r) { m_run[r] = VQ_NEG_INF; l_part[r] = 0.0f; }
+  for (int r = 0; r < REP; ++r) { m_run[r] = VQ_NEG_INF; l_part[r] = 0.0f; accm[r] = 0.0f; }
   VQ_UNROLL
   for (int i = 0; i < G * REP; ++i) acc[i] = 0.0f;
   const int g = tid % NDG;
@@ -77,12 +82,14 @@ _BODY = r"""
     // The tile's codes, copied with coalesced loads: each thread then decodes its own token.
 @STAGE
     VQ_SYNC();
+@FOLD
     const bool valid = tid < ntok;
     float sc[R4 * 4];
     VQ_UNROLL
     for (int r = 0; r < R4 * 4; ++r) sc[r] = 0.0f;
     if (valid) {
       const int t = tile + tid;
+@QROW_DECL
       // Unrolled whole: each element's bit offset in the token's words is a constant.
       VQ_UNROLL
       for (int j = 0; j < DDK; ++j) {
@@ -92,17 +99,20 @@ _BODY = r"""
         }
         VQ_UNROLL
         for (int r4 = 0; r4 < R4; ++r4) {
-          const vq_f4 qv = vq_q4[j * R4 + r4];
+          const vq_f4 qv = @QROW[j * R4 + r4];
           sc[4 * r4] += qv.x * v;
           if (4 * r4 + 1 < REP) sc[4 * r4 + 1] += qv.y * v;
           if (4 * r4 + 2 < REP) sc[4 * r4 + 2] += qv.z * v;
           if (4 * r4 + 3 < REP) sc[4 * r4 + 3] += qv.w * v;
         }
       }
+@BIAS
     }
 """ + templates.ONLINE_SOFTMAX.replace("@TID", "tid").replace("@STORE", "VQ_FPTR(vq_w4)[tid * (R4 * 4) + r] = p;") + r"""    VQ_SYNC();
     VQ_UNROLL
     for (int i = 0; i < G * REP; ++i) acc[i] *= alpha[i % REP];
+    VQ_UNROLL
+    for (int r = 0; r < REP; ++r) accm[r] *= alpha[r];
     // Thread (lane, g) adds value elements [g * G, g * G + G) of tokens lane, lane + TL, ...
     if (lane < TL) {
       for (int jj = lane; jj < ntok; jj += TL) {
@@ -113,6 +123,7 @@ _BODY = r"""
           const vq_f4 u = vq_w4[jj * R4 + r4];
           wv[4 * r4] = u.x; wv[4 * r4 + 1] = u.y; wv[4 * r4 + 2] = u.z; wv[4 * r4 + 3] = u.w;
         }
+@VFOLD
         VQ_UNROLL
         for (int k = 0; k < G; ++k) {
           const int j = g * G + k;
@@ -137,11 +148,61 @@ _BODY = r"""
     VQ_UNROLL
     for (int k = 0; k < G; ++k) {
       VQ_UNROLL
-      for (int r = 0; r < REP; ++r) vq_red[(lane * REP + r) * DDV + g * G + k] = acc[k * REP + r];
+      for (int r = 0; r < REP; ++r) vq_red[(lane * REP + r) * DDV + g * G + k] = acc[k * REP + r] + accm[r];
     }
   }
   VQ_SYNC();
 """ + templates.PARTIAL_RESULT.replace("@TID", "tid").replace("@DV", "DDV")
+
+# A key format whose element is offset + scale * value(code), with offset and scale shared by a block
+# of tokens (`kernel_key_fold`: KIVI's per-channel keys), is scored with the query folded into each
+# block the tile touches (q_j * scale_j, and sum_j q_j * offset_j once per block and head), so an element
+# costs its code and one multiply-add per head (the KIVI paper's kernel; ggml's `vec_dot` beside
+# `to_float`). @OFFSET / @SCALE are the codec's expressions of (j, t); t is set to the block's first token.
+_FOLD_DECL = """  constexpr int MB = FOLD_BLOCKS;
+  VQ_SHARED vq_f4 vq_qf[MB * DDK * R4];
+  VQ_SHARED vq_f4 vq_bias[MB * R4];"""
+
+_FOLD = r"""    {
+      const int nb = (tile + ntok - 1) / TB - tile / TB + 1;
+      for (int i = tid; i < nb * DDK * R4 * 4; i += NT) {
+        const int r = i % (R4 * 4);
+        const int j = (i / (R4 * 4)) % DDK;
+        const int t = (tile / TB + i / (R4 * 4 * DDK)) * TB;
+        VQ_FPTR(vq_qf)[i] = VQ_FPTR(vq_q4)[j * (R4 * 4) + r] * (@SCALE);
+      }
+      // The biases: one warp per (block, head), its lanes splitting the elements; the same trip
+      // count in every warp.
+      for (int p0 = 0; p0 < nb * R4 * 4; p0 += NW) {
+        const int p = p0 + (tid >> 5);
+        const int t = (tile / TB + p / (R4 * 4)) * TB;
+        float b = 0.0f;
+        if (p < nb * R4 * 4) {
+          for (int j = tid & 31; j < DDK; j += 32) b += VQ_FPTR(vq_q4)[j * (R4 * 4) + p % (R4 * 4)] * (@OFFSET);
+        }
+        b = vq_warp_sum(b);
+        if ((tid & 31) == 0 && p < nb * R4 * 4) VQ_FPTR(vq_bias)[p] = b;
+      }
+    }
+    VQ_SYNC();"""
+
+_FOLD_ROW = "      const int rb = t / TB - tile / TB;"
+_FOLD_BIAS = """      VQ_UNROLL
+      for (int r = 0; r < REP; ++r) sc[r] += VQ_FPTR(vq_bias)[rb * (R4 * 4) + r];"""
+
+# A value format whose element is offset + scale * value(code), with offset and scale shared by groups
+# of channels that the G elements of a thread never straddle (`kernel_value_fold`: KIVI's per-token
+# values), takes the scale into the token's weights and sums the offset once per token.
+_VFOLD = """        {
+          const int j = g * G;
+          const float fs = @SCALE;
+          const float fo = @OFFSET;
+          VQ_UNROLL
+          for (int r = 0; r < REP; ++r) { accm[r] += wv[r] * fo; wv[r] *= fs; }
+        }"""
+
+# Folded query rows take this much shared memory at most (else the element decodes its scale and offset).
+FOLD_LIMIT = 12 * 1024
 
 # Constant tables up to this many floats are copied into shared memory (polarquant's angle
 # tables, centroids); larger ones are read from `tab`.
@@ -160,27 +221,56 @@ class Program:
     value_dim: int
     tile_bytes: int
     table_bytes: int  # constant tables copied into shared memory
+    fold_bytes: int  # the folded queries and biases, per float4 of query heads (0: no fold)
 
 
-def _accesses(layout, key_codec, value_codec, table_base: str):
+def _fold_blocks(layout, key_codec, rep: int) -> int:
+    """Blocks of keys one tile can touch when the query is folded into them (0: no fold)."""
+    tb = key_codec.format.token_block
+    if layout is not None or tb == 1 or not callable(getattr(key_codec, "kernel_key_fold", None)):
+        return 0
+    blocks = (THREADS - 1) // tb + 2
+    return blocks if blocks * key_codec.format.domain_dim * 16 * -(-rep // 4) <= FOLD_LIMIT else 0
+
+
+def _value_fold(value_codec, g: int) -> bool:
+    """Whether the value codec's fold applies with G elements per thread."""
+    fold = getattr(value_codec, "kernel_value_fold", None)
+    return callable(fold) and value_codec.kernel_fold_channels % g == 0
+
+
+def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value_fold: bool):
     keys = Access(layout, "keys", key_codec, meta_base=META_FIXED, table_base=table_base)
     values = Access(layout, "values", value_codec, meta_base=META_FIXED + len(key_codec.format.fields),
                     table_base=table_base)
     tile_words = values.stage(keys.stage(0, THREADS), THREADS)
-    key_snippet = keys.snippet()
+    if fold:
+        scale, offset, value = key_codec.kernel_key_fold(keys)
+        key_snippet = "\n".join(keys.lines + [f"    v = {value};"])
+    else:
+        scale = offset = None
+        key_snippet = keys.snippet()
     values.table_start = keys.table_size
-    value_snippet = values.snippet()
-    return keys, values, tile_words, key_snippet, value_snippet
+    if value_fold:
+        vscale, voffset, value = value_codec.kernel_value_fold(values)
+        value_snippet = "\n".join(values.lines + [f"    v = {value};"])
+        vfold = _VFOLD.replace("@SCALE", vscale).replace("@OFFSET", voffset)
+    else:
+        value_snippet, vfold = values.snippet(), ""
+    return keys, values, tile_words, key_snippet, value_snippet, (scale, offset), vfold
 
 
 @functools.lru_cache(maxsize=128)
-def _program(layout, key_codec, value_codec) -> Program:
+def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool) -> Program:
     rows = layout is not None
+    fold = fold_blocks > 0
     key_fields, value_fields = key_codec.format.fields, value_codec.format.fields
-    keys, values, tile_words, key_snippet, value_snippet = _accesses(layout, key_codec, value_codec, "vq_tab")
+    keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
+        layout, key_codec, value_codec, "vq_tab", fold, value_fold)
     table_size = keys.table_size + values.table_size
     if table_size > SHARED_TABLE_LIMIT:
-        keys, values, tile_words, key_snippet, value_snippet = _accesses(layout, key_codec, value_codec, "tab")
+        keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
+            layout, key_codec, value_codec, "tab", fold, value_fold)
         copy_tables = ""
     else:
         copy_tables = (f"  VQ_SHARED float vq_tab[{max(1, table_size)}];\n"
@@ -198,19 +288,35 @@ def _program(layout, key_codec, value_codec) -> Program:
         inputs = ("rows",)
     else:
         inputs = tuple(keys.buffer(f.name) for f in key_fields) + tuple(values.buffer(f.name) for f in value_fields)
-    body = (_BODY.replace("@STAGE", stage).replace("@KEY", _indent(key_snippet, 10))
+    if fold:
+        scale, offset = folded
+        fold_parts = {"@FOLD_DECL": _FOLD_DECL.replace("FOLD_BLOCKS", str(fold_blocks)),
+                      "@FOLD": _FOLD.replace("TB", str(key_codec.format.token_block)).replace(
+                          "@SCALE", scale).replace("@OFFSET", offset),
+                      "@QROW_DECL": _FOLD_ROW.replace("TB", str(key_codec.format.token_block)),
+                      "@QROW": "(vq_qf + rb * (DDK * R4))", "@BIAS": _FOLD_BIAS}
+    else:
+        fold_parts = {"@FOLD_DECL": "", "@FOLD": "", "@QROW_DECL": "", "@QROW": "vq_q4", "@BIAS": ""}
+    body = _BODY
+    for token in ("@FOLD_DECL", "@FOLD", "@QROW_DECL", "@QROW", "@BIAS"):  # longest first: @FOLD after @FOLD_DECL
+        body = body.replace(token, fold_parts[token])
+    body = (body.replace("@VFOLD", vfold).replace("@STAGE", stage).replace("@KEY", _indent(key_snippet, 10))
             .replace("@VALUE", _indent(value_snippet, 12)).replace("@TABLES", copy_tables)
             .replace("TILE_WORDS", str(max(1, tile_words))))
     name = "partial_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]
     if name not in templates.KERNELS:
         templates.KERNELS[name] = {"body": body, "inputs": ("q",) + inputs + ("tab", "meta"), "outputs": ("o", "ml")}
     shared_tables = 4 * table_size if copy_tables else 0
+    fold_bytes = fold_blocks * (key_codec.format.domain_dim + 1) * 16  # per R4
     return Program(name, tab, key_codec.format.domain_dim, value_codec.format.domain_dim,
-                   4 * max(1, tile_words), shared_tables)
+                   4 * max(1, tile_words), shared_tables, fold_bytes)
 
 
-def program(store, key_codec, value_codec) -> Program:
-    return _program(store.layout if isinstance(store, RowStore) else None, key_codec, value_codec)
+def program(store, key_codec, value_codec, rep: int) -> Program:
+    layout = store.layout if isinstance(store, RowStore) else None
+    g = value_group(value_codec.format.domain_dim, rep)
+    return _program(layout, key_codec, value_codec, _fold_blocks(layout, key_codec, rep),
+                    g is not None and _value_fold(value_codec, g))
 
 
 def value_group(value_dim: int, rep: int):
@@ -229,11 +335,13 @@ def _shape_constants(key_dim: int, value_dim: int, rep: int) -> dict:
     return {"DDK": key_dim, "DDV": value_dim, "REP": rep, "NT": THREADS, "G": g, "NDG": ndg, "TL": THREADS // ndg}
 
 
-def shared_bytes(key_dim: int, value_dim: int, rep: int, tile_bytes: int = 0, table_bytes: int = 0) -> int:
+def shared_bytes(key_dim: int, value_dim: int, rep: int, tile_bytes: int = 0, table_bytes: int = 0,
+                 fold_bytes: int = 0) -> int:
+    """Static shared memory of the kernel; `fold_bytes`: the folded queries' per float4 of heads."""
     c = _shape_constants(key_dim, value_dim, rep)
     r4 = -(-rep // 4)
     return (16 * r4 * (key_dim + THREADS) + 4 * rep * (THREADS // 32)
-            + max(tile_bytes, 4 * c["TL"] * rep * value_dim) + table_bytes)
+            + max(tile_bytes, 4 * c["TL"] * rep * value_dim) + table_bytes + r4 * fold_bytes)
 
 
 def fits(store, key_codec, value_codec, rep: int) -> bool:
@@ -242,8 +350,8 @@ def fits(store, key_codec, value_codec, rep: int) -> bool:
     k, v = key_codec.format.domain_dim, value_codec.format.domain_dim
     if value_group(v, rep) is None:
         return False
-    prog = program(store, key_codec, value_codec)
-    return shared_bytes(k, v, rep, prog.tile_bytes, prog.table_bytes) <= SHARED_LIMIT
+    prog = program(store, key_codec, value_codec, rep)
+    return shared_bytes(k, v, rep, prog.tile_bytes, prog.table_bytes, prog.fold_bytes) <= SHARED_LIMIT
 
 
 def arrays_of(store, key_codec, value_codec):
@@ -281,7 +389,7 @@ class Launch:
 
 def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=None) -> Launch:
     """`count`: tokens held as codes (an int)."""
-    prog = program(store, key_codec, value_codec)
+    prog = program(store, key_codec, value_codec, rep)
     arrays, row_caps, field_caps = arrays_of(store, key_codec, value_codec)
     capacity = store.capacity
     chunk = split_tokens(capacity, kv_rows, chunk)

@@ -112,6 +112,17 @@ class GroupAffineCodec(Codec):
         g = f"j / {self.group_size}"
         return f"v = {a.half('min', g)} + {a.half('scale', g)} * vq_code_float({a.code('codes', 'j')});"
 
+    @property
+    def kernel_fold_channels(self) -> int:
+        return self.group_size
+
+    def kernel_value_fold(self, a):
+        """The same element as (scale, offset, value) with scale and offset shared by groups of
+        `kernel_fold_channels` channels: the formats' partial kernel takes the scale into the token's
+        weight and sums the offset once (`kernels/partial.py`)."""
+        g = f"j / {self.group_size}"
+        return a.half("scale", g), a.half("min", g), f"vq_code_float({a.code('codes', 'j')})"
+
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): `affine_quantize` over the
         thread's group, the min rounded down to fp16 and the codes taken against the fp16 scale."""
@@ -170,6 +181,11 @@ class ChannelGroupAffineCodec(Codec):
         """The dequant kernel's element j: min[c] + scale[c] * code_j, from the row of this
         token's group (`kernels/dequant.py` reads per-block fields by t / G)."""
         return f"v = {a.half('channel_min', 'j')} + {a.half('channel_scale', 'j')} * vq_code_float({a.code('codes', 'j')});"
+
+    def kernel_key_fold(self, a):
+        """The same element as (scale, offset, value) with scale and offset shared by the token's group:
+        the formats' partial kernel folds the query into each group (`kernels/partial.py`)."""
+        return a.half("channel_scale", "j"), a.half("channel_min", "j"), f"vq_code_float({a.code('codes', 'j')})"
 
     def score(self, queries, fields):
         """q . k straight from the codes (`mx.quantized_matmul`, CPU / Metal): within a group g
