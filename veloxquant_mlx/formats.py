@@ -17,6 +17,7 @@ holds the layout, and every consumer reads the layout from here:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -26,6 +27,16 @@ from .packing import packed_words
 Fields = Dict[str, mx.array]
 
 PACKED, FLOAT16 = "packed", "float16"
+
+
+def _cached_hash(self) -> int:
+    """The dataclass's hash of its fields, computed once: formats and row layouts key the kernels'
+    caches, which a decode step looks up for every layer (a nested format hashes about 30 objects)."""
+    h = self.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(self, f.name) for f in dataclass_fields(self)))
+        object.__setattr__(self, "_hash", h)
+    return h
 
 
 @dataclass(frozen=True)
@@ -83,6 +94,8 @@ class Format:
     kernel_params: Tuple[Tuple[str, object], ...] = ()
     orthogonal_domain: bool = True
 
+    __hash__ = _cached_hash
+
     @property
     def bits_per_token(self) -> float:
         return sum(f.bits_per_token for f in self.fields)
@@ -122,6 +135,8 @@ class RowLayout:
     value: Format
     slots: Tuple[Slot, ...] = field(init=False)
     words: int = field(init=False)
+
+    __hash__ = _cached_hash
 
     def __post_init__(self):
         slots, word = [], 0
