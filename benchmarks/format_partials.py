@@ -24,7 +24,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from partial_kernels import DIM, KV_HEADS, Q_HEADS, copy_bandwidth, seconds_per_call  # noqa: E402
+from partial_kernels import DIM, KV_HEADS, Q_HEADS, copy_bandwidth, seconds_per_call, write_tables  # noqa: E402
 
 from veloxquant_mlx.cache import CompressedKVCache  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_spec  # noqa: E402
@@ -100,18 +100,8 @@ def main(argv=None) -> int:
             print(json.dumps(row["kernels"][-1]), flush=True)
             caches = launches = None
         records.append(row)
-    result = {"device": str(mx.default_device()), "copy_bandwidth_GBps": bandwidth / 1e9, "records": records}
-    (out / "format_partials.json").write_text(json.dumps(result, indent=2))
-    lines = [f"Copy bandwidth (read + write of 1 GiB): {bandwidth / 1e9:.0f} GB/s.", "",
-             "| batch x tokens | fp16 SDPA us | method | kernel | splits | us | vs fp16 SDPA | GB/s of codes | of copy bandwidth |",
-             "|---|---:|---|---|---:|---:|---:|---:|---:|"]
-    for row in records:
-        for k in row["kernels"]:
-            lines.append(f"| {row['batch']}x{row['tokens']} | {row['fp16_sdpa_us']:.1f} | `{k['method']}` | {k['kernel']} | "
-                         f"{k['splits']} | {k['us']:.1f} | {row['fp16_sdpa_us'] / k['us']:.2f}x | {k['GBps']:.0f} | "
-                         f"{100 * k['copy_fraction']:.0f}% |")
-    (out / "format_partials.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_tables(out / "format_partials", bandwidth, records, ["method", "kernel", "splits"],
+                 lambda row, k: [f"`{k['method']}`", k["kernel"], k["splits"]])
     return 0
 
 

@@ -542,27 +542,36 @@ PARTIAL_FORMATS = [
 ]
 
 
+def _emulated_partial_and_ops_decode(options: dict, keys: mx.array, queries: mx.array):
+    """(the formats' partial kernel in the emulator, the engine's MLX-ops decode of the same codes, the
+    history) for a cache of `options` holding `keys` (values sin(3 keys)), scale 1/8, chunks of one tile."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import partial
+    from veloxquant_mlx.settings import EngineSettings
+
+    cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
+    cache.update_and_fetch(keys, mx.sin(3 * keys))
+    cache.flush()
+    h = cache._history()
+    ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
+    h.settings = h.settings.replace(backend="emulator")
+    return partial.decode(h, queries, 0.125, chunk=partial.THREADS), ref, h
+
+
+def _close_to(out, ref) -> bool:
+    return float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+
+
 @needs_cxx
 @pytest.mark.parametrize("options", PARTIAL_FORMATS, ids=lambda o: "-".join(f"{v}" for v in o.values() if not isinstance(v, dict)))
 def test_format_partial_kernel_matches_the_engines_ops_decode(options):
     """The partial kernel rendered from each method's decode snippets (kernels/partial.py),
     several splits, a ragged last split, batch 2, GQA 3, sinks/window/centering where set:
     the same output as the engine's MLX-ops decode of the same codes."""
-    from veloxquant_mlx import engine
-    from veloxquant_mlx.kernels import partial
-    from veloxquant_mlx.settings import EngineSettings
-
-    cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
     keys = mx.random.normal((2, 2, 333, 64), key=mx.random.key(7)) + 0.3
-    cache.update_and_fetch(keys, mx.sin(3 * keys))
-    cache.flush()
-    queries = mx.random.normal((2, 6, 1, 64), key=mx.random.key(8))
-    h = cache._history()
-    ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
-    h.settings = h.settings.replace(backend="emulator")
-    out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
+    out, ref, _ = _emulated_partial_and_ops_decode(options, keys, mx.random.normal((2, 6, 1, 64), key=mx.random.key(8)))
     assert out.shape == ref.shape and out.dtype == ref.dtype
-    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+    assert _close_to(out, ref)
 
 
 @needs_cxx
@@ -572,26 +581,18 @@ def test_format_partial_kernel_folds_kivi_scales_into_queries_and_weights(fold, 
     group of channels: the partial kernel folds them into the queries and the weights (one multiply-add
     per code) where its shared memory allows, and decodes each element otherwise; both give the ops
     decode's output."""
-    from veloxquant_mlx import engine
     from veloxquant_mlx.kernels import partial
-    from veloxquant_mlx.settings import EngineSettings
 
     if not fold:
         monkeypatch.setattr(partial, "FOLD_LIMIT", 0)
         monkeypatch.setattr(partial, "_value_fold", lambda codec, g: False)
-    cache = CompressedKVCache(KVCacheConfig(method="kivi", bits=3, group_size=16, residual_length=16),
-                              settings=EngineSettings.resolve(backend="portable"))
     keys = mx.random.normal((1, 2, 300, 64), key=mx.random.key(27)) * mx.arange(1, 65) / 16
-    cache.update_and_fetch(keys, mx.sin(3 * keys))
-    cache.flush()
-    queries = mx.random.normal((1, 6, 1, 64), key=mx.random.key(28))
-    h = cache._history()
-    ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
-    h.settings = h.settings.replace(backend="emulator")
+    out, ref, h = _emulated_partial_and_ops_decode(
+        {"method": "kivi", "bits": 3, "group_size": 16, "residual_length": 16}, keys,
+        mx.random.normal((1, 6, 1, 64), key=mx.random.key(28)))
     body = templates.KERNELS[partial.program(h.store, h.key_codec, h.value_codec, 3).kernel]["body"]
     assert ("vq_qf" in body and "accm[r] += wv[r]" in body) is fold
-    out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
-    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+    assert _close_to(out, ref)
 
 
 @needs_cxx
@@ -604,27 +605,16 @@ def test_format_step_attends_to_fp16_tokens_in_the_merge_kernel(options, merged_
     """The formats' decode step is two launches (partial, merge) when the merge kernel can leave the
     value domain (identity, or a seeded-sign Hadamard rotation): it attends to the fp16 sinks and
     window itself; other domains keep the MLX-ops merge. Same output as the engine's ops decode."""
-    from veloxquant_mlx import engine
-    from veloxquant_mlx.kernels import partial
-    from veloxquant_mlx.settings import EngineSettings
-
     if not merged_in_kernel:  # a domain the kernel cannot leave (a dense rotation, outlier channels...)
         monkeypatch.setattr(ops, "merge_domain", lambda codec, dim: None)
     launched = []
     run_emulator = launch.run_emulator
     monkeypatch.setattr(launch, "run_emulator", lambda plan, inputs: launched.append(
         plan.kernel + ("+tokens" if dict(plan.template).get("HAS_TOKENS") else "")) or run_emulator(plan, inputs))
-    cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
     keys = mx.random.normal((1, 2, 301, 64), key=mx.random.key(17)) + 0.3
-    cache.update_and_fetch(keys, mx.sin(3 * keys))
-    cache.flush()
-    assert cache.window > 0
-    queries = mx.random.normal((1, 6, 1, 64), key=mx.random.key(18))
-    h = cache._history()
-    ref = engine.compiled_decode(h, queries, 0.125, compiled=False)
-    h.settings = h.settings.replace(backend="emulator")
-    out = partial.decode(h, queries, 0.125, chunk=partial.THREADS)
-    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+    out, ref, h = _emulated_partial_and_ops_decode(options, keys, mx.random.normal((1, 6, 1, 64), key=mx.random.key(18)))
+    assert h.window > 0
+    assert _close_to(out, ref)
     assert (launched[1:] == ["merge+tokens"]) is merged_in_kernel and launched[0].startswith("partial_")
 
 
