@@ -82,7 +82,7 @@ def main(argv=None) -> int:
             for i, c in enumerate(caches):
                 h = c._history()
                 launch_ = partial.prepare(h.store, h.key_codec, h.value_codec, batch * KV_HEADS, Q_HEADS // KV_HEADS,
-                                          h.count, h.settings.split_tokens)
+                                          h.count, h.settings.split_tokens, h.settings.backend)
                 q = h.key_codec.to_domain((queries[i].astype(mx.float32) * scale)
                                           .reshape(batch, KV_HEADS, Q_HEADS // KV_HEADS, DIM))
                 mx.eval(q)

@@ -619,27 +619,61 @@ def test_format_step_attends_to_fp16_tokens_in_the_merge_kernel(options, merged_
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("options", [{"method": "polarquant", "bits": 4, "options": {"levels": 0}},
-                                     {"method": "kivi", "bits": 2, "group_size": 32},
-                                     {"method": "qjl", "bits": 3}], ids=["polarquant", "kivi", "qjl"])
-def test_format_partial_kernels_compile_with_nvcc(options, tmp_path):
+@pytest.mark.parametrize("options, dim, rep", [
+    ({"method": "polarquant", "bits": 4, "options": {"levels": 0}}, 128, 4),
+    ({"method": "kivi", "bits": 2, "group_size": 32}, 128, 4),
+    ({"method": "qjl", "bits": 3}, 128, 4),
+    ({"method": "kivi", "bits": 4, "group_size": 64}, 256, 4),  # fits only without its key fold and staged scalars
+], ids=["polarquant", "kivi", "qjl", "kivi-dim256"])
+def test_format_partial_kernels_compile_with_nvcc(options, dim, rep, tmp_path):
     """The formats' partial kernel, rendered from each codec's snippets for the 8B shape (dim 128,
-    GQA 4), compiles for sm_90 without spills: a snippet's CUDA errors show here, not on the GPU."""
+    GQA 4) and Gemma 3's head dim, compiles for sm_90 without spills and within the static shared
+    memory `partial.shared_bytes` counts: a snippet's CUDA errors show here, not on the GPU."""
     from veloxquant_mlx.kernels import partial
     from veloxquant_mlx.settings import EngineSettings
 
     cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
-    keys = mx.random.normal((1, 8, 300, 128), key=mx.random.key(3))
+    keys = mx.random.normal((1, 8, 300, dim), key=mx.random.key(3))
     cache.update_and_fetch(keys, keys)
     cache.flush()
     h = cache._history()
-    prepared = partial.prepare(h.store, h.key_codec, h.value_codec, 8, 4, h.count)
+    assert partial.fits(h.store, h.key_codec, h.value_codec, rep, "cuda")
+    prepared = partial.prepare(h.store, h.key_codec, h.value_codec, 8, rep, h.count, backend="cuda")
     spec = templates.KERNELS[prepared.plan.kernel]
     ins = {"q": "float32", **{name: launch.dtype_name(a.dtype) for name, a in zip(spec["inputs"][1:], prepared.inputs)}}
     src = tmp_path / "partial.cu"
     src.write_text(templates.render_cuda(prepared.plan.kernel, prepared.plan.template, ins,
                                          {"o": "float32", "ml": "float32"}, mlx_header=False))
-    compile_cuda_without_spills(src, tmp_path / "partial.o")
+    report = compile_cuda_without_spills(src, tmp_path / "partial.o")
+    smem = int(re.search(r"(\d+) bytes smem", report).group(1))
+    counted = partial.program(h.store, h.key_codec, h.value_codec, rep, "cuda").shared_bytes(rep)
+    assert smem <= partial.SHARED_LIMIT and abs(smem - counted) <= 16, (smem, counted)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "metal"])
+def test_format_partial_kernel_fits_each_back_ends_shared_memory(backend):
+    """The kernel drops what it keeps in shared memory (the key fold, then the staged fp16 scalars,
+    then the shared tables) until it fits the back end's limit (48 KB of CUDA's static shared memory
+    less a margin, Apple GPUs' 32 KB of threadgroup memory), and says it does not fit otherwise."""
+    from veloxquant_mlx.kernels import partial
+    from veloxquant_mlx.settings import EngineSettings
+
+    limit = partial.SHARED_LIMITS.get(backend, partial.SHARED_LIMIT)
+    cases = [({"method": "kivi", "bits": 4, "group_size": 64}, 128, 4), ({"method": "kivi", "bits": 4, "group_size": 64}, 128, 8),
+             ({"method": "kivi", "bits": 4, "group_size": 64}, 256, 4), ({"method": "kivi", "bits": 2, "group_size": 32}, 64, 8),
+             ({"method": "polarquant", "bits": 4}, 128, 4), ({"method": "turboquant_rvq", "bits": 2}, 256, 8)]
+    fitted = {}
+    for options, dim, rep in cases:
+        cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
+        keys = mx.random.normal((1, 2, 200, dim), key=mx.random.key(5))
+        cache.update_and_fetch(keys, keys)
+        cache.flush()
+        h = cache._history()
+        prog = partial.program(h.store, h.key_codec, h.value_codec, rep, backend)
+        fitted[(options["method"], dim, rep)] = partial.fits(h.store, h.key_codec, h.value_codec, rep, backend)
+        assert fitted[(options["method"], dim, rep)] == (prog.shared_bytes(rep) <= limit)
+    assert fitted[("kivi", 128, 4)] and fitted[("kivi", 128, 8)] and fitted[("polarquant", 128, 4)]
+    assert fitted[("kivi", 256, 4)] is (backend == "cuda")
 
 
 # ---- the formats' encode kernel (kernels/encode.py) ------------------------------------------

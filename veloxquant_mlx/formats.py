@@ -39,6 +39,11 @@ def _cached_hash(self) -> int:
     return h
 
 
+def _state_without_hash(self) -> dict:
+    """Pickled state: the fields only (a string's hash differs between processes)."""
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+
 @dataclass(frozen=True)
 class Field:
     """One stored array of a format. `width` elements per row: codes of `bits` bits
@@ -95,6 +100,7 @@ class Format:
     orthogonal_domain: bool = True
 
     __hash__ = _cached_hash
+    __getstate__ = _state_without_hash
 
     @property
     def bits_per_token(self) -> float:
@@ -137,6 +143,7 @@ class RowLayout:
     words: int = field(init=False)
 
     __hash__ = _cached_hash
+    __getstate__ = _state_without_hash
 
     def __post_init__(self):
         slots, word = [], 0

@@ -239,7 +239,7 @@ def _format_step_supports(h, queries, mask) -> bool:
     held = h.sinks + (h.window if h.window_capacity is None else h.window_capacity)
     return (h.settings.compile_step and _decode_call(queries, mask) and _format_kernel_ok(h)
             and queries.shape[1] % h.kv_heads == 0 and held <= ops.MAX_PLAIN_TOKENS
-            and partial.fits(h.store, h.key_codec, h.value_codec, queries.shape[1] // h.kv_heads))
+            and partial.fits(h.store, h.key_codec, h.value_codec, queries.shape[1] // h.kv_heads, h.settings.backend))
 
 
 @engine.register_path("format_kernel_step", "decode", _format_step_supports, priority=4)

@@ -108,19 +108,20 @@ class Access(ConstantTables):
     def meta_index(self, name: str) -> int:
         return self.meta_base + [f.name for f in self.codec.format.fields].index(name)
 
-    def stage(self, offset: int, tokens: int) -> int:
+    def stage(self, offset: int, tokens: int, scalars: bool = True) -> int:
         """Read this role's fields for tokens [tile, tile + `tokens`) from a shared tile `vq_tile`,
         from word `offset` on; returns the next free word. A field store stages its per-token
-        fields (a token's words at an odd stride, `tile_stride`) and the rows of its per-block
-        fp16 fields that the tile's tokens fall in (every thread of a warp reads the same row)."""
+        packed fields (a token's words at an odd stride, `tile_stride`) and, with `scalars`, its
+        per-token fp16 fields and the rows of its per-block fp16 fields that the tile's tokens
+        fall in (every thread of a warp reads the same row); the others are read from memory."""
         if self.rows:
             self.staged = {f.name: offset for f in self.codec.format.fields}
             return offset  # the rows' tile is laid out by the caller (`tile_copy`)
         for f in self.codec.format.fields:
-            if f.tokens_per_row == 1:
+            if f.tokens_per_row == 1 and (scalars or f.kind == PACKED):
                 self.staged[f.name] = offset
                 offset += tile_stride(f.words) * tokens
-            elif f.kind != PACKED:
+            elif f.kind != PACKED and scalars:
                 self.staged[f.name] = offset
                 offset += -(-(self._block_rows(f, tokens) * f.width) // 2)
         return offset

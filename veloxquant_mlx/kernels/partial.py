@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -36,7 +36,8 @@ from .launch import Plan
 
 THREADS = 128
 META_FIXED = 4  # meta: [tokens, rows' capacity, tokens per split, splits, per-field capacities...]
-SHARED_LIMIT = 44 * 1024
+SHARED_LIMIT = 44 * 1024  # of CUDA's 48 KB of static shared memory per block
+SHARED_LIMITS = {"metal": 32 * 1024}  # Apple GPUs' threadgroup memory
 
 _BODY = r"""
   constexpr int NW = NT / 32;
@@ -223,6 +224,9 @@ class Program:
     table_bytes: int  # constant tables copied into shared memory
     fold_bytes: int  # the folded queries and biases, per float4 of query heads (0: no fold)
 
+    def shared_bytes(self, rep: int) -> int:
+        return shared_bytes(self.key_dim, self.value_dim, rep, self.tile_bytes, self.table_bytes, self.fold_bytes)
+
 
 def _fold_blocks(layout, key_codec, rep: int) -> int:
     """Blocks of keys one tile can touch when the query is folded into them (0: no fold)."""
@@ -239,11 +243,11 @@ def _value_fold(value_codec, g: int) -> bool:
     return callable(fold) and value_codec.kernel_fold_channels % g == 0
 
 
-def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value_fold: bool):
+def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value_fold: bool, scalars: bool):
     keys = Access(layout, "keys", key_codec, meta_base=META_FIXED, table_base=table_base)
     values = Access(layout, "values", value_codec, meta_base=META_FIXED + len(key_codec.format.fields),
                     table_base=table_base)
-    tile_words = values.stage(keys.stage(0, THREADS), THREADS)
+    tile_words = values.stage(keys.stage(0, THREADS, scalars), THREADS, scalars)
     if fold:
         scale, offset, value = key_codec.kernel_key_fold(keys)
         key_snippet = "\n".join(keys.lines + [f"    v = {value};"])
@@ -261,16 +265,19 @@ def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value
 
 
 @functools.lru_cache(maxsize=128)
-def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool) -> Program:
+def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool, scalars: bool = True,
+             shared_tables: bool = True) -> Program:
+    """`scalars`: stage a field store's fp16 scalars in shared memory; `shared_tables`: copy the
+    constant tables there (both where they fit, see `program`)."""
     rows = layout is not None
     fold = fold_blocks > 0
     key_fields, value_fields = key_codec.format.fields, value_codec.format.fields
     keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
-        layout, key_codec, value_codec, "vq_tab", fold, value_fold)
+        layout, key_codec, value_codec, "vq_tab", fold, value_fold, scalars)
     table_size = keys.table_size + values.table_size
-    if table_size > SHARED_TABLE_LIMIT:
+    if table_size > SHARED_TABLE_LIMIT or not shared_tables:
         keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
-            layout, key_codec, value_codec, "tab", fold, value_fold)
+            layout, key_codec, value_codec, "tab", fold, value_fold, scalars)
         copy_tables = ""
     else:
         copy_tables = (f"  VQ_SHARED float vq_tab[{max(1, table_size)}];\n"
@@ -312,19 +319,29 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool)
                    4 * max(1, tile_words), shared_tables, fold_bytes)
 
 
-def program(store, key_codec, value_codec, rep: int) -> Program:
+def program(store, key_codec, value_codec, rep: int, backend: Optional[str] = None) -> Program:
+    """The kernel for these formats at `rep` query heads per kv head: the first of its variants whose
+    shared memory fits `backend`'s limit (with everything in shared memory, then without the key fold,
+    then without the staged fp16 scalars, then without the shared tables), else the last."""
     layout = store.layout if isinstance(store, RowStore) else None
     g = value_group(value_codec.format.domain_dim, rep)
-    return _program(layout, key_codec, value_codec, _fold_blocks(layout, key_codec, rep),
-                    g is not None and _value_fold(value_codec, g))
+    value_fold = g is not None and _value_fold(value_codec, g)
+    fold_blocks = _fold_blocks(layout, key_codec, rep)
+    limit = SHARED_LIMITS.get(backend, SHARED_LIMIT)
+    variants = ((fold_blocks, True, True), (0, True, True), (0, False, True), (0, False, False))
+    for fold, scalars, tables in variants:
+        prog = _program(layout, key_codec, value_codec, fold, value_fold, scalars, tables)
+        if g is None or prog.shared_bytes(rep) <= limit:
+            break
+    return prog
 
 
 def value_group(value_dim: int, rep: int):
     """Consecutive value elements per thread: the most of 8, 4, 2, 1 that divides the value
     dim, leaves at most NT groups and keeps the accumulator (G * REP floats) to 32
-    registers; None when even one element per thread would not."""
+    registers (64 for one element); None when none does."""
     for g in (8, 4, 2, 1):
-        if value_dim % g == 0 and value_dim // g <= THREADS and g * rep <= 32:
+        if value_dim % g == 0 and value_dim // g <= THREADS and (g * rep <= 32 or (g == 1 and rep <= 64)):
             return g
     return None
 
@@ -344,14 +361,12 @@ def shared_bytes(key_dim: int, value_dim: int, rep: int, tile_bytes: int = 0, ta
             + max(tile_bytes, 4 * c["TL"] * rep * value_dim) + table_bytes + r4 * fold_bytes)
 
 
-def fits(store, key_codec, value_codec, rep: int) -> bool:
-    """Whether this kernel takes the pair at `rep` query heads per kv head (static shared
-    memory, registers of the value accumulator)."""
-    k, v = key_codec.format.domain_dim, value_codec.format.domain_dim
-    if value_group(v, rep) is None:
+def fits(store, key_codec, value_codec, rep: int, backend: Optional[str] = None) -> bool:
+    """Whether this kernel takes the pair at `rep` query heads per kv head on `backend` (static
+    shared memory, registers of the value accumulator)."""
+    if value_group(value_codec.format.domain_dim, rep) is None:
         return False
-    prog = program(store, key_codec, value_codec, rep)
-    return shared_bytes(k, v, rep, prog.tile_bytes, prog.table_bytes, prog.fold_bytes) <= SHARED_LIMIT
+    return program(store, key_codec, value_codec, rep, backend).shared_bytes(rep) <= SHARED_LIMITS.get(backend, SHARED_LIMIT)
 
 
 def arrays_of(store, key_codec, value_codec):
@@ -387,9 +402,11 @@ class Launch:
         return plan(*self.plan_key)
 
 
-def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=None) -> Launch:
-    """`count`: tokens held as codes (an int)."""
-    prog = program(store, key_codec, value_codec, rep)
+def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=None,
+            backend: Optional[str] = None) -> Launch:
+    """`count`: tokens held as codes (an int); `backend`: the one that will run it (its shared
+    memory limit picks the kernel's variant, `program`)."""
+    prog = program(store, key_codec, value_codec, rep, backend)
     arrays, row_caps, field_caps = arrays_of(store, key_codec, value_codec)
     capacity = store.capacity
     chunk = split_tokens(capacity, kv_rows, chunk)
@@ -444,9 +461,9 @@ def decode(h, queries: mx.array, scale: float, chunk=None) -> mx.array:
     op by op)."""
     B, n_heads = queries.shape[:2]
     rep = n_heads // h.kv_heads
-    launch_ = prepare(h.store, h.key_codec, h.value_codec, B * h.kv_heads, rep, h.count,
-                      chunk if chunk is not None else h.settings.split_tokens)
     backend = h.settings.backend
+    launch_ = prepare(h.store, h.key_codec, h.value_codec, B * h.kv_heads, rep, h.count,
+                      chunk if chunk is not None else h.settings.split_tokens, backend)
     held = (h.window_capacity is not None and h.window > 0
             and _tokens_in_merge(h.value_codec, launch_.plan_key[4], queries.shape[-1], 0))
     parts, fp16 = h.fp16_inputs(held=held)
