@@ -272,12 +272,15 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool,
     rows = layout is not None
     fold = fold_blocks > 0
     key_fields, value_fields = key_codec.format.fields, value_codec.format.fields
+    table_base = "vq_tab" if shared_tables else "tab"
     keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
-        layout, key_codec, value_codec, "vq_tab", fold, value_fold, scalars)
+        layout, key_codec, value_codec, table_base, fold, value_fold, scalars)
     table_size = keys.table_size + values.table_size
-    if table_size > SHARED_TABLE_LIMIT or not shared_tables:
+    if table_size > SHARED_TABLE_LIMIT and shared_tables:  # known once the snippets are rendered
+        table_base = "tab"
         keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
-            layout, key_codec, value_codec, "tab", fold, value_fold, scalars)
+            layout, key_codec, value_codec, table_base, fold, value_fold, scalars)
+    if table_base == "tab":
         copy_tables = ""
     else:
         copy_tables = (f"  VQ_SHARED float vq_tab[{max(1, table_size)}];\n"
@@ -313,10 +316,10 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool,
     name = "partial_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]
     if name not in templates.KERNELS:
         templates.KERNELS[name] = {"body": body, "inputs": ("q",) + inputs + ("tab", "meta"), "outputs": ("o", "ml")}
-    shared_tables = 4 * table_size if copy_tables else 0
+    table_bytes = 4 * table_size if copy_tables else 0
     fold_bytes = fold_blocks * (key_codec.format.domain_dim + 1) * 16  # per R4
     return Program(name, tab, key_codec.format.domain_dim, value_codec.format.domain_dim,
-                   4 * max(1, tile_words), shared_tables, fold_bytes)
+                   4 * max(1, tile_words), table_bytes, fold_bytes)
 
 
 def program(store, key_codec, value_codec, rep: int, backend: Optional[str] = None) -> Program:

@@ -109,8 +109,8 @@ class GroupAffineCodec(Codec):
 
     def kernel_decode(self, a):
         """The dequant kernel's element j (`kernels/dequant.py`): min_g + scale_g * code_j, g = j / G."""
-        g = f"j / {self.group_size}"
-        return f"v = {a.half('min', g)} + {a.half('scale', g)} * vq_code_float({a.code('codes', 'j')});"
+        scale, low, code = self.kernel_value_fold(a)
+        return f"v = {low} + {scale} * {code};"
 
     @property
     def kernel_fold_channels(self) -> int:
@@ -180,7 +180,8 @@ class ChannelGroupAffineCodec(Codec):
     def kernel_decode(self, a):
         """The dequant kernel's element j: min[c] + scale[c] * code_j, from the row of this
         token's group (`kernels/dequant.py` reads per-block fields by t / G)."""
-        return f"v = {a.half('channel_min', 'j')} + {a.half('channel_scale', 'j')} * vq_code_float({a.code('codes', 'j')});"
+        scale, low, code = self.kernel_key_fold(a)
+        return f"v = {low} + {scale} * {code};"
 
     def kernel_key_fold(self, a):
         """The same element as (scale, offset, value) with scale and offset shared by the token's group:
