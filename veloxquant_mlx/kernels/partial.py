@@ -7,8 +7,10 @@ the codes once. Block (split s, kv row bh) walks its tokens in tiles of NT: thre
 decodes token t's key element by element with the key codec's `kernel_decode` snippet and
 scores it against the REP query heads of its group (queries already in the key domain),
 the block updates a running softmax (max, sum) as flash-decoding does, and then thread
-(lane, j) adds element j of the tile's values, decoded by the value codec's snippet,
-weighted by p. Each split leaves (o, m, l) in the value domain; `engine.merge_partials`
+(lane, g) adds elements [g G, g G + G) of every TL-th token's values, decoded by the value
+codec's snippet, weighted by p (`value_group` picks G). Tiles, queries, weights, constant
+tables and a field store's fp16 scalars sit in shared memory as far as the back end's limit
+allows (`program` picks the variant). Each split leaves (o, m, l) in the value domain; `engine.merge_partials`
 merges the splits with the fp16 sinks/window partial, leaves the value domain and adds
 the value mean, in the same compiled graph. A codec whose element is offset + scale * code,
 with offset and scale shared by a key block or a group of value channels, may give them
