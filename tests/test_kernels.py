@@ -924,7 +924,7 @@ def test_decode_steps_split_by_the_settings_not_the_environment(monkeypatch):
     plan = launch.decode_partial_plan
     monkeypatch.setattr(launch, "decode_partial_plan", lambda *a, **k: planned.append(k["chunk"]) or plan(*a, **k))
     prepare = partial.prepare
-    monkeypatch.setattr(partial, "prepare", lambda *a: planned.append(a[-1]) or prepare(*a))
+    monkeypatch.setattr(partial, "prepare", lambda *a: planned.append(a[6]) or prepare(*a))  # a[6]: chunk
     step._step_fn.cache_clear()
     settings = EngineSettings.resolve(backend="emulator", split_tokens=128)
     queries = mx.random.normal((1, 4, 1, 128), key=mx.random.key(3))
