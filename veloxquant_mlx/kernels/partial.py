@@ -328,7 +328,13 @@ def program(store, key_codec, value_codec, rep: int, backend: Optional[str] = No
     """The kernel for these formats at `rep` query heads per kv head: the first of its variants whose
     shared memory fits `backend`'s limit (with everything in shared memory, then without the key fold,
     then without the staged fp16 scalars, then without the shared tables), else the last."""
-    layout = store.layout if isinstance(store, RowStore) else None
+    return _fitting_program(store.layout if isinstance(store, RowStore) else None, key_codec, value_codec, rep,
+                            backend)
+
+
+@functools.lru_cache(maxsize=256)
+def _fitting_program(layout, key_codec, value_codec, rep: int, backend: Optional[str]) -> Program:
+    """`program`'s choice, made once per layout, codecs, heads and back end (decode steps ask every layer)."""
     g = value_group(value_codec.format.domain_dim, rep)
     value_fold = g is not None and _value_fold(value_codec, g)
     fold_blocks = _fold_blocks(layout, key_codec, rep)
