@@ -80,7 +80,7 @@ def test_sdpa_decode_equals_generic_where_it_applies(method, protected):
 
 @pytest.mark.parametrize("changes", [{}, {"sink_tokens": 3}, {"sink_tokens": 2, "center": True}],
                          ids=["plain", "sinks", "sinks_center"])
-@pytest.mark.parametrize("method", [m for m in ALL if m not in ("qjl", "turboquant_prod", "kivi")])
+@pytest.mark.parametrize("method", [m for m in ALL if m != "kivi"])
 def test_sdpa_prefill_equals_generic(method, changes):
     # The GPU prefill path (decode the history once, MLX's fused attention), run here on the CPU.
     cache = _filled(method, batch=1, decode=0, **changes)
@@ -97,6 +97,7 @@ def test_sdpa_prefill_equals_generic(method, changes):
 @pytest.mark.parametrize("method,changes", [
     ("turboquant_mse", {"residual_length": 16}), ("turboquant_mse", PROTECTED),
     ("kivi", {}), ("kivi", PROTECTED), ("polarquant", {"residual_length": 5, "sink_tokens": 1}),
+    ("qjl", PROTECTED), ("turboquant_prod", {"residual_length": 16, "sink_tokens": 2}),
 ], ids=str)
 @pytest.mark.parametrize("first_chunk", [False, True])
 @pytest.mark.parametrize("rule", ["chunk", "decode"])
@@ -121,9 +122,20 @@ def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, r
     assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
 
 
-def test_sdpa_prefill_refuses_non_orthogonal_domains():
-    qjl = _filled("qjl", batch=1, decode=0)
-    assert not engine.sdpa_prefill_applies(qjl._history(), mx.zeros((1, 2, 8, 64)), "causal")
+@pytest.mark.parametrize("method", ["qjl", "turboquant_prod"])
+def test_sdpa_prefill_takes_sketched_keys_out_of_their_domain(method):
+    # A sketch is not an orthogonal map, so fp16 keys cannot join decoded ones in it: the decoded
+    # keys go back through from_domain (to_domain's adjoint) and score exactly as in the sketch.
+    cache = _filled(method, batch=1, decode=0, sink_tokens=3)
+    assert engine.keys_in_query_space(cache.key_codec)
+    assert not engine.keys_in_query_space(_filled("turboquant_mse", batch=1, decode=0).key_codec)
+    q = mx.random.normal((1, 4, 24, 64), key=mx.random.key(5))
+    h = cache._history()
+    ref = _generic(cache, q, 0.125, "causal")
+    # fp16 queries: keys mapped back and held in fp16, scores summed by the fused attention
+    half = engine.sdpa_prefill(h, q.astype(mx.float16), 0.125, "causal")
+    assert half.dtype == mx.float16
+    assert mx.allclose(half.astype(mx.float32), ref, rtol=2e-2, atol=2e-2).item(), float(mx.abs(half - ref).max())
 
 
 @pytest.mark.parametrize("tensor_cores", [False, True])

@@ -495,14 +495,24 @@ SDPA_MASK_BYTES = 256 << 20  # scores an explicit-mask SDPA call may hold (queri
 
 
 def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
-    """Codes to attend to and domains in which fp16 tokens can join the decoded ones
-    (orthogonal maps). With a band (tokens this chunk encoded that its earlier queries still
-    see in fp16) the call needs an explicit mask: only while the scores it could materialise
-    stay under SDPA_MASK_BYTES."""
-    if not (queries.shape[2] > 1 and h.count > 0 and plain_mask(mask)
-            and h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain):
-        return False
-    return True
+    """Codes to attend to and a value domain in which fp16 values can join the decoded ones (an
+    orthogonal map); any key domain does (`keys_in_query_space`)."""
+    return (queries.shape[2] > 1 and h.count > 0 and plain_mask(mask)
+            and h.value_codec.format.orthogonal_domain)
+
+
+def keys_in_query_space(key_codec) -> bool:
+    """Whether a prefill takes decoded keys out of their domain rather than queries into it:
+    where the domain is not orthogonal (a sketch, smoothing scales), fp16 keys mapped into it
+    would not score as they are. from_domain is to_domain's adjoint (methods/base.py), so
+    q . from_domain(u) = to_domain(q) . u exactly: decoded keys mapped back score as in their
+    domain, and the fp16 ones and the queries take part as they are."""
+    return not key_codec.format.orthogonal_domain
+
+
+@functools.lru_cache(maxsize=32)
+def _out_of_key_domain_fn(key_codec, dtype):
+    return mx.compile(lambda keys: key_codec.from_domain(keys).astype(dtype))
 
 
 def sdpa_prefill_supports(h: History, queries: mx.array, mask) -> bool:
@@ -526,9 +536,13 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     kc, vc = h.key_codec, h.value_codec
     dtype = attention_dtype(queries)
     keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
+    query_space = keys_in_query_space(kc)
+    if query_space:
+        keys = _out_of_key_domain_fn(kc, dtype)(keys)
 
     def into_domains(fk, fv):
-        return fp16_into_domains(kc, vc, fk, fv, h.value_mean, dtype)
+        domain_keys, domain_values = fp16_into_domains(kc, vc, fk, fv, h.value_mean, dtype)
+        return (fk.astype(dtype) if query_space else domain_keys), domain_values
 
     s = h.sinks
     fp16 = h.fp16
@@ -551,7 +565,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     if band and not chunk_rule:
         B, n_heads, L, _ = queries.shape
         group = max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
-        q = _into_key_domain_fn(kc, dtype)(queries)
+        q = queries.astype(dtype) if query_space else _into_key_domain_fn(kc, dtype)(queries)
         outs = []
         for a in range(0, L, group):
             qpos = mx.arange(h.offset - L + a, h.offset - L + min(a + group, L))[:, None]
@@ -569,7 +583,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
         fk, fv = into_domains(*fp16)
         keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
         values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
-    q = _into_key_domain_fn(kc, dtype)(queries)
+    q = queries.astype(dtype) if query_space else _into_key_domain_fn(kc, dtype)(queries)
     return _from_value_domain(h, mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
                               queries)
 
