@@ -25,12 +25,12 @@ from veloxquant_mlx.evaluation.shapes import build_shape_model  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_spec  # noqa: E402
 
 
-def prefilled_caches(model, spec: str, context: int, vocab: int) -> list:
-    """The caches of `spec` for `model` after a prompt of `context` random tokens (2048 at a time)."""
+def prefilled_caches(model, spec: str, context: int, vocab: int, batch: int = 1) -> list:
+    """The caches of `spec` for `model` after `batch` prompts of `context` random tokens (2048 at a time)."""
     caches = parse_method_spec(spec).make_caches(model)
-    tokens = mx.random.randint(0, vocab, (context,), key=mx.random.key(0))
+    tokens = mx.random.randint(0, vocab, (batch, context), key=mx.random.key(0))
     for start in range(0, context, 2048):
-        model(tokens[start:start + 2048][None], cache=caches)
+        model(tokens[:, start:start + 2048], cache=caches)
         mx.eval([c.state for c in caches])
     return caches
 

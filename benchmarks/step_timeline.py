@@ -107,16 +107,16 @@ def profiled_step(fn):
     return events, (end - start) * 1e3, (built - start) * 1e3
 
 
-def timeline(model, spec: str, context: int, steps: int, vocab: int) -> list:
-    caches = prefilled_caches(model, spec, context, vocab)
-    y = mx.array([[1]])
+def timeline(model, spec: str, context: int, steps: int, vocab: int, batch: int = 1) -> list:
+    caches = prefilled_caches(model, spec, context, vocab, batch)
+    y = mx.ones((batch, 1), dtype=mx.int32)
     for _ in range(4):  # warm up: JIT, compiled traces
         mx.eval(model(y, cache=caches))
     records = []
     for _ in range(steps):
         events, wall, build = profiled_step(lambda: model(y, cache=caches))
         records.append(step_record(events, wall, build))
-    return records, pipelined(model, caches, 16)
+    return records, pipelined(model, caches, 16, batch)
 
 
 def prefill_timeline(model, spec: str, context: int, chunk: int, vocab: int) -> dict:
@@ -129,14 +129,14 @@ def prefill_timeline(model, spec: str, context: int, chunk: int, vocab: int) -> 
     return step_record(events, wall, build)
 
 
-def pipelined(model, caches, n: int) -> dict:
+def pipelined(model, caches, n: int, batch: int = 1) -> dict:
     """`n` greedy steps overlapped as mlx-lm's generate_step does (build step i+1 while
     step i runs): ms per token, and how busy the device was over the window."""
 
     def step(y):
-        return mx.argmax(model(y, cache=caches)[:, -1, :], axis=-1)[None]
+        return mx.argmax(model(y, cache=caches)[:, -1, :], axis=-1)[:, None]
 
-    y = step(mx.array([[1]]))
+    y = step(mx.ones((batch, 1), dtype=mx.int32))
     mx.async_eval(y)
     mx.eval(y)
     events = []
@@ -145,7 +145,7 @@ def pipelined(model, caches, n: int) -> dict:
         for _ in range(n):
             nxt = step(y)
             mx.async_eval(nxt)
-            y.item()
+            mx.eval(y)  # the step before: its token is what the host waits for
             y = nxt
         mx.eval(y)
         wall = (time.perf_counter() - start) * 1e3
@@ -174,7 +174,8 @@ def partial_only(context: int, calls: int):
 def markdown(result: dict) -> str:
     what = (f"one {result['prefill_chunk']}-token prefill chunk" if result.get("prefill_chunk")
             else f"decode steps, median over {result['steps']} steps")
-    lines = [f"Whole-model {what} on {result['device']} ({result['shape']}, 4-bit weights, fp16), "
+    batch = f", batch {result['batch']}" if result.get("batch", 1) > 1 else ""
+    lines = [f"Whole-model {what} on {result['device']} ({result['shape']}{batch}, 4-bit weights, fp16), "
              "each built and evaluated alone.", "",
              "| cache | context | wall ms | build ms | kernels | busy ms | idle in span ms "
              "| pipelined ms/token | pipelined busy ms/token |",
@@ -227,6 +228,7 @@ def main():
     parser.add_argument("--weights", default="affine",
                         help="comma list of weight formats, each a model of its own: affine (MLX 4-bit, group 64), "
                              "codebook (ours: quantize_model 4-bit, default settings; head and embeddings affine)")
+    parser.add_argument("--batch", type=int, default=1, help="decode this many prompts of each context at once")
     parser.add_argument("--prefill-chunk", type=int, default=0,
                         help="trace one prefill chunk of this many tokens ending at each context, not decode steps")
     args = parser.parse_args()
@@ -236,7 +238,7 @@ def main():
             partial_only(context, 6)
         return
     result = {"device": str(mx.default_device()), "shape": args.shape, "steps": args.steps,
-              "prefill_chunk": args.prefill_chunk, "runs": []}
+              "prefill_chunk": args.prefill_chunk, "batch": args.batch, "runs": []}
     out = Path(args.out) if args.out else None
     runs = [(weights, context, spec) for weights in args.weights.split(",") for context in contexts
             for spec in [m.text for m in parse_method_list(args.methods)]]
@@ -250,7 +252,7 @@ def main():
             steps, overlapped = [prefill_timeline(model, spec, context, args.prefill_chunk,
                                                   model.args.vocab_size)], {}
         else:
-            steps, overlapped = timeline(model, spec, context, args.steps, model.args.vocab_size)
+            steps, overlapped = timeline(model, spec, context, args.steps, model.args.vocab_size, args.batch)
         result["runs"].append({"spec": spec_label, "context": context, "steps": steps, "pipelined": overlapped})
         print(json.dumps({"spec": spec_label, "context": context, "last": steps[-1], "pipelined": overlapped},
                          indent=1), flush=True)
