@@ -599,28 +599,6 @@ def test_format_partial_kernel_folds_kivi_scales_into_queries_and_weights(fold, 
 
 
 @needs_cxx
-@pytest.mark.parametrize("options, key_factor, weights_scaled", [
-    ({"method": "qjl", "bits": 3}, True, True),  # values are KIVI's groups: their scale folded into the weights
-    ({"method": "turboquant_rvq", "bits": 2}, True, True),
-    ({"method": "turboquant_mse", "bits": 3, "value_bits": 4}, True, True),
-    ({"method": "turboquant_prod", "bits": 3}, False, True),  # two norms in one key: no single factor
-    ({"method": "polarquant", "bits": 3}, False, True),  # keys: a radius per block of elements; values: mse
-], ids=["qjl", "rvq", "mse", "prod", "polar"])
-def test_format_partial_kernel_takes_each_tokens_norm_out_of_the_sums(options, key_factor, weights_scaled):
-    """A format whose element is a per-token factor times its code's value (`kernel_factor`) has its
-    scores multiplied by the factor once after the dot product, and its weights once per token; the same
-    output as the ops decode."""
-    from veloxquant_mlx.kernels import partial
-
-    keys = mx.random.normal((1, 2, 300, 64), key=mx.random.key(29)) * 2
-    out, ref, h = _emulated_partial_and_ops_decode(options, keys, mx.random.normal((1, 6, 1, 64), key=mx.random.key(30)))
-    body = templates.KERNELS[partial.program(h.store, h.key_codec, h.value_codec, 3).kernel]["body"]
-    assert ("sc[r] *= kf_" in body) is key_factor
-    assert ("wv[r] *= fs" in body) is weights_scaled
-    assert _close_to(out, ref)
-
-
-@needs_cxx
 @pytest.mark.parametrize("options, merged_in_kernel", [
     ({"method": "kivi", "bits": 4, "group_size": 32}, True),  # identity value domain, fp16 residual tokens
     ({"method": "turboquant_rvq", "bits": 2, "sink_tokens": 2, "residual_length": 8, "center": True}, True),

@@ -109,7 +109,6 @@ _BODY = r"""
           if (4 * r4 + 3 < REP) sc[4 * r4 + 3] += qv.w * v;
         }
       }
-@KFACTOR
 @BIAS
     }
 """ + templates.ONLINE_SOFTMAX.replace("@TID", "tid").replace("@STORE", "VQ_FPTR(vq_w4)[tid * (R4 * 4) + r] = p;") + r"""    VQ_SYNC();
@@ -197,25 +196,13 @@ _FOLD_BIAS = """      VQ_UNROLL
 # A value format whose element is offset + scale * value(code), with offset and scale shared by groups
 # of channels that the G elements of a thread never straddle (`kernel_value_fold`: KIVI's per-token
 # values), takes the scale into the token's weights and sums the offset once per token.
-# A per-token factor (`kernel_factor`) is such a scale with no offset.
-def _value_fold_code(scale: str, offset: Optional[str]) -> str:
-    declare_offset = "" if offset is None else f"\n          const float fo = {offset};"
-    add_offset = "" if offset is None else "accm[r] += wv[r] * fo; "
-    return f"""        {{
+_VFOLD = """        {
           const int j = g * G;
-          const float fs = {scale};{declare_offset}
+          const float fs = @SCALE;
+          const float fo = @OFFSET;
           VQ_UNROLL
-          for (int r = 0; r < REP; ++r) {{ {add_offset}wv[r] *= fs; }}
-        }}"""
-
-# A format whose element is factor * value(code), with one factor per token (`kernel_factor`: a norm),
-# multiplies a key's scores by it once after the dot product and a value's weights once per token,
-# instead of every element by it.
-_KFACTOR = """      {
-        const float kf_ = @FACTOR;
-        VQ_UNROLL
-        for (int r = 0; r < REP; ++r) sc[r] *= kf_;
-      }"""
+          for (int r = 0; r < REP; ++r) { accm[r] += wv[r] * fo; wv[r] *= fs; }
+        }"""
 
 # Folded query rows take this much shared memory at most (else the element decodes its scale and offset).
 FOLD_LIMIT = 12 * 1024
@@ -252,14 +239,10 @@ def _fold_blocks(layout, key_codec, rep: int) -> int:
     return blocks if blocks * key_codec.format.domain_dim * 16 * -(-rep // 4) <= FOLD_LIMIT else 0
 
 
-def _factored(codec) -> bool:
-    return callable(getattr(codec, "kernel_factor", None))
-
-
 def _value_fold(value_codec, g: int) -> bool:
-    """Whether the value codec's fold applies with G elements per thread (a per-token factor always does)."""
+    """Whether the value codec's fold applies with G elements per thread."""
     fold = getattr(value_codec, "kernel_value_fold", None)
-    return (callable(fold) and value_codec.kernel_fold_channels % g == 0) or _factored(value_codec)
+    return callable(fold) and value_codec.kernel_fold_channels % g == 0
 
 
 def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value_fold: bool, scalars: bool):
@@ -267,28 +250,20 @@ def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value
     values = Access(layout, "values", value_codec, meta_base=META_FIXED + len(key_codec.format.fields),
                     table_base=table_base)
     tile_words = values.stage(keys.stage(0, THREADS, scalars), THREADS, scalars)
-    scale = offset = None
-    kfactor = ""
     if fold:
         scale, offset, value = key_codec.kernel_key_fold(keys)
         key_snippet = "\n".join(keys.lines + [f"    v = {value};"])
-    elif _factored(key_codec):
-        factor, value = key_codec.kernel_factor(keys)
-        key_snippet = "\n".join(keys.lines + [f"    v = {value};"])
-        kfactor = _KFACTOR.replace("@FACTOR", factor)
     else:
+        scale = offset = None
         key_snippet = keys.snippet()
     values.table_start = keys.table_size
     if value_fold:
-        if _factored(value_codec) and not callable(getattr(value_codec, "kernel_value_fold", None)):
-            (vscale, value), voffset = value_codec.kernel_factor(values), None
-        else:
-            vscale, voffset, value = value_codec.kernel_value_fold(values)
+        vscale, voffset, value = value_codec.kernel_value_fold(values)
         value_snippet = "\n".join(values.lines + [f"    v = {value};"])
-        vfold = _value_fold_code(vscale, voffset)
+        vfold = _VFOLD.replace("@SCALE", vscale).replace("@OFFSET", voffset)
     else:
         value_snippet, vfold = values.snippet(), ""
-    return keys, values, tile_words, key_snippet, value_snippet, (scale, offset), vfold, kfactor
+    return keys, values, tile_words, key_snippet, value_snippet, (scale, offset), vfold
 
 
 @functools.lru_cache(maxsize=128)
@@ -300,12 +275,12 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool,
     fold = fold_blocks > 0
     key_fields, value_fields = key_codec.format.fields, value_codec.format.fields
     table_base = "vq_tab" if shared_tables else "tab"
-    keys, values, tile_words, key_snippet, value_snippet, folded, vfold, kfactor = _accesses(
+    keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
         layout, key_codec, value_codec, table_base, fold, value_fold, scalars)
     table_size = keys.table_size + values.table_size
     if table_size > SHARED_TABLE_LIMIT and shared_tables:  # known once the snippets are rendered
         table_base = "tab"
-        keys, values, tile_words, key_snippet, value_snippet, folded, vfold, kfactor = _accesses(
+        keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
             layout, key_codec, value_codec, table_base, fold, value_fold, scalars)
     if table_base == "tab":
         copy_tables = ""
@@ -337,7 +312,7 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool,
     body = _BODY
     for token in ("@FOLD_DECL", "@FOLD", "@QROW_DECL", "@QROW", "@BIAS"):  # longest first: @FOLD after @FOLD_DECL
         body = body.replace(token, fold_parts[token])
-    body = (body.replace("@VFOLD", vfold).replace("@KFACTOR", kfactor).replace("@STAGE", stage).replace("@KEY", _indent(key_snippet, 10))
+    body = (body.replace("@VFOLD", vfold).replace("@STAGE", stage).replace("@KEY", _indent(key_snippet, 10))
             .replace("@VALUE", _indent(value_snippet, 12)).replace("@TABLES", copy_tables)
             .replace("TILE_WORDS", str(max(1, tile_words))))
     name = "partial_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]

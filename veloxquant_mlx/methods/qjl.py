@@ -59,12 +59,7 @@ class QJLCodec(Codec):
 
     def kernel_decode(self, a):
         """The dequant kernel's element j of the sketch domain: +-norm * sqrt(pi/2) / m."""
-        factor, value = self.kernel_factor(a)
-        return f"v = {value} * {factor};"
-
-    def kernel_factor(self, a):
-        """Element j as (the token's norm * sqrt(pi/2) / m, +-1) (`kernels/partial.py`)."""
-        return f"({a.half('norm', '0')} * {self.scale!r}f)", f"({a.code('signs', 'j')} ? 1.0f : -1.0f)"
+        return f"v = ({a.code('signs', 'j')} ? 1.0f : -1.0f) * {a.half('norm', '0')} * {self.scale!r}f;"
 
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): the norm and sign(S x)."""

@@ -111,17 +111,12 @@ class RateCodec(Codec):
     def kernel_decode(self, a):
         """The kernels' element j (`kernels/dequant.py`): norm * c[code_j], from the wider codes for
         j < high and the narrower ones after (indices clamped, so that both loads stay in range)."""
-        factor, value = self.kernel_factor(a)
-        return f"v = {value} * {factor};"
-
-    def kernel_factor(self, a):
-        """Element j as (the token's norm, its centroid) (`kernels/partial.py`)."""
         terms = []
         for name, start, stop, bits in self._parts():
             index = f"(j < {start} ? 0 : VQ_MINI(j - {start}, {stop - start - 1}))"
             terms.append((start, f"{a.table(self.books[bits].centroids)}[{a.code(name, index)}]"))
         value = terms[0][1] if len(terms) == 1 else f"(j < {terms[1][0]} ? {terms[0][1]} : {terms[1][1]})"
-        return a.half("norm", "0"), value
+        return f"v = {value} * {a.half('norm', '0')};"
 
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps, element t coded

@@ -77,13 +77,7 @@ class MSECodec(Codec):
 
     def kernel_decode(self, a):
         """The dequant kernel's element j (`kernels/dequant.py`): norm * c[code_j]."""
-        factor, value = self.kernel_factor(a)
-        return f"v = {value} * {factor};"
-
-    def kernel_factor(self, a):
-        """Element j as (the token's factor, c[code_j]): the formats' partial kernel multiplies a
-        token's scores or weights by the norm once (`kernels/partial.py`)."""
-        return a.half("norm", "0"), f"{a.table(self.centroids)}[{a.code('codes', 'j')}]"
+        return f"v = {a.table(self.centroids)}[{a.code('codes', 'j')}] * {a.half('norm', '0')};"
 
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps."""

@@ -90,14 +90,9 @@ class RVQCodec(Codec):
 
     def kernel_decode(self, a):
         """The dequant kernel's element j (`kernels/dequant.py`): norm * (c1[code1_j] + s * c2[code2_j])."""
-        factor, value = self.kernel_factor(a)
-        return f"v = {factor} * ({value});"
-
-    def kernel_factor(self, a):
-        """Element j as (the token's norm, c1[code1_j] + s * c2[code2_j]) (`kernels/partial.py`)."""
         c1, c2 = a.code("codes1", "j"), a.code("codes2", "j")
         t1, t2 = a.table(self.centroids1), a.table(self.centroids2)
-        return a.half("norm", "0"), f"{t1}[{c1}] + {a.half('rscale', '0')} * {t2}[{c2}]"
+        return f"v = {a.half('norm', '0')} * ({t1}[{c1}] + {a.half('rscale', '0')} * {t2}[{c2}]);"
 
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps, with the
