@@ -406,12 +406,13 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
 
 def fp16_into_domains(key_codec, value_codec, keys: mx.array, values: mx.array, value_mean, dtype):
     """fp16 sinks/window tokens (keys as held, centred) into the codecs' domains, values centred
-    first where the cache centres them (`value_mean`, else None), so they join decoded codes."""
+    first where the cache centres them (`value_mean`, else None), so they join decoded codes.
+    `key_codec` None: the keys stay as held (`keys_in_query_space`)."""
     values = values.astype(mx.float32)
     if value_mean is not None:
         values = values - value_mean
-    return (key_codec.to_domain(keys.astype(mx.float32)).astype(dtype),
-            value_codec.to_domain(values).astype(dtype))
+    keys = keys if key_codec is None else key_codec.to_domain(keys.astype(mx.float32))
+    return keys.astype(dtype), value_codec.to_domain(values).astype(dtype)
 
 
 @functools.lru_cache(maxsize=128)
@@ -539,10 +540,10 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     query_space = keys_in_query_space(kc)
     if query_space:
         keys = _out_of_key_domain_fn(kc, dtype)(keys)
+    q = queries.astype(dtype) if query_space else _into_key_domain_fn(kc, dtype)(queries)
 
     def into_domains(fk, fv):
-        domain_keys, domain_values = fp16_into_domains(kc, vc, fk, fv, h.value_mean, dtype)
-        return (fk.astype(dtype) if query_space else domain_keys), domain_values
+        return fp16_into_domains(None if query_space else kc, vc, fk, fv, h.value_mean, dtype)
 
     s = h.sinks
     fp16 = h.fp16
@@ -565,7 +566,6 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     if band and not chunk_rule:
         B, n_heads, L, _ = queries.shape
         group = max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
-        q = queries.astype(dtype) if query_space else _into_key_domain_fn(kc, dtype)(queries)
         outs = []
         for a in range(0, L, group):
             qpos = mx.arange(h.offset - L + a, h.offset - L + min(a + group, L))[:, None]
@@ -583,7 +583,6 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
         fk, fv = into_domains(*fp16)
         keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
         values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
-    q = queries.astype(dtype) if query_space else _into_key_domain_fn(kc, dtype)(queries)
     return _from_value_domain(h, mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
                               queries)
 
