@@ -661,7 +661,7 @@ def test_format_partial_kernel_fits_each_back_ends_shared_memory(backend):
     from veloxquant_mlx.kernels import partial
     from veloxquant_mlx.settings import EngineSettings
 
-    limit = partial.SHARED_LIMITS.get(backend, partial.SHARED_LIMIT)
+    limit = partial.shared_limit(backend)
     cases = [({"method": "kivi", "bits": 4, "group_size": 64}, 128, 4), ({"method": "kivi", "bits": 4, "group_size": 64}, 128, 8),
              ({"method": "kivi", "bits": 4, "group_size": 64}, 256, 4), ({"method": "kivi", "bits": 2, "group_size": 32}, 64, 8),
              ({"method": "polarquant", "bits": 4}, 128, 4), ({"method": "turboquant_rvq", "bits": 2}, 256, 8)]

@@ -41,6 +41,11 @@ META_FIXED = 4  # meta: [tokens, rows' capacity, tokens per split, splits, per-f
 SHARED_LIMIT = 44 * 1024  # of CUDA's 48 KB of static shared memory per block
 SHARED_LIMITS = {"metal": 32 * 1024}  # Apple GPUs' threadgroup memory
 
+
+def shared_limit(backend: Optional[str]) -> int:
+    """Static shared memory a kernel of `backend` may use."""
+    return SHARED_LIMITS.get(backend, SHARED_LIMIT)
+
 _BODY = r"""
   constexpr int NW = NT / 32;
   constexpr int R4 = (REP + 3) / 4;
@@ -338,7 +343,7 @@ def _fitting_program(layout, key_codec, value_codec, rep: int, backend: Optional
     g = value_group(value_codec.format.domain_dim, rep)
     value_fold = g is not None and _value_fold(value_codec, g)
     fold_blocks = _fold_blocks(layout, key_codec, rep)
-    limit = SHARED_LIMITS.get(backend, SHARED_LIMIT)
+    limit = shared_limit(backend)
     variants = ((fold_blocks, True, True), (0, True, True), (0, False, True), (0, False, False))
     for fold, scalars, tables in variants:
         prog = _program(layout, key_codec, value_codec, fold, value_fold, scalars, tables)
@@ -377,7 +382,7 @@ def fits(store, key_codec, value_codec, rep: int, backend: Optional[str] = None)
     shared memory, registers of the value accumulator)."""
     if value_group(value_codec.format.domain_dim, rep) is None:
         return False
-    return program(store, key_codec, value_codec, rep, backend).shared_bytes(rep) <= SHARED_LIMITS.get(backend, SHARED_LIMIT)
+    return program(store, key_codec, value_codec, rep, backend).shared_bytes(rep) <= shared_limit(backend)
 
 
 def arrays_of(store, key_codec, value_codec):
