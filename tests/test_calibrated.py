@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_engine_paths_agree, random_sequences, tiny_llama
+from conftest import assert_engine_paths_agree, random_sequences, tiny_gemma3, tiny_llama
 
 from veloxquant_mlx.artifacts import ArtifactError, CodecSet
 from veloxquant_mlx.calibration import calibrate, capture
@@ -217,6 +217,43 @@ def test_plan_meets_its_budget(small, tmp_path):
     assert used == record["predicted_bytes"] and used <= memory
     with pytest.raises(ValueError, match="needs at least"):
         plan(small, Tok(), text, memory / 8e9, context, tmp_path, sequences=2, tokens=128, progress=False)
+
+
+def test_sliding_window_layers_are_calibrated_and_planned(tmp_path):
+    """Gemma 3's sliding-window layers (mlx-lm's RotatingKVCache) are captured and get their own
+    codecs: a per-layer artifact covers every layer, so its caches build and run past the window
+    (before, the artifact held the global layers only and building the sliding ones failed). The
+    plan counts a sliding layer's bytes at its window plus a chunk, and meets its budget measured."""
+    from veloxquant_mlx import CompressedRotatingKVCache
+    from veloxquant_mlx.planning import held_tokens, measure, plan
+
+    model = tiny_gemma3(layers=3, sliding_window=32, pattern=3)
+    layers = capture(model, _sequences(2, 48), progress=False)
+    assert [layer["keys"].shape for layer in layers] == [(1, 96, 256)] * 3  # every key of both sequences
+    config = KVCacheConfig(method="ratequant", options={"kbudget": 3.0, "vbudget": 2.0})
+    calibrate(model, config, _sequences(2, 48), tmp_path / "rq", progress=False)
+    tokens = mx.array(np.random.default_rng(3).integers(0, 512, 80))
+    logits, caches = _forward(model, config.replace(artifact_dir=str(tmp_path / "rq")), tokens)
+    assert [type(c).__name__ for c in caches] == ["CompressedRotatingKVCache"] * 2 + ["CompressedKVCache"]
+    logits = model(tokens[None, :4], cache=caches)  # the sliding layers evict down to their window
+    assert all(isinstance(c, CompressedRotatingKVCache) and c.held == 31 + 4 for c in caches[:2])
+    assert bool(mx.all(mx.isfinite(logits)).item())
+
+    class Tok:
+        def encode(self, text):
+            return [ord(c) % 512 for c in text]
+
+    text = "".join(chr(97 + i % 26) for i in range(4000))
+    context = 1024
+    assert held_tokens(model, context, chunk=512) == [544, 544, 1024]  # 31 + 512 held, in steps of its window
+    assert held_tokens(model, 20, chunk=512) == [32, 32, 256]
+    memory = 256 * 2 * 3.2 / 8 * (544 * 2 + 1024)  # ~3 bits per coordinate plus norms
+    record = plan(model, Tok(), text, memory / 1e9, context, tmp_path / "plan", sequences=2, tokens=64,
+                  progress=False)
+    assert record["held_tokens"] == [544, 544, 1024] and record["predicted_bytes"] <= memory
+    used = measure(model, record["config"].replace(artifact_dir=str(tmp_path / "plan")),
+                   mx.array(Tok().encode(text)[:context]))
+    assert used == record["predicted_bytes"]
 
 
 def test_spectralquant_basis_is_orthogonal_and_beats_equal_widths_on_skewed_data(small, tmp_path):

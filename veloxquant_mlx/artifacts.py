@@ -212,16 +212,16 @@ def _fresh_codec_set(config_json: str) -> CodecSet:
 
 
 def layer_shapes(model) -> List[Tuple[int, int, int]]:
-    """(kv_heads, key_dim, value_dim) of each attention layer, read off a one-token forward."""
-    from mlx_lm.models.cache import KVCache
-
+    """(kv_heads, key_dim, value_dim) of each attention layer (sliding-window ones included), read
+    off a one-token forward; None for a layer without attention."""
+    from .calibration import attention_cache
     from .integration import base_caches
 
     caches = base_caches(model)
     model(mx.array([[0]]), cache=caches)
     shapes = []
     for cache in caches:
-        if isinstance(cache, KVCache) and cache.keys is not None:
+        if attention_cache(cache) and cache.keys is not None:
             shapes.append((cache.keys.shape[1], cache.keys.shape[-1], cache.values.shape[-1]))
         else:
             shapes.append(None)

@@ -67,11 +67,19 @@ def calibration_tokens(tokenizer, text: str, sequences: int = CALIBRATION_SEQUEN
     return [mx.array(ids[i * length : (i + 1) * length]) for i in range(count)]
 
 
+def attention_cache(cache) -> bool:
+    """Whether a model's own cache belongs to an attention layer that VeloxQuant compresses
+    (`integration.compressed_caches`: mlx-lm's KVCache, or RotatingKVCache for a sliding window)."""
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    return type(cache) in (KVCache, RotatingKVCache)
+
+
 def capture(model, sequences: Sequence[mx.array], progress: bool = True) -> List[Optional[Dict[str, mx.array]]]:
     """Per layer: float32 "queries" (Hq, N, D), "keys" (H, N, D), "values" (H, N, Dv) over all
     sequences (N = their total length) and each token's "positions" (N,) in its sequence; None
-    for layers whose cache is not a plain KVCache."""
-    from mlx_lm.models.cache import KVCache
+    for layers without attention. A sliding-window layer (mlx-lm's RotatingKVCache) is captured
+    whole: one forward's attention call gets every key of the sequence, as a full layer's does."""
     from tqdm import tqdm
 
     from .integration import base_caches
@@ -80,12 +88,12 @@ def capture(model, sequences: Sequence[mx.array], progress: bool = True) -> List
     kinds: List[bool] = []
     for tokens in tqdm(sequences, desc="capture", unit="seq", disable=not progress):
         caches = base_caches(model)
-        records = {id(c): [] for c in caches if type(c) is KVCache}
+        records = {id(c): [] for c in caches if attention_cache(c)}
         with _recording(records):
             mx.eval(model(tokens[None], cache=caches))
         if not per_layer:
             per_layer = [[] for _ in caches]
-            kinds = [type(c) is KVCache for c in caches]
+            kinds = [attention_cache(c) for c in caches]
         for i, cache in enumerate(caches):
             if kinds[i]:
                 calls = records[id(cache)]

@@ -2,7 +2,9 @@
 
 The budget covers the KV cache of one sequence of `context` tokens (batch 1): every layer's
 packed rows (`storage.RowStore`: key codes | value codes | one word for both fp16 norms),
-the capacity rounded up to the store's growth step. What is left after the norms is spread
+the capacity rounded up to the store's growth step. A sliding-window layer holds at most its
+window and one prefill chunk (`held_tokens`), so a bit there costs less memory than in a full
+layer: the water-filling weighs each layer's widths by the tokens it holds. What is left after the norms is spread
 as code bits per coordinate, the same budget for keys and values unless `--kbudget` fixes the
 keys' share; `ratequant` then places widths per layer by reverse water-filling on curves
 fitted from a probe of the model's own activations (`methods/ratequant.py`).
@@ -24,22 +26,47 @@ from .storage import STEP
 NORM_BITS = 32  # one uint32 word per token and head holds the key and value fp16 norms
 
 
+MEASURE_CHUNK = 512  # `measure` feeds the context in prefill chunks of this many tokens
+
+
 def capacity(context: int) -> int:
     return math.ceil(context / STEP) * STEP
 
 
-def budget_bits(shapes, memory_bytes: float, context: int) -> float:
-    """Mean code bits per coordinate (keys and values) that fit `memory_bytes` at `context` tokens."""
-    heads = sum(s[0] for s in shapes)
-    coords = sum(s[0] * (s[1] + s[2]) for s in shapes)
-    bits = memory_bytes * 8 / capacity(context) - heads * NORM_BITS
-    return bits / coords
+def held_tokens(model, context: int, chunk: int = MEASURE_CHUNK) -> list:
+    """Store capacity of each attention layer after `context` tokens fed in chunks of `chunk`: the
+    context for a full layer; for a sliding-window one (mlx-lm's RotatingKVCache), its max_size - 1
+    earlier tokens plus the last chunk, as it holds them right after a prefill chunk, in the steps
+    its store grows by (`rotating.py`: the window, where it is shorter than a full layer's step)."""
+    from .calibration import attention_cache
+    from .integration import base_caches
+
+    last = context - (context - 1) // chunk * chunk
+    held = []
+    for cache in base_caches(model):
+        if not attention_cache(cache):
+            continue
+        window = getattr(cache, "max_size", None)
+        if window is None:
+            held.append(capacity(context))
+        else:
+            step = min(STEP, window)
+            held.append(math.ceil(min(context, window - 1 + last) / step) * step)
+    return held
 
 
-def row_bytes(shapes, key_widths, value_widths) -> int:
-    """Bytes per token of every layer's rows at these widths (widths on the 32-code grid)."""
-    return sum(4 * h * (round(kw * dk / 32) + round(vw * dv / 32) + 1)
-               for (h, dk, dv), kw, vw in zip(shapes, key_widths, value_widths))
+def budget_bits(shapes, memory_bytes: float, held) -> float:
+    """Mean code bits per held coordinate (keys and values) that fit `memory_bytes`, each layer
+    holding `held` tokens (`held_tokens`)."""
+    norms = sum(s[0] * n for s, n in zip(shapes, held))
+    coords = sum(s[0] * (s[1] + s[2]) * n for s, n in zip(shapes, held))
+    return (memory_bytes * 8 - norms * NORM_BITS) / coords
+
+
+def row_bytes(shapes, key_widths, value_widths) -> list:
+    """Bytes per token of each layer's rows at these widths (widths on the 32-code grid)."""
+    return [4 * h * (round(kw * dk / 32) + round(vw * dv / 32) + 1)
+            for (h, dk, dv), kw, vw in zip(shapes, key_widths, value_widths)]
 
 
 def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, kbudget=None,
@@ -49,14 +76,15 @@ def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, k
 
     fingerprint = model_fingerprint(model)
     shapes = [s for s in fingerprint["layer_shapes"] if s]
-    mean = budget_bits(shapes, memory_gb * 1e9, context)
-    fp16_bytes = sum(2 * h * (dk + dv) for h, dk, dv in shapes) * context
+    held = held_tokens(model, context)
+    mean = budget_bits(shapes, memory_gb * 1e9, held)
+    fp16_bytes = sum(2 * h * (dk + dv) * min(n, context) for (h, dk, dv), n in zip(shapes, held))
     if mean < MIN_BITS:
         raise ValueError(f"{memory_gb} GB holds {mean:.2f} code bits per coordinate at {context} tokens; "
                          f"ratequant needs at least {MIN_BITS} (fp16 would take {fp16_bytes / 1e9:.4f} GB)")
     mean = min(mean, MAX_BITS)
-    coords_k = sum(h * dk for h, dk, _ in shapes)
-    coords_v = sum(h * dv for h, _, dv in shapes)
+    coords_k = sum(h * dk * n for (h, dk, _), n in zip(shapes, held))
+    coords_v = sum(h * dv * n for (h, _, dv), n in zip(shapes, held))
     if kbudget is None:
         kb = vb = mean
     else:
@@ -66,7 +94,7 @@ def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, k
     config = KVCacheConfig(method="ratequant", seed=seed, options={"kbudget": kb, "vbudget": vb, "objective": objective})
     layers = capture(model, calibration_tokens(tokenizer, text, sequences, tokens, skip), progress=progress)
     fits = RateQuant.fit(config, layers, progress=progress)
-    widths = {role: RateQuant.allocation(fits, role, b, objective) for role, b in (("keys", kb), ("values", vb))}
+    widths = {role: RateQuant.allocation(fits, role, b, objective, tokens=held) for role, b in (("keys", kb), ("values", vb))}
     learned = [None if f is None else {r: params_of(f[r], widths[r][i]) for r in ("keys", "values")}
                for i, f in enumerate(fits)]
     kw = [w for w in widths["keys"] if w is not None]
@@ -77,7 +105,8 @@ def plan(model, tokenizer, text: str, memory_gb: float, context: int, out_dir, k
     record = {
         "memory_gb": memory_gb, "context": context, "kbudget": kb, "vbudget": vb,
         "key_widths": kw, "value_widths": vw,
-        "predicted_bytes": row_bytes(shapes, kw, vw) * capacity(context),
+        "predicted_bytes": sum(b * n for b, n in zip(row_bytes(shapes, kw, vw), held)),
+        "held_tokens": held,
         "fp16_bytes": fp16_bytes,
         "expected_key_nsr": expected_nsr(rows["keys"]),
         "expected_value_nsr": expected_nsr(rows["values"]),
@@ -95,8 +124,8 @@ def _uniform_nsr(rows, width: float) -> float:
     return noise / sum(float(r["signal"][0].item()) for r in rows)
 
 
-def measure(model, config, tokens: mx.array, chunk: int = 512) -> int:
-    """Bytes every cache holds after `tokens` went through the model."""
+def measure(model, config, tokens: mx.array, chunk: int = MEASURE_CHUNK) -> int:
+    """Bytes every cache holds after `tokens` went through the model in chunks of `chunk`."""
     from .integration import KVCacheBuilder
 
     caches = KVCacheBuilder(config).for_model(model).build()

@@ -311,14 +311,20 @@ class RateQuant(Method):
         return fits
 
     @classmethod
-    def allocation(cls, fits, role: str, budget: float, objective: str = "absolute") -> List[Optional[float]]:
+    def allocation(cls, fits, role: str, budget: float, objective: str = "absolute",
+                   tokens: Optional[Sequence[int]] = None) -> List[Optional[float]]:
         """Widths per layer; `objective="relative"` divides each layer's curve by its signal
-        (water-filling on distortion / signal, every layer's error counted relative to its size)."""
+        (water-filling on distortion / signal, every layer's error counted relative to its size).
+        `tokens`: the tokens each calibrated layer holds (a sliding-window layer fewer), which
+        weigh what its bits cost; `budget` is then per held coordinate (default: per coordinate)."""
         used = [f[role] for f in fits if f is not None]
         grid = max(f["grid"] for f in used)
         norm = [f["signal"] if objective == "relative" else 1.0 for f in used]
+        held = [1] * len(used) if tokens is None else list(tokens)
+        if len(held) != len(used):
+            raise ValueError(f"{len(held)} token counts for {len(used)} calibrated layers")
         widths = iter(allocate([f["layer"][0] / n for f, n in zip(used, norm)], [f["layer"][1] for f in used],
-                               [f["kv_heads"] * f["dim"] for f in used], budget, grid))
+                               [f["kv_heads"] * f["dim"] * t for f, t in zip(used, held)], budget, grid))
         return [None if f is None else next(widths) for f in fits]
 
     @classmethod
