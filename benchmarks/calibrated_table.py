@@ -17,6 +17,9 @@ def short(spec: str) -> str:
     return spec.split(",artifacts=")[0].split(":artifacts=")[0]
 
 
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("folders", nargs="+")
@@ -29,6 +32,7 @@ def main():
     for folder in args.folders:
         result = json.loads((Path(folder) / "results.json").read_text())
         run = {k: result["args"].get(k) for k in ("ctx", "windows", "chunk", "text")}
+        run["model"] = result.get("model", {}).get("name", "smollm2")
         if settings is None:
             settings = run
         if run != settings:
@@ -52,7 +56,8 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=2))
-    lines = [f"SmolLM2-135M, `{Path(settings['text']).name}`, {settings['windows']} windows of {settings['ctx']} "
+    model = MODEL_NAMES.get(settings["model"], settings["model"])
+    lines = [f"{model}, `{Path(settings['text']).name}`, {settings['windows']} windows of {settings['ctx']} "
              f"tokens (chunks of {settings['chunk']}, second halves scored). Bits per coordinate from the caches' "
              f"bytes; KL and top-1 against fp16; calibration seconds = capture + learn on a shared, loaded CPU.",
              "", "| method | bits/coord | PPL | ΔPPL | KL mean | top-1 | calibration s |", "|---|---|---|---|---|---|---|"]

@@ -363,6 +363,41 @@ def test_format_kernel_paths_equal_generic(method, protected):
     assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()
 
 
+@needs_cxx
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+def test_smoothed_keys_take_the_format_kernels(protected):
+    # smooth_keys: the base's decode snippet in the formats' kernels, queries mapped by to_domain
+    # (s * q, then the rotation), the fp16 sinks / window scored as held: decode step, dequant decode
+    # and prefill equal the generic path, emulated.
+    from veloxquant_mlx.artifacts import CodecSet
+    from veloxquant_mlx.methods.smoothing import SCALE, SmoothedKeyCodec
+
+    config = config_for("turboquant_mse", 3, value_bits=2, **(PROTECTED if protected else {}))
+    base = CodecSet(config)
+    scale = mx.exp(mx.random.normal((2, 64), key=mx.random.key(21)))  # per kv head and channel
+    params = {("keys", 64): {**base.get("keys", 64).params(), SCALE: scale},
+              ("values", 64): base.get("values", 64).params()}
+    smoothed = config.replace(options={**config.options, "smooth_keys": 0.5})
+    cache = CompressedKVCache(smoothed, CodecSet(smoothed, params, source="test"),
+                              settings=EngineSettings.resolve(backend="emulator"))
+    k = mx.random.normal((1, 2, 67, 64), key=mx.random.key(1)) * 2
+    v = mx.random.normal((1, 2, 67, 64), key=mx.random.key(2))
+    cache.update_and_fetch(k[..., :64, :], v[..., :64, :])
+    for i in range(64, 67):
+        cache.update_and_fetch(k[..., i : i + 1, :], v[..., i : i + 1, :])
+    cache.flush()  # the emulator back end defers decode tokens to its fused kernel step
+    assert isinstance(cache.key_codec, SmoothedKeyCodec) and kernels.dequant.supported(cache.key_codec)
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(11))
+    ref = _generic(cache, q, 0.125)
+    assert mx.allclose(kernels.partial.decode(cache._history(), q, 0.125), ref, rtol=1e-4, atol=2e-5).item()
+    assert mx.allclose(kernels.format_kernel_decode(cache._history(), q, 0.125), ref, rtol=1e-4, atol=2e-5).item()
+    k = mx.random.normal((1, 2, 40, 64), key=mx.random.key(12))
+    cache.update_and_fetch(k, mx.cos(k))
+    q = mx.random.normal((1, 4, 40, 64), key=mx.random.key(13))
+    out = kernels.format_kernel_prefill(cache._history(), q, 0.125, "causal")
+    assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()
+
+
 def test_first_use_check_warns_and_stands_aside():
     # Here no Metal device exists, so the Metal kernels fail their first-use check: the warning
     # names the cases and kernels, and a cache on that back end takes the engine's portable paths.

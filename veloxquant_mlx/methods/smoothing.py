@@ -18,8 +18,11 @@ then sees centred keys.
 
 The domain map is A = A_base diag(s): to_domain(q) = A_base (s * q), from_domain(y) =
 s * A_base^T y (the adjoint), so the scores of the codes are exact in the domain, but A is
-not orthogonal: the format says so, and the engine takes its generic paths (no fused prefill
-or decode kernel). Values are never smoothed (they meet attention probabilities, not queries).
+not orthogonal: the format says so. A domain element is the base codec's, so the base's decode
+snippet serves the formats' kernels as it is (`kernel_decode`): they score queries mapped by
+`to_domain` and keep the fp16 sinks / window as held, as for a sketch (`engine.keys_in_query_space`).
+The base's own kernel family ("mse") is not named: its kernels rotate queries and encode keys
+in-kernel, without the scales. Values are never smoothed (they meet attention probabilities, not queries).
 Params: "smooth.scale" (H, D), one row per kv head.
 """
 
@@ -51,6 +54,8 @@ class SmoothedKeyCodec(Codec):
         fmt = base.format
         self.format = Format(f"{fmt.name}+smooth", fmt.dim, fmt.domain_dim, fmt.fields,
                              token_block=fmt.token_block, orthogonal_domain=False)
+        if callable(getattr(base, "kernel_decode", None)):
+            self.kernel_decode = base.kernel_decode  # the element of the base's domain (module docstring)
 
     def _scale(self, x):
         return per_head(self.scale[:, None, :], x)
