@@ -369,17 +369,9 @@ def test_smoothed_keys_take_the_format_kernels(protected):
     # smooth_keys: the base's decode snippet in the formats' kernels, queries mapped by to_domain
     # (s * q, then the rotation), the fp16 sinks / window scored as held: decode step, dequant decode
     # and prefill equal the generic path, emulated.
-    from veloxquant_mlx.artifacts import CodecSet
-    from veloxquant_mlx.methods.smoothing import SCALE, SmoothedKeyCodec
+    from veloxquant_mlx.methods.smoothing import SmoothedKeyCodec
 
-    config = config_for("turboquant_mse", 3, value_bits=2, **(PROTECTED if protected else {}))
-    base = CodecSet(config)
-    scale = mx.exp(mx.random.normal((2, 64), key=mx.random.key(21)))  # per kv head and channel
-    params = {("keys", 64): {**base.get("keys", 64).params(), SCALE: scale},
-              ("values", 64): base.get("values", 64).params()}
-    smoothed = config.replace(options={**config.options, "smooth_keys": 0.5})
-    cache = CompressedKVCache(smoothed, CodecSet(smoothed, params, source="test"),
-                              settings=EngineSettings.resolve(backend="emulator"))
+    cache = _smoothed_cache(EngineSettings.resolve(backend="emulator"), protected)
     k = mx.random.normal((1, 2, 67, 64), key=mx.random.key(1)) * 2
     v = mx.random.normal((1, 2, 67, 64), key=mx.random.key(2))
     cache.update_and_fetch(k[..., :64, :], v[..., :64, :])
@@ -396,6 +388,37 @@ def test_smoothed_keys_take_the_format_kernels(protected):
     q = mx.random.normal((1, 4, 40, 64), key=mx.random.key(13))
     out = kernels.format_kernel_prefill(cache._history(), q, 0.125, "causal")
     assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()
+
+
+def _smoothed_cache(settings, protected=False):
+    """A turboquant_mse K3/V2 cache with smoothed keys (random per-channel scales as the artifact)."""
+    from veloxquant_mlx.artifacts import CodecSet
+    from veloxquant_mlx.methods.smoothing import SCALE
+
+    config = config_for("turboquant_mse", 3, value_bits=2, **(PROTECTED if protected else {}))
+    base = CodecSet(config)
+    scale = mx.exp(mx.random.normal((2, 64), key=mx.random.key(21)))  # per kv head and channel
+    params = {("keys", 64): {**base.get("keys", 64).params(), SCALE: scale},
+              ("values", 64): base.get("values", 64).params()}
+    smoothed = config.replace(options={**config.options, "smooth_keys": 0.5})
+    return CompressedKVCache(smoothed, CodecSet(smoothed, params, source="test"), settings=settings)
+
+
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+def test_smoothed_keys_take_the_native_cpu_kernel(protected):
+    from veloxquant_mlx.kernels import native
+
+    if not native.available():
+        pytest.skip("no C++ extension")
+    cache = _smoothed_cache(EngineSettings.resolve(backend="native"), protected)
+    k = mx.random.normal((1, 2, 90, 64), key=mx.random.key(1)) * 2
+    cache.update_and_fetch(k[..., :80, :], mx.sin(k[..., :80, :]))
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(11))
+    for i in range(80, 90):
+        cache.update_and_fetch(k[..., i : i + 1, :], mx.sin(k[..., i : i + 1, :]))
+        out = cache.attend(q, 0.125)
+        assert cache.last_path == "mse_native"
+        assert mx.allclose(out, _generic(cache, q, 0.125), rtol=1e-4, atol=2e-5).item()
 
 
 def test_first_use_check_warns_and_stands_aside():

@@ -28,6 +28,7 @@ from typing import Optional
 import mlx.core as mx
 
 from .. import engine
+from ..formats import RowLayout
 from ..settings import CPU_BACKENDS, EngineSettings
 from . import check, dequant, encode, launch, native, ops, partial, portable, step, templates
 
@@ -147,8 +148,14 @@ def kernel_step(h, queries, scale, mask=None):
 
 
 def _native_supports(h, queries, mask) -> bool:
-    return (h.settings.backend == "native" and _decode_call(queries, mask) and _mse(h)
-            and kernel_supported(h.key_codec, h.value_codec))
+    if h.settings.backend != "native" or not _decode_call(queries, mask) or not h.count or h.layout is None:
+        return False
+    # The C++ kernel takes queries mapped by the key codec's to_domain, so it also reads mse codes
+    # behind another map (smoothed keys, `ops.codes_codec`): the rows as the codes' own formats lay them out.
+    keys = ops.codes_codec(h.key_codec)
+    layout = RowLayout.of(keys.format, h.value_codec.format)
+    return (layout is not None and layout.slots == h.layout.slots and mse_rows(layout) is not None
+            and kernel_supported(keys, h.value_codec))
 
 
 @engine.register_path("mse_native", "decode", _native_supports, priority=20)

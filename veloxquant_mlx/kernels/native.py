@@ -55,6 +55,7 @@ def mse_partials(queries: mx.array, key_codec, value_codec, layout, rows: mx.arr
     `layout` (a `formats.RowLayout` of the mse family: the word offsets come from it)."""
     B, kv_heads, capacity, width = rows.shape
     q = portable.domain_queries(queries, key_codec, kv_heads, scale)
+    key_codec = ops.codes_codec(key_codec)  # queries in the domain; the codes are its base's
     # About two (kv head, split) work items per core, no split shorter than MIN_TOKENS_PER_SPLIT.
     items = B * kv_heads
     splits = max(1, min(-(-2 * _threads() // items), tokens // MIN_TOKENS_PER_SPLIT))

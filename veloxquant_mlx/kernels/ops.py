@@ -70,6 +70,13 @@ def _dummy(dtype=mx.float32) -> mx.array:
     return _DUMMY[dtype]
 
 
+def codes_codec(codec):
+    """The codec whose codes `codec` stores and whose domain elements it decodes to (a smoothed key
+    codec's base, `methods/smoothing.py`; else `codec` itself): a kernel that takes queries already
+    mapped by `codec.to_domain` reads the codes with this codec's constants."""
+    return getattr(codec, "codes_codec", codec)
+
+
 def constants(codec) -> dict:
     """float32 signs (None unless the kernels rotate themselves), centroids, boundaries."""
     cached = getattr(codec, "_vq_kernel_constants", None)

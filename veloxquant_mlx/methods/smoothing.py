@@ -21,8 +21,9 @@ s * A_base^T y (the adjoint), so the scores of the codes are exact in the domain
 not orthogonal: the format says so. A domain element is the base codec's, so the base's decode
 snippet serves the formats' kernels as it is (`kernel_decode`): they score queries mapped by
 `to_domain` and keep the fp16 sinks / window as held, as for a sketch (`engine.keys_in_query_space`).
-The base's own kernel family ("mse") is not named: its kernels rotate queries and encode keys
-in-kernel, without the scales. Values are never smoothed (they meet attention probabilities, not queries).
+The base's own kernel family ("mse") is not named: its GPU kernels rotate queries and encode keys
+in-kernel, without the scales; the CPU's C++ mse kernel, which takes queries already in the domain,
+reads the base's codes (`codes_codec`). Values are never smoothed (they meet attention probabilities, not queries).
 Params: "smooth.scale" (H, D), one row per kv head.
 """
 
@@ -54,6 +55,7 @@ class SmoothedKeyCodec(Codec):
         fmt = base.format
         self.format = Format(f"{fmt.name}+smooth", fmt.dim, fmt.domain_dim, fmt.fields,
                              token_block=fmt.token_block, orthogonal_domain=False)
+        self.codes_codec = base  # whose codes and domain elements these are (`kernels.ops.codes_codec`)
         if callable(getattr(base, "kernel_decode", None)):
             self.kernel_decode = base.kernel_decode  # the element of the base's domain (module docstring)
 
