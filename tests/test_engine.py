@@ -363,6 +363,20 @@ def test_format_kernel_paths_equal_generic(method, protected):
     assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()
 
 
+def _smoothed_cache(settings, protected=False):
+    """A turboquant_mse K3/V2 cache with smoothed keys (random per-channel scales as the artifact)."""
+    from veloxquant_mlx.artifacts import CodecSet
+    from veloxquant_mlx.methods.smoothing import SCALE
+
+    config = config_for("turboquant_mse", 3, value_bits=2, **(PROTECTED if protected else {}))
+    base = CodecSet(config)
+    scale = mx.exp(mx.random.normal((2, 64), key=mx.random.key(21)))  # per kv head and channel
+    params = {("keys", 64): {**base.get("keys", 64).params(), SCALE: scale},
+              ("values", 64): base.get("values", 64).params()}
+    smoothed = config.replace(options={**config.options, "smooth_keys": 0.5})
+    return CompressedKVCache(smoothed, CodecSet(smoothed, params, source="test"), settings=settings)
+
+
 @needs_cxx
 @pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
 def test_smoothed_keys_take_the_format_kernels(protected):
@@ -388,20 +402,6 @@ def test_smoothed_keys_take_the_format_kernels(protected):
     q = mx.random.normal((1, 4, 40, 64), key=mx.random.key(13))
     out = kernels.format_kernel_prefill(cache._history(), q, 0.125, "causal")
     assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()
-
-
-def _smoothed_cache(settings, protected=False):
-    """A turboquant_mse K3/V2 cache with smoothed keys (random per-channel scales as the artifact)."""
-    from veloxquant_mlx.artifacts import CodecSet
-    from veloxquant_mlx.methods.smoothing import SCALE
-
-    config = config_for("turboquant_mse", 3, value_bits=2, **(PROTECTED if protected else {}))
-    base = CodecSet(config)
-    scale = mx.exp(mx.random.normal((2, 64), key=mx.random.key(21)))  # per kv head and channel
-    params = {("keys", 64): {**base.get("keys", 64).params(), SCALE: scale},
-              ("values", 64): base.get("values", 64).params()}
-    smoothed = config.replace(options={**config.options, "smooth_keys": 0.5})
-    return CompressedKVCache(smoothed, CodecSet(smoothed, params, source="test"), settings=settings)
 
 
 @pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
