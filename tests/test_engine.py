@@ -421,6 +421,23 @@ def test_smoothed_keys_take_the_native_cpu_kernel(protected):
         assert mx.allclose(out, _generic(cache, q, 0.125), rtol=1e-4, atol=2e-5).item()
 
 
+@pytest.mark.parametrize("rule", ["chunk", "decode"])
+def test_smoothed_keys_prefill_with_a_band_equals_generic(rule):
+    # A chunk that pushes tokens out of the window: the fused prefill scores the fp16 band with raw
+    # queries and the codes out of the smoothed domain, as the generic path does.
+    cache = _smoothed_cache(EngineSettings.resolve(prefill_rule=rule), protected=True)
+    k = mx.random.normal((1, 2, 400, 64), key=mx.random.key(7)) * 2
+    v = mx.random.normal((1, 2, 400, 64), key=mx.random.key(8))
+    cache.update_and_fetch(k[..., :300, :], v[..., :300, :])
+    cache.update_and_fetch(k[..., 300:, :], v[..., 300:, :])
+    q = mx.random.normal((1, 4, 100, 64), key=mx.random.key(9))
+    h = cache._history()
+    assert h.band and engine.sdpa_prefill_applies(h, q, "causal")
+    out = engine.sdpa_prefill(h, q, 0.125, "causal")  # first: the call after an update consumes the band
+    ref = _generic(cache, q, 0.125, "causal")
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+
+
 def test_first_use_check_warns_and_stands_aside():
     # Here no Metal device exists, so the Metal kernels fail their first-use check: the warning
     # names the cases and kernels, and a cache on that back end takes the engine's portable paths.
