@@ -3,11 +3,11 @@
 import mlx.core as mx
 import pytest
 
-from conftest import tiny_llama
+from conftest import tiny_gemma3, tiny_llama
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.cli import build_parser, config_from_args
 from veloxquant_mlx.evaluation.specs import MethodSpecError, parse_method_list, parse_method_spec
-from veloxquant_mlx.presets import KV_PRESETS, MIN_CONTEXT, PRESET_BITS, measured_bits, preset_config
+from veloxquant_mlx.presets import KV_PRESETS, MIN_CONTEXT, PRESET_BITS, measured_bits, preset_config, qk_norm_hint
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +78,21 @@ def test_demo_keeps_the_preset_and_protects_without_one(monkeypatch):
             assert seen[-1] == expected
         else:
             assert (seen[-1].bits, seen[-1].residual_length, seen[-1].sink_tokens, seen[-1].center) == (3, 64, 4, True)
+
+
+def test_presets_hint_at_smoothed_keys_on_qk_norm_models(capsys):
+    gemma, llama = tiny_gemma3(), tiny_llama()
+    hint = qk_norm_hint("vq3", KVCacheConfig.preset("vq3"), gemma)
+    assert "smooth_keys=0.5" in hint and "vq3:smooth_keys=0.5,artifacts=auto" in hint
+    assert qk_norm_hint("vq3", KVCacheConfig.preset("vq3"), llama) is None  # no QK-norm
+    assert qk_norm_hint("vq3", KVCacheConfig.preset("vq3", options={"smooth_keys": 0.5}), gemma) is None
+    assert qk_norm_hint(None, KVCacheConfig(method="turboquant_mse", bits=3), gemma) is None  # no preset named
+    # the commands print it on stderr as they resolve the config for the loaded model
+    from veloxquant_mlx.cli import config_for_model
+
+    args = build_parser().parse_args(["generate", "--kv", "vq2"])
+    assert config_for_model(args, config_from_args(args), gemma, None) == KVCacheConfig.preset("vq2")
+    assert "[vq2 on a model that normalises its keys" in capsys.readouterr().err
 
 
 def test_eval_specs_take_presets():

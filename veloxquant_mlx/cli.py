@@ -68,6 +68,18 @@ def config_from_args(args, default_method: str = "turboquant_mse"):
     return KVCacheConfig(**fields)
 
 
+def config_for_model(args, config, model, tokenizer):
+    """`config` resolved for the loaded `model`: a first-use calibration where it asks for one, and a hint on
+    stderr where a `--kv` preset leaves out smoothed keys on a QK-norm model (`presets.qk_norm_hint`)."""
+    from .calibration import ensure_calibrated
+    from .presets import qk_norm_hint
+
+    hint = qk_norm_hint(getattr(args, "kv", None), config, model)
+    if hint:
+        print(hint, file=sys.stderr, flush=True)
+    return ensure_calibrated(config, model, tokenizer)
+
+
 def fp16_bytes(caches) -> int:
     """What mlx-lm's fp16 KVCache would hold for the same tokens (2 bytes per element)."""
     total = 0
@@ -135,7 +147,6 @@ def _cache_flags_given(args) -> bool:
 
 
 def run_generate(args) -> None:
-    from .calibration import ensure_calibrated
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
@@ -148,7 +159,7 @@ def run_generate(args) -> None:
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
-    config = ensure_calibrated(config, model, tokenizer)
+    config = config_for_model(args, config, model, tokenizer)
     prompt = args.prompt.replace("\\n", "\n")
     prompt = sys.stdin.read() if prompt == "-" else prompt
     use_template = not args.ignore_chat_template and tokenizer.chat_template is not None
@@ -189,7 +200,6 @@ def run_generate(args) -> None:
 
 
 def run_chat(args) -> None:
-    from .calibration import ensure_calibrated
     from mlx_lm.sample_utils import make_sampler
     import mlx.core as mx
 
@@ -201,7 +211,7 @@ def run_chat(args) -> None:
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
-    config = ensure_calibrated(config, model, tokenizer)
+    config = config_for_model(args, config, model, tokenizer)
     if args.seed is not None:
         mx.random.seed(args.seed)
     session = ChatSession(model, tokenizer, config, args.system_prompt, template_kwargs, model_name=args.model)
@@ -209,7 +219,6 @@ def run_chat(args) -> None:
 
 
 def run_cache_prompt(args) -> None:
-    from .calibration import ensure_calibrated
     from pathlib import Path
 
     from .models import load_model
@@ -219,7 +228,7 @@ def run_cache_prompt(args) -> None:
     text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
-    config = ensure_calibrated(config, model, tokenizer)
+    config = config_for_model(args, config, model, tokenizer)
 
     def progress(done, total):
         print(f"\rprefilled {done}/{total} tokens", end="", file=sys.stderr, flush=True)

@@ -30,8 +30,7 @@ DEMO_PROTECTIONS = {"sink_tokens": 4, "residual_length": 64, "center": True}
 def run_demo(args) -> None:
     from mlx_lm import stream_generate
 
-    from .calibration import ensure_calibrated
-    from .cli import config_from_args
+    from .cli import config_for_model, config_from_args
     from .evaluation.data import load_text, tokenize_prefix
     from .evaluation.kvlayout import kv_layout
     from .evaluation.perplexity import evaluate_perplexity, make_windows
@@ -52,7 +51,7 @@ def run_demo(args) -> None:
         config = config.replace(options={**config.options, "renorm": True})
     started = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    config = ensure_calibrated(config, model, tokenizer)  # artifact_dir="auto": once per model
+    config = config_for_model(args, config, model, tokenizer)  # artifact_dir="auto": once per model
     layout = kv_layout(model)
     text = load_text(str(text_path))
     windows = make_windows(tokenize_prefix(tokenizer, text, args.ctx), args.ctx, 1)
