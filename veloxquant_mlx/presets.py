@@ -51,17 +51,16 @@ def preset_config(name: str, **changes) -> KVCacheConfig:
 
 
 def qk_norm_hint(name, config: KVCacheConfig, model) -> "str | None":
-    """A line for a user who picked preset `name` for a model whose attention normalises queries and keys
-    (Gemma 3, Qwen3, ...) without smoothed keys: on Gemma 3 `smooth_keys=0.5` halved the presets' KL and took
-    `vq2`'s needle score from 2 to 7 of 10 cells (docs/calibrated.md). The presets do not add it themselves,
-    since it needs a calibration (and so a tokenizer) wherever a cache is built. None where it does not apply."""
+    """A line for a user who picked preset `name` for a model whose attention normalises its keys (Gemma 3,
+    Qwen3, ...) without smoothed keys, which such models need (docs/calibrated.md). The presets do not add them
+    themselves: they need a calibration, and so a tokenizer, wherever a cache is built. None where it does not apply."""
     if name not in KV_PRESETS or "smooth_keys" in config.options:
         return None
     if not any(hasattr(getattr(layer, "self_attn", None), "k_norm") for layer in getattr(model, "layers", ())):
         return None
     return (f"[{name} on a model that normalises its keys (QK-norm): adding `--option smooth_keys=0.5 --artifact-dir "
-            f"auto` (spec `{name}:smooth_keys=0.5,artifacts=auto`; calibrated once per model) halved the presets' KL "
-            f"on Gemma 3 (docs/calibrated.md)]")
+            f"auto` (spec `{name}:smooth_keys=0.5,artifacts=auto`; calibrated once per model) cut the presets' error "
+            f"on such models (Gemma 3: docs/calibrated.md)]")
 
 
 def describe_presets() -> str:
