@@ -189,6 +189,22 @@ def test_benchmark_tiny_shape(tmp_path):
     assert "| per round |" in text  # two rounds each
 
 
+def test_benchmark_shape_calibrates_first_use_specs_on_random_tokens_outside_the_cache(tmp_path, monkeypatch):
+    # A random-weight shape has no tokenizer, and its artifacts must not land in the first-use cache,
+    # which is keyed by the architecture alone: a real model of that shape would load them.
+    monkeypatch.setenv("VELOXQUANT_CACHE_DIR", str(tmp_path / "first-use"))
+    out = tmp_path / "bench"
+    run_cli("benchmark", "--shape", "tiny", "--contexts", "128", "--decode-tokens", "2", "--repeats", "1",
+            "--methods", "fp16,turboquant_mse:3:outliers=4,artifacts=auto", "--min-free-gb", "0",
+            "--no-figures", "--out", out)
+    results = load(out)
+    label = "turboquant_mse:3:outliers=4,artifacts=auto"
+    assert [r["status"] for r in results["records"]] == ["ok", "ok"]
+    assert results["settings"]["calibration"][label]["tokens"] == 4 * 512
+    assert results["settings"]["calibration"][label]["seconds"] > 0
+    assert not (tmp_path / "first-use").exists()
+
+
 def test_benchmark_report_gives_the_spread_of_the_rounds_ratios():
     def record(label, decode_s, kind="veloxquant"):
         return {"label": label, "kind": kind, "context": 4096, "status": "ok", "decode_tokens_per_s": 1.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -147,6 +148,33 @@ def _benchmark_model(args):
     return model, f"`{args.model}`", dtype_name, weights, tokenizer
 
 
+def _calibrated_on_random_tokens(specs, model, vocab_size: int, seed: int, directory: str):
+    """For a random-weight `--shape` model: each spec that calibrates on first use (`artifacts=auto`)
+    calibrated now on random token sequences, into `directory`. No text means more than another to
+    random weights, and the first-use cache is keyed by the architecture alone, where a real model of
+    the same shape would find these artifacts. Returns the specs and each one's calibration record."""
+    from dataclasses import replace
+
+    import mlx.core as mx
+
+    from ..calibration import AUTO, CALIBRATION_SEQUENCES, CALIBRATION_TOKENS, calibrate
+
+    tokens = mx.random.randint(0, vocab_size, (CALIBRATION_SEQUENCES, CALIBRATION_TOKENS),
+                               key=mx.random.key(seed)).astype(mx.uint32)
+    resolved, records = [], {}
+    for index, spec in enumerate(specs):
+        if spec.config is None or spec.config.artifact_dir != AUTO:
+            resolved.append(spec)
+            continue
+        out = Path(directory) / f"spec-{index}"
+        print(f"[calibrating {spec.label} on random tokens: the weights are random]", file=sys.stderr, flush=True)
+        record = calibrate(model, spec.config.replace(artifact_dir=None), list(tokens), out,
+                           source="random tokens", progress=False)
+        records[spec.label] = {"seconds": record["seconds"], "tokens": record["tokens"]}
+        resolved.append(replace(spec, config=spec.config.replace(artifact_dir=str(out))))
+    return resolved, records
+
+
 def _first_use_check() -> float:
     """Run the kernels' first-use check (`kernels/check.py`) before anything is timed, so that
     its compile and run are not charged to the first configuration; its seconds are recorded."""
@@ -181,9 +209,13 @@ def run_benchmark_command(args) -> None:
         if not compiled_blocks:
             warnings.warn(f"--compile-blocks: no block of this model is of {', '.join(sorted(HALVES))}; "
                           "every block runs its own call", stacklevel=2)
+    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or 1000
+    scratch = tempfile.TemporaryDirectory(prefix="veloxquant-benchmark-")
+    calibrations = {}
+    if args.shape:
+        specs, calibrations = _calibrated_on_random_tokens(specs, model, vocab_size, args.seed, scratch.name)
     specs = calibrated_for(specs, model, tokenizer)
     layout = kv_layout(model)
-    vocab_size = getattr(getattr(model, "args", None), "vocab_size", None) or 1000
     results = new_results("benchmark", args, model_record(model, args.shape or str(args.model), layout))
     results["settings"] = {
         "model_source": source, "dtype": dtype_name, "weights": weights, "contexts": contexts,
@@ -191,6 +223,8 @@ def run_benchmark_command(args) -> None:
         "prefill_chunk": args.chunk, "batch": args.batch, "compiled_blocks": compiled_blocks,
         "max_seconds_per_config": args.max_seconds, "min_free_gb": args.min_free_gb,
     }
+    if calibrations:
+        results["settings"]["calibration"] = calibrations
     results["settings"]["kernel_check_s"] = _first_use_check()
     start = time.perf_counter()
     results["records"] = run_benchmark(
@@ -199,6 +233,7 @@ def run_benchmark_command(args) -> None:
         guard=MemoryGuard(args.min_free_gb), progress=not args.no_progress,
         on_update=_saver(args.out, results), seed=args.seed, batch=args.batch,
     )
+    scratch.cleanup()
     results["duration_s"] = round(time.perf_counter() - start, 2)
     return _finish(args.out, results, not args.no_figures)
 
