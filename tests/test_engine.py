@@ -404,6 +404,38 @@ def test_smoothed_keys_take_the_format_kernels(protected):
     assert mx.allclose(out, _generic(cache, q, 0.125, "causal"), rtol=1e-4, atol=2e-5).item()
 
 
+@needs_cxx
+@pytest.mark.parametrize("dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
+def test_smoothed_keys_take_the_fused_mse_step(protected, dtype):
+    # The base's fused decode step with queries as q * s and keys as k / s: each step equals the
+    # generic path, stores the rows the codec's own encode gives, and (fp16, the kernel sliding the
+    # window ring) leaves the window exactly as held.
+    ref = _smoothed_cache(EngineSettings.resolve(backend="portable"), protected)
+    fused = _smoothed_cache(EngineSettings.resolve(backend="emulator"), protected)
+    k = (mx.random.normal((1, 2, 120, 64), key=mx.random.key(1)) * 2).astype(dtype)
+    v = mx.random.normal((1, 2, 120, 64), key=mx.random.key(2)).astype(dtype)
+    for cache in (ref, fused):
+        cache.update_and_fetch(k[..., :80, :], v[..., :80, :])
+    for t in range(80, 120):
+        q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(t)).astype(dtype)
+        for cache in (ref, fused):
+            cache.update_and_fetch(k[..., t:t + 1, :], v[..., t:t + 1, :])
+        assert (fused.incoming is not None) == protected  # the window is held in fp16 (`window_dtype`)
+        expected = _generic(ref, q, 0.125)
+        out = fused.attend(q, 0.125)
+        assert fused.last_path == "mse_fused_step"
+        error = float(mx.linalg.norm((out - expected).astype(mx.float32)) / mx.linalg.norm(expected.astype(mx.float32)))
+        # Scaled, the kernels' operands are longer (|q * s| |k / s| >= |q| |k|), so their half-precision
+        # rounding weighs more than for the base codec's (6e-4 here with s = 1); a wrong map errs by O(1).
+        assert error < 5e-3, error
+        assert fused.encoded == ref.encoded
+        assert mx.array_equal(fused.store.rows[..., :fused.encoded, :], ref.store.rows[..., :ref.encoded, :]).item()
+    if protected:
+        assert mx.array_equal(fused.window_keys, ref.window_keys).item()
+        assert mx.array_equal(fused.window_values, ref.window_values).item()
+
+
 @pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
 def test_smoothed_keys_take_the_native_cpu_kernel(protected):
     from veloxquant_mlx.kernels import native

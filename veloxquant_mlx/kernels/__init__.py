@@ -95,15 +95,27 @@ def _mse(h) -> bool:
     return h.count > 0 and mse_rows(h.layout) is not None
 
 
-def _kernels_take(h, queries) -> bool:
-    """One query per head, mse rows, a kernel back end, and a decode kernel for this shape
-    (warned once per shape where there is none)."""
+def _mse_codes(h) -> bool:
+    """mse rows, as the codecs' formats lay them out or as those of the codes behind a map (smoothed
+    keys, `ops.codes_codec`), which the C++ kernel and the decode steps (`step.py`) apply themselves."""
+    keys = ops.codes_codec(h.key_codec)
+    if keys is h.key_codec:
+        return _mse(h)
+    layout = RowLayout.of(keys.format, h.value_codec.format)
+    return (h.count > 0 and h.layout is not None and layout is not None and layout.slots == h.layout.slots
+            and mse_rows(layout) is not None)
+
+
+def _kernels_take(h, queries, mse=_mse) -> bool:
+    """One query per head, mse rows (`mse`: which ones), a kernel back end, and a decode kernel for
+    this shape (warned once per shape where there is none)."""
     name = h.settings.backend
-    if name not in KERNEL_BACKENDS or not _mse(h) or not check.usable(name):
+    if name not in KERNEL_BACKENDS or not mse(h) or not check.usable(name):
         return False
     rep = queries.shape[1] // h.kv_heads
-    if not _decode_kernel_ok(h.key_codec, h.value_codec, rep):
-        _warn_no_kernel(name, h.key_codec, h.value_codec, rep)
+    keys = ops.codes_codec(h.key_codec)
+    if not _decode_kernel_ok(keys, h.value_codec, rep):
+        _warn_no_kernel(name, keys, h.value_codec, rep)
         return False
     return True
 
@@ -115,18 +127,19 @@ def _decode_call(queries, mask) -> bool:
 # ---- decode_store: the pending token encoded, attended and stored by the kernels --------------
 
 def _fused_supports(h, queries, mask) -> bool:
-    if not (h.settings.compile_step and h.settings.backend in KERNEL_BACKENDS and _mse(h)):
+    if not (h.settings.compile_step and h.settings.backend in KERNEL_BACKENDS and _mse_codes(h)):
         return False
-    if h.key_codec.dim != h.value_codec.dim:
+    keys = ops.codes_codec(h.key_codec)
+    if keys.dim != h.value_codec.dim:
         return False
-    if ops.constants(h.key_codec)["signs"] is None or ops.constants(h.value_codec)["signs"] is None:
+    if ops.constants(keys)["signs"] is None or ops.constants(h.value_codec)["signs"] is None:
         return False  # the merge encodes the new token: both rotations in-kernel (power-of-two dim)
     parts, fp16 = h.fp16_inputs()
     if parts < 0 or sum(a.shape[2] for a in fp16[::2]) > ops.MAX_PLAIN_TOKENS:
         return False  # merge_encode takes the sinks / window as held, up to MAX_PLAIN_TOKENS
     if queries is None:  # asked whether a decode token may wait (engine.defers)
         return check.usable(h.settings.backend)
-    return _decode_call(queries, mask) and _kernels_take(h, queries)
+    return _decode_call(queries, mask) and _kernels_take(h, queries, _mse_codes)
 
 
 @engine.register_path("mse_fused_step", "decode_store", _fused_supports, priority=30)
@@ -138,7 +151,7 @@ def fused_step(h, queries, scale, mask=None):
 # ---- decode ----------------------------------------------------------------------------------
 
 def _step_supports(h, queries, mask) -> bool:
-    return h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries)
+    return h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries, _mse_codes)
 
 
 @engine.register_path("mse_kernel_step", "decode", _step_supports, priority=20)
@@ -148,14 +161,9 @@ def kernel_step(h, queries, scale, mask=None):
 
 
 def _native_supports(h, queries, mask) -> bool:
-    if h.settings.backend != "native" or not _decode_call(queries, mask) or not h.count or h.layout is None:
-        return False
-    # The C++ kernel takes queries mapped by the key codec's to_domain, so it also reads mse codes
-    # behind another map (smoothed keys, `ops.codes_codec`): the rows as the codes' own formats lay them out.
-    keys = ops.codes_codec(h.key_codec)
-    layout = RowLayout.of(keys.format, h.value_codec.format)
-    return (layout is not None and layout.slots == h.layout.slots and mse_rows(layout) is not None
-            and kernel_supported(keys, h.value_codec))
+    # The C++ kernel takes queries mapped by the key codec's to_domain.
+    return (h.settings.backend == "native" and _decode_call(queries, mask) and _mse_codes(h)
+            and kernel_supported(ops.codes_codec(h.key_codec), h.value_codec))
 
 
 @engine.register_path("mse_native", "decode", _native_supports, priority=20)

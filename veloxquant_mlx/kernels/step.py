@@ -24,6 +24,9 @@ shape and constant in it is fixed between steps:
   and updates it in place at a constant one.
 
 One compiled function per layout (codecs, shapes, capacity) serves every layer.
+Smoothed keys (`methods/smoothing.py`) take the same function as their base codec,
+with the layer's scales as one more input: queries enter as q * s, and the new key,
+the key mean and the fp16 sinks / window keys as k / s.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import functools
 import mlx.core as mx
 
 from ..engine import attention_dtype, fp16_tokens, plain_partial, small_array
+from ..methods.smoothing import restore_keys, scale_queries, unscale_keys
 from . import launch, ops
 
 
@@ -45,9 +49,10 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 @functools.lru_cache(maxsize=64)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
              scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False,
-             chunk=None):
+             chunk=None, smoothed: bool = False):
     """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
-    encodes, attends to and stores the new one (`fused`). `chunk`: tokens per split (None: planned)."""
+    encodes, attends to and stores the new one (`fused`). `chunk`: tokens per split (None: planned).
+    `smoothed`: the function's first input is the smoothing scales (H, D), and `key_codec` the base's."""
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
     rotate_query = ops.constants(key_codec)["signs"] is not None
@@ -72,14 +77,32 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
                                 slide=slide)
 
     step = attend if kind == "attend" else fused
+    if smoothed:
+        unsmoothed = step
+
+        def step(key_scale, queries, rows, meta, key_mean, value_mean, fp16, keys=None, values=None, slide=None):
+            keys_in = (unscale_keys(keys, key_scale), values) if keys is not None else ()
+            held = [a.dtype for a in fp16]
+            fp16 = [unscale_keys(a, key_scale) if i % 2 == 0 else a for i, a in enumerate(fp16)]
+            mean = unscale_keys(key_mean, key_scale) if centered else key_mean
+            out = unsmoothed(scale_queries(queries, key_scale).astype(queries.dtype), rows, meta, mean, value_mean,
+                             fp16, *keys_in, *(() if slide is None else (slide,)))
+            if slide is None:
+                return out
+            # The slid window comes back as the kernel held it, keys as k / s. Restored, it equals the
+            # window exactly: the cache holds it in half precision (`window_dtype`), and float32's
+            # round trip errs far below half of its ulp.
+            out, row, window_keys, window_values = out
+            return out, row, restore_keys(window_keys, key_scale).astype(held[-2]), window_values.astype(held[-1])
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.
     return plan, (step if runner_name == "emulator" else mx.compile(step))
 
 
 def uses_tensor_cores(runner_name: str, h, queries) -> bool:
     """Whether a decode call on `runner_name`'s kernels runs `mse_partial_mma` (fp16 operands)."""
-    return launch.use_mma(runner_name, h.settings.tensor_cores, h.key_codec.dim,
-                          queries.shape[1] // h.kv_heads, h.key_codec.bits, h.value_codec.bits)
+    key_codec = ops.codes_codec(h.key_codec)
+    return launch.use_mma(runner_name, h.settings.tensor_cores, key_codec.dim,
+                          queries.shape[1] // h.kv_heads, key_codec.bits, h.value_codec.bits)
 
 
 def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *extra, slide: bool = False):
@@ -87,16 +110,20 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     q_dtype = attention_dtype(queries)
     centered = h.key_mean is not None
     parts, fp16 = h.fp16_inputs()
-    plan, fn = _step_fn(kind, runner_name, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
+    key_codec = ops.codes_codec(h.key_codec)
+    smoothed = key_codec is not h.key_codec
+    plan, fn = _step_fn(kind, runner_name, key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
-                        centered, parts, uses_tensor_cores(runner_name, h, queries), h.settings.split_tokens)
+                        centered, parts, uses_tensor_cores(runner_name, h, queries), h.settings.split_tokens,
+                        smoothed)
     _, chunk, capacity, splits = plan.meta["meta"]
     if slide:  # merge_encode_slide's meta: [splits, sinks, window, the slot of the window's oldest token]
         extra += (small_array((splits, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot)),)
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
-    return fn(queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
-              h.value_mean if centered else none, fp16, *extra)
+    args = (queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
+            h.value_mean if centered else none, fp16, *extra)
+    return fn(h.key_codec.scale, *args) if smoothed else fn(*args)
 
 
 def attend(runner_name: str, h, queries: mx.array, scale: float) -> mx.array:

@@ -21,9 +21,11 @@ s * A_base^T y (the adjoint), so the scores of the codes are exact in the domain
 not orthogonal: the format says so. A domain element is the base codec's, so the base's decode
 snippet serves the formats' kernels as it is (`kernel_decode`): they score queries mapped by
 `to_domain` and keep the fp16 sinks / window as held, as for a sketch (`engine.keys_in_query_space`).
-The base's own kernel family ("mse") is not named: its GPU kernels rotate queries and encode keys
-in-kernel, without the scales; the CPU's C++ mse kernel, which takes queries already in the domain,
-reads the base's codes (`codes_codec`). Values are never smoothed (they meet attention probabilities, not queries).
+The base's own kernel family ("mse") is not named, as its kernels take raw queries and keys; they
+read the base's codes (`codes_codec`) instead: the CPU's C++ kernel with queries mapped by
+`to_domain`, the GPU decode steps with queries as `scale_queries` and every key they see (the new
+token, the mean, the fp16 sinks / window) as `unscale_keys` map them, since (q * s) . (k / s) = q . k.
+Values are never smoothed (they meet attention probabilities, not queries).
 Params: "smooth.scale" (H, D), one row per kv head.
 """
 
@@ -59,14 +61,10 @@ class SmoothedKeyCodec(Codec):
         if callable(getattr(base, "kernel_decode", None)):
             self.kernel_decode = base.kernel_decode  # the element of the base's domain (module docstring)
 
-    def _scale(self, x):
-        return per_head(self.scale[:, None, :], x)
-
     def encode(self, x):
         if x.ndim == 4 and x.shape[1] != self.heads:
             raise ValueError(f"smoothing scales were calibrated for {self.heads} kv heads, got {x.shape[1]}")
-        x = x.astype(mx.float32)
-        return self.base.encode(x / self._scale(x))
+        return self.base.encode(unscale_keys(x, self.scale))
 
     def position_free(self, x, first):
         return self.base.position_free(x, first)
@@ -75,18 +73,32 @@ class SmoothedKeyCodec(Codec):
         return self.base.decode(fields)
 
     def to_domain(self, x):
-        x = x.astype(mx.float32)
-        return self.base.to_domain(x * self._scale(x))
+        return self.base.to_domain(scale_queries(x, self.scale))
 
     def from_domain(self, y):
-        x = self.base.from_domain(y)
-        return x * self._scale(x)
+        return scale_queries(self.base.from_domain(y), self.scale)
 
     def score(self, queries, fields):
         return self.base.score(queries, fields)
 
     def params(self):
         return {**self.base.params(), SCALE: self.scale}
+
+
+def scale_queries(x: mx.array, scale: mx.array) -> mx.array:
+    """x * s in float32, s (H, D) per kv head, for queries (or the domain's adjoint) of any layout
+    `outliers.per_head` takes."""
+    return x.astype(mx.float32) * per_head(scale[:, None, :], x)
+
+
+def unscale_keys(x: mx.array, scale: mx.array) -> mx.array:
+    """x / s in float32: keys as the base codec codes them."""
+    return x.astype(mx.float32) / per_head(scale[:, None, :], x)
+
+
+def restore_keys(x: mx.array, scale: mx.array) -> mx.array:
+    """x * s in float32: `unscale_keys` undone."""
+    return x.astype(mx.float32) * per_head(scale[:, None, :], x)
 
 
 def smoothed_key_codec(base: Codec, alpha: float, params) -> SmoothedKeyCodec:
