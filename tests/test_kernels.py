@@ -27,9 +27,9 @@ CPU_DEFAULT = "native" if native.available() else "portable"
 
 IN_DTYPES = {
     "mse_partial": {"q": "float16", "rows": "uint32", "kcent": "float32", "vcent": "float32", "ksigns": "float32",
-                    "meta": "int32", "qscale": "float32"},
+                    "meta": "int32", "qscale": "float32", "kscale": "float32"},
     "mse_partial_mma": {"q": "float16", "rows": "uint32", "kcent": "float32", "vcent": "float32",
-                        "ksigns": "float32", "meta": "int32", "qscale": "float32"},
+                        "ksigns": "float32", "meta": "int32", "qscale": "float32", "kscale": "float32"},
     "merge": {"o": "float32", "ml": "float32", "vsigns": "float32", "meta": "int32", "po": "float32",
               "pml": "float32", "vmean": "float32", "q": "float16", "qscale": "float32", "kmean": "float32",
               "pa_k": "float16", "pa_v": "float16", "pb_k": "float16", "pb_v": "float16"},

@@ -99,10 +99,19 @@ def partial_shared_bytes(dim: int, rep: int, key_bits: int, value_bits: int, thr
     return 4 * floats
 
 
+def _key_scale_constants(heads: int, rotate_query: bool) -> list:
+    if heads and not rotate_query:
+        raise ValueError("smoothing scales enter the kernels with the in-kernel rotation; without it the "
+                         "queries arrive mapped by the key codec's to_domain")
+    return [("KSC", heads > 0), ("KH", max(1, heads))]
+
+
 @lru_cache(maxsize=4096)
 def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, tokens: int,
                  capacity: int, *, rotate_query: bool, q_dtype: str,
-                 chunk: Optional[int] = None, threads: int = PARTIAL_THREADS) -> Plan:
+                 chunk: Optional[int] = None, threads: int = PARTIAL_THREADS, key_scale_heads: int = 0) -> Plan:
+    """`key_scale_heads`: the kv heads of smoothed keys' scales, which the query takes before its
+    in-kernel rotation (0: none)."""
     if dim % 32:
         raise ValueError(f"mse_partial needs dim % 32 == 0, got {dim}")
     if rotate_query and not is_power_of_two(dim):
@@ -116,7 +125,7 @@ def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: in
         ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
         ("NT", threads), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)),
         ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", row_words),
-    ]
+    ] + _key_scale_constants(key_scale_heads, rotate_query)
     return Plan(
         "mse_partial", template, (splits * threads, kv_rows, 1), (threads, 1, 1),
         [(kv_rows, splits, rep, dim), (kv_rows, splits, rep, 2)], ["float32", "float32"],
@@ -164,7 +173,7 @@ def decode_partial_plan(mma: bool, *args, **kwargs) -> Plan:
 @lru_cache(maxsize=4096)
 def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, tokens: int,
                      capacity: int, *, rotate_query: bool, q_dtype: str, chunk: Optional[int] = None,
-                     threads: int = PARTIAL_THREADS) -> Plan:
+                     threads: int = PARTIAL_THREADS, key_scale_heads: int = 0) -> Plan:
     """`partial_plan` for the tensor-core kernel: the same grid, inputs and outputs."""
     if not mma_fits(dim, rep, key_bits, value_bits, 48 * 1024):
         raise ValueError(f"mse_partial_mma takes dim % 16 == 0 up to {MMA_MAX_DIM}, at most {MMA_MAX_REP} query "
@@ -179,7 +188,7 @@ def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits
     template = [
         ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
         ("NT", threads), ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", kw + vw + 1),
-    ]
+    ] + _key_scale_constants(key_scale_heads, rotate_query)
     return Plan(
         "mse_partial_mma", template, (splits * threads, kv_rows, 1), (threads, 1, 1),
         [(kv_rows, splits, rep, dim), (kv_rows, splits, rep, 2)], ["float32", "float32"],
@@ -205,10 +214,12 @@ def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool,
 
 @lru_cache(maxsize=4096)
 def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple, value: tuple, *, center: bool,
-                      x_dtype: str, out_dtype: str, plain_tokens: int = 0, slide_window: int = 0) -> Plan:
+                      x_dtype: str, out_dtype: str, plain_tokens: int = 0, slide_window: int = 0,
+                      key_scale_heads: int = 0) -> Plan:
     """`key` / `value`: (bits, scale). Both roles rotate in-kernel, so dim is a power of two.
     `plain_tokens`: a bound on the fp16 sinks/window tokens it attends to (0: none).
-    `slide_window`: the window's tokens, for `merge_encode_slide` (0: `merge_encode`)."""
+    `slide_window`: the window's tokens, for `merge_encode_slide` (0: `merge_encode`).
+    `key_scale_heads`: the kv heads of smoothed keys' scales (0: none)."""
     if not is_power_of_two(dim) or dim > 1024:
         raise ValueError(f"merge_encode needs a power-of-two dim <= 1024, got {dim}")
     (kb, kn), (vb, vn) = key, value
@@ -216,6 +227,7 @@ def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple,
     template = _role_constants("K", dim, kb, True, kn) + _role_constants("V", dim, vb, True, vn)
     template += [("D", dim), ("REP", rep), ("NTH", dim), ("RW", row_words), ("HAS_CENTER", bool(center)),
                  ("HAS_PLAIN", plain_tokens > 0), ("PMAX", max(1, plain_tokens)), ("TX", x_dtype), ("TO", out_dtype)]
+    template += _key_scale_constants(key_scale_heads, True)
     shapes, dtypes = [(kv_rows * rep, dim), (kv_rows, row_words)], [out_dtype, "uint32"]
     if slide_window:
         shapes += [(kv_rows, slide_window, dim)] * 2

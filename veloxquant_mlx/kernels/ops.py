@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
+from ..methods.smoothing import scale_queries
 from ..methods.turboquant_mse import SCALES
 from ..rotations import HadamardRotation
 from . import launch
@@ -159,18 +160,23 @@ def mse_partials(run: Runner, queries: mx.array, key_codec, value_codec, rows: m
     return o, ml, plan
 
 
-def run_partials(run: Runner, plan, queries, key_codec, value_codec, rows, scale: float, meta: mx.array):
-    """The partial kernel of `plan`; `meta` = int32 [tokens, chunk, capacity, splits]."""
+def run_partials(run: Runner, plan, queries, key_codec, value_codec, rows, scale: float, meta: mx.array,
+                 key_scale: Optional[mx.array] = None):
+    """The partial kernel of `plan`; `meta` = int32 [tokens, chunk, capacity, splits]. `key_scale`:
+    smoothed keys' scales (H, D), whose codes `key_codec` (the base's) reads; the queries take
+    them in the kernel when it rotates them (the plan's KSC), else here."""
     kc, vc = constants(key_codec), constants(value_codec)
     if kc["signs"] is None:
-        q = key_codec.to_domain(queries.astype(mx.float32) * scale)
-        qscale = small_array((1.0,), mx.float32)
+        q = queries.astype(mx.float32) * scale
+        q = key_codec.to_domain(q if key_scale is None else scale_queries(q, key_scale))
+        qscale, key_scale = small_array((1.0,), mx.float32), None
     else:
         q = queries if queries.dtype in (mx.float16, mx.float32, mx.bfloat16) else queries.astype(mx.float32)
         qscale = small_array((float(scale),), mx.float32)
     return run(plan, [
         q, rows, kc["centroids"], vc["centroids"],
         kc["signs"] if kc["signs"] is not None else _dummy(), meta, qscale,
+        _dummy() if key_scale is None else key_scale,
     ])
 
 
@@ -287,7 +293,8 @@ MAX_PLAIN_TOKENS = 1024  # fp16 sinks + window tokens merge_encode attends to it
 
 def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
                  key_codec, value_codec, scale: float, out_dtype, key_mean=None, value_mean=None,
-                 fp16: Optional[List[mx.array]] = None, slide: Optional[mx.array] = None):
+                 fp16: Optional[List[mx.array]] = None, slide: Optional[mx.array] = None,
+                 key_scale: Optional[mx.array] = None):
     """`merge` that also encodes the new token (keys / values (B, H, 1, D)) and attends to
     it from its codes, and to `fp16` tokens: [keys, values] or [keys, values, keys, values]
     (B, H, n, D) as held (the sinks and the window; keys not centred), at most
@@ -297,7 +304,9 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
     (`merge_encode_slide`): the token encoded is the window's at slot `slide[3]`, keys / values
     take its place, and the window after the slide comes back too. `slide` is the kernel's
     int32 meta array [splits, sinks, window, slot], made by the caller (a compiled step takes
-    it as an input: the slot changes every step). (out, row, window keys, window values)."""
+    it as an input: the slot changes every step). (out, row, window keys, window values).
+    `key_scale`: smoothed keys' scales (H, D), whose codes `key_codec` (the base's) makes: the
+    key is encoded as (k - mean) / s and scored with q * s; the fp16 tokens meet q as held."""
     bh, splits, rep, dim = o.shape
     kc, vc = constants(key_codec), constants(value_codec)
     if keys.dtype != values.dtype or keys.dtype not in (mx.float16, mx.float32, mx.bfloat16):
@@ -311,10 +320,12 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
     plan = launch.merge_encode_plan(bh, rep, dim, splits, (key_codec.bits, scale_index(key_codec)),
                                     (value_codec.bits, scale_index(value_codec)), center=centered,
                                     x_dtype=launch.dtype_name(keys.dtype), out_dtype=launch.dtype_name(out_dtype),
-                                    plain_tokens=bound, slide_window=window)
+                                    plain_tokens=bound, slide_window=window,
+                                    key_scale_heads=0 if key_scale is None else key_scale.shape[0])
     shapes = [tuple(queries.shape), (B, H, 1, plan.output_shapes[1][1])] + [(B, H, window, dim)] * (2 if window else 0)
     return tuple(run(plan, [
         o, ml, queries, keys, values, kc["signs"], vc["signs"], kc["boundaries"], vc["boundaries"],
         kc["centroids"], vc["centroids"], meta, small_array((float(scale),), mx.float32),
         key_mean if centered else _dummy(), value_mean if centered else _dummy(), *pa, *pb,
+        _dummy() if key_scale is None else key_scale,
     ], shapes))

@@ -226,23 +226,35 @@ def run_encode(backend: str, kd: int, kb: int, vd: int, vb: int, scale: str, tok
             "codes_equal": equal, "norm_rel_error": norm_err, "status": "ok" if ok else "FAIL"}
 
 
-def run_fused(backend: str, sinks: int = 2, window: int = 8, tokens: int = 200) -> Dict:
+def run_fused(backend: str, sinks: int = 2, window: int = 8, tokens: int = 200, smoothed: bool = False) -> Dict:
     """The fused decode step (partial + merge_encode_slide + one store) through the cache, as
     decode tokens take it: with fp16 sinks, a window slid as a ring by the kernel (more steps
-    than it holds) and centering, against the portable path; then the window read in order."""
+    than it holds) and centering, against the portable path; then the window read in order.
+    `smoothed`: keys smoothed by random per-channel scales (`methods/smoothing.py`), which the
+    kernels take as an input."""
+    from ..artifacts import CodecSet
     from ..cache import CompressedKVCache
     from ..config import KVCacheConfig
+    from ..methods.smoothing import SCALE
     from ..settings import EngineSettings
 
     cfg = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4, center=True, sink_tokens=sinks,
                         residual_length=window)
+    codecs = None
+    if smoothed:
+        base = CodecSet(cfg)
+        scale = mx.exp(0.5 * mx.random.normal((2, 128), key=mx.random.key(3)))
+        params = {("keys", 128): {**base.get("keys", 128).params(), SCALE: scale},
+                  ("values", 128): base.get("values", 128).params()}
+        cfg = cfg.replace(options={**cfg.options, "smooth_keys": 0.5})
+        codecs = CodecSet(cfg, params, source="selftest")
     steps = window + 3
     rng = np.random.default_rng([sinks, window, tokens])
     k = mx.array(rng.standard_normal((1, 2, tokens + steps, 128)).astype(np.float32)).astype(mx.float16)
     v = mx.array(rng.standard_normal((1, 2, tokens + steps, 128)).astype(np.float32)).astype(mx.float16)
     q = mx.array(rng.standard_normal((steps, 1, 8, 1, 128)).astype(np.float32)).astype(mx.float16)
-    ref = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend="portable"))
-    fused = CompressedKVCache(cfg, settings=EngineSettings.resolve(backend=backend))
+    ref = CompressedKVCache(cfg, codecs, settings=EngineSettings.resolve(backend="portable"))
+    fused = CompressedKVCache(cfg, codecs, settings=EngineSettings.resolve(backend=backend))
     outputs = {id(ref): [], id(fused): []}
     paths = set()
     for cache in (ref, fused):
@@ -260,7 +272,8 @@ def run_fused(backend: str, sinks: int = 2, window: int = 8, tokens: int = 200) 
     window_equal = bool(mx.array_equal(fused.window_keys, ref.window_keys)) and bool(
         mx.array_equal(fused.window_values, ref.window_values))
     ok = paths == {"mse_fused_step"} and error <= tolerance and rows_equal and window_equal
-    return {"case": "fused_window_center", "backend": backend, "path": ",".join(sorted(paths)),
+    return {"case": "fused_window_center" + ("_smoothed" if smoothed else ""), "backend": backend,
+            "path": ",".join(sorted(paths)),
             "vs_portable": error, "rows_equal": rows_equal, "window_equal": window_equal, "tolerance": tolerance,
             "status": "ok" if ok else "FAIL"}
 
@@ -344,6 +357,7 @@ def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = Tru
         jobs.append(("format_encode", lambda: encode.check_record(backend)))
         jobs.append(("format_partial", lambda: partial.check_record(backend)))
         jobs.append(("fused_window_center", lambda: run_fused(backend)))
+        jobs.append(("fused_window_center_smoothed", lambda: run_fused(backend, smoothed=True)))
         jobs.append(("ratequant_kernels", lambda: run_ratequant(backend)))
     records = []
     for name, job in jobs:

@@ -24,9 +24,9 @@ shape and constant in it is fixed between steps:
   and updates it in place at a constant one.
 
 One compiled function per layout (codecs, shapes, capacity) serves every layer.
-Smoothed keys (`methods/smoothing.py`) take the same function as their base codec,
-with the layer's scales as one more input: queries enter as q * s, and the new key,
-the key mean and the fp16 sinks / window keys as k / s.
+Smoothed keys (`methods/smoothing.py`) take their base codec's, with the layer's scales
+as one more input, which the kernels apply themselves (queries as q * s, the new key
+encoded as k / s).
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ import functools
 import mlx.core as mx
 
 from ..engine import attention_dtype, fp16_tokens, plain_partial, small_array
-from ..methods.smoothing import restore_keys, scale_queries, unscale_keys
 from . import launch, ops
 
 
@@ -49,51 +48,37 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 @functools.lru_cache(maxsize=64)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
              scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False,
-             chunk=None, smoothed: bool = False):
+             chunk=None, key_scale_heads: int = 0):
     """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
     encodes, attends to and stores the new one (`fused`). `chunk`: tokens per split (None: planned).
-    `smoothed`: the function's first input is the smoothing scales (H, D), and `key_codec` the base's."""
+    `key_scale_heads`: smoothed keys (`key_codec` the base's), whose scales are the `key_scale` input."""
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
     rotate_query = ops.constants(key_codec)["signs"] is not None
     plan = launch.decode_partial_plan(mma, kv_rows, rep, key_codec.dim, key_codec.bits, value_codec.bits, capacity,
                                       capacity, rotate_query=rotate_query,
-                                      q_dtype=q_dtype if rotate_query else "float32", chunk=chunk)
+                                      q_dtype=q_dtype if rotate_query else "float32", chunk=chunk,
+                                      key_scale_heads=key_scale_heads if rotate_query else 0)
 
     def plain(queries, fp16, key_mean):
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
         return None if tokens is None else plain_partial(queries, *tokens, scale)
 
-    def attend(queries, rows, meta, key_mean, value_mean, fp16):
-        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
+    def attend(queries, rows, meta, key_mean, value_mean, key_scale, fp16):
+        key_scale = key_scale if key_scale_heads else None
+        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta, key_scale)
         return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain(queries, fp16, key_mean),
                          value_mean=value_mean if centered else None)
 
-    def fused(queries, rows, meta, key_mean, value_mean, fp16, keys, values, slide=None):
+    def fused(queries, rows, meta, key_mean, value_mean, key_scale, fp16, keys, values, slide=None):
         # The fp16 tokens go to merge_encode as held: it centres and attends to them itself.
-        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta)
+        key_scale = key_scale if key_scale_heads else None
+        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta, key_scale)
         return ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
                                 key_mean if centered else None, value_mean if centered else None, fp16=fp16,
-                                slide=slide)
+                                slide=slide, key_scale=key_scale)
 
     step = attend if kind == "attend" else fused
-    if smoothed:
-        unsmoothed = step
-
-        def step(key_scale, queries, rows, meta, key_mean, value_mean, fp16, keys=None, values=None, slide=None):
-            keys_in = (unscale_keys(keys, key_scale), values) if keys is not None else ()
-            held = [a.dtype for a in fp16]
-            fp16 = [unscale_keys(a, key_scale) if i % 2 == 0 else a for i, a in enumerate(fp16)]
-            mean = unscale_keys(key_mean, key_scale) if centered else key_mean
-            out = unsmoothed(scale_queries(queries, key_scale).astype(queries.dtype), rows, meta, mean, value_mean,
-                             fp16, *keys_in, *(() if slide is None else (slide,)))
-            if slide is None:
-                return out
-            # The slid window comes back as the kernel held it, keys as k / s. Restored, it equals the
-            # window exactly: the cache holds it in half precision (`window_dtype`), and float32's
-            # round trip errs far below half of its ulp.
-            out, row, window_keys, window_values = out
-            return out, row, restore_keys(window_keys, key_scale).astype(held[-2]), window_values.astype(held[-1])
     # The emulator runs kernels through numpy, which cannot be traced: tests call it uncompiled.
     return plan, (step if runner_name == "emulator" else mx.compile(step))
 
@@ -111,19 +96,18 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     centered = h.key_mean is not None
     parts, fp16 = h.fp16_inputs()
     key_codec = ops.codes_codec(h.key_codec)
-    smoothed = key_codec is not h.key_codec
+    key_scale = None if key_codec is h.key_codec else h.key_codec.scale
     plan, fn = _step_fn(kind, runner_name, key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
                         centered, parts, uses_tensor_cores(runner_name, h, queries), h.settings.split_tokens,
-                        smoothed)
+                        0 if key_scale is None else key_scale.shape[0])
     _, chunk, capacity, splits = plan.meta["meta"]
     if slide:  # merge_encode_slide's meta: [splits, sinks, window, the slot of the window's oldest token]
         extra += (small_array((splits, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot)),)
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
-    args = (queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
-            h.value_mean if centered else none, fp16, *extra)
-    return fn(h.key_codec.scale, *args) if smoothed else fn(*args)
+    return fn(queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
+              h.value_mean if centered else none, none if key_scale is None else key_scale, fp16, *extra)
 
 
 def attend(runner_name: str, h, queries: mx.array, scale: float) -> mx.array:

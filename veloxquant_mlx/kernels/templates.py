@@ -403,7 +403,8 @@ MSE_ENCODE = r"""
 # that is a multiple of 32, so a thread-per-row read has no bank conflicts).
 # RW (= KW + VW + 1 words per row). Inputs: q (BH*REP, D) TQ, rows (BH, CAP, RW)
 #   u32 (the layout of `rows.py`), kcent (2^KB) f32, vcent (2^VB) f32, ksigns (D)
-#   f32, meta int32 [T, CH, CAP, S], qscale f32 [scale].
+#   f32, meta int32 [T, CH, CAP, S], qscale f32 [scale], kscale (KH, D) f32: with KSC, smoothed
+#   keys' scales s (`methods/smoothing.py`: the codes are of k / s, so queries enter as q * s).
 # Outputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32 (max, sum).
 # Grid: (S * NT, BH) threads in blocks of NT.
 # A tile's step of a flash-decoding partial kernel: the block's max of the valid threads' scores
@@ -463,12 +464,13 @@ _SPLIT_RANGE = r"""  const int s = vq_bx;
   const int end = VQ_MINI(start + CH, T);
 """
 
-# Both partial kernels' prologue: the REP query rows of kv row bh, scaled (and, with ROTQ,
-# sign-flipped and FWHT-rotated into the key codec's domain, not yet normalised) into vq_qt,
-# and the centroid tables into shared memory.
+# Both partial kernels' prologue: the REP query rows of kv row bh, scaled (and, with KSC,
+# times the kv head's smoothing scales s; with ROTQ, sign-flipped and FWHT-rotated into the key
+# codec's domain, not yet normalised) into vq_qt, and the centroid tables into shared memory.
 _ROTATED_QUERY = r"""  const float scale = qscale[0];
   for (int i = t; i < REP * D; i += NT) {
     float v = VQ_F(q[(size_t)bh * REP * D + i]) * scale;
+    if (KSC) v *= kscale[(size_t)(bh % KH) * D + i % D];
     if (ROTQ) v *= ksigns[i % D];
     vq_qt[i] = v;
   }
@@ -1065,11 +1067,13 @@ MERGE = r"""
 # Inputs: o (BH, S, REP, D) f32, ml (BH, S, REP, 2) f32, q (BH*REP, D), kx, vx
 # (BH, D) TX, ksigns, vsigns (D) f32, kbnd, vbnd, kcent, vcent f32, meta int32
 # [S, NA, NB], qscale f32 [scale], kmean, vmean (BH, D), pa_k, pa_v (BH, NA, D) TX, pb_k,
-# pb_v (BH, NB, D) TX. Outputs: out (BH*REP, D) TO,
+# pb_v (BH, NB, D) TX, kscale (KH, D) f32 (with KSC: the new key is encoded as (k - kmean) / s and
+# scored with q * s, smoothed keys; the fp16 tokens meet q as held). Outputs: out (BH*REP, D) TO,
 # rec (BH, RW) u32. Grid: (D, BH*REP) threads in blocks of D.
 _KEY_RESULT = "kcode_out = code; knorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
 _VALUE_RESULT = "vcode_out = code; vnorm_out = VQ_F(VQ_CAST(vq_half, out_norm));"
 _CENTERED = "VQ_F({x}) - (HAS_CENTER ? VQ_F({mean}[(size_t)bh * D + t]) : 0.0f)"
+_KEY_SCALE = "(KSC ? kscale[(size_t)(bh % KH) * D + {i}] : 1.0f)"
 _NEW_TOKEN = "x[(size_t)bh * D + t]"
 _LEAVING_TOKEN = "{window}[((size_t)bh * meta[2] + meta[3]) * D + t]"  # the window's slot meta[3]
 # `MERGE_ENCODE_SLIDE`'s last lines: the REP blocks of kv head bh write the window after the
@@ -1120,13 +1124,14 @@ def _merge_encode(slide: bool) -> str:
   uint32_t vcode_out = 0u;
   float knorm_out = 0.0f;
   float vnorm_out = 0.0f;
-""" + _encode_role(0, "K", "k", guard="true", value=_CENTERED.format(x=key, mean="kmean"), row="bh", out="rec",
+""" + _encode_role(0, "K", "k", guard="true", value="(" + _CENTERED.format(x=key, mean="kmean") + ") / "
+                   + _KEY_SCALE.format(i="t"), row="bh", out="rec",
                    store="r == 0", result=_KEY_RESULT) + "  VQ_SYNC();\n" + _encode_role(
     1, "V", "v", guard="true", value=_CENTERED.format(x=value, mean="vmean"), row="bh", out="rec", store="r == 0",
     result=_VALUE_RESULT) + r"""
   // The new key's score for query row r, as mse_partial computes it.
   VQ_SYNC();
-  vq_buf[d] = VQ_F(q[(size_t)row * D + d]) * qscale[0] * ksigns[d];
+  vq_buf[d] = VQ_F(q[(size_t)row * D + d]) * qscale[0] * """ + _KEY_SCALE.format(i="d") + r""" * ksigns[d];
   VQ_SYNC();
 """ + _FWHT_BUF + r"""  vq_red[t] = vq_buf[t] * (1.0f / VQ_SQRT((float)D)) * kcent[kcode_out];
   VQ_SYNC();
@@ -1198,25 +1203,25 @@ KERNELS: Dict[str, dict] = {
     },
     "mse_partial": {
         "body": MSE_PARTIAL,
-        "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "meta", "qscale"),
+        "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "meta", "qscale", "kscale"),
         "outputs": ("o", "ml"),
     },
     "mse_partial_mma": {
         "body": MSE_PARTIAL_MMA,
-        "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "meta", "qscale"),
+        "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "meta", "qscale", "kscale"),
         "outputs": ("o", "ml"),
         "dialects": ("cuda", "cpp"),  # Metal has 8x8 simdgroup matrices, not this mma
     },
     "merge_encode": {
         "body": MERGE_ENCODE,
         "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
-                   "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v"),
+                   "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v", "kscale"),
         "outputs": ("out", "rec"),
     },
     "merge_encode_slide": {
         "body": MERGE_ENCODE_SLIDE,
         "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
-                   "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v"),
+                   "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v", "kscale"),
         "outputs": ("out", "rec", "wk", "wv"),
     },
     "merge": {

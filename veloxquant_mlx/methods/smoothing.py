@@ -23,8 +23,8 @@ snippet serves the formats' kernels as it is (`kernel_decode`): they score queri
 `to_domain` and keep the fp16 sinks / window as held, as for a sketch (`engine.keys_in_query_space`).
 The base's own kernel family ("mse") is not named, as its kernels take raw queries and keys; they
 read the base's codes (`codes_codec`) instead: the CPU's C++ kernel with queries mapped by
-`to_domain`, the GPU decode steps with queries as `scale_queries` and every key they see (the new
-token, the mean, the fp16 sinks / window) as `unscale_keys` map them, since (q * s) . (k / s) = q . k.
+`to_domain`, the GPU decode steps with the scales as an input (queries as q * s before the
+in-kernel rotation, the new key encoded as k / s; `kernels/templates.py`, KSC).
 Values are never smoothed (they meet attention probabilities, not queries).
 Params: "smooth.scale" (H, D), one row per kv head.
 """
@@ -94,11 +94,6 @@ def scale_queries(x: mx.array, scale: mx.array) -> mx.array:
 def unscale_keys(x: mx.array, scale: mx.array) -> mx.array:
     """x / s in float32: keys as the base codec codes them."""
     return x.astype(mx.float32) / per_head(scale[:, None, :], x)
-
-
-def restore_keys(x: mx.array, scale: mx.array) -> mx.array:
-    """x * s in float32: `unscale_keys` undone."""
-    return x.astype(mx.float32) * per_head(scale[:, None, :], x)
 
 
 def smoothed_key_codec(base: Codec, alpha: float, params) -> SmoothedKeyCodec:
