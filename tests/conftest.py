@@ -200,6 +200,27 @@ def compile_cuda_without_spills(src, out) -> str:
     return result.stderr
 
 
+def assert_partial_kernel_compiles(store, key_codec, value_codec, rep, tmp_path, tokens=300):
+    """The formats' partial kernel for `store` (8 kv rows, `rep` query heads each), rendered from the
+    codecs' snippets, compiles for sm_90 without spills and within the static shared memory that
+    `partial.shared_bytes` counts."""
+    import re
+
+    from veloxquant_mlx.kernels import launch, partial, templates
+
+    assert partial.fits(store, key_codec, value_codec, rep, "cuda")
+    prepared = partial.prepare(store, key_codec, value_codec, 8, rep, tokens, backend="cuda")
+    spec = templates.KERNELS[prepared.plan.kernel]
+    ins = {"q": "float32", **{name: launch.dtype_name(a.dtype) for name, a in zip(spec["inputs"][1:], prepared.inputs)}}
+    src = tmp_path / "partial.cu"
+    src.write_text(templates.render_cuda(prepared.plan.kernel, prepared.plan.template, ins,
+                                         {"o": "float32", "ml": "float32"}, mlx_header=False))
+    report = compile_cuda_without_spills(src, tmp_path / "partial.o")
+    smem = int(re.search(r"(\d+) bytes smem", report).group(1))
+    counted = partial.program(store, key_codec, value_codec, rep, "cuda").shared_bytes(rep)
+    assert smem <= partial.SHARED_LIMIT and abs(smem - counted) <= 16, (smem, counted)
+
+
 def random_rows(rows, dim, seed=0, dtype=None):
     """(rows, dim) standard normal values from numpy's seeded generator, as an MLX array of `dtype`."""
     import numpy as np

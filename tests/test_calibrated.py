@@ -7,7 +7,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_engine_paths_agree, random_sequences, tiny_gemma3, tiny_llama
+from conftest import assert_engine_paths_agree, assert_partial_kernel_compiles, random_sequences, tiny_gemma3, tiny_llama
 
 from veloxquant_mlx.artifacts import ArtifactError, CodecSet
 from veloxquant_mlx.calibration import calibrate, capture
@@ -480,6 +480,82 @@ def test_ratequant_snippets_at_fractional_widths(width, renorm):
     for role, codec in (("keys", kc), ("values", vc)):
         out = dequant.dequantize(run, store, role, codec, 9, mx.float32)
         assert mx.array_equal(out, codec.decode(store.fields(role))).item()
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+@pytest.mark.parametrize("name", ["spectral", "mse+outliers", "kivi+outliers"])
+def test_calibrated_formats_take_the_formats_kernels(small, tmp_path, name):
+    """spectralquant's and the outliers option's decode snippets (their own files): the dequant kernel
+    (emulated) equals `decode` bit for bit in every layer, and the formats' partial kernel, with the
+    fp16 sinks / window where the spec has them, equals the engine's MLX-ops decode of the same codes."""
+    from veloxquant_mlx import EngineSettings, engine
+    from veloxquant_mlx.kernels import dequant, ops, partial
+
+    config = CALIBRATED_SPECS[name]
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(
+        settings=EngineSettings.resolve(backend="portable"))
+    tokens = _sequences(1, 100, seed=8)[0]
+    small(tokens[None, :90], cache=caches)
+    for i in range(90, 100):
+        small(tokens[None, i : i + 1], cache=caches)
+    for c in caches:
+        c.flush()
+        for role, codec in (("keys", c.key_codec), ("values", c.value_codec)):
+            assert dequant.supported(codec), (name, role)
+            out = dequant.dequantize(ops.runner("emulator"), c.store, role, codec, c.encoded, mx.float32)
+            assert mx.array_equal(out, codec.decode(c.store.fields(role))).item(), (name, role)
+    h = caches[1]._history()
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
+    ref = engine.compiled_decode(h, q, 0.2, compiled=False)
+    h.settings = h.settings.replace(backend="emulator")
+    out = partial.decode(h, q, 0.2, chunk=partial.THREADS)
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+def test_spectral_snippet_reads_each_kv_heads_spectrum_at_batch_two():
+    """The kernels' row bh is batch * H + head: spectralquant's snippet takes head bh % H's sigma
+    (two widths at head dim 128, batch 2, spectra that differ per head)."""
+    from veloxquant_mlx.kernels import dequant, ops
+    from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
+    from veloxquant_mlx.storage import row_layout, store_for
+
+    skew = mx.array([[4.0], [0.25]]) * mx.exp(-mx.arange(128) / 24)  # per head, per channel
+    calibration = mx.random.normal((2, 400, 128), key=mx.random.key(3)) * skew[:, None, :]
+    codec = SpectralCodec(128, 3, learn_basis(calibration, 3))
+    assert codec.high and codec.hi_bits != codec.lo_bits
+    keys = mx.random.normal((2, 2, 9, 128), key=mx.random.key(4)) * skew[None, :, None, :]
+    layout = row_layout(codec, codec)
+    store = store_for(codec, codec, lambda k, v: layout.pack(codec.encode(k), codec.encode(v)), None)
+    store.append(keys, keys)
+    store.flush()
+    out = dequant.dequantize(ops.runner("emulator"), store, "keys", codec, 9, mx.float32)
+    assert mx.array_equal(out, codec.decode(store.fields("keys"))).item()
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("name", ["spectral", "mse+outliers"])
+def test_calibrated_partial_kernels_compile_with_nvcc(name, tmp_path):
+    """spectralquant's and the outliers option's partial kernel for the 8B shape (head dim 128, 8 kv
+    heads, GQA 4) compiles for sm_90 without spills, in the shared memory it counts."""
+    from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
+    from veloxquant_mlx.storage import row_layout, store_for
+
+    calibration = mx.random.normal((8, 400, 128), key=mx.random.key(3)) * mx.exp(-mx.arange(128) / 24)
+    if name == "spectral":
+        key_codec = value_codec = SpectralCodec(128, 3, learn_basis(calibration, 3))
+    else:
+        key_codec = OutlierCodec(MSECodec(120, 3, 1), top_channels(calibration, 8), 128)
+        value_codec = MSECodec(128, 4, 2)
+    layout = row_layout(key_codec, value_codec)
+    store = store_for(key_codec, value_codec, lambda k, v: layout.pack(key_codec.encode(k), value_codec.encode(v)), None)
+    keys = mx.random.normal((1, 8, 300, 128), key=mx.random.key(4))
+    store.append(keys, keys)
+    store.flush()
+    assert_partial_kernel_compiles(store, key_codec, value_codec, 4, tmp_path)
 
 
 def test_describe_names_ratequants_budgets_not_its_nominal_widths():

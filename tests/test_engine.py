@@ -328,12 +328,8 @@ def test_nbytes_covers_what_the_allocator_holds(method):
 from veloxquant_mlx.kernels import emulator  # noqa: E402
 
 needs_cxx = pytest.mark.skipif(emulator.compiler() is None, reason="no C++20 compiler for the emulator")
-# rabitq's decode scales a token by ||y||, a sum over its codes (polarquant's is a product along j's path)
-SNIPPET_METHODS = [m for m in ALL if m != "rabitq"]
-
-
 @needs_cxx
-@pytest.mark.parametrize("method", SNIPPET_METHODS)
+@pytest.mark.parametrize("method", ALL)
 def test_dequant_kernel_equals_codec_decode(method):
     cache = _filled(method, batch=2, tokens=70, decode=3)
     run = kernels.ops.runner("emulator")

@@ -14,7 +14,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import compile_cuda_without_spills
+from conftest import assert_partial_kernel_compiles, compile_cuda_without_spills
 
 from veloxquant_mlx import KVCacheConfig, kernels
 from veloxquant_mlx.cache import CompressedKVCache
@@ -536,6 +536,8 @@ PARTIAL_FORMATS = [
     {"method": "qjl", "bits": 3},
     {"method": "turboquant_prod", "bits": 3},
     {"method": "polarquant", "bits": 3},
+    {"method": "rabitq", "bits": 3, "value_bits": 4},
+    {"method": "rabitq", "bits": 1, "value_bits": 2},
     {"method": "polarquant", "bits": 4, "options": {"levels": 0}},  # the deepest tree: 6 levels at dim 64
     {"method": "turboquant_mse", "bits": 3, "value_bits": 4},
     {"method": "turboquant_mse", "bits": 3, "sink_tokens": 4, "residual_length": 16, "center": True,
@@ -626,13 +628,13 @@ def test_format_step_attends_to_fp16_tokens_in_the_merge_kernel(options, merged_
     ({"method": "polarquant", "bits": 4, "options": {"levels": 0}}, 128, 4),
     ({"method": "kivi", "bits": 2, "group_size": 32}, 128, 4),
     ({"method": "qjl", "bits": 3}, 128, 4),
+    ({"method": "rabitq", "bits": 3, "value_bits": 4}, 128, 4),
     ({"method": "kivi", "bits": 4, "group_size": 64}, 256, 4),  # fits only without its key fold and staged scalars
-], ids=["polarquant", "kivi", "qjl", "kivi-dim256"])
+], ids=["polarquant", "kivi", "qjl", "rabitq", "kivi-dim256"])
 def test_format_partial_kernels_compile_with_nvcc(options, dim, rep, tmp_path):
     """The formats' partial kernel, rendered from each codec's snippets for the 8B shape (dim 128,
     GQA 4) and Gemma 3's head dim, compiles for sm_90 without spills and within the static shared
     memory `partial.shared_bytes` counts: a snippet's CUDA errors show here, not on the GPU."""
-    from veloxquant_mlx.kernels import partial
     from veloxquant_mlx.settings import EngineSettings
 
     cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
@@ -640,17 +642,7 @@ def test_format_partial_kernels_compile_with_nvcc(options, dim, rep, tmp_path):
     cache.update_and_fetch(keys, keys)
     cache.flush()
     h = cache._history()
-    assert partial.fits(h.store, h.key_codec, h.value_codec, rep, "cuda")
-    prepared = partial.prepare(h.store, h.key_codec, h.value_codec, 8, rep, h.count, backend="cuda")
-    spec = templates.KERNELS[prepared.plan.kernel]
-    ins = {"q": "float32", **{name: launch.dtype_name(a.dtype) for name, a in zip(spec["inputs"][1:], prepared.inputs)}}
-    src = tmp_path / "partial.cu"
-    src.write_text(templates.render_cuda(prepared.plan.kernel, prepared.plan.template, ins,
-                                         {"o": "float32", "ml": "float32"}, mlx_header=False))
-    report = compile_cuda_without_spills(src, tmp_path / "partial.o")
-    smem = int(re.search(r"(\d+) bytes smem", report).group(1))
-    counted = partial.program(h.store, h.key_codec, h.value_codec, rep, "cuda").shared_bytes(rep)
-    assert smem <= partial.SHARED_LIMIT and abs(smem - counted) <= 16, (smem, counted)
+    assert_partial_kernel_compiles(h.store, h.key_codec, h.value_codec, rep, tmp_path)
 
 
 @pytest.mark.parametrize("backend", ["cuda", "metal"])

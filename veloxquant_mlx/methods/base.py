@@ -40,6 +40,19 @@ def at_positions(codec: "Codec", fields: Fields, first: int) -> Fields:
     return {**fields, POSITIONS: mx.arange(first, first + count)}
 
 
+def split_width_centroid(a, parts, books) -> str:
+    """The C expression of element j's centroid for codes stored in consecutive parts of several
+    widths, `parts` = [(field, first, stop, bits)] and `books` {bits: codebook} (ratequant's and
+    spectralquant's `kernel_decode`, `kernels/dequant.py`); each part's index is clamped so that
+    every load stays in its field."""
+    value = None
+    for name, start, stop, bits in reversed(parts):  # the last part's term is innermost
+        index = f"(j < {start} ? 0 : VQ_MINI(j - {start}, {stop - start - 1}))"
+        term = f"{a.table(books[bits].centroids)}[{a.code(name, index)}]"
+        value = term if value is None else f"(j < {stop} ? {term} : {value})"
+    return value
+
+
 class Codec:
     """Compresses one stream (keys or values) of vectors of size `dim`."""
 

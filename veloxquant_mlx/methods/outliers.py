@@ -81,6 +81,8 @@ class OutlierCodec(Codec):
             token_block=base_fmt.token_block, orthogonal_domain=base_fmt.orthogonal_domain,
         )
         self._base_names = tuple(f.name for f in base_fmt.fields)
+        if callable(getattr(base, "kernel_decode", None)):
+            self.kernel_decode = self._kernel_decode  # the kernels decode it where they decode the base
 
     def _check_heads(self, x):
         if x.ndim == 4 and x.shape[1] != self.heads:
@@ -107,6 +109,18 @@ class OutlierCodec(Codec):
 
     def decode(self, fields):
         return mx.concatenate([self.base.decode(self._split(fields)), self._outliers(fields)], axis=-1)
+
+    def _kernel_decode(self, a):
+        """The kernels' element j (`kernels/dequant.py`): the base's snippet for j < n (its domain),
+        in a scope of its own, so that its code loads run only there; `_outliers`'s element after."""
+        n = self.base.domain_dim
+        first = len(a.lines)
+        value = self.base.kernel_decode(a)  # emits its code loads into a.lines first
+        base = "\n".join(a.lines[first:] + ["    " + value])
+        del a.lines[first:]
+        code = a.code("outlier_codes", f"(j < {n} ? 0 : j - {n})")
+        return (f"if (j < {n}) {{\n{base}\n    }} else {{ v = ((float){code} - {INT8_MAX}.0f) * "
+                f"{a.half('outlier_scale', '0')}; }}")
 
     def to_domain(self, x):
         x = x.astype(mx.float32)

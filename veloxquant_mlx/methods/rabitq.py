@@ -10,11 +10,13 @@ encode:  o' = P k / ||k||, P the seeded randomized Hadamard rotation (`rotations
            `SCALE_CANDIDATES` values of t is kept, which only picks a slightly worse code when
            the grid misses the optimum (the estimator stays unbiased for any code rule);
 store:   `codes` (D*B bits, packed) and RaBitQ's two corrective scalars per vector (fp16):
-         `norm` = ||k|| and `alignment` = <o_bar, o> = <y, o'>/||y||;
+         `scale` = ||k|| / ||y|| (the key's norm in units of its code's length: ||y|| is a sum over
+         the codes, which a kernel decoding one element cannot take) and `alignment` = <o_bar, o>
+         = <y, o'>/||y||;
 attend:  the unbiased estimator (2405.12497 Sec. 3.2, Thm 3.2; the same estimator in 2409.09913)
              <k, q> ~ ||k|| <o_bar, q> / <o_bar, o>,
          in the rotated domain q' = P q (the query is not quantized):
-             score = ||k|| / (||y|| <o_bar, o>) * (<x_u, q'> - (2^B-1)/2 sum_i q'_i)
+             score = scale / <o_bar, o> * (<x_u, q'> - (2^B-1)/2 sum_i q'_i)
          (2405.12497 Sec. 3.3: <x_bar, q'> split into the code bits and the sum of q').
          `score` works on the stored words: codes come out of them by shift-and-mask
          (`packing.unpack`), are multiplied unscaled with the queries, and the per-token
@@ -22,7 +24,8 @@ attend:  the unbiased estimator (2405.12497 Sec. 3.2, Thm 3.2; the same estimato
          needs the query quantized to a few bit planes (2405.12497 Sec. 3.3), a second error,
          and MLX has no popcount op.
          decode (for the fp16-joining paths) returns the same estimator's vector:
-         y ||k|| / (||y|| <o_bar, o>) in the rotated domain.
+         y scale / <o_bar, o> in the rotated domain; `kernel_decode` is its element j, which the
+         formats' dequant and partial kernels decode in place (`kernels/partial.py`).
 
 The estimator is unbiased but not norm-preserving: decoded keys are longer than the input by
 1/<o_bar, o> (about 1.25 at B = 1), so single scores spread wider than TurboQuant-MSE's.
@@ -65,7 +68,7 @@ class RaBitQCodec(Codec):
         self.rotation = rotation_from_params(params) if params else random_rotation(dim, seed)
         self.offset = (2**bits - 1) / 2  # x_u = y + offset
         self.candidates = rescale_candidates(bits)
-        self.format = Format(f"rabitq_{bits}", dim, dim, (packed("codes", dim, bits), fp16("norm"), fp16("alignment")))
+        self.format = Format(f"rabitq_{bits}", dim, dim, (packed("codes", dim, bits), fp16("scale"), fp16("alignment")))
 
     def _grid_code(self, unit: mx.array) -> mx.array:
         """x_u of the grid point of largest cosine with `unit` (..., D), as uint8."""
@@ -93,34 +96,33 @@ class RaBitQCodec(Codec):
         unit = self.rotation.apply(x) / mx.maximum(norm, 1e-30)
         codes = self._grid_code(unit)
         y = codes.astype(mx.float32) - self.offset
-        alignment = mx.sum(y * unit, axis=-1, keepdims=True) / mx.sqrt(mx.sum(y * y, axis=-1, keepdims=True))
-        return {"codes": pack(codes, self.bits), "norm": norm.astype(mx.float16),
-                "alignment": alignment.astype(mx.float16)}
+        y_norm = mx.sqrt(mx.sum(y * y, axis=-1, keepdims=True))
+        return {"codes": pack(codes, self.bits), "scale": (norm / y_norm).astype(mx.float16),
+                "alignment": (mx.sum(y * unit, axis=-1, keepdims=True) / y_norm).astype(mx.float16)}
 
     def _codes(self, fields) -> mx.array:
         return unpack(fields["codes"], self.bits, self.dim).astype(mx.float32)
 
-    def _factor(self, fields, codes) -> mx.array:
-        """||k|| / (||y|| <o_bar, o>) per token (..., T, 1); 0 for a zero key."""
-        if self.bits == 1:
-            y_norm = math.sqrt(self.dim) / 2
-        else:
-            y = codes - self.offset
-            y_norm = mx.sqrt(mx.sum(y * y, axis=-1, keepdims=True))
+    def _factor(self, fields) -> mx.array:
+        """||k|| / (||y|| <o_bar, o>) = scale / <o_bar, o> per token (..., T, 1); 0 for a zero key."""
         alignment = fields["alignment"].astype(mx.float32)
-        scale = fields["norm"].astype(mx.float32) / (y_norm * mx.where(alignment > 0, alignment, 1.0))
-        return mx.where(alignment > 0, scale, 0.0)
+        factor = fields["scale"].astype(mx.float32) / mx.where(alignment > 0, alignment, 1.0)
+        return mx.where(alignment > 0, factor, 0.0)
 
     def decode(self, fields):
-        codes = self._codes(fields)
-        return (codes - self.offset) * self._factor(fields, codes)
+        return (self._codes(fields) - self.offset) * self._factor(fields)
+
+    def kernel_decode(self, a):
+        """The kernels' element j (`kernels/dequant.py`): `decode`'s (x_u_j - offset) * factor."""
+        code, alignment = a.code("codes", "j"), a.half("alignment", "0")
+        return (f"v = ({alignment} > 0.0f) ? ((float){code} - {self.offset!r}f) * "
+                f"({a.half('scale', '0')} / {alignment}) : 0.0f;")
 
     def score(self, queries, fields):
         """The estimator from the packed codes: queries (B, H, M, D) in the rotated domain against
         the unscaled codes, then the -offset * sum(q') term and the per-token factor."""
-        codes = self._codes(fields)
-        dots = queries @ codes.swapaxes(-1, -2) - self.offset * mx.sum(queries, axis=-1, keepdims=True)
-        return dots * self._factor(fields, codes).swapaxes(-1, -2)
+        dots = queries @ self._codes(fields).swapaxes(-1, -2) - self.offset * mx.sum(queries, axis=-1, keepdims=True)
+        return dots * self._factor(fields).swapaxes(-1, -2)
 
     def to_domain(self, x):
         return self.rotation.apply(x)

@@ -38,7 +38,7 @@ from ..codebooks import dequantize, lloyd_max, quantize
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
 from ..rotations import random_rotation, rotation_from_params, rotation_params
-from .base import Codec, Method, register_method
+from .base import Codec, Method, register_method, split_width_centroid
 from .outliers import calibration_needed
 
 PROBE_BITS = tuple(range(1, 7))
@@ -110,12 +110,8 @@ class RateCodec(Codec):
 
     def kernel_decode(self, a):
         """The kernels' element j (`kernels/dequant.py`): norm * c[code_j], from the wider codes for
-        j < high and the narrower ones after (indices clamped, so that both loads stay in range)."""
-        terms = []
-        for name, start, stop, bits in self._parts():
-            index = f"(j < {start} ? 0 : VQ_MINI(j - {start}, {stop - start - 1}))"
-            terms.append((start, f"{a.table(self.books[bits].centroids)}[{a.code(name, index)}]"))
-        value = terms[0][1] if len(terms) == 1 else f"(j < {terms[1][0]} ? {terms[0][1]} : {terms[1][1]})"
+        j < high and the narrower ones after."""
+        value = split_width_centroid(a, self._parts(), self.books)
         return f"v = {value} * {a.half('norm', '0')};"
 
     def kernel_encode(self, e):

@@ -27,7 +27,7 @@ import numpy as np
 from ..codebooks import dequantize, lloyd_max, quantize
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
-from .base import Codec, Method, register_method
+from .base import Codec, Method, register_method, split_width_centroid
 from .outliers import calibration_needed, per_head
 
 GRID_CODES = 32
@@ -93,6 +93,13 @@ class SpectralCodec(Codec):
                  for name, a, b, bits in self._parts()]
         y = mx.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         return y * self.sigma[:, None, :] * fields["norm"].astype(mx.float32)
+
+    def kernel_decode(self, a):
+        """The kernels' element j (`kernels/dequant.py`): `decode`'s c[code_j] * sigma_j * norm, with
+        sigma from the row of kv head bh % H (the kernels' row bh is batch * H + head)."""
+        value = split_width_centroid(a, self._parts(), self.books)
+        sigma = a.table(np.array(self.sigma).reshape(-1))
+        return f"v = {value} * {sigma}[(bh % {self.heads}) * {self.dim} + j] * {a.half('norm', '0')};"
 
     def to_domain(self, x):
         return x.astype(mx.float32) @ per_head(self.basis, x)
