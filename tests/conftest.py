@@ -155,6 +155,32 @@ def assert_engine_paths_agree(model, config, tokens, settings=None):
     assert mx.allclose(generic(q), plain, rtol=1e-3, atol=1e-4).item()
 
 
+def assert_format_kernels_agree(model, config, tokens):
+    """Caches of `config` on `model` fed `tokens` (90 prefill, 10 decode): in every layer the dequant
+    kernel (emulated) equals the codecs' `decode` bit for bit, and the formats' partial kernel, with
+    the fp16 sinks / window where the config has them, equals the engine's MLX-ops decode of the
+    same codes."""
+    from veloxquant_mlx import EngineSettings, KVCacheBuilder, engine
+    from veloxquant_mlx.kernels import dequant, ops, partial
+
+    caches = KVCacheBuilder(config).for_model(model).build(settings=EngineSettings.resolve(backend="portable"))
+    model(tokens[None, :90], cache=caches)
+    for i in range(90, 100):
+        model(tokens[None, i : i + 1], cache=caches)
+    for c in caches:
+        c.flush()
+        for role, codec in (("keys", c.key_codec), ("values", c.value_codec)):
+            assert dequant.supported(codec), role
+            out = dequant.dequantize(ops.runner("emulator"), c.store, role, codec, c.encoded, mx.float32)
+            assert mx.array_equal(out, codec.decode(c.store.fields(role))).item(), role
+    h = caches[1]._history()
+    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
+    ref = engine.compiled_decode(h, q, 0.2, compiled=False)
+    h.settings = h.settings.replace(backend="emulator")
+    out = partial.decode(h, q, 0.2, chunk=partial.THREADS)
+    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+
+
 def emulate_gpu_kernels(monkeypatch, launched=None):
     """Run the weights' GPU kernel launches (`mx.fast.cuda_kernel`) through the C++ emulation of the
     same kernel text instead; each launched kernel's name is appended to `launched`."""

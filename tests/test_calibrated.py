@@ -7,7 +7,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_engine_paths_agree, assert_partial_kernel_compiles, random_sequences, tiny_gemma3, tiny_llama
+from conftest import (assert_engine_paths_agree, assert_format_kernels_agree, assert_partial_kernel_compiles,
+                      random_sequences, tiny_gemma3, tiny_llama)
 
 from veloxquant_mlx.artifacts import ArtifactError, CodecSet
 from veloxquant_mlx.calibration import calibrate, capture
@@ -489,29 +490,9 @@ def test_calibrated_formats_take_the_formats_kernels(small, tmp_path, name):
     """spectralquant's and the outliers option's decode snippets (their own files): the dequant kernel
     (emulated) equals `decode` bit for bit in every layer, and the formats' partial kernel, with the
     fp16 sinks / window where the spec has them, equals the engine's MLX-ops decode of the same codes."""
-    from veloxquant_mlx import EngineSettings, engine
-    from veloxquant_mlx.kernels import dequant, ops, partial
-
     config = CALIBRATED_SPECS[name]
     calibrate(small, config, _sequences(), tmp_path, progress=False)
-    caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path))).for_model(small).build(
-        settings=EngineSettings.resolve(backend="portable"))
-    tokens = _sequences(1, 100, seed=8)[0]
-    small(tokens[None, :90], cache=caches)
-    for i in range(90, 100):
-        small(tokens[None, i : i + 1], cache=caches)
-    for c in caches:
-        c.flush()
-        for role, codec in (("keys", c.key_codec), ("values", c.value_codec)):
-            assert dequant.supported(codec), (name, role)
-            out = dequant.dequantize(ops.runner("emulator"), c.store, role, codec, c.encoded, mx.float32)
-            assert mx.array_equal(out, codec.decode(c.store.fields(role))).item(), (name, role)
-    h = caches[1]._history()
-    q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(5))
-    ref = engine.compiled_decode(h, q, 0.2, compiled=False)
-    h.settings = h.settings.replace(backend="emulator")
-    out = partial.decode(h, q, 0.2, chunk=partial.THREADS)
-    assert float(mx.max(mx.abs(out - ref))) <= 2e-5 * float(mx.max(mx.abs(ref)))
+    assert_format_kernels_agree(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 100, seed=8)[0])
 
 
 @pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
@@ -537,16 +518,20 @@ def test_spectral_snippet_reads_each_kv_heads_spectrum_at_batch_two():
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("name", ["spectral", "mse+outliers"])
+@pytest.mark.parametrize("name", ["spectral", "mse+outliers", "vecinfer"])
 def test_calibrated_partial_kernels_compile_with_nvcc(name, tmp_path):
-    """spectralquant's and the outliers option's partial kernel for the 8B shape (head dim 128, 8 kv
-    heads, GQA 4) compiles for sm_90 without spills, in the shared memory it counts."""
+    """spectralquant's, vecinfer's and the outliers option's partial kernel for the 8B shape (head dim
+    128, 8 kv heads, GQA 4) compiles for sm_90 without spills, in the shared memory it counts."""
     from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
+    from veloxquant_mlx.methods.vecinfer import ProductVQCodec, learn_codebooks
     from veloxquant_mlx.storage import row_layout, store_for
 
     calibration = mx.random.normal((8, 400, 128), key=mx.random.key(3)) * mx.exp(-mx.arange(128) / 24)
     if name == "spectral":
         key_codec = value_codec = SpectralCodec(128, 3, learn_basis(calibration, 3))
+    elif name == "vecinfer":  # 2 bits: 256 centroids of 4 coordinates per head and sub-vector
+        key_codec = ProductVQCodec(128, 8, learn_codebooks(calibration, 4, 8, 0, mx.ones((8, 128))))
+        value_codec = MSECodec(128, 3, 2)
     else:
         key_codec = OutlierCodec(MSECodec(120, 3, 1), top_channels(calibration, 8), 128)
         value_codec = MSECodec(128, 4, 2)

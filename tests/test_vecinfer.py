@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_engine_paths_agree, random_sequences
+from conftest import assert_engine_paths_agree, assert_format_kernels_agree, random_sequences
 
 from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
@@ -198,6 +198,17 @@ def test_engine_paths_agree(small, tmp_path, name):
     config = SPECS[name]
     calibrate(small, config, _sequences(), tmp_path, progress=False)
     assert_engine_paths_agree(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 100, seed=8)[0])
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+@pytest.mark.parametrize("name", ["keys-vq", "window"])
+def test_format_kernels_decode_the_codebooks_in_place(small, tmp_path, name):
+    """The decode snippet (per-head, per-sub-vector codebooks as one table): the dequant kernel equals
+    `decode` and the formats' partial kernel the engine's ops decode (emulated; vq values in "window")."""
+    config = SPECS[name]
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    assert_format_kernels_agree(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 100, seed=8)[0])
 
 
 def test_artifacts_and_prompt_cache_round_trip(small, tmp_path):

@@ -209,6 +209,15 @@ class ProductVQCodec(Codec):
         vectors = mx.take(self.table, codes + self.offsets[:, None, :], axis=0)  # (B, H, T, S, sub_dim)
         return vectors.reshape(*codes.shape[:-1], self.dim)
 
+    def kernel_decode(self, a):
+        """The kernels' element j (`kernels/dequant.py`): element j % sub_dim of centroid code_m of
+        sub-vector m = j / sub_dim of kv head bh % H (the kernels' row bh is batch * H + head): the
+        row `decode` gathers from `table`."""
+        sub = self.sub_dim
+        code = a.code("codes", f"j / {sub}")
+        row = f"((bh % {self.heads}) * {self.subvectors} + j / {sub}) * {self.centroids} + {code}"
+        return f"v = {a.table(np.array(self.table).reshape(-1))}[({row}) * {sub} + j % {sub}];"
+
     def lookup_tables(self, queries: mx.array) -> mx.array:
         """Per-query tables of sub-vector inner products: queries (B, H, M, D) in the domain ->
         (B, H, M, S * 2^c), entry (m, c) = queries_m . C_m[c]."""
