@@ -772,13 +772,16 @@ def test_format_encoder_takes_only_codecs_with_snippets():
 
     assert encode.supported(*codecs("turboquant_rvq", 128))
     assert not encode.supported(*codecs("turboquant_rvq", 96))  # a dense rotation: no kernel FWHT
-    assert not encode.supported(*codecs("rabitq", 128))  # no encode snippet
+    from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
+
+    spectral = SpectralCodec(128, 3, learn_basis(mx.random.normal((2, 300, 128), key=mx.random.key(1)), 3))
+    assert not encode.supported(RowLayout.of(spectral.format, spectral.format), spectral, spectral)  # no encode snippet
     layout, kc, vc = codecs("kivi", 128, group_size=32)
     assert layout is None and not encode.supported(None, kc, vc)  # per-block key scales: no snippet
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("method, options", encode.CHECK_FORMATS,
+@pytest.mark.parametrize("method, options", encode.CHECK_FORMATS + (("rabitq", {"bits": 3, "value_bits": 4}),),
                          ids=lambda v: v if isinstance(v, str) else None)
 def test_format_encode_kernel_compiles_with_nvcc(method, options, tmp_path):
     from veloxquant_mlx.methods import get_method

@@ -155,3 +155,32 @@ def test_generates_coherent_text_on_smollm2(smollm2):
     caches = KVCacheBuilder(KVCacheConfig(method="rabitq", bits=2, value_bits=4, center=True)).for_model(model).build()
     text = generate(model, tokenizer, prompt, max_tokens=24, prompt_cache=caches)
     assert "Paris" in text, text
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+@pytest.mark.parametrize("bits", [1, 3])
+def test_encode_kernel_stores_what_encode_does(bits):
+    """The encode snippet (emulated, head dim 128, fp16 inputs): the rows of `encode`. A B-bit code is
+    the best of 24 rescalings by two block sums each, summed in another order than MLX's, so a token
+    whose two best cosines lie within float rounding may take the other code: at most 1% of tokens,
+    each with a cosine within 1e-3 of `encode`'s; every other token's codes and scalars are `encode`'s."""
+    from veloxquant_mlx.kernels import encode, ops
+    from veloxquant_mlx.storage import row_layout
+
+    kc, vc = RaBitQCodec(128, bits, 1), MSECodec(128, 3, 2)
+    layout = row_layout(kc, vc)
+    assert encode.supported(layout, kc, vc)
+    keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(bits)).astype(mx.float16)
+    values = mx.random.normal((1, 2, 300, 128), key=mx.random.key(9)).astype(mx.float16)
+    got, _ = layout.views(encode.encode_rows(ops.runner("emulator"), layout, kc, vc, keys, values))
+    ref = kc.encode(keys)
+    same = mx.all(got["codes"] == ref["codes"], axis=-1)  # (1, 2, 300) tokens with equal codes
+    assert float(mx.mean(same)) >= 0.99
+    for name in ("scale", "alignment"):
+        a, b = got[name].astype(mx.float32)[..., 0], ref[name].astype(mx.float32)[..., 0]
+        assert float(mx.max(mx.where(same, mx.abs(a - b) / mx.abs(b), 0.0))) <= 2 ** -10, name
+    cosines = got["alignment"].astype(mx.float32)[..., 0], ref["alignment"].astype(mx.float32)[..., 0]
+    assert float(mx.max(mx.where(same, 0.0, mx.abs(cosines[0] - cosines[1])))) <= 1e-3
+    if bits == 1:  # one code, no search: the same rows
+        assert bool(mx.all(same).item())

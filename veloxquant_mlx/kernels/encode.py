@@ -308,6 +308,8 @@ CHECK_FORMATS = (
     ("qjl", {"bits": 2, "value_bits": 4, "group_size": 48}),  # a sketch; per-group value scales, ragged
     ("turboquant_prod", {"bits": 3, "value_bits": 4}),  # mse stage, un-rotated residual, sketch
     ("polarquant", {"bits": 4, "value_bits": 3}),  # a code stream of several widths, atan2
+    ("rabitq", {"bits": 1, "value_bits": 4}),  # sign codes and two scalars (B > 1 adds a search whose
+    # near-ties may round either way: tests/test_rabitq.py checks those codes)
 )
 
 

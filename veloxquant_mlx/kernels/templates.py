@@ -79,6 +79,9 @@ VQ_INLINE uint32_t vq_half_word(float x) { return (uint32_t)__half_as_ushort(__f
 #define VQ_ISFINITE(x) isfinite(x)
 #define VQ_ATAN2(y, x) atan2f((y), (x))
 #define VQ_ROUND(x) rintf(x)
+#define VQ_FLOOR(x) floorf(x)
+#define VQ_MINF(a, b) fminf((a), (b))
+#define VQ_ABSF(x) fabsf(x)
 VQ_INLINE uint32_t vq_pack_half2(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&h);
@@ -144,6 +147,9 @@ VQ_INLINE uint32_t vq_half_word(float x) { return (uint32_t)as_type<ushort>(half
 #define VQ_ISFINITE(x) metal::isfinite(x)
 #define VQ_ATAN2(y, x) metal::precise::atan2((y), (x))
 #define VQ_ROUND(x) metal::rint(x)
+#define VQ_FLOOR(x) metal::floor(x)
+#define VQ_MINF(a, b) metal::fmin((a), (b))
+#define VQ_ABSF(x) metal::fabs(x)
 #define VQ_LOAD_U4(dst, src) { const uint4 v_ = *((const device uint4*)(src)); \
   (dst)[0] = v_.x; (dst)[1] = v_.y; (dst)[2] = v_.z; (dst)[3] = v_.w; }
 #define VQ_UNROLL8 _Pragma("unroll 8")
@@ -205,6 +211,9 @@ inline uint32_t vq_half_word(float x) { return std::bit_cast<uint16_t>(static_ca
 #define VQ_ISFINITE(x) std::isfinite(x)
 #define VQ_ATAN2(y, x) std::atan2((y), (x))
 #define VQ_ROUND(x) std::nearbyint(x)
+#define VQ_FLOOR(x) std::floor(x)
+#define VQ_MINF(a, b) std::fmin((a), (b))
+#define VQ_ABSF(x) std::fabs(x)
 inline uint32_t vq_pack_half2(float lo, float hi) {
   return static_cast<uint32_t>(std::bit_cast<uint16_t>(static_cast<_Float16>(lo))) |
          (static_cast<uint32_t>(std::bit_cast<uint16_t>(static_cast<_Float16>(hi))) << 16);

@@ -37,6 +37,7 @@ Values: TurboQuant-MSE codes at `value_bits` (`turboquant_mse.MSECodec`), e.g. `
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
@@ -117,6 +118,33 @@ class RaBitQCodec(Codec):
         code, alignment = a.code("codes", "j"), a.half("alignment", "0")
         return (f"v = ({alignment} > 0.0f) ? ((float){code} - {self.offset!r}f) * "
                 f"({a.half('scale', '0')} / {alignment}) : 0.0f;")
+
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps, the best of the
+        rescalings t_c chosen by two block sums each (the first largest cosine, as `mx.argmax`)."""
+        from .turboquant_mse import kernel_rotated_unit
+
+        norm, unit = kernel_rotated_unit(e, self.rotation)
+        upper = 2 ** (self.bits - 1)
+        level = "0.0f"
+        if self.bits > 1:
+            magnitude, best, best_t = e.var(), e.var(), e.var()
+            e.emit(f"const float {magnitude} = VQ_ABSF({unit}) * {math.sqrt(self.dim)!r}f;")
+            e.emit(f"float {best} = VQ_NEG_INF, {best_t} = 0.0f;")
+            for t in np.array(self.candidates).tolist():  # float32 values, written exactly
+                half = f"(VQ_MINF(VQ_FLOOR({magnitude} * {t!r}f), {upper - 1}.0f) + 0.5f)"
+                num, den = e.sum(f"{half} * {magnitude}"), e.sum(f"{half} * {half}")
+                e.emit(f"{{ const float c_ = {num} / VQ_SQRT({den}); if (c_ > {best}) {{ {best} = c_; {best_t} = {t!r}f; }} }}")
+            level = f"VQ_MINF(VQ_FLOOR({magnitude} * {best_t}), {upper - 1}.0f)"
+        code, y = e.var(), e.var()
+        e.emit(f"const uint32_t {code} = (uint32_t)({unit} >= 0.0f ? {upper}.0f + {level} : {upper - 1}.0f - {level});")
+        e.emit(f"const float {y} = (float){code} - {self.offset!r}f;")
+        e.code("codes", code)
+        y_norm = e.var()
+        e.emit(f"const float {y_norm} = VQ_SQRT({e.sum(f'{y} * {y}')});")
+        alignment = e.sum(f"{y} * {unit}")
+        e.half("scale", f"{norm} / {y_norm}")
+        e.half("alignment", f"{alignment} / {y_norm}")
 
     def score(self, queries, fields):
         """The estimator from the packed codes: queries (B, H, M, D) in the rotated domain against
