@@ -247,6 +247,18 @@ def assert_partial_kernel_compiles(store, key_codec, value_codec, rep, tmp_path,
     assert smem <= partial.SHARED_LIMIT and abs(smem - counted) <= 16, (smem, counted)
 
 
+def compile_encode_kernel(plan, tmp_path):
+    """The encode kernel of `plan` (fp16 inputs) builds for sm_90 without spills."""
+    from veloxquant_mlx.kernels import templates
+
+    spec = templates.KERNELS[plan.kernel]
+    inputs = {"kx": "float16", "vx": "float16", "tab": "float32", "emeta": "int32"}
+    src = tmp_path / "encode.cu"
+    src.write_text(templates.render_cuda(plan.kernel, plan.template, {name: inputs[name] for name in spec["inputs"]},
+                                         dict(zip(spec["outputs"], plan.output_dtypes)), mlx_header=False))
+    compile_cuda_without_spills(src, tmp_path / "encode.o")
+
+
 def random_rows(rows, dim, seed=0, dtype=None):
     """(rows, dim) standard normal values from numpy's seeded generator, as an MLX array of `dtype`."""
     import numpy as np

@@ -14,7 +14,7 @@ import shutil
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import assert_partial_kernel_compiles, compile_cuda_without_spills
+from conftest import assert_partial_kernel_compiles, compile_cuda_without_spills, compile_encode_kernel
 
 from veloxquant_mlx import KVCacheConfig, kernels
 from veloxquant_mlx.cache import CompressedKVCache
@@ -791,12 +791,7 @@ def test_format_encode_kernel_compiles_with_nvcc(method, options, tmp_path):
     kc, vc = get_method(method).key_codec(config, 128), get_method(method).value_codec(config, 128)
     layout = row_layout(kc, vc)  # the store's: rows, or one output per field
     plan = encode.plan(layout, kc, vc, 8, "float16")
-    outputs = dict(zip(templates.KERNELS[plan.kernel]["outputs"], plan.output_dtypes))
-    src = tmp_path / "encode.cu"
-    src.write_text(templates.render_cuda(plan.kernel, plan.template, {"kx": "float16", "vx": "float16",
-                                                                      "tab": "float32"},
-                                         outputs, mlx_header=False))
-    compile_cuda_without_spills(src, tmp_path / "encode.o")
+    compile_encode_kernel(plan, tmp_path)
 
 
 def test_codecs_declare_how_their_domain_is_left():

@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from conftest import assert_engine_paths_agree, assert_format_kernels_agree, random_sequences
+from conftest import assert_engine_paths_agree, assert_format_kernels_agree, compile_encode_kernel, random_sequences
 
 from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
@@ -209,6 +209,44 @@ def test_format_kernels_decode_the_codebooks_in_place(small, tmp_path, name):
     config = SPECS[name]
     calibrate(small, config, _sequences(), tmp_path, progress=False)
     assert_format_kernels_agree(small, config.replace(artifact_dir=str(tmp_path)), _sequences(1, 100, seed=8)[0])
+
+
+def _head_dim_128_codecs(smooth: bool):
+    """A 2-bit key codec of two kv heads with codebooks (and smoothing) that differ per head, and
+    turboquant_mse values."""
+    from veloxquant_mlx.methods.turboquant_mse import MSECodec
+
+    calibration = mx.random.normal((2, 600, 128), key=mx.random.key(3)) * mx.exp(-mx.arange(128) / 48)
+    scales = mx.exp(0.3 * mx.random.normal((2, 128), key=mx.random.key(5))) if smooth else None
+    return ProductVQCodec(128, 8, learn_codebooks(calibration, 4, 8, 0, scales)), MSECodec(128, 3, 2)
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+@pytest.mark.parametrize("smooth", [True, False], ids=["smooth", "plain"])
+def test_encode_kernel_stores_what_encode_does(smooth):
+    """The encode snippet (emulated; batch 2, two kv heads with their own codebooks and scales): the
+    rows of `encode`, whose nearest-centroid search it runs in the kernel."""
+    from veloxquant_mlx.kernels import encode, ops
+    from veloxquant_mlx.storage import row_layout
+
+    kc, vc = _head_dim_128_codecs(smooth)
+    layout = row_layout(kc, vc)
+    assert encode.supported(layout, kc, vc)
+    keys = (mx.random.normal((2, 2, 50, 128), key=mx.random.key(1)) * mx.exp(-mx.arange(128) / 48)).astype(mx.float16)
+    values = mx.random.normal((2, 2, 50, 128), key=mx.random.key(2)).astype(mx.float16)
+    rows = encode.encode_rows(ops.runner("emulator"), layout, kc, vc, keys, values)
+    want = layout.pack(kc.encode(keys), vc.encode(values))
+    assert float(mx.mean(rows == want)) >= encode.CHECK_MIN_EQUAL
+
+
+@pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
+def test_encode_kernel_compiles_with_nvcc(tmp_path):
+    from veloxquant_mlx.kernels import encode
+    from veloxquant_mlx.storage import row_layout
+
+    kc, vc = _head_dim_128_codecs(True)
+    compile_encode_kernel(encode.plan(row_layout(kc, vc), kc, vc, 8, "float16"), tmp_path)
 
 
 def test_artifacts_and_prompt_cache_round_trip(small, tmp_path):

@@ -14,7 +14,8 @@ t of a block runs for element t of one token's vector (keys or values, already c
 branch around it; `e.rotated()` is the codec's seeded-sign Hadamard rotation of the vector;
 `e.nearest(var, boundaries)` the index of the nearest of sorted centroids, as
 `codebooks.quantize`; `e.code(field, var)` and `e.half(field, expr)` store the thread's code
-and a token scalar. The template packs the codes into the row's words at the layout's slots.
+and a token scalar; `e.head()` is the token's kv head, for per-head constants (the kernel then
+takes the tokens per head and the heads as an input, `emeta`). The template packs the codes into the row's words at the layout's slots.
 One block per token and role: grid (N * NTH, 2), block row 0 keys, 1 values.
 """
 
@@ -29,6 +30,7 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
+from ..engine import small_array
 from ..formats import FLOAT16, PACKED
 from ..rotations import HadamardRotation
 from . import launch, ops, templates
@@ -57,11 +59,17 @@ class Emit(ConstantTables):
         self.halves = set()  # fp16 fields stored
         self._n = 0
         self.x = "x"
+        self.uses_head = False
 
     def var(self) -> str:
         """A fresh C variable name."""
         self._n += 1
         return f"e{self._n}"
+
+    def head(self) -> str:
+        """The C expression of the token's kv head: tokens come flattened from (B, H, T)."""
+        self.uses_head = True
+        return "((n / emeta[0]) % emeta[1])"
 
     def emit(self, line: str):
         self.lines.append("    " + line)
@@ -231,6 +239,7 @@ class Program:
     threads: int
     p2: int
     codes: int
+    per_head: bool  # a snippet reads per-head constants: the `emeta` input (T, H)
 
 
 def supported(layout, key_codec, value_codec) -> bool:
@@ -261,13 +270,15 @@ def program(layout, key_codec, value_codec) -> Program:
                " = VQ_CAST(vq_half, 0.0f);")
     body = _BODY.replace("@KEYS", key_snippet).replace("@VALUES", value_snippet).replace("@PAD", pad)
     name = "encode_" + hashlib.sha1((body + repr(outputs)).encode()).hexdigest()[:16]
+    per_head = keys.uses_head or values.uses_head
     if name not in templates.KERNELS:
-        templates.KERNELS[name] = {"body": body, "inputs": ("kx", "vx", "tab"), "outputs": outputs}
+        templates.KERNELS[name] = {"body": body, "inputs": ("kx", "vx", "tab") + (("emeta",) if per_head else ()),
+                                   "outputs": outputs}
     tables = keys.tables + values.tables
     tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
     mx.eval(tab)
     return Program(name, tab, max(key_codec.dim, value_codec.dim), max(keys.p2, values.p2),
-                   max(1, keys.code_slots, values.code_slots))
+                   max(1, keys.code_slots, values.code_slots), per_head)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -286,7 +297,12 @@ def _launch(run, layout, key_codec, value_codec, keys: mx.array, values: mx.arra
     *lead, _ = keys.shape
     keys, values = ops.encode_inputs(keys, values)
     plan_ = plan(layout, key_codec, value_codec, math.prod(lead), launch.dtype_name(keys.dtype))
-    return run(plan_, [keys, values, prog.tables], [(*lead, shape[-1]) for shape in plan_.output_shapes])
+    inputs = [keys, values, prog.tables]
+    if prog.per_head:
+        if len(lead) != 3:
+            raise ValueError(f"per-head encode snippets take (B, H, T, D) inputs, got shape {keys.shape}")
+        inputs.append(small_array((lead[2], lead[1])))
+    return run(plan_, inputs, [(*lead, shape[-1]) for shape in plan_.output_shapes])
 
 
 def encode_rows(run, layout, key_codec, value_codec, keys: mx.array, values: mx.array) -> mx.array:

@@ -218,6 +218,27 @@ class ProductVQCodec(Codec):
         row = f"((bh % {self.heads}) * {self.subvectors} + j / {sub}) * {self.centroids} + {code}"
         return f"v = {a.table(np.array(self.table).reshape(-1))}[({row}) * {sub} + j % {sub}];"
 
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): u = R (x / s) in shared memory, then
+        thread m < S searches sub-vector m's codebook of the token's head, as `nearest_centroid`
+        (||c||^2 - 2 u_m . c, the first smallest)."""
+        head = e.head()
+        if self.smooth is not None:
+            scaled = e.var()
+            e.emit(f"const float {scaled} = {e.x} / {e.table(np.array(self.smooth).reshape(-1))}[{head} * {self.dim} + t];")
+            e.x = scaled
+        u = e.shared(e.rotated(self.rotation))
+        books = e.table(np.array(self.table).reshape(-1))
+        norms = e.table(np.array(mx.sum(self.codebooks * self.codebooks, axis=-1)).reshape(-1))
+        code, sub, count = e.var(), self.sub_dim, self.centroids
+        e.emit(f"uint32_t {code} = 0u;")
+        e.emit(f"if (t < {self.subvectors}) {{ const int g_ = {head} * {self.subvectors} + t; float best_ = -VQ_NEG_INF;")
+        e.emit(f"  for (int c_ = 0; c_ < {count}; ++c_) {{ float d_ = 0.0f;")
+        e.emit(f"    for (int k_ = 0; k_ < {sub}; ++k_) d_ += {u}[t * {sub} + k_] * {books}[(g_ * {count} + c_) * {sub} + k_];")
+        e.emit(f"    const float dist_ = {norms}[g_ * {count} + c_] - 2.0f * d_;")
+        e.emit(f"    if (dist_ < best_) {{ best_ = dist_; {code} = (uint32_t)c_; }} }} }}")
+        e.code("codes", code)
+
     def lookup_tables(self, queries: mx.array) -> mx.array:
         """Per-query tables of sub-vector inner products: queries (B, H, M, D) in the domain ->
         (B, H, M, S * 2^c), entry (m, c) = queries_m . C_m[c]."""
