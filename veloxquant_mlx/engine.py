@@ -160,6 +160,12 @@ def plain_mask(mask) -> bool:
     return mask is None or (isinstance(mask, str) and mask == "causal")
 
 
+# Entries of the caches keyed by codecs (compiled steps, kernel programs, encoders): calibrated
+# methods have codecs per layer (80 layers in Llama-3.1-70B) and a decode step asks for every
+# layer's, so a smaller cache would be evicted, and every entry built again, at each step.
+CODEC_KEYED = 1024
+
+
 # ---- encoding rows -------------------------------------------------------------------------------
 
 _ENCODERS: List[Tuple[Callable, Callable]] = []
@@ -205,7 +211,7 @@ class RowEncoder:
         return self._centered(keys, values, key_mean, value_mean)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> RowEncoder:
     encode = _registered_encoder(layout, key_codec, value_codec, settings)
     if encode is None:
@@ -214,7 +220,7 @@ def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> Row
     return RowEncoder(encode, settings.compile_step and settings.backend != "emulator")
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def field_encoder(key_codec, value_codec, settings: EngineSettings) -> Callable:
     """(keys, values) (already centered) -> (key fields, value fields) for a `FieldStore`."""
     encode = _registered_encoder(None, key_codec, value_codec, settings)
@@ -309,7 +315,7 @@ def _slice_fields(fields, per_row, start: int, stop: int):
     return {name: buf[..., start // per_row[name] : stop // per_row[name], :] for name, buf in fields.items()}
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], per_row, capacity: int,
                out_shape: Tuple[int, ...], out_dtype, scale: float, fp16_parts: int, centered: bool,
                compiled: bool = True, first_position: int = 0):
@@ -415,7 +421,7 @@ def fp16_into_domains(key_codec, value_codec, keys: mx.array, values: mx.array, 
     return keys.astype(dtype), value_codec.to_domain(values).astype(dtype)
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def _decoded_history_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], fp16_parts: int,
                         centered: bool, dtype):
     def decoded(key_bufs, value_bufs, fp16, key_mean, value_mean):
@@ -450,7 +456,7 @@ def _out_of_value_domain_fn(value_codec, kv_heads: int, centered: bool, out_dtyp
     return mx.compile(out_of_domain)
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def _attend_decoded_fn(key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
                        fp16_parts: int, centered: bool):
     def step(queries, keys, values, count, fp16, key_mean, value_mean):

@@ -23,7 +23,7 @@ from typing import List, Tuple
 import mlx.core as mx
 import numpy as np
 
-from ..engine import small_array
+from ..engine import CODEC_KEYED, small_array
 from ..formats import PACKED
 from ..storage import RowStore
 from . import launch, templates
@@ -216,7 +216,7 @@ class Program:
     domain_dim: int
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def _program(layout, role: str, codec) -> Program:
     access = Access(layout, role, codec)
     snippet = access.snippet()

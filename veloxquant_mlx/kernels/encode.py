@@ -30,7 +30,7 @@ from typing import List
 import mlx.core as mx
 import numpy as np
 
-from ..engine import small_array
+from ..engine import CODEC_KEYED, small_array
 from ..formats import FLOAT16, PACKED
 from ..rotations import HadamardRotation
 from . import launch, ops, templates
@@ -256,7 +256,7 @@ def supported(layout, key_codec, value_codec) -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def program(layout, key_codec, value_codec) -> Program:
     keys = Emit(layout, "keys", key_codec)
     key_snippet = keys.snippet()

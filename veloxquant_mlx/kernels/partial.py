@@ -271,7 +271,7 @@ def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value
     return keys, values, tile_words, key_snippet, value_snippet, (scale, offset), vfold
 
 
-@functools.lru_cache(maxsize=128)
+@functools.lru_cache(maxsize=engine.CODEC_KEYED)
 def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool, scalars: bool = True,
              shared_tables: bool = True) -> Program:
     """`scalars`: stage a field store's fp16 scalars in shared memory; `shared_tables`: copy the
@@ -337,7 +337,7 @@ def program(store, key_codec, value_codec, rep: int, backend: Optional[str] = No
                             backend)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=engine.CODEC_KEYED)
 def _fitting_program(layout, key_codec, value_codec, rep: int, backend: Optional[str]) -> Program:
     """`program`'s choice, made once per layout, codecs, heads and back end (decode steps ask every layer)."""
     g = value_group(value_codec.format.domain_dim, rep)
@@ -433,7 +433,7 @@ def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=
     return Launch((prog.kernel, template, kv_rows, rep, prog.value_dim, splits), tuple(arrays) + (prog.tables, meta))
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=engine.CODEC_KEYED)
 def _tokens_in_merge(value_codec, value_dim: int, out_dim: int, fp16_parts: int) -> bool:
     """Whether the merge kernel attends to the fp16 sinks / window itself (and gets them as held):
     where it can leave the value domain. One launch instead of a dozen small ops per layer and step.
@@ -443,7 +443,7 @@ def _tokens_in_merge(value_codec, value_dim: int, out_dim: int, fp16_parts: int)
     return fp16_parts >= 0 and out_dim == value_dim and merge_domain(value_codec, value_dim) is not None
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=engine.CODEC_KEYED)
 def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
              fp16_parts: int, centered: bool, compiled: bool, window_buffer: bool = False):
     """`window_buffer`: the window comes as a buffer of fixed capacity, with the merge kernel's

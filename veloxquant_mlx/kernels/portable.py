@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from ..engine import merge_partials, plain_partial
+from ..engine import CODEC_KEYED, merge_partials, plain_partial
 from ..packing import unpack
 
 PORTABLE_CHUNK = 4096
@@ -136,7 +136,7 @@ def merge(o: mx.array, ml: mx.array, h, queries: mx.array, scale: float) -> mx.a
     return fn(o, ml, queries, *fp16, h.value_mean if h.value_mean is not None else ml)  # unused when None
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def _merge_with_plain_fn(value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float, centered: bool):
     def merged(o, ml, queries, keys, values, value_mean):
         plain = plain_partial(queries, keys, values, scale)

@@ -35,7 +35,7 @@ import functools
 
 import mlx.core as mx
 
-from ..engine import attention_dtype, fp16_tokens, plain_partial, small_array
+from ..engine import CODEC_KEYED, attention_dtype, fp16_tokens, plain_partial, small_array
 from . import launch, ops
 
 
@@ -45,7 +45,7 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
     return rows
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=CODEC_KEYED)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
              scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False,
              chunk=None, key_scale_heads: int = 0):
