@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import (assert_engine_paths_agree, assert_format_kernels_agree, assert_partial_kernel_compiles,
-                      random_sequences, tiny_gemma3, tiny_llama)
+                      compile_encode_kernel, random_sequences, tiny_gemma3, tiny_llama)
 
 from veloxquant_mlx.artifacts import ArtifactError, CodecSet
 from veloxquant_mlx.calibration import calibrate, capture
@@ -497,10 +497,11 @@ def test_calibrated_formats_take_the_formats_kernels(small, tmp_path, name):
 
 @pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
                     reason="no C++20 compiler for the kernel emulator")
-def test_spectral_snippet_reads_each_kv_heads_spectrum_at_batch_two():
-    """The kernels' row bh is batch * H + head: spectralquant's snippet takes head bh % H's sigma
-    (two widths at head dim 128, batch 2, spectra that differ per head)."""
-    from veloxquant_mlx.kernels import dequant, ops
+def test_spectral_snippets_read_each_kv_heads_basis_at_batch_two():
+    """Tokens come to the kernels flattened over batch and heads: spectralquant's decode snippet takes
+    head bh % H's sigma and its encode snippet head (n / T) % H's basis and sigma (two widths at head
+    dim 128, batch 2, spectra that differ per head): the rows of `encode`, and `decode` bit for bit."""
+    from veloxquant_mlx.kernels import dequant, encode, ops
     from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
     from veloxquant_mlx.storage import row_layout, store_for
 
@@ -510,9 +511,12 @@ def test_spectral_snippet_reads_each_kv_heads_spectrum_at_batch_two():
     assert codec.high and codec.hi_bits != codec.lo_bits
     keys = mx.random.normal((2, 2, 9, 128), key=mx.random.key(4)) * skew[None, :, None, :]
     layout = row_layout(codec, codec)
-    store = store_for(codec, codec, lambda k, v: layout.pack(codec.encode(k), codec.encode(v)), None)
+    assert encode.supported(layout, codec, codec)
+    store = store_for(codec, codec, lambda k, v: encode.encode_rows(ops.runner("emulator"), layout, codec, codec, k, v), None)
     store.append(keys, keys)
     store.flush()
+    want = layout.pack(codec.encode(keys), codec.encode(keys))
+    assert float(mx.mean(store.rows[..., :9, :] == want)) >= encode.CHECK_MIN_EQUAL
     out = dequant.dequantize(ops.runner("emulator"), store, "keys", codec, 9, mx.float32)
     assert mx.array_equal(out, codec.decode(store.fields("keys"))).item()
 
@@ -521,7 +525,9 @@ def test_spectral_snippet_reads_each_kv_heads_spectrum_at_batch_two():
 @pytest.mark.parametrize("name", ["spectral", "mse+outliers", "vecinfer"])
 def test_calibrated_partial_kernels_compile_with_nvcc(name, tmp_path):
     """spectralquant's, vecinfer's and the outliers option's partial kernel for the 8B shape (head dim
-    128, 8 kv heads, GQA 4) compiles for sm_90 without spills, in the shared memory it counts."""
+    128, 8 kv heads, GQA 4) compiles for sm_90 without spills, in the shared memory it counts, and so
+    does the encode kernel of those with encode snippets."""
+    from veloxquant_mlx.kernels import encode
     from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
     from veloxquant_mlx.methods.vecinfer import ProductVQCodec, learn_codebooks
     from veloxquant_mlx.storage import row_layout, store_for
@@ -541,6 +547,9 @@ def test_calibrated_partial_kernels_compile_with_nvcc(name, tmp_path):
     store.append(keys, keys)
     store.flush()
     assert_partial_kernel_compiles(store, key_codec, value_codec, 4, tmp_path)
+    if encode.supported(layout, key_codec, value_codec):  # spectralquant, vecinfer (with mse values)
+        compile_encode_kernel(encode.plan(layout, key_codec, value_codec, 8, "float16"), tmp_path)
+    assert encode.supported(layout, key_codec, value_codec) == (name != "mse+outliers")
 
 
 def test_describe_names_ratequants_budgets_not_its_nominal_widths():

@@ -772,10 +772,11 @@ def test_format_encoder_takes_only_codecs_with_snippets():
 
     assert encode.supported(*codecs("turboquant_rvq", 128))
     assert not encode.supported(*codecs("turboquant_rvq", 96))  # a dense rotation: no kernel FWHT
-    from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
+    from veloxquant_mlx.methods.outliers import OutlierCodec
+    from veloxquant_mlx.methods.turboquant_mse import MSECodec
 
-    spectral = SpectralCodec(128, 3, learn_basis(mx.random.normal((2, 300, 128), key=mx.random.key(1)), 3))
-    assert not encode.supported(RowLayout.of(spectral.format, spectral.format), spectral, spectral)  # no encode snippet
+    outliers = OutlierCodec(MSECodec(120, 3, 1), mx.array([[0, 5, 9, 11, 40, 64, 90, 127]] * 2), 128)
+    assert not encode.supported(RowLayout.of(outliers.format, outliers.format), outliers, outliers)  # no encode snippet
     layout, kc, vc = codecs("kivi", 128, group_size=32)
     assert layout is None and not encode.supported(None, kc, vc)  # per-block key scales: no snippet
 

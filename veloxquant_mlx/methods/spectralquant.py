@@ -101,6 +101,23 @@ class SpectralCodec(Codec):
         sigma = a.table(np.array(self.sigma).reshape(-1))
         return f"v = {value} * {sigma}[(bh % {self.heads}) * {self.dim} + j] * {a.half('norm', '0')};"
 
+    def kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): `encode`'s steps, coordinate t of the
+        token's head's basis (a dot product over the vector in shared memory), then its part's codes."""
+        head = e.head()
+        vector = e.shared(e.x)
+        basis = e.table(np.array(self.basis).reshape(-1))  # (H, D, D), column t = component t
+        projected = e.var()
+        e.emit(f"float {projected} = 0.0f;")
+        e.emit(f"if (act) for (int i_ = 0; i_ < D; ++i_) {projected} += {vector}[i_] * {basis}[({head} * D + i_) * D + t];")
+        norm, y = e.var(), e.var()
+        e.emit(f"const float {norm} = VQ_SQRT({e.sum(f'{e.x} * {e.x}')});")
+        sigma = e.table(np.array(self.sigma).reshape(-1))
+        e.emit(f"const float {y} = act ? {projected} / VQ_MAXF({norm}, 1e-30f) / {sigma}[{head} * D + t] : 0.0f;")
+        for name, start, stop, bits in self._parts():
+            e.code(name, e.nearest(y, self.books[bits].boundaries), index=f"t - {start}")
+        e.half("norm", norm)
+
     def to_domain(self, x):
         return x.astype(mx.float32) @ per_head(self.basis, x)
 
