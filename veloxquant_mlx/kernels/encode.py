@@ -15,8 +15,9 @@ branch around it; `e.rotated()` is the codec's seeded-sign Hadamard rotation of 
 `e.nearest(var, boundaries)` the index of the nearest of sorted centroids, as
 `codebooks.quantize`; `e.code(field, var)` and `e.half(field, expr)` store the thread's code
 and a token scalar; `e.head()` is the token's kv head, for per-head constants (the kernel then
-takes the tokens per head and the heads as an input, `emeta`). The template packs the codes into the row's words at the layout's slots.
-One block per token and role: grid (N * NTH, 2), block row 0 keys, 1 values.
+takes the tokens per head and the heads as an input, `emeta`). The template packs the codes
+into the row's words at the layout's slots. One block per token and role: grid (N * NTH, 2),
+block row 0 keys, 1 values.
 """
 
 from __future__ import annotations
