@@ -220,8 +220,10 @@ class ProductVQCodec(Codec):
 
     def kernel_encode(self, e):
         """The encode kernel's element t (`kernels/encode.py`): u = R (x / s) in shared memory, then
-        thread m < S searches sub-vector m's codebook of the token's head, as `nearest_centroid`
-        (||c||^2 - 2 u_m . c, the first smallest)."""
+        `nearest_centroid`'s search (||c||^2 - 2 u_m . c, the first smallest) of sub-vector m's codebook
+        of the token's head by its sub_dim threads t = m * sub_dim + l, thread l taking centroids l,
+        l + sub_dim, ...; thread m then picks the best of its sub-vector's (the smaller code on a tie,
+        so the code is the first smallest, as the search over all centroids finds)."""
         head = e.head()
         if self.smooth is not None:
             scaled = e.var()
@@ -230,13 +232,21 @@ class ProductVQCodec(Codec):
         u = e.shared(e.rotated(self.rotation))
         books = e.table(np.array(self.table).reshape(-1))
         norms = e.table(np.array(mx.sum(self.codebooks * self.codebooks, axis=-1)).reshape(-1))
-        code, sub, count = e.var(), self.sub_dim, self.centroids
-        e.emit(f"uint32_t {code} = 0u;")
-        e.emit(f"if (t < {self.subvectors}) {{ const int g_ = {head} * {self.subvectors} + t; float best_ = -VQ_NEG_INF;")
-        e.emit(f"  for (int c_ = 0; c_ < {count}; ++c_) {{ float d_ = 0.0f;")
-        e.emit(f"    for (int k_ = 0; k_ < {sub}; ++k_) d_ += {u}[t * {sub} + k_] * {books}[(g_ * {count} + c_) * {sub} + k_];")
+        code, sub, count, subvectors = e.var(), self.sub_dim, self.centroids, self.subvectors
+        e.emit(f"float best_ = -VQ_NEG_INF; uint32_t pick_ = 0u, {code} = 0u;")
+        e.emit(f"if (act) {{ const int m_ = t / {sub}; const int g_ = {head} * {subvectors} + m_;")
+        e.emit(f"  for (int c_ = t % {sub}; c_ < {count}; c_ += {sub}) {{ float d_ = 0.0f;")
+        e.emit(f"    for (int k_ = 0; k_ < {sub}; ++k_) d_ += {u}[m_ * {sub} + k_] * {books}[(g_ * {count} + c_) * {sub} + k_];")
         e.emit(f"    const float dist_ = {norms}[g_ * {count} + c_] - 2.0f * d_;")
-        e.emit(f"    if (dist_ < best_) {{ best_ = dist_; {code} = (uint32_t)c_; }} }} }}")
+        e.emit("    if (dist_ < best_) { best_ = dist_; pick_ = (uint32_t)c_; } } }")
+        e.emit("VQ_SYNC();")  # every thread has read u before vq_buf takes the candidates' codes
+        e.emit("if (act) { vq_red[t] = best_; vq_buf[t] = (float)pick_; }")
+        e.emit("VQ_SYNC();")
+        e.emit(f"if (t < {subvectors}) {{ float b_ = vq_red[t * {sub}]; {code} = (uint32_t)vq_buf[t * {sub}];")
+        e.emit(f"  for (int l_ = 1; l_ < {sub}; ++l_) {{ const float d_ = vq_red[t * {sub} + l_];"
+               f" const uint32_t c_ = (uint32_t)vq_buf[t * {sub} + l_];")
+        e.emit(f"    if (d_ < b_ || (d_ == b_ && c_ < {code})) {{ b_ = d_; {code} = c_; }} }} }}")
+        e.emit("VQ_SYNC();")
         e.code("codes", code)
 
     def lookup_tables(self, queries: mx.array) -> mx.array:
