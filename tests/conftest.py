@@ -252,7 +252,7 @@ def compile_encode_kernel(plan, tmp_path):
     from veloxquant_mlx.kernels import templates
 
     spec = templates.KERNELS[plan.kernel]
-    inputs = {"kx": "float16", "vx": "float16", "tab": "float32", "emeta": "int32"}
+    inputs = {"kx": "float16", "vx": "float16", "ktab": "float32", "vtab": "float32", "emeta": "int32"}
     src = tmp_path / "encode.cu"
     src.write_text(templates.render_cuda(plan.kernel, plan.template, {name: inputs[name] for name in spec["inputs"]},
                                          dict(zip(spec["outputs"], plan.output_dtypes)), mlx_header=False))

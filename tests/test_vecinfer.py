@@ -309,3 +309,21 @@ def test_coherent_generation_on_smollm2(tmp_path):
     got = greedy(caches)
     assert got[:2] == fp16[:2], (tokenizer.decode(got), tokenizer.decode(fp16))
     assert "Berlin" in tokenizer.decode(got)
+
+
+def test_kernels_read_one_copy_of_a_codecs_tables():
+    """The dequant, partial and encode kernels of a codec take one device array of its constant
+    tables, which holds the 1 MB-per-layer codebooks once (each kernel held its own copy before)."""
+    from veloxquant_mlx.kernels import dequant, encode, partial
+    from veloxquant_mlx.storage import row_layout
+
+    kc, vc = _head_dim_128_codecs(True)
+    layout = row_layout(kc, vc)
+    tables = dequant.codec_tables(kc)
+    assert encode.program(layout, kc, vc).tables[0] is tables
+    assert dequant._program(layout, "keys", kc).tables is tables
+    for prog in (partial._fitting_program(layout, kc, vc, 4, "cuda"), partial._program(layout, kc, vc, 0, False)):
+        assert prog.tables[0] is tables
+    codebooks = kc.table.size
+    assert codebooks <= tables.size < 2 * codebooks
+    assert tables.array() is tables.array()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import weakref
 from dataclasses import dataclass
 from typing import List, Tuple
 
@@ -51,22 +52,66 @@ def tile_stride(words: int) -> int:
     return words | 1
 
 
-class ConstantTables:
-    """A snippet's constant tables, concatenated into the kernel's `tab` input from `table_start` on
-    (a kernel with both roles gives each its own range)."""
+class CodecTables:
+    """One codec's constant tables for every kernel that reads them (dequant, partial, encode), in one
+    device array: a table is stored once however many kernels or snippets ask for it (by content),
+    and appended tables leave the earlier offsets where they were, so a kernel rendered before
+    still indexes the grown array right. Kernels take `array()` at launch."""
 
-    def __init__(self, table_start: int = 0, table_base: str = "tab"):
-        """`table_base`: the array the snippets index (`tab`, or a kernel's shared copy of it)."""
-        self.table_start = table_start
+    def __init__(self):
+        self.parts: List[np.ndarray] = []
+        self.size = 0
+        self._offsets = {}  # content digest -> offset
+        self._array = None
+
+    def offset(self, table: np.ndarray) -> int:
+        key = hashlib.sha1(table.tobytes()).hexdigest()
+        if key not in self._offsets:
+            self._offsets[key] = self.size
+            self.parts.append(table)
+            self.size += table.size
+            self._array = None
+        return self._offsets[key]
+
+    def array(self) -> mx.array:
+        if self._array is None:
+            self._array = mx.array(np.concatenate(self.parts) if self.parts else np.zeros(1, np.float32))
+        return self._array
+
+
+_CODEC_TABLES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def codec_tables(codec) -> CodecTables:
+    """`codec`'s `CodecTables` (made on first use, freed with the codec)."""
+    tables = _CODEC_TABLES.get(codec)
+    if tables is None:
+        tables = _CODEC_TABLES[codec] = CodecTables()
+    return tables
+
+
+class ConstantTables:
+    """A snippet's constant tables. They are stored in the codec's `CodecTables` (`tables`), and the
+    snippet indexes them there through `table_base`; with `compact`, the snippet indexes a kernel's
+    shared-memory copy instead, which holds them one after the other from `table_start` on, and
+    `copies` says where each one comes from: (offset in the copy, offset in `tables`, size)."""
+
+    def __init__(self, tables: CodecTables, table_base: str = "tab", compact: bool = False, table_start: int = 0):
+        self.tables = tables
         self.table_base = table_base
-        self.tables: List[np.ndarray] = []
-        self.table_size = 0
+        self.compact = compact
+        self.table_start = table_start
+        self.table_size = 0  # floats of the compact copy
+        self.copies: List[Tuple[int, int, int]] = []
 
     def table(self, values) -> str:
         """`values` (floats) as a constant table; the C expression of its first element's address."""
-        arr = np.asarray(values, dtype=np.float32).reshape(-1)
+        arr = np.ascontiguousarray(np.asarray(values, dtype=np.float32).reshape(-1))
+        stored = self.tables.offset(arr)
+        if not self.compact:
+            return f"({self.table_base} + {stored})"
         offset = self.table_start + self.table_size
-        self.tables.append(arr)
+        self.copies.append((offset, stored, arr.size))
         self.table_size += arr.size
         return f"({self.table_base} + {offset})"
 
@@ -76,11 +121,12 @@ class Access(ConstantTables):
     buffer) are runtime values in `meta` (they change as the store grows; the kernel text
     does not)."""
 
-    def __init__(self, layout, role: str, codec, meta_base: int = 2, table_start: int = 0, table_base: str = "tab"):
+    def __init__(self, layout, role: str, codec, meta_base: int = 2, table_base: str = "tab",
+                 compact: bool = False, table_start: int = 0):
         """`layout`: the `RowStore`'s row layout, or None for a `FieldStore`. `meta_base`: where
-        this role's per-field capacities start in `meta`; `table_start`: where its constants
-        start in `tab` (a kernel reading both roles gives each its own ranges)."""
-        ConstantTables.__init__(self, table_start, table_base)
+        this role's per-field capacities start in `meta`; the tables as `ConstantTables`'s (a kernel
+        reading both roles gives each its own base, or compact range)."""
+        ConstantTables.__init__(self, codec_tables(codec), table_base, compact, table_start)
         self.role, self.codec = role, codec
         self.meta_base = meta_base
         self.rows = layout is not None
@@ -212,7 +258,7 @@ def supported(codec) -> bool:
 class Program:
     kernel: str
     inputs: Tuple[str, ...]
-    tables: mx.array
+    tables: CodecTables
     domain_dim: int
 
 
@@ -220,7 +266,6 @@ class Program:
 def _program(layout, role: str, codec) -> Program:
     access = Access(layout, role, codec)
     snippet = access.snippet()
-    tab = mx.array(np.concatenate(access.tables) if access.tables else np.zeros(1, np.float32))
     if access.rows:
         inputs = ("rows",)
     else:
@@ -229,7 +274,7 @@ def _program(layout, role: str, codec) -> Program:
     name = "dequant_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]
     if name not in templates.KERNELS:
         templates.KERNELS[name] = {"body": body, "inputs": inputs + ("tab", "meta"), "outputs": ("out",)}
-    return Program(name, inputs, tab, codec.format.domain_dim)
+    return Program(name, inputs, access.tables, codec.format.domain_dim)
 
 
 def program(store, role: str, codec) -> Program:
@@ -253,7 +298,7 @@ def dequantize(run, store, role: str, codec, tokens: int, out_dtype) -> mx.array
         caps = (0,) + tuple(a.shape[2] for a in arrays)
         template = [("DD", dd), ("NT", THREADS), ("TO", launch.dtype_name(out_dtype))]
     plan = _plan(prog.kernel, tuple(template), tokens, dd, B * H, launch.dtype_name(out_dtype))
-    (out,) = run(plan, arrays + [prog.tables, small_array((tokens,) + caps)], [(B, H, tokens, dd)])
+    (out,) = run(plan, arrays + [prog.tables.array(), small_array((tokens,) + caps)], [(B, H, tokens, dd)])
     return out
 
 

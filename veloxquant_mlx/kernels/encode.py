@@ -26,7 +26,7 @@ import functools
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import List
+from typing import List, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -35,7 +35,7 @@ from ..engine import CODEC_KEYED, small_array
 from ..formats import FLOAT16, PACKED
 from ..rotations import HadamardRotation
 from . import launch, ops, templates
-from .dequant import ConstantTables
+from .dequant import CodecTables, ConstantTables, codec_tables
 from .launch import Plan
 
 MAX_DIM = 1024  # one thread per coordinate
@@ -49,11 +49,11 @@ class Unsupported(Exception):
 class Emit(ConstantTables):
     """C statements of one role's encode snippet, with its constant tables."""
 
-    def __init__(self, layout, role: str, codec, table_start: int = 0):
+    def __init__(self, layout, role: str, codec):
         self.layout, self.role, self.codec = layout, role, codec
         self.dim = codec.dim
         self.p2 = launch._pow2(codec.dim)
-        ConstantTables.__init__(self, table_start)
+        ConstantTables.__init__(self, codec_tables(codec), f"{role[0]}tab")
         self.lines: List[str] = []
         self.code_offsets = {}  # packed field name -> its first element in vq_codes
         self.code_slots = 0
@@ -236,7 +236,7 @@ _BODY = r"""
 @dataclass(frozen=True)
 class Program:
     kernel: str
-    tables: mx.array
+    tables: Tuple[CodecTables, CodecTables]  # keys', values'
     threads: int
     p2: int
     codes: int
@@ -261,7 +261,7 @@ def supported(layout, key_codec, value_codec) -> bool:
 def program(layout, key_codec, value_codec) -> Program:
     keys = Emit(layout, "keys", key_codec)
     key_snippet = keys.snippet()
-    values = Emit(layout, "values", value_codec, table_start=keys.table_size)
+    values = Emit(layout, "values", value_codec)
     value_snippet = values.snippet()
     pad = ""
     outputs = ("rows",)
@@ -273,12 +273,9 @@ def program(layout, key_codec, value_codec) -> Program:
     name = "encode_" + hashlib.sha1((body + repr(outputs)).encode()).hexdigest()[:16]
     per_head = keys.uses_head or values.uses_head
     if name not in templates.KERNELS:
-        templates.KERNELS[name] = {"body": body, "inputs": ("kx", "vx", "tab") + (("emeta",) if per_head else ()),
+        templates.KERNELS[name] = {"body": body, "inputs": ("kx", "vx", "ktab", "vtab") + (("emeta",) if per_head else ()),
                                    "outputs": outputs}
-    tables = keys.tables + values.tables
-    tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
-    mx.eval(tab)
-    return Program(name, tab, max(key_codec.dim, value_codec.dim), max(keys.p2, values.p2),
+    return Program(name, (keys.tables, values.tables), max(key_codec.dim, value_codec.dim), max(keys.p2, values.p2),
                    max(1, keys.code_slots, values.code_slots), per_head)
 
 
@@ -298,7 +295,7 @@ def _launch(run, layout, key_codec, value_codec, keys: mx.array, values: mx.arra
     *lead, _ = keys.shape
     keys, values = ops.encode_inputs(keys, values)
     plan_ = plan(layout, key_codec, value_codec, math.prod(lead), launch.dtype_name(keys.dtype))
-    inputs = [keys, values, prog.tables]
+    inputs = [keys, values] + [tables.array() for tables in prog.tables]
     if prog.per_head:
         if len(lead) != 3:
             raise ValueError(f"per-head encode snippets take (B, H, T, D) inputs, got shape {keys.shape}")

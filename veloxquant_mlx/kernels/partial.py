@@ -28,12 +28,11 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import mlx.core as mx
-import numpy as np
 
 from .. import engine
 from ..storage import RowStore
 from . import launch, ops, templates
-from .dequant import Access, tile_stride
+from .dequant import Access, CodecTables, tile_stride
 from .launch import Plan
 
 THREADS = 128
@@ -224,7 +223,7 @@ def _indent(snippet: str, spaces: int) -> str:
 @dataclass(frozen=True)
 class Program:
     kernel: str
-    tables: mx.array
+    tables: Tuple[CodecTables, CodecTables]  # keys', values' (`dequant.CodecTables`)
     key_dim: int
     value_dim: int
     tile_bytes: int
@@ -250,10 +249,13 @@ def _value_fold(value_codec, g: int) -> bool:
     return callable(fold) and value_codec.kernel_fold_channels % g == 0
 
 
-def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value_fold: bool, scalars: bool):
-    keys = Access(layout, "keys", key_codec, meta_base=META_FIXED, table_base=table_base)
+def _accesses(layout, key_codec, value_codec, shared_tables: bool, fold: bool, value_fold: bool, scalars: bool):
+    """The roles' `Access`es and snippets: the tables indexed in the codecs' arrays (`ktab`, `vtab`),
+    or with `shared_tables` in the kernel's copy of them in shared memory (`vq_tab`), keys' first."""
+    bases = ("vq_tab", "vq_tab") if shared_tables else ("ktab", "vtab")
+    keys = Access(layout, "keys", key_codec, meta_base=META_FIXED, table_base=bases[0], compact=shared_tables)
     values = Access(layout, "values", value_codec, meta_base=META_FIXED + len(key_codec.format.fields),
-                    table_base=table_base)
+                    table_base=bases[1], compact=shared_tables)
     tile_words = values.stage(keys.stage(0, THREADS, scalars), THREADS, scalars)
     if fold:
         scale, offset, value = key_codec.kernel_key_fold(keys)
@@ -271,6 +273,16 @@ def _accesses(layout, key_codec, value_codec, table_base: str, fold: bool, value
     return keys, values, tile_words, key_snippet, value_snippet, (scale, offset), vfold
 
 
+def _copy_tables(keys, values) -> str:
+    """Statements copying the tables the snippets read into `vq_tab` (compact `Access`es)."""
+    size = keys.table_size + values.table_size
+    lines = [f"  VQ_SHARED float vq_tab[{max(1, size)}];"]
+    for access, source in ((keys, "ktab"), (values, "vtab")):
+        for offset, stored, count in access.copies:
+            lines.append(f"  for (int i = tid; i < {count}; i += NT) vq_tab[{offset} + i] = {source}[{stored} + i];")
+    return "\n".join(lines)
+
+
 @functools.lru_cache(maxsize=engine.CODEC_KEYED)
 def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool, scalars: bool = True,
              shared_tables: bool = True) -> Program:
@@ -279,19 +291,14 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool,
     rows = layout is not None
     fold = fold_blocks > 0
     key_fields, value_fields = key_codec.format.fields, value_codec.format.fields
-    table_base = "vq_tab" if shared_tables else "tab"
     keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
-        layout, key_codec, value_codec, table_base, fold, value_fold, scalars)
+        layout, key_codec, value_codec, shared_tables, fold, value_fold, scalars)
     table_size = keys.table_size + values.table_size
     if table_size > SHARED_TABLE_LIMIT and shared_tables:  # known once the snippets are rendered
-        table_base = "tab"
+        shared_tables = False
         keys, values, tile_words, key_snippet, value_snippet, folded, vfold = _accesses(
-            layout, key_codec, value_codec, table_base, fold, value_fold, scalars)
-    if table_base == "tab":
-        copy_tables = ""
-    else:
-        copy_tables = (f"  VQ_SHARED float vq_tab[{max(1, table_size)}];\n"
-                       f"  for (int i = tid; i < {table_size}; i += NT) vq_tab[i] = tab[i];")
+            layout, key_codec, value_codec, shared_tables, fold, value_fold, scalars)
+    copy_tables = _copy_tables(keys, values) if shared_tables else ""
     if rows:
         tile_words = tile_stride(layout.words) * THREADS
         stage = (f"  constexpr int RWP = {tile_stride(layout.words)};\n"
@@ -299,8 +306,6 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool,
                  "    for (int i_ = tid; i_ < ntok * RW; i_ += NT) vq_tile[(i_ / RW) * RWP + i_ % RW] = src_[i_]; }")
     else:
         stage = "\n".join(code for code in (keys.tile_copy(), values.tile_copy()) if code)
-    tables = keys.tables + values.tables
-    tab = mx.array(np.concatenate(tables) if tables else np.zeros(1, np.float32))
     if rows:
         inputs = ("rows",)
     else:
@@ -322,10 +327,10 @@ def _program(layout, key_codec, value_codec, fold_blocks: int, value_fold: bool,
             .replace("TILE_WORDS", str(max(1, tile_words))))
     name = "partial_" + hashlib.sha1((body + repr(inputs)).encode()).hexdigest()[:16]
     if name not in templates.KERNELS:
-        templates.KERNELS[name] = {"body": body, "inputs": ("q",) + inputs + ("tab", "meta"), "outputs": ("o", "ml")}
+        templates.KERNELS[name] = {"body": body, "inputs": ("q",) + inputs + ("ktab", "vtab", "meta"), "outputs": ("o", "ml")}
     table_bytes = 4 * table_size if copy_tables else 0
     fold_bytes = fold_blocks * (key_codec.format.domain_dim + 1) * 16  # per R4
-    return Program(name, tab, key_codec.format.domain_dim, value_codec.format.domain_dim,
+    return Program(name, (keys.tables, values.tables), key_codec.format.domain_dim, value_codec.format.domain_dim,
                    4 * max(1, tile_words), table_bytes, fold_bytes)
 
 
@@ -409,7 +414,7 @@ def split_tokens(capacity: int, kv_rows: int, chunk=None) -> int:
 @dataclass(frozen=True)
 class Launch:
     """What one decode step passes to the kernel: the plan, and the store's buffers plus the
-    constant table and `meta` (count first) in the kernel's input order."""
+    constant tables (keys', values') and `meta` (count first) in the kernel's input order."""
     plan_key: tuple  # the arguments of `plan`
     inputs: Tuple[mx.array, ...]
 
@@ -430,7 +435,7 @@ def prepare(store, key_codec, value_codec, kv_rows: int, rep: int, count, chunk=
     consts = _shape_constants(prog.key_dim, prog.value_dim, rep)
     template = tuple(consts.items()) + ((("RW", store.rows.shape[3]),) if isinstance(store, RowStore) else ())
     meta = engine.small_array((count,) + row_caps + (chunk, splits) + field_caps)
-    return Launch((prog.kernel, template, kv_rows, rep, prog.value_dim, splits), tuple(arrays) + (prog.tables, meta))
+    return Launch((prog.kernel, template, kv_rows, rep, prog.value_dim, splits), tuple(arrays) + tuple(t.array() for t in prog.tables) + (meta,))
 
 
 @functools.lru_cache(maxsize=engine.CODEC_KEYED)
