@@ -521,12 +521,48 @@ def test_spectral_snippets_read_each_kv_heads_basis_at_batch_two():
     assert mx.array_equal(out, codec.decode(store.fields("keys"))).item()
 
 
+def _outlier_base(name: str, dim: int):
+    from veloxquant_mlx.methods.rabitq import RaBitQCodec
+
+    return {"mse-renorm": lambda: MSECodec(dim, 3, 1, renorm=True), "mse": lambda: MSECodec(dim, 2, 1),
+            "rabitq": lambda: RaBitQCodec(dim, 3, 1)}[name]()
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+@pytest.mark.parametrize("base, count", [("mse-renorm", 8), ("rabitq", 8), ("mse", 64)],
+                         ids=["mse-renorm-dense120", "rabitq-dense120", "mse-hadamard64"])
+def test_outliers_encode_snippet_stores_what_encode_does(base, count):
+    """The outliers option's encode snippet (emulated; batch 2, two kv heads whose outlier channels
+    differ): the int8 channels and their fp16 scale, and its base's snippet on the other channels, at
+    dim D - K (a dense rotation at 120, a Hadamard one at 64): the rows of `encode`."""
+    from veloxquant_mlx.kernels import encode, ops
+    from veloxquant_mlx.storage import row_layout
+
+    skew = mx.exp(-mx.arange(128) / 40) * mx.where(mx.arange(128) % 17 == 3, 6.0, 1.0)
+    calibration = mx.random.normal((2, 300, 128), key=mx.random.key(3)) * mx.stack([skew, skew[::-1]])[:, None, :]
+    channels = top_channels(calibration, count)
+    assert not mx.array_equal(channels[0], channels[1]).item()
+    codec = OutlierCodec(_outlier_base(base, 128 - count), channels, 128)
+    values = MSECodec(128, 3, 2)
+    layout = row_layout(codec, values)
+    assert encode.supported(layout, codec, values)
+    keys = (mx.random.normal((2, 2, 13, 128), key=mx.random.key(4)) * mx.stack([skew, skew[::-1]])[None, :, None, :])
+    keys = keys.astype(mx.float16)
+    rows = encode.encode_rows(ops.runner("emulator"), layout, codec, values, keys, keys)
+    want = layout.pack(codec.encode(keys), values.encode(keys))
+    assert float(mx.mean(rows == want)) >= encode.CHECK_MIN_EQUAL
+    ref = codec.decode(codec.encode(keys))
+    got = codec.decode(layout.views(rows)[0])
+    assert float(mx.max(mx.abs(got - ref))) <= 1e-2 * float(mx.max(mx.abs(ref)))
+
+
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("name", ["spectral", "mse+outliers", "vecinfer"])
 def test_calibrated_partial_kernels_compile_with_nvcc(name, tmp_path):
     """spectralquant's, vecinfer's and the outliers option's partial kernel for the 8B shape (head dim
     128, 8 kv heads, GQA 4) compiles for sm_90 without spills, in the shared memory it counts, and so
-    does the encode kernel of those with encode snippets."""
+    does their encode kernel."""
     from veloxquant_mlx.kernels import encode
     from veloxquant_mlx.methods.spectralquant import SpectralCodec, learn_basis
     from veloxquant_mlx.methods.vecinfer import ProductVQCodec, learn_codebooks
@@ -547,9 +583,8 @@ def test_calibrated_partial_kernels_compile_with_nvcc(name, tmp_path):
     store.append(keys, keys)
     store.flush()
     assert_partial_kernel_compiles(store, key_codec, value_codec, 4, tmp_path)
-    if encode.supported(layout, key_codec, value_codec):  # spectralquant, vecinfer (with mse values)
-        compile_encode_kernel(encode.plan(layout, key_codec, value_codec, 8, "float16"), tmp_path)
-    assert encode.supported(layout, key_codec, value_codec) == (name != "mse+outliers")
+    assert encode.supported(layout, key_codec, value_codec)
+    compile_encode_kernel(encode.plan(layout, key_codec, value_codec, 8, "float16"), tmp_path)
 
 
 def test_describe_names_ratequants_budgets_not_its_nominal_widths():

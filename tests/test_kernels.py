@@ -776,7 +776,11 @@ def test_format_encoder_takes_only_codecs_with_snippets():
     from veloxquant_mlx.methods.turboquant_mse import MSECodec
 
     outliers = OutlierCodec(MSECodec(120, 3, 1), mx.array([[0, 5, 9, 11, 40, 64, 90, 127]] * 2), 128)
-    assert not encode.supported(RowLayout.of(outliers.format, outliers.format), outliers, outliers)  # no encode snippet
+    assert encode.supported(RowLayout.of(outliers.format, outliers.format), outliers, outliers)  # a dense base
+    base = MSECodec(120, 3, 1)
+    base.kernel_encode = None  # a base without an encode snippet
+    outliers = OutlierCodec(base, mx.array([[0, 5, 9, 11, 40, 64, 90, 127]] * 2), 128)
+    assert not encode.supported(RowLayout.of(outliers.format, outliers.format), outliers, outliers)
     layout, kc, vc = codecs("kivi", 128, group_size=32)
     assert layout is None and not encode.supported(None, kc, vc)  # per-block key scales: no snippet
 

@@ -11,7 +11,8 @@ A codec may define `kernel_encode(e)`: it emits, through an `Emit`, C statements
 t of a block runs for element t of one token's vector (keys or values, already centred), as
 `kernel_decode` does for decoding (`dequant.py`). `e.x` holds the element (0 past the dim);
 `e.sum(expr)` is a reduction over the block, which every thread reaches, so snippets do not
-branch around it; `e.rotated()` is the codec's seeded-sign Hadamard rotation of the vector;
+branch around it; `e.rotated()` is the codec's rotation of the vector (a seeded-sign Hadamard
+transform, or a dense matrix); `e.within(dim)` a scope for a nested codec of a smaller dim;
 `e.nearest(var, boundaries)` the index of the nearest of sorted centroids, as
 `codebooks.quantize`; `e.code(field, var)` and `e.half(field, expr)` store the thread's code
 and a token scalar; `e.head()` is the token's kv head, for per-head constants (the kernel then
@@ -33,7 +34,7 @@ import numpy as np
 
 from ..engine import CODEC_KEYED, small_array
 from ..formats import FLOAT16, PACKED
-from ..rotations import HadamardRotation
+from ..rotations import DenseRotation, HadamardRotation
 from . import launch, ops, templates
 from .dequant import CodecTables, ConstantTables, codec_tables
 from .launch import Plan
@@ -87,15 +88,34 @@ class Emit(ConstantTables):
         return v
 
     def rotated(self, rotation=None) -> str:
-        """A float variable holding element t of R x, R = H diag(signs) / sqrt(D) (`HadamardRotation`)."""
+        """A float variable holding element t of R x: R = H diag(signs) / sqrt(D) (`HadamardRotation`),
+        or a `DenseRotation`'s matrix."""
+        rotation = rotation if rotation is not None else self.codec.rotation
+        if isinstance(rotation, DenseRotation):
+            return self._matrix_times(self.x, np.array(rotation.matrix).T)
         signs = self._signs(rotation)
         return self._hadamard(f"{self.x} * {signs}[t]", "")
 
     def unrotated(self, value: str, rotation=None) -> str:
         """A float variable holding element t of R^T y, y the block's `value`s: the inverse of
         `rotated` (H is symmetric, so R^T = diag(signs) H / sqrt(D))."""
+        rotation = rotation if rotation is not None else self.codec.rotation
+        if isinstance(rotation, DenseRotation):
+            return self._matrix_times(value, np.array(rotation.matrix))
         signs = self._signs(rotation)
         return self._hadamard(value, f" * {signs}[t]")
+
+    def _matrix_times(self, value: str, transposed: np.ndarray) -> str:
+        """A float variable holding element t of M v, v the block's `value`s, given M^T (row i of M^T
+        is read by consecutive threads at consecutive words)."""
+        n = transposed.shape[0]
+        vec = self.shared(value)
+        columns = self.table(transposed)
+        v = self.var()
+        self.emit(f"float {v} = 0.0f;")
+        self.emit(f"if (act) for (int i_ = 0; i_ < {n}; ++i_) {v} += {columns}[i_ * {n} + t] * {vec}[i_];")
+        self.emit("VQ_SYNC();")  # vq_buf is written again by the next helper
+        return v
 
     def _signs(self, rotation) -> str:
         rotation = rotation if rotation is not None else self.codec.rotation
@@ -116,6 +136,23 @@ class Emit(ConstantTables):
         self.emit(f"const float {v} = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)){after} : 0.0f;")
         self.emit("VQ_SYNC();")
         return v
+
+    def maximum(self, expr: str) -> str:
+        """A float variable holding the block's maximum of `expr` over the active threads (-inf for none)."""
+        v = self.var()
+        self.emit(f"if (t < P2) vq_red[t] = act ? ({expr}) : VQ_NEG_INF;")
+        self.emit("for (int i_ = t + NTH; i_ < P2; i_ += NTH) vq_red[i_] = VQ_NEG_INF;")
+        self.emit("VQ_SYNC();")
+        self.emit("for (int s_ = P2 / 2; s_ > 0; s_ >>= 1) {"
+                  " if (t < s_) vq_red[t] = VQ_MAXF(vq_red[t], vq_red[t + s_]); VQ_SYNC(); }")
+        self.emit(f"const float {v} = vq_red[0];")
+        self.emit("VQ_SYNC();")
+        return v
+
+    def within(self, dim: int):
+        """A scope in which the snippet's vector is its first `dim` elements: `act`, `D` and `P2` are
+        redefined there (a codec of a smaller dim nested in another, the `outliers` option's base)."""
+        return _Within(self, dim)
 
     def shared(self, value: str) -> str:
         """The block's `value`s in shared memory (the C array's name; valid until the next helper)."""
@@ -218,6 +255,18 @@ class Emit(ConstantTables):
         return "\n".join(head + self.lines + ["    VQ_SYNC();"] + self.pack())
 
 
+class _Within:
+    def __init__(self, emit: Emit, dim: int):
+        self.emit, self.dim = emit, dim
+
+    def __enter__(self):
+        self.emit.emit(f"{{ const bool act = t < {self.dim}; constexpr int D = {self.dim};"
+                       f" constexpr int P2 = {launch._pow2(self.dim)};")
+
+    def __exit__(self, *exc):
+        self.emit.emit("}")
+
+
 _BODY = r"""
   const int n = vq_bx;
   const int t = vq_tid;
@@ -273,8 +322,8 @@ def program(layout, key_codec, value_codec) -> Program:
     name = "encode_" + hashlib.sha1((body + repr(outputs)).encode()).hexdigest()[:16]
     per_head = keys.uses_head or values.uses_head
     if name not in templates.KERNELS:
-        templates.KERNELS[name] = {"body": body, "inputs": ("kx", "vx", "ktab", "vtab") + (("emeta",) if per_head else ()),
-                                   "outputs": outputs}
+        inputs = ("kx", "vx", "ktab", "vtab") + (("emeta",) if per_head else ())
+        templates.KERNELS[name] = {"body": body, "inputs": inputs, "outputs": outputs}
     return Program(name, (keys.tables, values.tables), max(key_codec.dim, value_codec.dim), max(keys.p2, values.p2),
                    max(1, keys.code_slots, values.code_slots), per_head)
 

@@ -19,6 +19,7 @@ to the base codec's exactly. The selections differ per head: params are per laye
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
@@ -83,6 +84,8 @@ class OutlierCodec(Codec):
         self._base_names = tuple(f.name for f in base_fmt.fields)
         if callable(getattr(base, "kernel_decode", None)):
             self.kernel_decode = self._kernel_decode  # the kernels decode it where they decode the base
+        if callable(getattr(base, "kernel_encode", None)):
+            self.kernel_encode = self._kernel_encode
 
     def _check_heads(self, x):
         if x.ndim == 4 and x.shape[1] != self.heads:
@@ -121,6 +124,34 @@ class OutlierCodec(Codec):
         code = a.code("outlier_codes", f"(j < {n} ? 0 : j - {n})")
         return (f"if (j < {n}) {{\n{base}\n    }} else {{ v = ((float){code} - {INT8_MAX}.0f) * "
                 f"{a.half('outlier_scale', '0')}; }}")
+
+    def _kernel_encode(self, e):
+        """The encode kernel's element t (`kernels/encode.py`): `encode`'s int8 outlier channels (the
+        head's channel t < K, its scale the block's max |x| / 127 in fp16), then the base's snippet, in
+        a scope where the vector is the head's other D - K channels (thread t < D - K holds the t-th)."""
+        n, count = self.base.domain_dim, self.count
+        head = e.head()
+        rest = e.table(np.array(mx.argmax(self.rest_select, axis=1)).astype(np.float32).reshape(-1))  # (H, D - K)
+        out = e.table(np.array(self.channels).astype(np.float32).reshape(-1))  # (H, K)
+        vec = e.shared(e.x)
+        x_rest, x_out = e.var(), e.var()
+        e.emit(f"const float {x_rest} = t < {n} ? {vec}[(int){rest}[{head} * {n} + t]] : 0.0f;")
+        e.emit(f"const float {x_out} = t < {count} ? {vec}[(int){out}[{head} * {count} + t]] : 0.0f;")
+        e.emit("VQ_SYNC();")  # vq_buf is written again by the next helper
+        peak = e.maximum(f"VQ_ABSF({x_out})")
+        scale, q = e.var(), e.var()
+        e.emit(f"const float {scale} = VQ_F(VQ_CAST(vq_half, {peak} / {INT8_MAX}.0f));")
+        e.emit(f"float {q} = VQ_ROUND({x_out} / ({scale} > 0.0f ? {scale} : 1.0f));")
+        e.emit(f"{q} = {q} < -{INT8_MAX}.0f ? -{INT8_MAX}.0f : ({q} > {INT8_MAX}.0f ? {INT8_MAX}.0f : {q});")
+        e.code("outlier_codes", f"(uint32_t)({q} + {INT8_MAX}.0f)")
+        e.half("outlier_scale", scale)
+        x, codec = e.x, e.codec
+        e.x, e.codec = x_rest, self.base  # the base's fields have the same names and widths here
+        try:
+            with e.within(n):
+                self.base.kernel_encode(e)
+        finally:
+            e.x, e.codec = x, codec
 
     def to_domain(self, x):
         x = x.astype(mx.float32)
