@@ -129,6 +129,26 @@ def test_outlier_codec_is_exact_on_its_channels_and_an_isometry():
         np.testing.assert_allclose(np.array(codec.from_domain(codec.to_domain(v))), np.array(v), atol=1e-4)
 
 
+@pytest.mark.parametrize("dim, count", [(32, 4), (128, 8)], ids=["hadamard28", "dense120"])
+def test_outlier_maps_are_the_selections_then_the_base_map(dim, count):
+    """to_domain(x) = [A_base S_rest^T x ; S_out^T x] per head (the module docstring), and from_domain its
+    adjoint, for kv heads and query heads (GQA 2), however the codec evaluates them."""
+    from veloxquant_mlx.methods.outliers import per_head
+
+    channels = mx.stack([3 * mx.arange(count), 3 * mx.arange(count) + 1])  # two kv heads, their own channels
+    codec = OutlierCodec(MSECodec(dim - count, 3, 0), channels, dim)
+    for x in (mx.random.normal((1, 2, 5, dim), key=mx.random.key(7)), mx.random.normal((2, 4, 3, dim))):
+        rest, out = x @ per_head(codec.rest_select, x), x @ per_head(codec.out_select, x)
+        want = mx.concatenate([codec.base.to_domain(rest), out], axis=-1)
+        np.testing.assert_allclose(np.array(codec.to_domain(x)), np.array(want), atol=1e-5)
+        y = want
+        n = codec.base.domain_dim
+        back = codec.base.from_domain(y[..., :n])
+        want_back = back @ per_head(codec.rest_select.swapaxes(-1, -2), back) + y[..., n:] @ per_head(
+            codec.out_select.swapaxes(-1, -2), y[..., n:])
+        np.testing.assert_allclose(np.array(codec.from_domain(y)), np.array(want_back), atol=1e-5)
+
+
 def test_outlier_artifact_round_trip_and_quality(small, tmp_path):
     tokens = _sequences(1, 96, seed=3)[0]
     config = KVCacheConfig(method="turboquant_mse", bits=2, options={"outliers": 4})

@@ -82,6 +82,11 @@ class OutlierCodec(Codec):
             token_block=base_fmt.token_block, orthogonal_domain=base_fmt.orthogonal_domain,
         )
         self._base_names = tuple(f.name for f in base_fmt.fields)
+        # A base whose map is one matrix for every head (a rotation, or none) folds into the selections:
+        # A_h = [S_rest,h R^T | S_out,h] (D, D), so each map is one matmul, not six operations.
+        self.domain_map = None
+        if base.domain in ("rotation", "identity"):
+            self.domain_map = mx.concatenate([base.to_domain(self.rest_select), self.out_select], axis=-1)
         if callable(getattr(base, "kernel_decode", None)):
             self.kernel_decode = self._kernel_decode  # the kernels decode it where they decode the base
         if callable(getattr(base, "kernel_encode", None)):
@@ -155,10 +160,14 @@ class OutlierCodec(Codec):
 
     def to_domain(self, x):
         x = x.astype(mx.float32)
+        if self.domain_map is not None:
+            return x @ per_head(self.domain_map, x)
         rest = self.base.to_domain(x @ per_head(self.rest_select, x))
         return mx.concatenate([rest, x @ per_head(self.out_select, x)], axis=-1)
 
     def from_domain(self, y):
+        if self.domain_map is not None:
+            return y @ per_head(self.domain_map.swapaxes(-1, -2), y)
         n = self.base.domain_dim
         rest = self.base.from_domain(y[..., :n])
         out = y[..., n:]
