@@ -23,6 +23,7 @@ block row 0 keys, 1 values.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -118,7 +119,6 @@ class Emit(ConstantTables):
         return v
 
     def _signs(self, rotation) -> str:
-        rotation = rotation if rotation is not None else self.codec.rotation
         if not isinstance(rotation, HadamardRotation) or not launch.is_power_of_two(rotation.dim):
             raise Unsupported(f"the encode kernel rotates with power-of-two Hadamard transforms, not {rotation!r}")
         return self.table(np.array(rotation.signs.astype(mx.float32)))
@@ -149,10 +149,13 @@ class Emit(ConstantTables):
         self.emit("VQ_SYNC();")
         return v
 
+    @contextlib.contextmanager
     def within(self, dim: int):
         """A scope in which the snippet's vector is its first `dim` elements: `act`, `D` and `P2` are
         redefined there (a codec of a smaller dim nested in another, the `outliers` option's base)."""
-        return _Within(self, dim)
+        self.emit(f"{{ const bool act = t < {dim}; constexpr int D = {dim}; constexpr int P2 = {launch._pow2(dim)};")
+        yield
+        self.emit("}")
 
     def shared(self, value: str) -> str:
         """The block's `value`s in shared memory (the C array's name; valid until the next helper)."""
@@ -253,18 +256,6 @@ class Emit(ConstantTables):
                 "    const bool act = t < D;",
                 f"    const float x = act ? VQ_F({self.role[0]}x[(size_t)n * D + t]) : 0.0f;"]
         return "\n".join(head + self.lines + ["    VQ_SYNC();"] + self.pack())
-
-
-class _Within:
-    def __init__(self, emit: Emit, dim: int):
-        self.emit, self.dim = emit, dim
-
-    def __enter__(self):
-        self.emit.emit(f"{{ const bool act = t < {self.dim}; constexpr int D = {self.dim};"
-                       f" constexpr int P2 = {launch._pow2(self.dim)};")
-
-    def __exit__(self, *exc):
-        self.emit.emit("}")
 
 
 _BODY = r"""
