@@ -404,3 +404,33 @@ def test_block_format_decode_tokens_fill_a_fixed_capacity_window(residual, sinks
     assert stepped.window_fill is None and stepped.window == whole.window - 3
     stepped.update_and_fetch(k[..., :1, :], v[..., :1, :])
     assert stepped.window_fill == whole.window - 2 and stepped._window_keys.shape[2] == residual + 16
+
+
+def test_chunk_rule_prefill_skips_the_codes_its_queries_see_in_fp16():
+    """Under the "chunk" prefill rule every query of a chunk sees the chunk's tokens in fp16, so the
+    generic path scores none of their codes (they would be masked out whole): only codes of earlier
+    updates, and the same output as masking them."""
+    from veloxquant_mlx import attention
+
+    config = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2, sink_tokens=4, residual_length=32)
+    cache = CompressedKVCache(config)
+    k, v = mx.random.normal((1, 2, 600, 64), key=mx.random.key(1)), mx.random.normal((1, 2, 600, 64), key=mx.random.key(2))
+    q = mx.random.normal((1, 4, 300, 64), key=mx.random.key(3))
+    cache.update_and_fetch(k[:, :, :300], v[:, :, :300])
+    cache.attend(q, 0.125, mask="causal")
+    cache.update_and_fetch(k[:, :, 300:], v[:, :, 300:])
+    first = cache.just_encoded[2]
+    segments = list(cache.segments(query_rows=4 * 300, query_len=300))
+    coded = [s for s in segments if s.encoded]
+    assert coded and max(s.start + s.keys.shape[2] for s in coded) == first
+    # the skipped codes: scored with their mask (every query sees them in fp16) they change nothing
+    start, stop = first - cache.sinks, cache.encoded
+    fields = cache.store.fields("keys", start, stop)
+    masked = attention.Segment(cache.key_codec.decode(fields), None, first, encoded=True,
+                               extra_mask=mx.zeros((1, stop - start), mx.bool_),
+                               value_fields=cache.store.fields("values", start, stop), value_shift=coded[0].value_shift)
+    args = dict(scale=0.125, mask="causal", key_codec=cache.key_codec, value_codec=cache.value_codec, kv_heads=2,
+                total=cache.offset)
+    without = attention.attend(q, segments, **args)
+    with_masked = attention.attend(q, coded + [masked] + [s for s in segments if not s.encoded], **args)
+    assert mx.allclose(without, with_masked, atol=1e-6).item()

@@ -493,6 +493,9 @@ class CompressedKVCache(_BaseCache):
         block = min(self.attention_block, max(256, self.score_tile // max(query_rows, 1)))
         block = math.ceil(block / self.block) * self.block
         encoded = self.encoded
+        if query_len and self.just_encoded is not None and self._chunk_sees_fp16(query_len):
+            # Every query sees this update's tokens in fp16: their codes would be masked out whole.
+            encoded = max(0, first - self.sinks)
         for start in range(0, encoded, block):
             stop = min(start + block, encoded)
             only_codes = None
