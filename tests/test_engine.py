@@ -122,6 +122,31 @@ def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, r
     assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
 
 
+
+@pytest.mark.parametrize("rule", ["chunk", "decode"])
+def test_chunk_rule_sdpa_prefill_decodes_only_the_codes_before_the_chunk(rule):
+    # Under the "chunk" rule the queries see the tokens the chunk pushed out of the window in fp16,
+    # so their codes are not decoded at all; under "decode" some queries see them from their codes.
+    cache = CompressedKVCache(config_for("turboquant_mse", 3, **PROTECTED),
+                              settings=EngineSettings.resolve(prefill_rule=rule))
+    k = mx.random.normal((1, 2, 400, 64), key=mx.random.key(7)) * 2
+    cache.update_and_fetch(k[..., :300, :], mx.cos(k[..., :300, :]))
+    cache.update_and_fetch(k[..., 300:, :], mx.cos(k[..., 300:, :]))
+    h = cache._history()
+    _, _, first = h.recent()
+    asked = []
+
+    def decode(h, role, dtype, tokens):
+        asked.append(tokens)
+        return engine.decode_with_codec(h, role, dtype, tokens)
+
+    q = mx.random.normal((1, 4, 100, 64), key=mx.random.key(9))
+    out = engine.sdpa_prefill(h, q, 0.125, "causal", decode=decode)
+    assert asked == [first - 4] * 2 if rule == "chunk" else asked == [h.count] * 2
+    assert first - 4 < h.count  # the chunk did encode tokens
+    ref = _generic(cache, q, 0.125, "causal")
+    assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
+
 @pytest.mark.parametrize("method", ["qjl", "turboquant_prod"])
 def test_sdpa_prefill_takes_sketched_keys_out_of_their_domain(method):
     # A sketch is not an orthogonal map, so fp16 keys cannot join decoded ones in it: the decoded

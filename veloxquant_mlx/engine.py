@@ -493,9 +493,10 @@ def attend_decoded(h: History, queries: mx.array, scale: float, keys: mx.array, 
 
 # ---- prefill on a GPU: decode the history once, MLX's fused attention -------------------------------
 
-def decode_with_codec(h: History, role: str, dtype) -> mx.array:
+def decode_with_codec(h: History, role: str, dtype, tokens: int) -> mx.array:
+    """The first `tokens` codes of `role`, decoded into the codec's domain."""
     codec = h.key_codec if role == "keys" else h.value_codec
-    return codec.decode(at_positions(codec, h.store.fields(role), h.sinks)).astype(dtype)
+    return codec.decode(at_positions(codec, h.store.fields(role, 0, tokens), h.sinks)).astype(dtype)
 
 
 SDPA_MASK_BYTES = 256 << 20  # scores an explicit-mask SDPA call may hold (queries x keys x heads x 4 bytes)
@@ -529,7 +530,7 @@ def sdpa_prefill_supports(h: History, queries: mx.array, mask) -> bool:
 
 
 def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
-                 decode: Callable[[History, str, object], mx.array] = decode_with_codec) -> mx.array:
+                 decode: Callable[[History, str, object, int], mx.array] = decode_with_codec) -> mx.array:
     """Prefill over the decoded history with `mx.fast.scaled_dot_product_attention`: the query
     goes into the key domain once, fp16 sinks/window tokens are mapped into the domains and
     placed in position order (so the causal mask stays the plain one), the output comes back
@@ -542,29 +543,33 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     fit SDPA_MASK_BYTES even where MLX materialises them."""
     kc, vc = h.key_codec, h.value_codec
     dtype = attention_dtype(queries)
-    keys, values = decode(h, "keys", dtype), decode(h, "values", dtype)
+    s = h.sinks
+    fp16 = h.fp16
+    band = h.band and queries.shape[2] > 1  # a single query sees every flushed token from its codes
+    chunk_rule = band and h.settings.prefill_rule == "chunk"
+    recent = h.recent() if band else None
+    # Under the "chunk" rule every query sees the tokens this update encoded in fp16: their codes,
+    # the last `count - (first - sinks)`, are not decoded (a whole chunk's worth at each prefill step).
+    tokens = recent[2] - s if chunk_rule else h.count
+    keys = values = None
+    if tokens:
+        keys, values = decode(h, "keys", dtype, tokens), decode(h, "values", dtype, tokens)
     query_space = keys_in_query_space(kc)
-    if query_space:
+    if query_space and keys is not None:
         keys = _out_of_key_domain_fn(kc, dtype)(keys)
     q = queries.astype(dtype) if query_space else _into_key_domain_fn(kc, dtype)(queries)
 
     def into_domains(fk, fv):
         return fp16_into_domains(None if query_space else kc, vc, fk, fv, h.value_mean, dtype)
 
-    s = h.sinks
-    fp16 = h.fp16
-    band = h.band and queries.shape[2] > 1  # a single query sees every flushed token from its codes
-    chunk_rule = band and h.settings.prefill_rule == "chunk"
     if band:
         # "chunk": keys [sinks | codes before first | the recent span in fp16], in position order,
         # so the causal mask holds. "decode": keys [sinks | every code | the recent span in fp16];
         # each query sees a recent token from its codes before fp16_from(query) and from fp16
         # after it (cache.py's rule), through an explicit mask.
-        rk, rv, first = h.recent()
+        rk, rv, first = recent
         rk, rv = into_domains(rk, rv)
-        if chunk_rule:
-            keys, values = keys[..., : first - s, :], values[..., : first - s, :]
-        parts_k, parts_v = [keys, rk], [values, rv]
+        parts_k, parts_v = ([rk], [rv]) if keys is None else ([keys, rk], [values, rv])
         if s:
             sk, sv = into_domains(fp16[0][..., :s, :], fp16[1][..., :s, :])
             parts_k, parts_v = [sk] + parts_k, [sv] + parts_v

@@ -214,10 +214,10 @@ def portable_decode(h, queries, scale, mask=None):
 
 # ---- prefill -----------------------------------------------------------------------------------
 
-def _dequant_rows(h, role: str, dtype) -> mx.array:
+def _dequant_rows(h, role: str, dtype, tokens: int) -> mx.array:
     run = ops.runner(h.settings.backend)
     codec = h.key_codec if role == "keys" else h.value_codec
-    return ops.mse_dequant(run, codec, h.layout, role, h.store.rows, h.count, dtype)
+    return ops.mse_dequant(run, codec, h.layout, role, h.store.rows, tokens, dtype)
 
 
 def _prefill_supports(h, queries, mask) -> bool:
@@ -244,9 +244,9 @@ def _orthogonal(h) -> bool:
     return h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain
 
 
-def _kernel_decoder(h, role: str, dtype) -> mx.array:
+def _kernel_decoder(h, role: str, dtype, tokens: int) -> mx.array:
     codec = h.key_codec if role == "keys" else h.value_codec
-    return dequant.dequantize(ops.runner(h.settings.backend), h.store, role, codec, h.count, dtype)
+    return dequant.dequantize(ops.runner(h.settings.backend), h.store, role, codec, tokens, dtype)
 
 
 def _format_step_supports(h, queries, mask) -> bool:
