@@ -178,6 +178,22 @@ def test_emulated_encode_matches_codec(spec):
 
 
 @needs_cxx
+def test_format_self_test_runs_a_calibrated_format_and_can_fail(monkeypatch):
+    # The self-test's format matrix (every format with a kernel snippet, run on CUDA by
+    # `python -m veloxquant_mlx.kernels.selftest --backend cuda`): one calibrated spec with an fp16
+    # window and centring on the emulator, then the same with the partial kernel's output off by 1%.
+    from veloxquant_mlx.kernels import partial
+
+    spec = "vecinfer:2:vbits=3,sinks=2,window=8,center=true"
+    assert spec in selftest.FORMAT_SPECS
+    record = selftest.run_format("emulator", spec)
+    assert record["status"] == "ok" and record["calibrated"] and record["encode_kernel"], record
+    decode = partial.decode
+    monkeypatch.setattr(partial, "decode", lambda *a, **k: decode(*a, **k) * 1.01)
+    assert selftest.run_format("emulator", spec)["status"] == "FAIL"
+
+
+@needs_cxx
 @pytest.mark.parametrize("tensor_cores", [False, True])
 def test_emulated_long_sequence_many_splits(tensor_cores):
     # Several splits of several tiles, a ragged last tile, B = 2; on tensor cores also warps

@@ -23,6 +23,12 @@ with MLX_ENABLE_TF32=0 for the strict check.
 Encoding: at least 99.9% of codes equal (a coordinate within float rounding of a
 boundary may round either way) and norms equal to an fp16 ulp.
 
+On a kernel back end (cuda, metal, emulator) it then checks every other format with a
+kernel snippet (`FORMAT_SPECS`, `run_format`): the caches of a random-weight llama of head
+dim 128 (calibrated first on random tokens where the method needs it), filled through that
+back end's paths; per layer, its dequant kernel against the codec's `decode`, its formats'
+partial kernel against the engine's MLX-ops decode, and its encode kernel against `encode`.
+
 `--write FILE` saves inputs, outputs and errors (npz); `--check FILE` also
 compares this back end's outputs with a file written elsewhere (e.g. on CUDA).
 """
@@ -345,6 +351,102 @@ def run_ratequant(backend: str) -> Dict:
             "status": "ok" if ok else "FAIL"}
 
 
+# Every format with a kernel snippet (`kernel_decode`, and `kernel_encode` where it has one), each
+# as a cache of a random-weight llama of head dim 128, calibrated first where the method needs it.
+# turboquant_mse has the cases above; ratequant has `run_ratequant`; commvq has no kernel.
+FORMAT_SPECS = (
+    "turboquant_prod:4", "turboquant_rvq:2", "polarquant:4", "qjl:4", "kivi:2", "kivi:4:sinks=2,window=8",
+    "rabitq:1:vbits=4", "rabitq:3:vbits=4", "spectralquant:3", "vecinfer:2:vbits=3",
+    "vecinfer:2:vbits=3,sinks=2,window=8,center=true", "turboquant_mse:3:vbits=4,outliers=8",
+    "rabitq:3:vbits=4,outliers=4", "turboquant_mse:3:vbits=4,smooth_keys=0.5",
+)
+
+
+def _calibration_model():
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=1024, num_hidden_layers=2, intermediate_size=1024,
+                           num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512)
+    mx.random.seed(0)
+    return llama.Model(args)
+
+
+def run_format(backend: str, spec: str, model=None) -> Dict:
+    """One format's kernels on `backend`, on the caches a random-weight llama (head dim 128, 2 kv heads,
+    GQA 4) fills with 300 tokens through `backend`'s paths, then one decode token: per layer, the dequant
+    kernel against the codecs' `decode` of the stored codes, the formats' partial kernel against the
+    engine's MLX-ops decode (both references in float32 on the CPU), and, for per-token formats with
+    encode snippets, the encode kernel against the codecs' `encode` of 40 random tokens."""
+    import tempfile
+
+    from .. import engine
+    from ..calibration import calibrate
+    from ..evaluation.specs import parse_method_spec
+    from ..integration import KVCacheBuilder
+    from ..methods.outliers import CalibrationRequiredError
+    from ..settings import EngineSettings
+    from ..storage import row_layout
+    from . import dequant, encode, ops, partial
+
+    model = model if model is not None else _calibration_model()
+    config = parse_method_spec(spec).config
+    settings = EngineSettings.resolve(backend=backend)
+    record = {"case": f"format {spec}", "backend": backend}
+    prompt = mx.random.randint(0, 512, (1, 300), key=mx.random.key(90))
+    with tempfile.TemporaryDirectory() as artifacts:
+        try:
+            caches = KVCacheBuilder(config).for_model(model).build(settings=settings)
+            logits = model(prompt, cache=caches)  # the codecs are made, and may ask for calibration, here
+        except CalibrationRequiredError:
+            sequences = [mx.random.randint(0, 512, (256,), key=mx.random.key(80 + i)) for i in range(4)]
+            calibrate(model, config, sequences, artifacts, progress=False)
+            config = config.replace(artifact_dir=artifacts)
+            caches = KVCacheBuilder(config).for_model(model).build(settings=settings)
+            logits = model(prompt, cache=caches)
+        record["calibrated"] = config.artifact_dir is not None
+        model(mx.argmax(logits[:, -1:], axis=-1), cache=caches)  # a decode step: the token's encode and store
+        run = ops.runner(backend)
+        rows_equal, decode_error, partial_error = 1.0, 0.0, 0.0
+        for layer, cache in enumerate(caches):
+            cache.flush()
+            h = cache._history()
+            kc, vc = h.key_codec, h.value_codec
+            record["paths"] = sorted(set(record.get("paths", [])) | {cache.last_path})
+            for role, codec in (("keys", kc), ("values", vc)):
+                out = dequant.dequantize(run, h.store, role, codec, h.count, mx.float32)
+                with mx.stream(mx.cpu):
+                    ref = codec.decode(h.store.fields(role, 0, h.count))
+                    mx.eval(ref)
+                decode_error = max(decode_error, _rel(np.array(out), np.array(ref)))
+            q = mx.random.normal((1, 8, 1, 128), key=mx.random.key(100 + layer))
+            with mx.stream(mx.cpu):
+                ref = engine.compiled_decode(h, q, 128 ** -0.5, compiled=False)
+                mx.eval(ref)
+            out = partial.decode(h, q, 128 ** -0.5, chunk=partial.THREADS)
+            partial_error = max(partial_error, _rel(np.array(out), np.array(ref)))
+            layout = row_layout(kc, vc)
+            if encode.supported(layout, kc, vc):
+                keys = mx.random.normal((1, 2, 40, 128), key=mx.random.key(110 + layer)).astype(mx.float16)
+                values = mx.random.normal((1, 2, 40, 128), key=mx.random.key(120 + layer)).astype(mx.float16)
+                got = layout.views(encode.encode_rows(run, layout, kc, vc, keys, values))
+                with mx.stream(mx.cpu):
+                    refs = (kc.encode(keys), vc.encode(values))
+                    mx.eval(refs)
+                equal, half_error, same = encode.fields_agreement(got, refs)
+                record["encode_kernel"] = True
+                rows_equal = min(rows_equal, equal if same and half_error <= encode.CHECK_HALF_ERROR else 0.0)
+    tolerance = partial.CHECK_TOLERANCE
+    if backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
+        tolerance = max(tolerance, TF32_TOLERANCE)  # the query's map into a dense domain is an MLX matmul
+    record.update(vs_decode=decode_error, vs_compiled_decode=partial_error, tolerance=tolerance)
+    if record.get("encode_kernel"):
+        record["codes_equal"] = rows_equal
+    ok = (decode_error <= TOLERANCES["float32"] and partial_error <= tolerance
+          and rows_equal >= encode.CHECK_MIN_EQUAL)
+    record["status"] = "ok" if ok else "FAIL"
+    return record
+
+
 def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = True, safe: bool = False) -> List[Dict]:
     """All records; with `safe`, a case that raises is recorded as an error, not raised."""
     jobs = []
@@ -359,6 +461,7 @@ def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = Tru
         jobs.append(("fused_window_center", lambda: run_fused(backend)))
         jobs.append(("fused_window_center_smoothed", lambda: run_fused(backend, smoothed=True)))
         jobs.append(("ratequant_kernels", lambda: run_ratequant(backend)))
+        jobs += [(f"format {spec}", lambda spec=spec: run_format(backend, spec)) for spec in FORMAT_SPECS]
     records = []
     for name, job in jobs:
         try:
