@@ -186,11 +186,11 @@ def test_format_self_test_runs_a_calibrated_format_and_can_fail(monkeypatch):
 
     spec = "vecinfer:2:vbits=3,sinks=2,window=8,center=true"
     assert spec in selftest.FORMAT_SPECS
-    record = selftest.run_format("emulator", spec)
+    record = selftest.run_format("emulator", spec, tokens=80)
     assert record["status"] == "ok" and record["calibrated"] and record["encode_kernel"], record
     decode = partial.decode
     monkeypatch.setattr(partial, "decode", lambda *a, **k: decode(*a, **k) * 1.01)
-    assert selftest.run_format("emulator", spec)["status"] == "FAIL"
+    assert selftest.run_format("emulator", spec, tokens=80)["status"] == "FAIL"
 
 
 @needs_cxx

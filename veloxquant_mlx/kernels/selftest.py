@@ -371,9 +371,9 @@ def _calibration_model():
     return llama.Model(args)
 
 
-def run_format(backend: str, spec: str, model=None) -> Dict:
+def run_format(backend: str, spec: str, model=None, tokens: int = 300) -> Dict:
     """One format's kernels on `backend`, on the caches a random-weight llama (head dim 128, 2 kv heads,
-    GQA 4) fills with 300 tokens through `backend`'s paths, then one decode token: per layer, the dequant
+    GQA 4) fills with `tokens` tokens through `backend`'s paths, then one decode token: per layer, the dequant
     kernel against the codecs' `decode` of the stored codes, the formats' partial kernel against the
     engine's MLX-ops decode (both references in float32 on the CPU), and, for per-token formats with
     encode snippets, the encode kernel against the codecs' `encode` of 40 random tokens."""
@@ -392,7 +392,7 @@ def run_format(backend: str, spec: str, model=None) -> Dict:
     config = parse_method_spec(spec).config
     settings = EngineSettings.resolve(backend=backend)
     record = {"case": f"format {spec}", "backend": backend}
-    prompt = mx.random.randint(0, 512, (1, 300), key=mx.random.key(90))
+    prompt = mx.random.randint(0, 512, (1, tokens), key=mx.random.key(90))
     with tempfile.TemporaryDirectory() as artifacts:
         try:
             caches = KVCacheBuilder(config).for_model(model).build(settings=settings)
