@@ -4,6 +4,8 @@ Every path is checked against the generic blockwise path (`attention.attend`), w
 itself checked against float64 attention in test_cache.py.
 """
 
+import warnings
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -507,6 +509,43 @@ def test_first_use_check_warns_and_stands_aside():
         out = cache.attend(q, 0.125)
         assert cache.last_path == "compiled_decode"
         assert mx.allclose(out, _generic(cache, q, 0.125), rtol=1e-4, atol=2e-5).item()
+    finally:
+        check.reset()
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+def test_each_formats_kernels_are_checked_at_first_use(monkeypatch):
+    # A format's kernels are rendered from its own snippets, so the back end's check does not vouch
+    # for them: each format's dequant, partial and encode kernels are checked at their first use
+    # (here on the emulator, standing in for Metal), and a wrong one warns and stands aside alone.
+    from veloxquant_mlx.kernels import check, encode, partial
+    from veloxquant_mlx.storage import row_layout
+
+    monkeypatch.setattr(check, "CHECKED_BACKENDS", check.CHECKED_BACKENDS + ("emulator",))
+    check.reset()
+    try:
+        check._VERDICTS["emulator"] = True  # the back end's own (turboquant_mse) check: not this test's
+        cache = _filled("turboquant_rvq", batch=1, tokens=100, decode=0,
+                        settings=EngineSettings.resolve(backend="emulator"), sink_tokens=2, residual_length=8)
+        h = cache._history()
+        kc, vc = h.key_codec, h.value_codec
+        layout = row_layout(kc, vc)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert check.format_usable(h) and check.format_encode_usable("emulator", layout, kc, vc)
+        check.reset()
+        check._VERDICTS["emulator"] = True
+        decode, encode_rows = partial.decode, encode.encode_rows
+        monkeypatch.setattr(partial, "decode", lambda *a, **k: decode(*a, **k) * 1.01)
+        monkeypatch.setattr(encode, "encode_rows", lambda *a: encode_rows(*a) ^ 1)
+        with pytest.warns(RuntimeWarning, match=r"kernels of turboquant_rvq keys.* failed their first-use check.*partial \(the formats"):
+            assert not check.format_usable(h)
+        with pytest.warns(RuntimeWarning, match=r"failed their first-use check.*format_encode \(the formats' encode"):
+            assert not check.format_encode_usable("emulator", layout, kc, vc)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # decided once per process and kernel
+            assert not check.format_usable(h) and not check.format_encode_usable("emulator", layout, kc, vc)
     finally:
         check.reset()
 

@@ -237,7 +237,7 @@ def kernel_prefill(h, queries, scale, mask=None):
 def _format_kernel_ok(h) -> bool:
     name = h.settings.backend
     return (name in ("cuda", "metal") and h.count > 0 and dequant.supported(h.key_codec)
-            and dequant.supported(h.value_codec) and check.usable(name))
+            and dequant.supported(h.value_codec) and check.usable(name) and check.format_usable(h))
 
 
 def _orthogonal(h) -> bool:
@@ -288,7 +288,8 @@ def format_kernel_prefill(h, queries, scale, mask=None):
 
 def _format_encoder_supports(layout, key_codec, value_codec, settings) -> bool:
     return (settings.backend in KERNEL_BACKENDS and encode.supported(layout, key_codec, value_codec)
-            and check.usable(settings.backend))
+            and check.usable(settings.backend)
+            and check.format_encode_usable(settings.backend, layout, key_codec, value_codec))
 
 
 @engine.register_encoder(_format_encoder_supports)

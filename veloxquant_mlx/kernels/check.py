@@ -8,6 +8,14 @@ names the case, the kernel and the error, and the paths of that back end stand a
 for the engine's portable paths. `python -m veloxquant_mlx.kernels.selftest --backend
 metal` remains the full check.
 
+Every other format's kernels are rendered from its codecs' snippets, so they are checked
+the same way at their own first use (`format_usable`, `format_encode_usable`): the dequant
+and partial kernels on the history of the first cache that asks, against the codecs' MLX
+decode and the engine's MLX-ops decode on the CPU, and the encode kernel on a few random
+tokens against `encode`, once per process and rendered kernel. A failure warns, naming the
+format, the kernel and the error, and that format's kernel paths stand aside for the
+portable ones; the other formats keep theirs.
+
 The CPU back ends have nothing to check here ("native" checks its module when it
 loads, the emulator is for tests).
 """
@@ -80,22 +88,12 @@ def usable(backend: str) -> bool:
 def _run(backend: str) -> bool:
     from . import encode, partial, selftest
 
-    failures = []
     jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, "norm", tokens=8)),
             ("format_encode", lambda: encode.check_record(backend, encode.CHECK_FORMATS[:1])),
             ("dequant", lambda: _dequant_record(backend)), ("partial", lambda: partial.check_record(backend)),
             ("fused", lambda: selftest.run_fused(backend))]
     jobs += [(case.name, lambda case=case: selftest.run_case(case, backend)) for case in _cases()]
-    for name, job in jobs:
-        try:
-            record = job()
-        except Exception as error:  # noqa: BLE001 - any failure disables the back end, loudly
-            failures.append(f"{name} ({_KERNELS[name]}): {error!r}"[:500])
-            continue
-        if record.get("status") == "FAIL":
-            errors = {k: v for k, v in record.items()
-                      if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error", "rows_equal", "path")}
-            failures.append(f"{name} ({_KERNELS[name]}): outside tolerance {errors}")
+    failures = _failures(jobs)
     if failures:
         from .. import engine
 
@@ -107,6 +105,137 @@ def _run(backend: str) -> bool:
                       RuntimeWarning, stacklevel=3)
         return False
     return True
+
+
+def format_usable(h) -> bool:
+    """Whether the dequant and partial kernels of the format of `h` (an `engine.History`) may run on
+    its back end: checked on `h` the first time this process renders them."""
+    from . import dequant
+
+    backend = h.settings.backend
+    if backend not in CHECKED_BACKENDS:
+        return True
+    if not usable(backend):
+        return False
+    key = ("decode", backend, type(h.store).__name__, dequant.program(h.store, "keys", h.key_codec).kernel,
+           dequant.program(h.store, "values", h.value_codec).kernel)
+    return _verdict(key, lambda: _format_decode_jobs(h), _format_name(h.key_codec, h.value_codec), backend)
+
+
+def format_encode_usable(backend: str, layout, key_codec, value_codec) -> bool:
+    """Whether the encode kernel of this row layout's codecs may run on `backend`: checked on a few
+    random tokens the first time this process renders it."""
+    from . import encode
+
+    if backend not in CHECKED_BACKENDS:
+        return True
+    if not usable(backend):
+        return False
+    key = ("encode", backend, encode.program(layout, key_codec, value_codec).kernel)
+    record = lambda: _format_encode_record(backend, layout, key_codec, value_codec)  # noqa: E731
+    return _verdict(key, lambda: [("format_encode", record)], _format_name(key_codec, value_codec), backend)
+
+
+def _format_name(key_codec, value_codec) -> str:
+    return f"{key_codec.format.name} keys / {value_codec.format.name} values"
+
+
+def _verdict(key, jobs, what: str, backend: str) -> bool:
+    with _LOCK:
+        if key in _RUNNING:  # the check's own calls
+            return True
+        if key not in _VERDICTS:
+            _RUNNING.add(key)
+            try:
+                failures = _failures(jobs())
+            finally:
+                _RUNNING.discard(key)
+            if failures:
+                from .. import engine
+
+                engine.row_encoder.cache_clear()  # an encoder chosen before the verdict
+                warnings.warn(f"veloxquant_mlx: the {backend} kernels of {what} failed their first-use check and are "
+                              "off for this process; that format attends and encodes on the engine's portable "
+                              "(MLX-ops) paths instead. " + "; ".join(failures), RuntimeWarning, stacklevel=4)
+            _VERDICTS[key] = not failures
+        return _VERDICTS[key]
+
+
+def _rel(out, ref) -> float:
+    import mlx.core as mx
+
+    return float(mx.max(mx.abs(out - ref))) / max(float(mx.max(mx.abs(ref))), 1e-30)
+
+
+def _format_decode_jobs(h) -> list:
+    import os
+
+    import mlx.core as mx
+
+    from .. import engine
+    from . import dequant, ops, partial
+    from .selftest import TF32_TOLERANCE
+
+    def dequant_record():
+        worst = 0.0
+        for role, codec in (("keys", h.key_codec), ("values", h.value_codec)):
+            out = dequant.dequantize(ops.runner(h.settings.backend), h.store, role, codec, h.count, mx.float32)
+            with mx.stream(mx.cpu):
+                ref = codec.decode(h.store.fields(role, 0, h.count))
+                mx.eval(ref)
+            worst = max(worst, _rel(out, ref))
+        return {"vs_codec_decode": worst, "status": "ok" if worst <= 1e-4 else "FAIL"}
+
+    def partial_record():
+        batch = next(iter(h.store.fields("keys", 0, 1).values())).shape[0]
+        q = mx.random.normal((batch, h.kv_heads, 1, h.key_codec.dim), key=mx.random.key(31))
+        scale = h.key_codec.dim ** -0.5
+        with mx.stream(mx.cpu):  # full float32 (MLX's GPU matmuls run at TF32 by default)
+            ref = engine.compiled_decode(h, q, scale, compiled=False)
+            mx.eval(ref)
+        error = _rel(partial.decode(h, q, scale, chunk=partial.THREADS), ref)
+        tolerance = partial.CHECK_TOLERANCE
+        if os.environ.get("MLX_ENABLE_TF32", "1") != "0":  # a dense query map is an MLX matmul there
+            tolerance = max(tolerance, TF32_TOLERANCE)
+        return {"vs_compiled_decode": error, "status": "ok" if error <= tolerance else "FAIL"}
+
+    jobs = [("dequant", dequant_record)]
+    if partial.fits(h.store, h.key_codec, h.value_codec, 1, h.settings.backend):
+        jobs.append(("partial", partial_record))
+    return jobs
+
+
+def _format_encode_record(backend: str, layout, key_codec, value_codec) -> dict:
+    import mlx.core as mx
+
+    from . import encode, ops
+
+    heads = getattr(key_codec, "heads", None) or getattr(value_codec, "heads", None) or 2  # per-head codecs' own
+    keys = mx.random.normal((1, heads, 8, key_codec.dim), key=mx.random.key(32)).astype(mx.float16)
+    values = mx.random.normal((1, heads, 8, value_codec.dim), key=mx.random.key(33)).astype(mx.float16)
+    got = layout.views(encode.encode_rows(ops.runner(backend), layout, key_codec, value_codec, keys, values))
+    with mx.stream(mx.cpu):
+        refs = (key_codec.encode(keys), value_codec.encode(values))
+        mx.eval(refs)
+    equal, half_error, same = encode.fields_agreement(got, refs)
+    ok = same and equal >= encode.CHECK_MIN_EQUAL and half_error <= encode.CHECK_HALF_ERROR
+    return {"codes_equal": equal, "norm_rel_error": half_error, "status": "ok" if ok else "FAIL"}
+
+
+def _failures(jobs) -> list:
+    """What failed of `jobs` ((name, record function) pairs), each naming its kernel."""
+    failures = []
+    for name, job in jobs:
+        try:
+            record = job()
+        except Exception as error:  # noqa: BLE001 - any failure disables the kernels, loudly
+            failures.append(f"{name} ({_KERNELS[name]}): {error!r}"[:500])
+            continue
+        if record.get("status") == "FAIL":
+            errors = {k: v for k, v in record.items()
+                      if k.startswith("vs_") or k in ("codes_equal", "norm_rel_error", "rows_equal", "path")}
+            failures.append(f"{name} ({_KERNELS[name]}): outside tolerance {errors}")
+    return failures
 
 
 def reset():
