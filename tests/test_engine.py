@@ -523,6 +523,7 @@ def test_each_formats_kernels_are_checked_at_first_use(monkeypatch):
     from veloxquant_mlx.storage import row_layout
 
     monkeypatch.setattr(check, "CHECKED_BACKENDS", check.CHECKED_BACKENDS + ("emulator",))
+    monkeypatch.setattr(check, "FORMAT_CHECKED_BACKENDS", ("emulator",))
     check.reset()
     try:
         check._VERDICTS["emulator"] = True  # the back end's own (turboquant_mse) check: not this test's
