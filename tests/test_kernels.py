@@ -32,7 +32,7 @@ IN_DTYPES = {
                         "ksigns": "float32", "meta": "int32", "qscale": "float32", "kscale": "float32"},
     "merge": {"o": "float32", "ml": "float32", "vsigns": "float32", "meta": "int32", "po": "float32",
               "pml": "float32", "vmean": "float32", "q": "float16", "qscale": "float32", "kmean": "float32",
-              "pa_k": "float16", "pa_v": "float16", "pb_k": "float16", "pb_v": "float16"},
+              "pa_k": "float16", "pa_v": "float16", "pb_k": "float16", "pb_v": "float16", "vmap": "float32"},
     "mse_dequant": {"rows": "uint32", "cent": "float32", "meta": "int32"},
     "mse_encode": {n: "float32" for n in templates.KERNELS["mse_encode"]["inputs"]},
 }
@@ -138,6 +138,8 @@ def test_cuda_sources_compile_with_nvcc(tmp_path):
     picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=True, plain=True, value_mean=True, out_dtype="float16"))
     picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=False, plain=False, value_mean=True,
                                    out_dtype="float16", tokens=128, x_dtype="float16"))
+    picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=False, plain=False, value_mean=True,
+                                   out_dtype="float16", tokens=128, x_dtype="float16", unmap=8))
     mma = launch.mma_partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16")
     picks.append(mma)
     for i, plan in enumerate(picks):
@@ -175,6 +177,32 @@ def test_emulated_kernels_match_portable_generic_and_fp64(case):
 def test_emulated_encode_matches_codec(spec):
     record = selftest.run_encode("emulator", *spec)
     assert record["status"] == "ok", record
+
+
+@needs_cxx
+@pytest.mark.parametrize("mean", [False, True])
+def test_emulated_merge_leaves_a_dense_per_head_value_domain(mean):
+    # spectralquant's values live in a learned PCA basis per head: the merge kernel takes the value
+    # sum out of it through one (D, D) matrix per head (from_domain of the identity), as the
+    # engine's MLX-ops merge does with from_domain itself.
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.methods.spectralquant import SpectralCodec
+
+    heads, rep, splits, dim = 2, 3, 4, 64
+    basis = mx.linalg.qr(mx.random.normal((heads, dim, dim), key=mx.random.key(1)), stream=mx.cpu)[0]
+    codec = SpectralCodec(dim, 3, {"heads.basis": basis, "heads.sigma": mx.ones((heads, dim)),
+                                   "split": mx.array([32, 4, 2])})
+    domain = ops.merge_domain(codec, dim)
+    assert domain[0] == "dense" and domain[1].shape == (heads, dim, dim)
+    bh = 2 * heads  # batch 2: row bh takes head bh % heads
+    o = mx.random.normal((bh, splits, rep, dim), key=mx.random.key(2))
+    ml = mx.stack([mx.random.normal((bh, splits, rep), key=mx.random.key(3)),
+                   mx.random.uniform(0.5, 2.0, (bh, splits, rep), key=mx.random.key(4))], axis=-1)
+    vmean = mx.random.normal((bh, dim), key=mx.random.key(5)) if mean else None
+    out_shape = (2, heads * rep, 1, dim)
+    out = ops.merge(ops.runner("emulator"), o, ml, codec, out_shape, mx.float32, value_mean=vmean)
+    ref = engine.merge_partials(o, ml, codec, out_shape, mx.float32, value_mean=vmean)
+    assert selftest._rel(np.array(out), np.array(ref)) < 1e-5
 
 
 @needs_cxx

@@ -198,13 +198,14 @@ def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits
 
 @lru_cache(maxsize=4096)
 def merge_plan(kv_rows: int, rep: int, dim: int, splits: int, *, unrotate: bool, plain: bool,
-               value_mean: bool, out_dtype: str, tokens: int = 0, x_dtype: str = "float32") -> Plan:
+               value_mean: bool, out_dtype: str, tokens: int = 0, x_dtype: str = "float32", unmap: int = 0) -> Plan:
     """`plain`: merge a partial over fp16 tokens; `tokens`: a bound on fp16 tokens attended to in
-    the kernel instead (0: none), of dtype `x_dtype`."""
+    the kernel instead (0: none), of dtype `x_dtype`; `unmap`: the heads of a dense per-head
+    matrix that takes the value sum out of its domain (0: none)."""
     if unrotate and not is_power_of_two(dim):
         raise ValueError(f"in-kernel rotation needs a power-of-two dim, got {dim}")
     template = [
-        ("D", dim), ("REP", rep), ("UNROT", bool(unrotate)), ("HAS_PLAIN", bool(plain)),
+        ("D", dim), ("REP", rep), ("UNROT", bool(unrotate)), ("UNMAP", unmap), ("HAS_PLAIN", bool(plain)),
         ("HAS_VMEAN", bool(value_mean)), ("HAS_TOKENS", tokens > 0), ("PMAX", max(1, tokens)), ("TX", x_dtype),
         ("TO", out_dtype),
     ]

@@ -196,7 +196,8 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
             joined = fp16_tokens(len(tokens.parts) // 2, tokens.parts, tokens.key_mean)
             plain = None if joined is None else plain_partial(tokens.queries, *joined, tokens.scale)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain, value_mean=value_mean)
-    signs = domain[1]
+    signs = domain[1] if domain[0] == "hadamard" else None
+    vmap = domain[1] if domain[0] == "dense" else None
     parts = tokens.parts if tokens is not None else []
     x_dtype = parts[0].dtype if parts else mx.float32
     if x_dtype not in (mx.float16, mx.float32, mx.bfloat16) or any(a.dtype != x_dtype for a in parts):
@@ -206,7 +207,8 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
     meta = tokens.meta if held_window else small_array((splits, na, nb, nb))
     plan = launch.merge_plan(bh, rep, dim, splits, unrotate=signs is not None, plain=plain is not None,
                              value_mean=value_mean is not None, out_dtype=launch.dtype_name(out_dtype),
-                             tokens=bound, x_dtype=launch.dtype_name(x_dtype))
+                             tokens=bound, x_dtype=launch.dtype_name(x_dtype),
+                             unmap=0 if vmap is None else vmap.shape[0])
     centered = bool(bound) and value_mean is not None
     if centered and tokens.key_mean is None:
         raise ValueError("centred values need the key mean to centre the fp16 keys (FP16Tokens.key_mean)")
@@ -217,6 +219,7 @@ def merge(run: Runner, o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[
         value_mean.astype(mx.float32) if value_mean is not None else _dummy(),
         tokens.queries if bound else _dummy(), small_array((float(tokens.scale if bound else 1.0),), mx.float32),
         tokens.key_mean.astype(mx.float32) if centered else _dummy(), *pa, *pb,
+        vmap if vmap is not None else _dummy(),
     ]
     (out,) = run(plan, inputs, [tuple(out_shape)])
     return out
@@ -260,8 +263,9 @@ def _token_slots(parts: List[mx.array], dummy: mx.array, window_last: bool, kern
 
 def merge_domain(value_codec, dim: int):
     """How the merge kernel leaves `value_codec`'s domain: ("identity", None), ("hadamard", signs)
-    for a seeded-sign Hadamard rotation it undoes in-kernel, or None (MLX ops) for any other
-    domain, or a dim the kernel's one-thread-per-coordinate block does not take."""
+    for a seeded-sign Hadamard rotation it undoes in-kernel, ("dense", matrices) for any other
+    linear map, one (D, D) per head (`dense_value_map`), or None (MLX ops) for a dim the
+    kernel's one-thread-per-coordinate block does not take."""
     if not launch.is_power_of_two(dim) or dim > 1024 or value_codec.format.domain_dim != dim:
         return None
     if value_codec.domain == "identity":
@@ -273,7 +277,21 @@ def merge_domain(value_codec, dim: int):
             signs = value_codec._vq_merge_signs = rotation.signs.astype(mx.float32)
             mx.eval(signs)
         return "hadamard", signs
-    return None
+    return "dense", dense_value_map(value_codec, dim)
+
+
+def dense_value_map(value_codec, dim: int) -> mx.array:
+    """(H, D, D) float32 with from_domain(y) = y @ m[head] for each of the codec's H heads (1 for a map
+    shared by all heads): from_domain of the identity, which is linear (`methods/base.py`), computed once."""
+    matrices = getattr(value_codec, "_vq_merge_map", None)
+    if matrices is None:
+        heads = getattr(value_codec, "heads", 1)
+        eye = mx.broadcast_to(mx.eye(dim, dtype=mx.float32), (1, heads, dim, dim))
+        with mx.stream(mx.cpu):  # float32 exactly (MLX's GPU matmuls run at TF32 by default)
+            matrices = value_codec.from_domain(eye)[0].astype(mx.float32)
+            mx.eval(matrices)
+        value_codec._vq_merge_map = matrices
+    return matrices
 
 
 def mse_dequant(run: Runner, codec, layout, role: str, rows: mx.array, tokens: int, out_dtype=mx.float16) -> mx.array:

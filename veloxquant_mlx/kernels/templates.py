@@ -1041,7 +1041,8 @@ def _merge_tokens(gate: str, center: str, slide: bool = False, held: str = "NB")
 
 
 # Template constants: D (dim, = threads per block), REP, UNROT (un-rotate the
-# value sum with the value codec's seeded-sign FWHT; needs D a power of two),
+# value sum with the value codec's seeded-sign FWHT; needs D a power of two), UNMAP
+# (0, or the heads of vmap: leave a dense per-head value domain through vmap (UNMAP, D, D) f32),
 # HAS_PLAIN (merge a partial over fp16 tokens, already in the output domain),
 # HAS_TOKENS (attend to fp16 sinks / window tokens as held, `_MERGE_TOKENS`; keys
 # centred with kmean when HAS_VMEAN), PMAX (>= their count), TX (their dtype),
@@ -1058,6 +1059,14 @@ MERGE = r"""
     vq_buf[d] = acc;
     VQ_SYNC();
 """ + _FWHT_BUF + r"""    acc = vq_buf[d] * (1.0f / VQ_SQRT((float)D)) * vsigns[d];
+  }
+  if (UNMAP) {  // a dense per-head domain: out_d = sum_i y_i vmap[head][i][d], head = bh % UNMAP
+    vq_buf[d] = acc;
+    VQ_SYNC();
+    const VQ_GLOBAL float* m = vmap + (size_t)(bh % UNMAP) * D * D;
+    float mapped = 0.0f;
+    for (int i = 0; i < D; ++i) mapped += vq_buf[i] * m[(size_t)i * D + d];
+    acc = mapped;
   }
   if (HAS_VMEAN) acc += L * vmean[(size_t)bh * D + d];
 """ + _MERGE_PLAIN + _merge_tokens("HAS_TOKENS", "HAS_VMEAN", held="meta[3]") + r"""  out[(size_t)row * D + d] = VQ_CAST(TO, acc / VQ_MAXF(L, 1e-30f));
@@ -1236,7 +1245,7 @@ KERNELS: Dict[str, dict] = {
     "merge": {
         "body": MERGE,
         "inputs": ("o", "ml", "vsigns", "meta", "po", "pml", "vmean", "q", "qscale", "kmean", "pa_k", "pa_v",
-                   "pb_k", "pb_v"),
+                   "pb_k", "pb_v", "vmap"),
         "outputs": ("out",),
     },
 }
