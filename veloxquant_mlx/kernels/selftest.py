@@ -356,7 +356,8 @@ def run_ratequant(backend: str) -> Dict:
 # turboquant_mse has the cases above; ratequant has `run_ratequant`; commvq has no kernel.
 FORMAT_SPECS = (
     "turboquant_prod:4", "turboquant_rvq:2", "polarquant:4", "qjl:4", "kivi:2", "kivi:4:sinks=2,window=8",
-    "rabitq:1:vbits=4", "rabitq:3:vbits=4", "spectralquant:3", "vecinfer:2:vbits=3",
+    "rabitq:1:vbits=4", "rabitq:3:vbits=4", "spectralquant:3", "spectralquant:3:sinks=2,window=8,center=true",
+    "vecinfer:2:vbits=3",
     "vecinfer:2:vbits=3,sinks=2,window=8,center=true", "turboquant_mse:3:vbits=4,outliers=8",
     "rabitq:3:vbits=4,outliers=4", "turboquant_mse:3:vbits=4,smooth_keys=0.5",
 )
