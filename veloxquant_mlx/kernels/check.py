@@ -77,16 +77,22 @@ def _dequant_record(backend: str) -> dict:
 def usable(backend: str) -> bool:
     if backend not in CHECKED_BACKENDS:
         return True
+    return _decided(backend, lambda: _run(backend))
+
+
+def _decided(key, decide) -> bool:
+    """The process's verdict for `key`, from `decide()` the first time it is asked (True while
+    `decide` runs: the check's own calls ask too)."""
     with _LOCK:
-        if backend in _RUNNING:  # the check's own caches
+        if key in _RUNNING:
             return True
-        if backend not in _VERDICTS:
-            _RUNNING.add(backend)
+        if key not in _VERDICTS:
+            _RUNNING.add(key)
             try:
-                _VERDICTS[backend] = _run(backend)
+                _VERDICTS[key] = decide()
             finally:
-                _RUNNING.discard(backend)
-        return _VERDICTS[backend]
+                _RUNNING.discard(key)
+        return _VERDICTS[key]
 
 
 def _run(backend: str) -> bool:
@@ -106,7 +112,7 @@ def _run(backend: str) -> bool:
         warnings.warn(f"veloxquant_mlx: the {backend} kernels failed their first-use check and are off for this "
                       "process; every format attends and encodes on the engine's portable (MLX-ops) paths instead. "
                       + "; ".join(failures),
-                      RuntimeWarning, stacklevel=3)
+                      RuntimeWarning, stacklevel=5)
         return False
     return True
 
@@ -145,24 +151,18 @@ def _format_name(key_codec, value_codec) -> str:
 
 
 def _verdict(key, jobs, what: str, backend: str) -> bool:
-    with _LOCK:
-        if key in _RUNNING:  # the check's own calls
-            return True
-        if key not in _VERDICTS:
-            _RUNNING.add(key)
-            try:
-                failures = _failures(jobs())
-            finally:
-                _RUNNING.discard(key)
-            if failures:
-                from .. import engine
+    def decide():
+        failures = _failures(jobs())
+        if failures:
+            from .. import engine
 
-                engine.row_encoder.cache_clear()  # an encoder chosen before the verdict
-                warnings.warn(f"veloxquant_mlx: the {backend} kernels of {what} failed their first-use check and are "
-                              "off for this process; that format attends and encodes on the engine's portable "
-                              "(MLX-ops) paths instead. " + "; ".join(failures), RuntimeWarning, stacklevel=4)
-            _VERDICTS[key] = not failures
-        return _VERDICTS[key]
+            engine.row_encoder.cache_clear()  # an encoder chosen before the verdict
+            warnings.warn(f"veloxquant_mlx: the {backend} kernels of {what} failed their first-use check and are "
+                          "off for this process; that format attends and encodes on the engine's portable "
+                          "(MLX-ops) paths instead. " + "; ".join(failures), RuntimeWarning, stacklevel=6)
+        return not failures
+
+    return _decided(key, decide)
 
 
 def _rel(out, ref) -> float:
