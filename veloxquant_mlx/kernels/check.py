@@ -52,6 +52,9 @@ _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_p
             "fused": "mse_partial + merge_encode_slide (fused decode step, window slid in the kernel)"}
 
 
+DEQUANT_TOLERANCE = 1e-5  # the dequant kernel against the codecs' decode, relative (float32, same maths)
+
+
 def _dequant_record(backend: str) -> dict:
     """The formats' dequant kernel (`dequant.py`) against the codecs' MLX decode: a row format
     (turboquant_rvq) and a field format with per-block fields (kivi)."""
@@ -60,18 +63,92 @@ def _dequant_record(backend: str) -> dict:
     from ..cache import CompressedKVCache
     from ..config import KVCacheConfig
     from ..settings import EngineSettings
-    from . import dequant, ops
 
     worst = 0.0
     for config in (KVCacheConfig(method="turboquant_rvq", bits=3), KVCacheConfig(method="kivi", bits=3, group_size=32)):
         cache = CompressedKVCache(config, settings=EngineSettings.resolve(backend="portable"))
         k = mx.random.normal((1, 2, 96, 128), key=mx.random.key(5))
         cache.update_and_fetch(k, mx.sin(k))
-        for role, codec in (("keys", cache.key_codec), ("values", cache.value_codec)):
-            out = dequant.dequantize(ops.runner(backend), cache.store, role, codec, cache.encoded, mx.float32)
-            ref = codec.decode(cache.store.fields(role))
-            worst = max(worst, float(mx.max(mx.abs(out - ref))) / max(float(mx.max(mx.abs(ref))), 1e-30))
-    return {"vs_codec_decode": worst, "status": "ok" if worst <= 1e-5 else "FAIL"}
+        worst = max(worst, dequant_error(backend, cache.store, cache.key_codec, cache.value_codec, cache.encoded))
+    return {"vs_codec_decode": worst, "status": "ok" if worst <= DEQUANT_TOLERANCE else "FAIL"}
+
+
+# ---- what the first-use checks and the self-test compare (kernels against the MLX-ops maths) ----
+
+def _rel(out, ref) -> float:
+    import mlx.core as mx
+
+    return float(mx.max(mx.abs(out - ref))) / max(float(mx.max(mx.abs(ref))), 1e-30)
+
+
+def dequant_error(backend: str, store, key_codec, value_codec, tokens: int) -> float:
+    """`backend`'s dequant kernel on the first `tokens` of `store`, both roles, against the codecs'
+    `decode` in float32 on the CPU: the worst relative error."""
+    import mlx.core as mx
+
+    from . import dequant, ops
+
+    worst = 0.0
+    for role, codec in (("keys", key_codec), ("values", value_codec)):
+        out = dequant.dequantize(ops.runner(backend), store, role, codec, tokens, mx.float32)
+        with mx.stream(mx.cpu):
+            ref = codec.decode(store.fields(role, 0, tokens))
+            mx.eval(ref)
+        worst = max(worst, _rel(out, ref))
+    return worst
+
+
+def partial_error(h, rep: int = 1, seed: int = 31) -> float:
+    """The formats' partial kernel over `h` (an `engine.History`, its back end's) against the
+    engine's MLX-ops decode in float32 on the CPU, `rep` random queries per kv head."""
+    import mlx.core as mx
+
+    from .. import engine
+    from . import partial
+
+    batch = next(iter(h.store.fields("keys", 0, 1).values())).shape[0]
+    q = mx.random.normal((batch, h.kv_heads * rep, 1, h.key_codec.dim), key=mx.random.key(seed))
+    scale = h.key_codec.dim ** -0.5
+    with mx.stream(mx.cpu):  # full float32 (MLX's GPU matmuls run at TF32 by default)
+        ref = engine.compiled_decode(h, q, scale, compiled=False)
+        mx.eval(ref)
+    return _rel(partial.decode(h, q, scale, chunk=partial.THREADS), ref)
+
+
+def partial_tolerance(backend: str) -> float:
+    import os
+
+    from . import partial
+    from .selftest import TF32_TOLERANCE
+
+    if backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
+        return max(partial.CHECK_TOLERANCE, TF32_TOLERANCE)  # a dense query map is an MLX matmul there
+    return partial.CHECK_TOLERANCE
+
+
+def encode_agreement(backend: str, layout, key_codec, value_codec, tokens: int = 8, seed: int = 32):
+    """`backend`'s encode kernel on `tokens` random fp16 tokens per head against the codecs' `encode`
+    on the CPU: (share of equal packed words, worst relative error of the fp16 scalars, whether
+    every field matched by name and shape), as `encode.fields_agreement`."""
+    import mlx.core as mx
+
+    from . import encode, ops
+
+    heads = getattr(key_codec, "heads", None) or getattr(value_codec, "heads", None) or 2  # per-head codecs' own
+    keys = mx.random.normal((1, heads, tokens, key_codec.dim), key=mx.random.key(seed)).astype(mx.float16)
+    values = mx.random.normal((1, heads, tokens, value_codec.dim), key=mx.random.key(seed + 1)).astype(mx.float16)
+    got = layout.views(encode.encode_rows(ops.runner(backend), layout, key_codec, value_codec, keys, values))
+    with mx.stream(mx.cpu):
+        refs = (key_codec.encode(keys), value_codec.encode(values))
+        mx.eval(refs)
+    return encode.fields_agreement(got, refs)
+
+
+def encode_ok(agreement) -> bool:
+    from . import encode
+
+    equal, half_error, same = agreement
+    return same and equal >= encode.CHECK_MIN_EQUAL and half_error <= encode.CHECK_HALF_ERROR
 
 
 def usable(backend: str) -> bool:
@@ -165,65 +242,28 @@ def _verdict(key, jobs, what: str, backend: str) -> bool:
     return _decided(key, decide)
 
 
-def _rel(out, ref) -> float:
-    import mlx.core as mx
-
-    return float(mx.max(mx.abs(out - ref))) / max(float(mx.max(mx.abs(ref))), 1e-30)
-
-
 def _format_decode_jobs(h) -> list:
-    import os
+    from . import partial
 
-    import mlx.core as mx
-
-    from .. import engine
-    from . import dequant, ops, partial
-    from .selftest import TF32_TOLERANCE
+    backend = h.settings.backend
 
     def dequant_record():
-        worst = 0.0
-        for role, codec in (("keys", h.key_codec), ("values", h.value_codec)):
-            out = dequant.dequantize(ops.runner(h.settings.backend), h.store, role, codec, h.count, mx.float32)
-            with mx.stream(mx.cpu):
-                ref = codec.decode(h.store.fields(role, 0, h.count))
-                mx.eval(ref)
-            worst = max(worst, _rel(out, ref))
-        return {"vs_codec_decode": worst, "status": "ok" if worst <= 1e-4 else "FAIL"}
+        error = dequant_error(backend, h.store, h.key_codec, h.value_codec, h.count)
+        return {"vs_codec_decode": error, "status": "ok" if error <= DEQUANT_TOLERANCE else "FAIL"}
 
     def partial_record():
-        batch = next(iter(h.store.fields("keys", 0, 1).values())).shape[0]
-        q = mx.random.normal((batch, h.kv_heads, 1, h.key_codec.dim), key=mx.random.key(31))
-        scale = h.key_codec.dim ** -0.5
-        with mx.stream(mx.cpu):  # full float32 (MLX's GPU matmuls run at TF32 by default)
-            ref = engine.compiled_decode(h, q, scale, compiled=False)
-            mx.eval(ref)
-        error = _rel(partial.decode(h, q, scale, chunk=partial.THREADS), ref)
-        tolerance = partial.CHECK_TOLERANCE
-        if os.environ.get("MLX_ENABLE_TF32", "1") != "0":  # a dense query map is an MLX matmul there
-            tolerance = max(tolerance, TF32_TOLERANCE)
-        return {"vs_compiled_decode": error, "status": "ok" if error <= tolerance else "FAIL"}
+        error = partial_error(h)
+        return {"vs_compiled_decode": error, "status": "ok" if error <= partial_tolerance(backend) else "FAIL"}
 
     jobs = [("dequant", dequant_record)]
-    if partial.fits(h.store, h.key_codec, h.value_codec, 1, h.settings.backend):
+    if partial.fits(h.store, h.key_codec, h.value_codec, 1, backend):
         jobs.append(("partial", partial_record))
     return jobs
 
 
 def _format_encode_record(backend: str, layout, key_codec, value_codec) -> dict:
-    import mlx.core as mx
-
-    from . import encode, ops
-
-    heads = getattr(key_codec, "heads", None) or getattr(value_codec, "heads", None) or 2  # per-head codecs' own
-    keys = mx.random.normal((1, heads, 8, key_codec.dim), key=mx.random.key(32)).astype(mx.float16)
-    values = mx.random.normal((1, heads, 8, value_codec.dim), key=mx.random.key(33)).astype(mx.float16)
-    got = layout.views(encode.encode_rows(ops.runner(backend), layout, key_codec, value_codec, keys, values))
-    with mx.stream(mx.cpu):
-        refs = (key_codec.encode(keys), value_codec.encode(values))
-        mx.eval(refs)
-    equal, half_error, same = encode.fields_agreement(got, refs)
-    ok = same and equal >= encode.CHECK_MIN_EQUAL and half_error <= encode.CHECK_HALF_ERROR
-    return {"codes_equal": equal, "norm_rel_error": half_error, "status": "ok" if ok else "FAIL"}
+    equal, half_error, same = agreement = encode_agreement(backend, layout, key_codec, value_codec)
+    return {"codes_equal": equal, "norm_rel_error": half_error, "status": "ok" if encode_ok(agreement) else "FAIL"}
 
 
 def _failures(jobs) -> list:

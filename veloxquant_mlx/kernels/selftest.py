@@ -293,14 +293,13 @@ def run_ratequant(backend: str) -> Dict:
 
     from mlx_lm.models import llama
 
-    from .. import engine
     from ..calibration import calibrate
     from ..config import KVCacheConfig
     from ..integration import KVCacheBuilder
     from ..methods.ratequant import RateCodec
     from ..settings import EngineSettings
     from ..storage import row_layout, store_for
-    from . import dequant, encode, ops, partial
+    from . import check, encode, ops, partial
 
     run = ops.runner(backend)
     rows_equal, decode_error = 1.0, 0.0
@@ -316,12 +315,7 @@ def run_ratequant(backend: str) -> Dict:
             want = layout.pack(kc.encode(keys), vc.encode(values))
             mx.eval(want)
         rows_equal = min(rows_equal, float(np.mean(np.array(store.rows[..., :33, :]) == np.array(want))))
-        for role, codec in (("keys", kc), ("values", vc)):
-            out = dequant.dequantize(run, store, role, codec, 33, mx.float32)
-            with mx.stream(mx.cpu):
-                ref = codec.decode(store.fields(role))
-                mx.eval(ref)
-            decode_error = max(decode_error, _rel(np.array(out), np.array(ref)))
+        decode_error = max(decode_error, check.dequant_error(backend, store, kc, vc, 33))
 
     args = llama.ModelArgs(model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
                            num_attention_heads=8, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=512)
@@ -337,14 +331,8 @@ def run_ratequant(backend: str) -> Dict:
     partial_error = 0.0
     for cache in caches:
         cache.flush()
-        q = mx.random.normal((1, 8, 1, 32), key=mx.random.key(5))
-        h = cache._history()
-        with mx.stream(mx.cpu):
-            ref = engine.compiled_decode(h, q, 0.2, compiled=False)
-            mx.eval(ref)
-        out = partial.decode(h, q, 0.2, chunk=partial.THREADS)
-        partial_error = max(partial_error, _rel(np.array(out), np.array(ref)))
-    ok = (rows_equal >= encode.CHECK_MIN_EQUAL and decode_error <= TOLERANCES["float32"]
+        partial_error = max(partial_error, check.partial_error(cache._history(), rep=4, seed=5))
+    ok = (rows_equal >= encode.CHECK_MIN_EQUAL and decode_error <= check.DEQUANT_TOLERANCE
           and partial_error <= partial.CHECK_TOLERANCE)
     return {"case": "ratequant_kernels", "backend": backend, "rows_equal": rows_equal,
             "vs_decode": decode_error, "vs_compiled_decode": partial_error,
@@ -380,14 +368,13 @@ def run_format(backend: str, spec: str, model=None, tokens: int = 300) -> Dict:
     encode snippets, the encode kernel against the codecs' `encode` of 40 random tokens."""
     import tempfile
 
-    from .. import engine
     from ..calibration import calibrate
     from ..evaluation.specs import parse_method_spec
     from ..integration import KVCacheBuilder
     from ..methods.outliers import CalibrationRequiredError
     from ..settings import EngineSettings
     from ..storage import row_layout
-    from . import dequant, encode, ops, partial
+    from . import check, encode
 
     model = model if model is not None else _calibration_model()
     config = parse_method_spec(spec).config
@@ -406,43 +393,24 @@ def run_format(backend: str, spec: str, model=None, tokens: int = 300) -> Dict:
             logits = model(prompt, cache=caches)
         record["calibrated"] = config.artifact_dir is not None
         model(mx.argmax(logits[:, -1:], axis=-1), cache=caches)  # a decode step: the token's encode and store
-        run = ops.runner(backend)
         rows_equal, decode_error, partial_error = 1.0, 0.0, 0.0
         for layer, cache in enumerate(caches):
             cache.flush()
             h = cache._history()
             kc, vc = h.key_codec, h.value_codec
             record["paths"] = sorted(set(record.get("paths", [])) | {cache.last_path})
-            for role, codec in (("keys", kc), ("values", vc)):
-                out = dequant.dequantize(run, h.store, role, codec, h.count, mx.float32)
-                with mx.stream(mx.cpu):
-                    ref = codec.decode(h.store.fields(role, 0, h.count))
-                    mx.eval(ref)
-                decode_error = max(decode_error, _rel(np.array(out), np.array(ref)))
-            q = mx.random.normal((1, 8, 1, 128), key=mx.random.key(100 + layer))
-            with mx.stream(mx.cpu):
-                ref = engine.compiled_decode(h, q, 128 ** -0.5, compiled=False)
-                mx.eval(ref)
-            out = partial.decode(h, q, 128 ** -0.5, chunk=partial.THREADS)
-            partial_error = max(partial_error, _rel(np.array(out), np.array(ref)))
+            decode_error = max(decode_error, check.dequant_error(backend, h.store, kc, vc, h.count))
+            partial_error = max(partial_error, check.partial_error(h, rep=4, seed=100 + layer))
             layout = row_layout(kc, vc)
             if encode.supported(layout, kc, vc):
-                keys = mx.random.normal((1, 2, 40, 128), key=mx.random.key(110 + layer)).astype(mx.float16)
-                values = mx.random.normal((1, 2, 40, 128), key=mx.random.key(120 + layer)).astype(mx.float16)
-                got = layout.views(encode.encode_rows(run, layout, kc, vc, keys, values))
-                with mx.stream(mx.cpu):
-                    refs = (kc.encode(keys), vc.encode(values))
-                    mx.eval(refs)
-                equal, half_error, same = encode.fields_agreement(got, refs)
+                agreement = check.encode_agreement(backend, layout, kc, vc, tokens=40, seed=110 + 2 * layer)
                 record["encode_kernel"] = True
-                rows_equal = min(rows_equal, equal if same and half_error <= encode.CHECK_HALF_ERROR else 0.0)
-    tolerance = partial.CHECK_TOLERANCE
-    if backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
-        tolerance = max(tolerance, TF32_TOLERANCE)  # the query's map into a dense domain is an MLX matmul
-    record.update(vs_decode=decode_error, vs_compiled_decode=partial_error, tolerance=tolerance)
+                rows_equal = min(rows_equal, agreement[0] if check.encode_ok(agreement) else 0.0)
+    tolerance = check.partial_tolerance(backend)
+    record.update(vs_codec_decode=decode_error, vs_compiled_decode=partial_error, tolerance=tolerance)
     if record.get("encode_kernel"):
         record["codes_equal"] = rows_equal
-    ok = (decode_error <= TOLERANCES["float32"] and partial_error <= tolerance
+    ok = (decode_error <= check.DEQUANT_TOLERANCE and partial_error <= tolerance
           and rows_equal >= encode.CHECK_MIN_EQUAL)
     record["status"] = "ok" if ok else "FAIL"
     return record
