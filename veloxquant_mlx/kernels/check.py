@@ -235,8 +235,9 @@ def _verdict(key, jobs, what: str, backend: str) -> bool:
 
             engine.row_encoder.cache_clear()  # an encoder chosen before the verdict
             warnings.warn(f"veloxquant_mlx: the {backend} kernels of {what} failed their first-use check and are "
-                          "off for this process; that format attends and encodes on the engine's portable "
-                          "(MLX-ops) paths instead. " + "; ".join(failures), RuntimeWarning, stacklevel=6)
+                          "off for this process; what they did (attend, or encode) runs on the engine's portable "
+                          "(MLX-ops) paths instead for that format. " + "; ".join(failures), RuntimeWarning,
+                          stacklevel=6)
         return not failures
 
     return _decided(key, decide)
