@@ -88,6 +88,33 @@ def test_smoothed_keys_score_exactly_and_cut_the_score_error_on_skewed_channels(
         smoothed.encode(mx.zeros((1, 3, 4, 32)))
 
 
+def test_caches_built_again_from_artifacts_share_their_codecs(small, tmp_path):
+    """A cache list built per request (or per benchmark run) gets the same codec objects as the last
+    one built from the same artifacts, so the compiled steps and kernel programs keyed by codecs are
+    reused, not traced and rendered again for every layer and kept in those caches."""
+    from veloxquant_mlx import engine
+
+    config = KVCacheConfig(method="spectralquant", bits=3)
+    calibrate(small, config, _sequences(), tmp_path, progress=False)
+    loaded = config.replace(artifact_dir=str(tmp_path))
+    tokens = _sequences(1, 16, seed=4)[0][None]
+    first = KVCacheBuilder(loaded).for_model(small).build()
+    small(tokens, cache=first)
+    traced = engine._decode_fn.cache_info().misses
+    again = KVCacheBuilder(loaded).for_model(small).build()
+    small(tokens, cache=again)
+    assert all(a.key_codec is b.key_codec and a.value_codec is b.value_codec for a, b in zip(first, again))
+    assert first[0].key_codec is not first[1].key_codec  # still one codec per layer
+    small(tokens[:, :1], cache=again)  # a decode step: the compiled step of each layer is the first one's
+    small(tokens[:, :1], cache=first)
+    assert engine._decode_fn.cache_info().misses <= traced + len(first)
+    # Artifacts written again (calibrated on other tokens) are other codecs.
+    calibrate(small, config, _sequences(seed=5), tmp_path, progress=False)
+    other = KVCacheBuilder(loaded).for_model(small).build()
+    small(tokens, cache=other)
+    assert other[0].key_codec is not first[0].key_codec
+
+
 def test_smooth_keys_artifact_round_trip(small, tmp_path):
     from veloxquant_mlx.methods.smoothing import SmoothedKeyCodec
 
