@@ -22,7 +22,7 @@ import mlx.core as mx
 from ..methods.smoothing import scale_queries
 from ..methods.turboquant_mse import SCALES
 from ..rotations import HadamardRotation
-from . import launch
+from . import launch, templates
 
 Runner = Callable[..., List[mx.array]]
 
@@ -65,8 +65,11 @@ _DUMMY: Dict[object, mx.array] = {}
 def _dummy(dtype=mx.float32) -> mx.array:
     # Built from host data, not mx.zeros: a lazily computed zeros first made while
     # mx.compile traces a step would be recomputed (one more kernel) on every call.
+    # METAL_CONSTANT_ELEMENTS long: Metal passes a shorter input in its constant address space,
+    # and a kernel's pointer that may point into a dummy or a real input (pa_k or pb_k) must
+    # see both in one address space.
     if dtype not in _DUMMY:
-        _DUMMY[dtype] = mx.array([0.0], dtype=dtype)
+        _DUMMY[dtype] = mx.array([0.0] * templates.METAL_CONSTANT_ELEMENTS, dtype=dtype)
         mx.eval(_DUMMY[dtype])
     return _DUMMY[dtype]
 

@@ -303,38 +303,41 @@ def pack_codes(bits, count, words, first_code, store: str) -> str:
 
 
 # One role (keys or values) of `mse_encode_kv`; `@` names are substituted with
-# the role's constants / arrays by `_encode_role`. D (dim), BITS, W (=
-# ceil(D*BITS/32)), NB (= 2^BITS - 1 boundaries), P2 (next power of two >= D),
-# ROTATE (apply the seeded-sign Hadamard rotation here; D a power of two),
-# SCALE (the stored scale, `turboquant_mse.SCALES`: 0 ||x||, 1 ||x|| / ||c[codes]||,
-# 2 ||x|| / <u, c[codes]>). Threads t >= D idle but keep the barriers.
+# the role's constants / arrays by `_encode_role`. E_D (dim), E_BITS, E_W (=
+# ceil(E_D*E_BITS/32)), E_NB (= 2^E_BITS - 1 boundaries), E_P2 (next power of two >= E_D),
+# E_ROTATE (apply the seeded-sign Hadamard rotation here; E_D a power of two),
+# E_SCALE (the stored scale, `turboquant_mse.SCALES`: 0 ||x||, 1 ||x|| / ||c[codes]||,
+# 2 ||x|| / <u, c[codes]>). Threads t >= E_D idle but keep the barriers. The E_ names
+# and `auto` pointers are for Metal, where a kernel's template constants are template
+# parameters, which no inner name may shadow, and an input of fewer than
+# METAL_CONSTANT_ELEMENTS elements (a 1-3 bit codebook) lives in the constant address space.
 _ENCODE_ROLE = r"""
   if (@GUARD) {
-    constexpr int D = @D;
-    constexpr int BITS = @BITS;
-    constexpr int W = @W;
-    constexpr int NB = @NB;
-    constexpr int P2 = @P2;
-    constexpr bool ROTATE = @ROTATE;
-    constexpr int SCALE = @SCALE;
-    const VQ_GLOBAL TX* x = @x;
-    const VQ_GLOBAL float* signs = @signs;
-    const VQ_GLOBAL float* bnd = @bnd;
-    const VQ_GLOBAL float* cent = @cent;
-    const bool act = t < D;
+    constexpr int E_D = @D;
+    constexpr int E_BITS = @BITS;
+    constexpr int E_W = @W;
+    constexpr int E_NB = @NB;
+    constexpr int E_P2 = @P2;
+    constexpr bool E_ROTATE = @ROTATE;
+    constexpr int E_SCALE = @SCALE;
+    const auto x = @x;
+    const auto signs = @signs;
+    const auto bnd = @bnd;
+    const auto cent = @cent;
+    const bool act = t < E_D;
     const float v = act ? (@VALUE) : 0.0f;
-    if (t < P2) vq_red[t] = v * v;
-    for (int i = t + NTH; i < P2; i += NTH) vq_red[i] = 0.0f;
-    if (ROTATE && act) vq_buf[t] = v * signs[t];
+    if (t < E_P2) vq_red[t] = v * v;
+    for (int i = t + NTH; i < E_P2; i += NTH) vq_red[i] = 0.0f;
+    if (E_ROTATE && act) vq_buf[t] = v * signs[t];
     VQ_SYNC();
-    for (int s = P2 / 2; s > 0; s >>= 1) {
+    for (int s = E_P2 / 2; s > 0; s >>= 1) {
       if (t < s) vq_red[t] += vq_red[t + s];
       VQ_SYNC();
     }
     const float nrm = VQ_SQRT(vq_red[0]);
     float y = v;
-    if (ROTATE) {
-      for (int h = 1; h < D; h <<= 1) {
+    if (E_ROTATE) {
+      for (int h = 1; h < E_D; h <<= 1) {
         if (act && (t & h) == 0) {
           const float a = vq_buf[t];
           const float b = vq_buf[t + h];
@@ -343,24 +346,24 @@ _ENCODE_ROLE = r"""
         }
         VQ_SYNC();
       }
-      y = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)D)) : 0.0f;
+      y = act ? vq_buf[t] * (1.0f / VQ_SQRT((float)E_D)) : 0.0f;
     }
     y = y / VQ_MAXF(nrm, 1e-30f);
     uint32_t code = 0u;
-    for (int k = 0; k < NB; ++k) code += (y > bnd[k]) ? 1u : 0u;
+    for (int k = 0; k < E_NB; ++k) code += (y > bnd[k]) ? 1u : 0u;
     if (act) vq_codes[t] = code;
     float out_norm = nrm;
     VQ_SYNC();
-    if (SCALE != 0) {
+    if (E_SCALE != 0) {
       const float c = act ? cent[code] : 0.0f;
-      if (t < P2) vq_red[t] = SCALE == 2 ? y * c : c * c;
-      for (int i = t + NTH; i < P2; i += NTH) vq_red[i] = 0.0f;
+      if (t < E_P2) vq_red[t] = E_SCALE == 2 ? y * c : c * c;
+      for (int i = t + NTH; i < E_P2; i += NTH) vq_red[i] = 0.0f;
       VQ_SYNC();
-      for (int s = P2 / 2; s > 0; s >>= 1) {
+      for (int s = E_P2 / 2; s > 0; s >>= 1) {
         if (t < s) vq_red[t] += vq_red[t + s];
         VQ_SYNC();
       }
-      out_norm = nrm / VQ_MAXF(SCALE == 2 ? vq_red[0] : VQ_SQRT(vq_red[0]), 1e-30f);
+      out_norm = nrm / VQ_MAXF(E_SCALE == 2 ? vq_red[0] : VQ_SQRT(vq_red[0]), 1e-30f);
     }
 @PACK
     if (t == 0 && (@STORE)) VQ_HALF_PTR(@OUT)[((size_t)@ROW * RW + KW + VW) * 2 + @ROLE] = VQ_CAST(vq_half, out_norm);
@@ -369,7 +372,7 @@ _ENCODE_ROLE = r"""
 """
 
 
-def _encode_role(role: int, prefix: str, arrays: str, *, guard: str = "", value: str = "VQ_F(x[(size_t)n * D + t])",
+def _encode_role(role: int, prefix: str, arrays: str, *, guard: str = "", value: str = "VQ_F(x[(size_t)n * E_D + t])",
                  row: str = "n", out: str = "rows", store: str = "true", result: str = "") -> str:
     """One role of an encoder: `guard` selects the threads' block, `value` is thread t's
     coordinate, the packed row goes to `out[row]` when `store`, `result` may keep the
@@ -1314,6 +1317,58 @@ def render_cuda(kernel: str, template, input_dtypes: Dict[str, str], output_dtyp
     if mlx_header:
         text += "\n} // namespace mlx::core::cu\n"
     return text
+
+
+# Inputs with fewer elements than this are passed in Metal's `constant` address space, larger ones in
+# `device` (`max_constant_array_size` in mlx/backend/metal's custom kernel front end).
+METAL_CONSTANT_ELEMENTS = 8
+
+
+def render_metal(kernel: str, template, inputs, output_dtypes: Dict[str, str], name: str = "vq_kernel") -> str:
+    """The kernel function MLX's Metal front end writes for this kernel and call (mirrors
+    `write_signature` and `write_template` in mlx/backend/metal), after the header, so that it can be
+    type-checked without a Mac. `inputs`: name -> (dtype name, elements, ndim) of each input array.
+    An input of fewer than METAL_CONSTANT_ELEMENTS elements is a `constant` pointer there, and a
+    0-d one a reference; the thread attributes are those the body names."""
+    spec = KERNELS[kernel]
+    ctype = C_TYPES["metal"]
+    body = source(kernel, "metal")
+    text = header("metal")
+    if template:
+        kinds = ["typename" if isinstance(v, str) else "bool" if isinstance(v, bool) else "int" for _, v in template]
+        text += "template <" + ", ".join(f"{k} {n}" for k, (n, _) in zip(kinds, template)) + ">\n"
+    args, index = [], 0
+    for arg in spec["inputs"]:
+        dtype, elements, ndim = inputs[arg]
+        space = "constant" if elements < METAL_CONSTANT_ELEMENTS else "device"
+        args.append(f"  const {space} {ctype[dtype]}{'&' if ndim == 0 else '*'} {arg} [[buffer({index})]]")
+        index += 1
+        for suffix, kind in (("_shape", "int*"), ("_strides", "int64_t*"), ("_ndim", "int&")):
+            if ndim > 0 and arg + suffix in body:
+                args.append(f"  const constant {kind} {arg}{suffix} [[buffer({index})]]")
+                index += 1
+    for arg in spec["outputs"]:
+        args.append(f"  device {ctype[output_dtypes[arg]]}* {arg} [[buffer({index})]]")
+        index += 1
+    args += [f"  {kind} {attr} [[{attr}]]" for attr, kind in _METAL_ATTRIBUTES if attr in body]
+    text += f"[[kernel]] void {name}(\n" + ",\n".join(args) + ") {\n" + body + "\n}\n"
+    if template:
+        values = ", ".join(ctype[v] if isinstance(v, str) else str(int(v)) for _, v in template)
+        text += (f'\ntemplate [[host_name("{name}")]] [[kernel]] decltype({name}<{values}>) '
+                 f"{name}<{values}>;\n")
+    return text
+
+
+# The thread attributes MLX's Metal front end adds to the signature when the body names them.
+_METAL_ATTRIBUTES = (("dispatch_quadgroups_per_threadgroup", "uint"), ("dispatch_simdgroups_per_threadgroup", "uint"),
+                     ("dispatch_threads_per_threadgroup", "uint3"), ("grid_origin", "uint3"), ("grid_size", "uint3"),
+                     ("quadgroup_index_in_threadgroup", "uint"), ("quadgroups_per_threadgroup", "uint"),
+                     ("simdgroup_index_in_threadgroup", "uint"), ("simdgroups_per_threadgroup", "uint"),
+                     ("thread_execution_width", "uint"), ("thread_index_in_quadgroup", "uint"),
+                     ("thread_index_in_simdgroup", "uint"), ("thread_index_in_threadgroup", "uint"),
+                     ("thread_position_in_grid", "uint3"), ("thread_position_in_threadgroup", "uint3"),
+                     ("threadgroup_position_in_grid", "uint3"), ("threadgroups_per_grid", "uint3"),
+                     ("threads_per_grid", "uint3"), ("threads_per_simdgroup", "uint"), ("threads_per_threadgroup", "uint3"))
 
 
 def _typed(template, dialect):

@@ -1,0 +1,155 @@
+"""The Metal source MLX would build for each kernel launch of the self-tests, type-checked by clang's
+C++ front end against a declaration of the Metal Shading Language (tests/data/metal_stdlib_shim.h).
+
+No session has had a Mac. A kernel that Apple's compiler rejects fails its first-use check there, and
+its work goes to the portable path with a warning: slow, though never wrong. This catches, without a
+Mac, what the shim models: names that are not MSL (a CUDA builtin in a snippet), types, template
+parameters shadowed by a kernel's own names, and pointers that cross address spaces, which MSL never
+converts (MLX passes an input of fewer than 8 elements in `constant`, others in `device`). The
+launches are recorded from the self-tests run on the "metal" back end with every kernel's output
+replaced by zeros of its shape, so each signature is the one a real call would give MLX."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx.kernels import launch, templates
+
+cindex = pytest.importorskip("clang.cindex", reason="libclang (the test extra installs it)")
+
+SHIM = (Path(__file__).parent / "data" / "metal_stdlib_shim.h").read_text()
+
+
+def metal_errors(text: str) -> list:
+    """clang's errors for a Metal translation unit from `templates.render_metal`, each with its line."""
+    # Two spellings clang's C++ does not take and MSL does: attributes on an explicit instantiation,
+    # and threadgroup arrays declared in a kernel's scope (static here, so that they keep the address
+    # space: clang allows none on automatic variables).
+    text = re.sub(r'template \[\[host_name\("[^"]*"\)\]\] \[\[kernel\]\] ', "template ", text)
+    text = text.replace("#define VQ_SHARED threadgroup", "#define VQ_SHARED static threadgroup")
+    text = '#include "metal_stdlib_shim.h"\n' + text
+    unit = cindex.Index.create().parse(
+        "kernel.metal.cpp", args=["-std=c++17", "-x", "c++", "-nostdinc", "-nostdinc++", "-I/shim",
+                                  "-Wno-unknown-attributes", "-ferror-limit=0"],
+        unsaved_files=[("kernel.metal.cpp", text), ("/shim/metal_stdlib_shim.h", SHIM)])
+    lines = text.split("\n")
+    return [f"{d.spelling} | {lines[d.location.line - 1].strip()[:160] if d.location.file and d.location.file.name == 'kernel.metal.cpp' else d.location}"
+            for d in unit.diagnostics if d.severity >= cindex.Diagnostic.Error]
+
+
+def _input_specs(kernel: str, inputs) -> dict:
+    return {name: (launch.dtype_name(a.dtype), a.size, a.ndim) for name, a in zip(templates.KERNELS[kernel]["inputs"], inputs)}
+
+
+@pytest.fixture(scope="module")
+def metal_launches():
+    """{(kernel, template, input specs, output dtypes): Metal source} of every distinct launch of the
+    kernel and weight self-tests on the "metal" back end, with the kernels' outputs lazy zeros."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.cache import CompressedKVCache
+    from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.kernels import _dequant_rows, check, partial, selftest, step
+    from veloxquant_mlx.settings import EngineSettings
+    from veloxquant_mlx.weights import selftest as weights_selftest
+
+    launches = {}
+    run_mlx = launch.run_mlx
+
+    def record(dialect, plan, inputs, shapes=None):
+        if dialect != "metal":
+            return run_mlx(dialect, plan, inputs, shapes)
+        specs = _input_specs(plan.kernel, inputs)
+        outputs = dict(zip(templates.KERNELS[plan.kernel]["outputs"], plan.output_dtypes))
+        key = (plan.kernel, tuple(plan.template), tuple(sorted(specs.items())), tuple(plan.output_dtypes))
+        if key not in launches:
+            launches[key] = templates.render_metal(plan.kernel, list(plan.template), specs, outputs, name="vq_kernel")
+        anchor = inputs[0].reshape(-1)[:1].astype(mx.float32) * 0
+        return [mx.zeros(s, launch._DTYPES[d]) + anchor.astype(launch._DTYPES[d])
+                for s, d in zip(shapes or plan.output_shapes, plan.output_dtypes)]
+
+    def clear():
+        check.reset()
+        for cached in (engine.row_encoder, engine.field_encoder, step._step_fn, partial._step_fn):
+            cached.cache_clear()
+
+    with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patch.setattr(launch, "run_mlx", record)
+        patch.setattr(check, "usable", lambda name: True)
+        patch.setattr(check, "format_usable", lambda h: True)
+        patch.setattr(check, "format_encode_usable", lambda *args: True)
+        clear()
+        try:
+            selftest.run_all("metal", safe=True)  # zeros fail its comparisons: only the launches count
+            # The mse prefill's dequant kernel (a GPU-only path)
+            for dtype in (mx.float16, mx.float32):
+                cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2),
+                                          settings=EngineSettings.resolve(backend="metal"))
+                cache.update_and_fetch(*(mx.random.normal((1, 2, 40, 128), key=mx.random.key(1)).astype(dtype),) * 2)
+                cache.flush()
+                _dequant_rows(cache._history(), "keys", dtype, 40)
+            cases = (weights_selftest.CASES + weights_selftest.ROTATION_CASES + weights_selftest.ROTATING_CASES
+                     + weights_selftest.SIBLING_CASES)
+            runners = {weights_selftest.Case: weights_selftest.run_case,
+                       weights_selftest.RotationCase: weights_selftest.run_rotation_case,
+                       weights_selftest.RotatingCase: weights_selftest.run_rotating_case,
+                       weights_selftest.SiblingCase: weights_selftest.run_sibling_case}
+            small = set(weights_selftest.EMULATOR_CASES + weights_selftest.EMULATOR_ROTATION_CASES
+                        + weights_selftest.EMULATOR_ROTATING_CASES + weights_selftest.EMULATOR_SIBLING_CASES)
+            for case in cases:
+                if case.name in small:
+                    try:
+                        runners[type(case)](case, "metal")
+                    except Exception:  # noqa: BLE001 - zeros may fail a case's own checks
+                        pass
+        finally:
+            clear()
+    return launches
+
+
+def test_every_metal_launch_of_the_self_tests_type_checks(metal_launches):
+    kernels = {key[0] for key in metal_launches}
+    families = {re.sub(r"_[0-9a-f]{16}$", "", k) for k in kernels}
+    # Every kernel family the GPU paths launch: the mse kernels, the formats' rendered ones, the weights'.
+    assert {"mse_encode", "mse_partial", "mse_dequant", "merge", "merge_encode", "merge_encode_slide",
+            "dequant", "partial", "encode"} <= families, families
+    # and the weights' (weights/kernel.py, rotating_matmul.py, rotation_kernel.py)
+    assert {"lut_matmul", "lut_matmul_rotating", "rotate_input"} <= kernels, kernels
+    assert len(metal_launches) > 100
+    failures = {}
+    for (kernel, *_), text in metal_launches.items():
+        for error in metal_errors(text):
+            failures.setdefault(f"{kernel}: {error}", 0)
+            failures[f"{kernel}: {error}"] += 1
+    assert not failures, "\n".join(f"{n}x {e}" for e, n in list(failures.items())[:20])
+
+
+def _merge_text(vmap_elements: int) -> str:
+    from veloxquant_mlx.kernels import ops
+
+    plan = launch.merge_plan(1, 4, 128, 7, unrotate=False, plain=False, value_mean=False, out_dtype="float16",
+                             unmap=1)
+    inputs = {name: ("float32", 64, 1) for name in templates.KERNELS["merge"]["inputs"]}
+    inputs.update(meta=("int32", 4, 1), pa_k=("float32", 64, 1), pa_v=("float32", 64, 1), pb_k=("float32", 64, 1),
+                  pb_v=("float32", 64, 1), vmap=("float32", vmap_elements, 1))
+    assert ops.templates is templates
+    return templates.render_metal("merge", list(plan.template), inputs, {"out": "float16"})
+
+
+def test_the_metal_type_check_fails_on_what_apples_compiler_rejects(monkeypatch):
+    # The merge kernel's dense value map is read through a device pointer: a 1-element dummy in its
+    # place (MLX: the constant address space) is the error every merge kernel had before the dummies
+    # were made METAL_CONSTANT_ELEMENTS long.
+    assert metal_errors(_merge_text(16384)) == []
+    assert any("constant" in e and "vmap" in e for e in metal_errors(_merge_text(1)))
+    # A CUDA builtin in a body, and a kernel name shadowing a template parameter.
+    body = templates.KERNELS["merge"]["body"]
+    monkeypatch.setitem(templates.KERNELS["merge"], "body", body.replace("VQ_SYNC();", "__syncthreads();", 1))
+    assert any("__syncthreads" in e for e in metal_errors(_merge_text(16384)))
+    monkeypatch.setitem(templates.KERNELS["merge"], "body", "  { constexpr int D = 3; (void)D; }\n" + body)
+    assert any("shadows template parameter" in e for e in metal_errors(_merge_text(16384)))
