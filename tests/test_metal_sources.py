@@ -4,8 +4,9 @@ C++ front end against a declaration of the Metal Shading Language (tests/data/me
 No session has had a Mac. A kernel that Apple's compiler rejects fails its first-use check there, and
 its work goes to the portable path with a warning: slow, though never wrong. This catches, without a
 Mac, what the shim models: names that are not MSL (a CUDA builtin in a snippet), types, template
-parameters shadowed by a kernel's own names, and pointers that cross address spaces, which MSL never
-converts (MLX passes an input of fewer than 8 elements in `constant`, others in `device`). The
+parameters shadowed by a kernel's own names, pointers that cross address spaces, which MSL never
+converts (MLX passes an input of fewer than 8 elements in `constant`, others in `device`), and pointers
+declared or cast to without an address space, which MSL rejects. The
 launches are recorded from the self-tests run on the "metal" back end with every kernel's output
 replaced by zeros of its shape, so each signature is the one a real call would give MLX."""
 
@@ -38,8 +39,33 @@ def metal_errors(text: str) -> list:
                                   "-Wno-unknown-attributes", "-ferror-limit=0"],
         unsaved_files=[("kernel.metal.cpp", text), ("/shim/metal_stdlib_shim.h", SHIM)])
     lines = text.split("\n")
-    return [f"{d.spelling} | {lines[d.location.line - 1].strip()[:160] if d.location.file and d.location.file.name == 'kernel.metal.cpp' else d.location}"
-            for d in unit.diagnostics if d.severity >= cindex.Diagnostic.Error]
+    errors = [f"{d.spelling} | {lines[d.location.line - 1].strip()[:160] if d.location.file and d.location.file.name == 'kernel.metal.cpp' else d.location}"
+              for d in unit.diagnostics if d.severity >= cindex.Diagnostic.Error]
+    return errors + [f"pointer type must have explicit address space qualifier | {lines[line - 1].strip()[:160]}"
+                     for line in _unqualified_pointers(unit.cursor)]
+
+
+_POINTER_SITES = ("VAR_DECL", "PARM_DECL", "FIELD_DECL", "TYPEDEF_DECL", "CSTYLE_CAST_EXPR", "CXX_STATIC_CAST_EXPR",
+                  "CXX_REINTERPRET_CAST_EXPR")
+
+
+def _unqualified_pointers(cursor) -> list:
+    """Lines of the kernel's own text declaring or casting to a pointer without an address space, which
+    MSL rejects ("pointer type must have explicit address space qualifier"; clang's C++ takes them)."""
+    found = []
+    for child in cursor.get_children():
+        if child.location.file and child.location.file.name == "kernel.metal.cpp":
+            if child.kind.name in _POINTER_SITES:
+                kind_type = child.underlying_typedef_type if child.kind.name == "TYPEDEF_DECL" else child.type
+                canonical = kind_type.get_canonical()
+                try:
+                    pointer = canonical.kind == cindex.TypeKind.POINTER
+                except ValueError:  # a type kind this libclang's Python bindings do not name: not a pointer
+                    pointer = False
+                if pointer and "address_space" not in canonical.get_pointee().spelling:
+                    found.append(child.location.line)
+            found += _unqualified_pointers(child)
+    return found
 
 
 def _input_specs(kernel: str, inputs) -> dict:
@@ -48,6 +74,10 @@ def _input_specs(kernel: str, inputs) -> dict:
 
 @pytest.fixture(scope="module")
 def metal_launches():
+    return record_metal_launches()
+
+
+def record_metal_launches() -> dict:
     """{(kernel, template, input specs, output dtypes): Metal source} of every distinct launch of the
     kernel and weight self-tests on the "metal" back end, with the kernels' outputs lazy zeros."""
     from veloxquant_mlx import engine
@@ -153,3 +183,8 @@ def test_the_metal_type_check_fails_on_what_apples_compiler_rejects(monkeypatch)
     assert any("__syncthreads" in e for e in metal_errors(_merge_text(16384)))
     monkeypatch.setitem(templates.KERNELS["merge"], "body", "  { constexpr int D = 3; (void)D; }\n" + body)
     assert any("shadows template parameter" in e for e in metal_errors(_merge_text(16384)))
+    # A pointer without an address space, declared or cast to.
+    monkeypatch.setitem(templates.KERNELS["merge"], "body", "  { float a_[2] = {0, 0}; float* p_ = a_; (void)p_; }\n" + body)
+    assert any("explicit address space" in e for e in metal_errors(_merge_text(16384)))
+    monkeypatch.setitem(templates.KERNELS["merge"], "body", "  (void)((const uint32_t*)o);\n" + body)
+    assert any("explicit address space" in e for e in metal_errors(_merge_text(16384)))
