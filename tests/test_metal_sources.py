@@ -151,6 +151,8 @@ def test_every_metal_launch_of_the_self_tests_type_checks(metal_launches):
     # and the weights' (weights/kernel.py, rotating_matmul.py, rotation_kernel.py)
     assert {"lut_matmul", "lut_matmul_rotating", "rotate_input"} <= kernels, kernels
     assert len(metal_launches) > 100
+    # Metal's buffer argument table holds 31 entries per kernel (Metal feature set tables): indices 0-30.
+    assert max(int(i) for text in metal_launches.values() for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", text)) <= 30
     failures = {}
     for (kernel, *_), text in metal_launches.items():
         for error in metal_errors(text):
