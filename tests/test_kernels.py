@@ -689,6 +689,25 @@ def test_format_partial_kernels_compile_with_nvcc(options, dim, rep, tmp_path):
     assert_partial_kernel_compiles(h.store, h.key_codec, h.value_codec, rep, tmp_path)
 
 
+def test_mse_decode_kernel_respects_each_back_ends_shared_memory():
+    """turboquant_mse's partial kernel at head dim 256 (Gemma 3), K3/V4, GQA 4 needs about 35 KB of
+    static shared memory: under CUDA's limit, over Apple GPUs' 32 KB of threadgroup memory, where
+    the pipeline would fail to build in the middle of generation. Metal leaves that shape to the
+    engine's paths, with a warning naming the bytes."""
+
+    keys = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4))
+    x = mx.random.normal((1, 1, 8, 256), key=mx.random.key(2))
+    keys.update_and_fetch(x, x)
+    kc, vc = keys.key_codec, keys.value_codec
+    need = launch.partial_shared_bytes(256, 4, 3, 4)
+    assert 32 * 1024 < need <= 44 * 1024
+    assert kernels._decode_kernel_ok(kc, vc, 4, "cuda") and not kernels._decode_kernel_ok(kc, vc, 4, "metal")
+    assert kernels._decode_kernel_ok(kc, vc, 2, "metal") is (launch.partial_shared_bytes(256, 2, 3, 4) <= 32 * 1024)
+    kernels._warn_no_kernel.cache_clear()
+    with pytest.warns(RuntimeWarning, match=f"{need} bytes of shared memory \\(> 32768 on metal\\)"):
+        kernels._warn_no_kernel("metal", kc, vc, 4)
+
+
 @pytest.mark.parametrize("backend", ["cuda", "metal"])
 def test_format_partial_kernel_fits_each_back_ends_shared_memory(backend):
     """The kernel drops what it keeps in shared memory (the key fold, then the staged fp16 scalars,

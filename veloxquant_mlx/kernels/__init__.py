@@ -35,7 +35,6 @@ from . import check, dequant, encode, launch, native, ops, partial, portable, st
 __all__ = ["backend", "decode_attention", "prefill_attention", "kernel_supported", "mse_rows",
            "check", "dequant", "encode", "launch", "native", "ops", "partial", "portable", "step", "templates"]
 
-SHARED_LIMIT = 44 * 1024  # static shared memory a CUDA block may use is 48 KB
 KERNEL_BACKENDS = ("cuda", "metal", "emulator")
 
 
@@ -75,9 +74,11 @@ def kernel_supported(key_codec, value_codec=None) -> bool:
 
 
 @functools.lru_cache(maxsize=256)
-def _decode_kernel_ok(key_codec, value_codec, rep: int) -> bool:
+def _decode_kernel_ok(key_codec, value_codec, rep: int, backend_name: str) -> bool:
+    """Whether the decode kernels take this shape on `backend_name`, whose static shared memory per
+    block is `partial.shared_limit` (Apple GPUs' 32 KB of threadgroup memory, under CUDA's 48)."""
     return kernel_supported(key_codec, value_codec) and launch.partial_shared_bytes(
-        key_codec.dim, rep, key_codec.bits, value_codec.bits) <= SHARED_LIMIT
+        key_codec.dim, rep, key_codec.bits, value_codec.bits) <= partial.shared_limit(backend_name)
 
 
 @functools.lru_cache(maxsize=64)
@@ -85,7 +86,7 @@ def _warn_no_kernel(backend_name: str, key_codec, value_codec, rep: int):
     reason = ("head dims differ" if key_codec.dim != value_codec.dim else
               f"head dim {key_codec.dim} is not a multiple of 32 up to 1024" if not kernel_supported(key_codec, value_codec)
               else f"the partial kernel would need {launch.partial_shared_bytes(key_codec.dim, rep, key_codec.bits, value_codec.bits)} "
-                   f"bytes of shared memory (> {SHARED_LIMIT})")
+                   f"bytes of shared memory (> {partial.shared_limit(backend_name)} on {backend_name})")
     warnings.warn(f"veloxquant_mlx: no {backend_name} decode kernel for turboquant_mse K{key_codec.bits}/V{value_codec.bits} "
                   f"d={key_codec.dim} with {rep} query heads per kv head ({reason}); this shape decodes on the "
                   "engine's compiled MLX-ops path", RuntimeWarning, stacklevel=3)
@@ -114,7 +115,7 @@ def _kernels_take(h, queries, mse=_mse) -> bool:
         return False
     rep = queries.shape[1] // h.kv_heads
     keys = ops.codes_codec(h.key_codec)
-    if not _decode_kernel_ok(keys, h.value_codec, rep):
+    if not _decode_kernel_ok(keys, h.value_codec, rep, name):
         _warn_no_kernel(name, keys, h.value_codec, rep)
         return False
     return True
