@@ -68,6 +68,30 @@ def _unqualified_pointers(cursor) -> list:
     return found
 
 
+def threadgroup_bytes(text: str, template) -> int:
+    """Static threadgroup memory of a Metal translation unit from `templates.render_metal`: its
+    threadgroup arrays' sizes, with the template constants made constants of the unit."""
+    types = templates.C_TYPES["metal"]
+    constants = "".join(f"using {n} = {types[v]};\n" if isinstance(v, str) else
+                        f"constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {int(v)};\n" for n, v in template)
+    text = re.sub(r"template <[^>]*>\n\[\[kernel\]\]", lambda _: constants + "[[kernel]]", text, count=1)
+    text = re.sub(r"\ntemplate \[\[host_name.*\n", "\n", text)
+    text = '#include "metal_stdlib_shim.h"\n' + text.replace("#define VQ_SHARED threadgroup",
+                                                           "#define VQ_SHARED static threadgroup")
+    unit = cindex.Index.create().parse(
+        "kernel.metal.cpp", args=["-std=c++17", "-x", "c++", "-nostdinc", "-nostdinc++", "-I/shim", "-Wno-unknown-attributes"],
+        unsaved_files=[("kernel.metal.cpp", text), ("/shim/metal_stdlib_shim.h", SHIM)])
+    assert not [d for d in unit.diagnostics if d.severity >= cindex.Diagnostic.Error]
+
+    def total(cursor) -> int:
+        return sum((child.type.get_size() if child.kind.name == "VAR_DECL"
+                    and "address_space(3)" in child.type.get_canonical().spelling else 0) + total(child)
+                   for child in cursor.get_children()
+                   if child.location.file is None or child.location.file.name == "kernel.metal.cpp")
+
+    return total(unit.cursor)
+
+
 def _input_specs(kernel: str, inputs) -> dict:
     return {name: (launch.dtype_name(a.dtype), a.size, a.ndim) for name, a in zip(templates.KERNELS[kernel]["inputs"], inputs)}
 
@@ -153,6 +177,9 @@ def test_every_metal_launch_of_the_self_tests_type_checks(metal_launches):
     assert len(metal_launches) > 100
     # Metal's buffer argument table holds 31 entries per kernel (Metal feature set tables): indices 0-30.
     assert max(int(i) for text in metal_launches.values() for i in re.findall(r"\[\[buffer\((\d+)\)\]\]", text)) <= 30
+    # Apple GPUs have 32 KB of threadgroup memory; a kernel past it fails to build its pipeline.
+    largest = max((threadgroup_bytes(text, key[1]), key[0]) for key, text in metal_launches.items())
+    assert 8 * 1024 < largest[0] <= 32 * 1024, largest
     failures = {}
     for (kernel, *_), text in metal_launches.items():
         for error in metal_errors(text):
@@ -185,6 +212,14 @@ def test_the_metal_type_check_fails_on_what_apples_compiler_rejects(monkeypatch)
     assert any("__syncthreads" in e for e in metal_errors(_merge_text(16384)))
     monkeypatch.setitem(templates.KERNELS["merge"], "body", "  { constexpr int D = 3; (void)D; }\n" + body)
     assert any("shadows template parameter" in e for e in metal_errors(_merge_text(16384)))
+    # turboquant_mse's partial kernel at head dim 256, K3/V4, GQA 4 (which Metal's paths refuse) is over
+    # Apple GPUs' 32 KB of threadgroup memory, as `launch.partial_shared_bytes` counts it.
+    plan = launch.partial_plan(1, 4, 256, 3, 4, 4096, 4096, rotate_query=True, q_dtype="float16")
+    specs = {name: ("float32", 4096, 1) for name in templates.KERNELS["mse_partial"]["inputs"]}
+    specs.update(q=("float16", 1024, 1), rows=("uint32", 4096, 1), meta=("int32", 4, 1), qscale=("float32", 1, 1))
+    text = templates.render_metal("mse_partial", list(plan.template), specs, {"o": "float32", "ml": "float32"})
+    assert threadgroup_bytes(text, plan.template) > 32 * 1024
+    assert abs(threadgroup_bytes(text, plan.template) - launch.partial_shared_bytes(256, 4, 3, 4)) <= 64
     # A pointer without an address space, declared or cast to.
     monkeypatch.setitem(templates.KERNELS["merge"], "body", "  { float a_[2] = {0, 0}; float* p_ = a_; (void)p_; }\n" + body)
     assert any("explicit address space" in e for e in metal_errors(_merge_text(16384)))
