@@ -140,6 +140,19 @@ def record_metal_launches() -> dict:
         clear()
         try:
             selftest.run_all("metal", safe=True)  # zeros fail its comparisons: only the launches count
+            # bfloat16 models (MLX's default for many checkpoints): prefill, then decode steps, of
+            # turboquant_mse plain and protected (the fused step, the window slide) and of two formats.
+            for options in (dict(method="turboquant_mse", bits=3, value_bits=4),
+                            dict(method="turboquant_mse", bits=3, value_bits=4, sink_tokens=4, residual_length=16,
+                                 center=True, options={"renorm": True}),
+                            dict(method="kivi", bits=4, group_size=32), dict(method="turboquant_rvq", bits=2)):
+                cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="metal"))
+                x = mx.random.normal((1, 2, 80, 128), key=mx.random.key(3)).astype(mx.bfloat16)
+                cache.update_and_fetch(x, x)
+                cache.attend(mx.random.normal((1, 8, 80, 128)).astype(mx.bfloat16), 0.088, mask="causal")
+                for i in range(3):
+                    cache.update_and_fetch(x[..., i : i + 1, :], x[..., i : i + 1, :])
+                    mx.eval(cache.attend(mx.repeat(x[:, :1, i : i + 1, :], 8, axis=1), 0.088))
             # The mse prefill's dequant kernel (a GPU-only path)
             for dtype in (mx.float16, mx.float32):
                 cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2),

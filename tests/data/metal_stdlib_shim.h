@@ -31,12 +31,9 @@ typedef unsigned long ulong;
 typedef unsigned char uchar;
 typedef _Float16 half;
 
-struct bfloat16_t {
-  uint16_t bits;
-  bfloat16_t() = default;
-  bfloat16_t(float x) : bits(uint16_t(__builtin_bit_cast(uint32_t, x) >> 16)) {}
-  operator float() const { return __builtin_bit_cast(float, uint32_t(bits) << 16); }
-};
+// MLX's bfloat16_t is MSL's builtin bfloat where the compiler has it (__HAVE_BFLOAT__, Metal 3.1:
+// macOS 14 and later; MLX's bf16.h); clang's __bf16 models it.
+typedef __bf16 bfloat16_t;
 
 #define VQ_SHIM_VECTORS(T)                                    \
   typedef T T##2 __attribute__((ext_vector_type(2)));         \
