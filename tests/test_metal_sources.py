@@ -108,6 +108,7 @@ def record_metal_launches() -> dict:
     from veloxquant_mlx.cache import CompressedKVCache
     from veloxquant_mlx.config import KVCacheConfig
     from veloxquant_mlx.kernels import _dequant_rows, check, partial, selftest, step
+    from veloxquant_mlx.rotating import CompressedRotatingKVCache
     from veloxquant_mlx.settings import EngineSettings
     from veloxquant_mlx.weights import selftest as weights_selftest
 
@@ -150,6 +151,17 @@ def record_metal_launches() -> dict:
                 x = mx.random.normal((1, 2, 80, 128), key=mx.random.key(3)).astype(mx.bfloat16)
                 cache.update_and_fetch(x, x)
                 cache.attend(mx.random.normal((1, 8, 80, 128)).astype(mx.bfloat16), 0.088, mask="causal")
+                for i in range(3):
+                    cache.update_and_fetch(x[..., i : i + 1, :], x[..., i : i + 1, :])
+                    mx.eval(cache.attend(mx.repeat(x[:, :1, i : i + 1, :], 8, axis=1), 0.088))
+            # A sliding-window layer (Gemma 3) and a batch of two prompts.
+            rotating = CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4), max_size=64,
+                                                 settings=EngineSettings.resolve(backend="metal"))
+            batch = CompressedKVCache(KVCacheConfig(method="kivi", bits=2, group_size=32),
+                                      settings=EngineSettings.resolve(backend="metal"))
+            for cache, rows in ((rotating, 1), (batch, 2)):
+                x = mx.random.normal((rows, 2, 100, 128), key=mx.random.key(4)).astype(mx.float16)
+                cache.update_and_fetch(x, x)
                 for i in range(3):
                     cache.update_and_fetch(x[..., i : i + 1, :], x[..., i : i + 1, :])
                     mx.eval(cache.attend(mx.repeat(x[:, :1, i : i + 1, :], 8, axis=1), 0.088))
