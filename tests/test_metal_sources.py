@@ -96,6 +96,17 @@ def _input_specs(kernel: str, inputs) -> dict:
     return {name: (launch.dtype_name(a.dtype), a.size, a.ndim) for name, a in zip(templates.KERNELS[kernel]["inputs"], inputs)}
 
 
+def clear_kernel_caches():
+    """Forget the first-use verdicts and what was built with the recording runner (encoders and
+    compiled steps hold the runner they were made with), for the tests after these."""
+    from veloxquant_mlx import engine
+    from veloxquant_mlx.kernels import check, partial, step
+
+    check.reset()
+    for cached in (engine.row_encoder, engine.field_encoder, step._step_fn, partial._step_fn):
+        cached.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def metal_launches():
     return record_metal_launches()
@@ -104,10 +115,9 @@ def metal_launches():
 def record_metal_launches() -> dict:
     """{(kernel, template, input specs, output dtypes): Metal source} of every distinct launch of the
     kernel and weight self-tests on the "metal" back end, with the kernels' outputs lazy zeros."""
-    from veloxquant_mlx import engine
     from veloxquant_mlx.cache import CompressedKVCache
     from veloxquant_mlx.config import KVCacheConfig
-    from veloxquant_mlx.kernels import _dequant_rows, check, partial, selftest, step
+    from veloxquant_mlx.kernels import _dequant_rows, check, selftest
     from veloxquant_mlx.rotating import CompressedRotatingKVCache
     from veloxquant_mlx.settings import EngineSettings
     from veloxquant_mlx.weights import selftest as weights_selftest
@@ -127,10 +137,7 @@ def record_metal_launches() -> dict:
         return [mx.zeros(s, launch._DTYPES[d]) + anchor.astype(launch._DTYPES[d])
                 for s, d in zip(shapes or plan.output_shapes, plan.output_dtypes)]
 
-    def clear():
-        check.reset()
-        for cached in (engine.row_encoder, engine.field_encoder, step._step_fn, partial._step_fn):
-            cached.cache_clear()
+    clear = clear_kernel_caches
 
     with pytest.MonkeyPatch.context() as patch, warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -250,3 +257,41 @@ def test_the_metal_type_check_fails_on_what_apples_compiler_rejects(monkeypatch)
     assert any("explicit address space" in e for e in metal_errors(_merge_text(16384)))
     monkeypatch.setitem(templates.KERNELS["merge"], "body", "  (void)((const uint32_t*)o);\n" + body)
     assert any("explicit address space" in e for e in metal_errors(_merge_text(16384)))
+
+
+def test_a_shape_over_metals_threadgroup_memory_takes_the_next_path(monkeypatch):
+    """turboquant_mse at head dim 256, K3/V4, GQA 4 (35 KB of shared memory) keeps its own kernels on
+    CUDA and, on Metal, warns and takes the formats' dequant kernel with MLX's attention."""
+    from veloxquant_mlx.cache import CompressedKVCache
+    from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.kernels import _warn_no_kernel, check
+    from veloxquant_mlx.settings import EngineSettings
+
+    def zeros(dialect, plan, inputs, shapes=None):
+        anchor = inputs[0].reshape(-1)[:1].astype(mx.float32) * 0
+        return [mx.zeros(s, launch._DTYPES[d]) + anchor.astype(launch._DTYPES[d])
+                for s, d in zip(shapes or plan.output_shapes, plan.output_dtypes)]
+
+    monkeypatch.setattr(launch, "run_mlx", zeros)
+    monkeypatch.setattr(check, "usable", lambda name: True)
+    monkeypatch.setattr(check, "format_usable", lambda h: True)
+    monkeypatch.setattr(check, "format_encode_usable", lambda *args: True)
+    _warn_no_kernel.cache_clear()
+    clear_kernel_caches()
+    paths = {}
+    try:
+        for backend in ("cuda", "metal"):
+            cache = CompressedKVCache(KVCacheConfig(method="turboquant_mse", bits=3, value_bits=4),
+                                      settings=EngineSettings.resolve(backend=backend))
+            x = mx.random.normal((1, 1, 100, 256), key=mx.random.key(6)).astype(mx.float16)
+            cache.update_and_fetch(x, x)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                cache.update_and_fetch(x[..., :1, :], x[..., :1, :])
+                mx.eval(cache.attend(mx.repeat(x[:, :, :1, :], 4, axis=1), 0.0625))
+            paths[backend] = (cache.last_path, [str(w.message) for w in caught])
+    finally:
+        clear_kernel_caches()
+    assert paths["cuda"] == ("mse_fused_step", [])
+    assert paths["metal"][0] == "format_kernel_decode"
+    assert any("35488 bytes of shared memory (> 32768 on metal)" in m for m in paths["metal"][1])

@@ -88,8 +88,9 @@ def _warn_no_kernel(backend_name: str, key_codec, value_codec, rep: int):
               else f"the partial kernel would need {launch.partial_shared_bytes(key_codec.dim, rep, key_codec.bits, value_codec.bits)} "
                    f"bytes of shared memory (> {partial.shared_limit(backend_name)} on {backend_name})")
     warnings.warn(f"veloxquant_mlx: no {backend_name} decode kernel for turboquant_mse K{key_codec.bits}/V{value_codec.bits} "
-                  f"d={key_codec.dim} with {rep} query heads per kv head ({reason}); this shape decodes on the "
-                  "engine's compiled MLX-ops path", RuntimeWarning, stacklevel=3)
+                  f"d={key_codec.dim} with {rep} query heads per kv head ({reason}); this shape decodes on the next "
+                  "registered path that takes it (the formats' kernels, else the engine's MLX-ops paths)",
+                  RuntimeWarning, stacklevel=3)
 
 
 def _mse(h) -> bool:
