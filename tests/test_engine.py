@@ -650,3 +650,27 @@ def test_prefill_sync_is_a_setting_and_pipelined_prefill_gives_the_same_output(m
     assert engine._LAUNCHED.layer.size == 1  # what the pipelined sync remembers holds no layer output
     for a, b in zip(outs["layer"], outs["pipelined"]):
         assert mx.array_equal(a, b)
+
+
+def test_a_group_formats_decode_steps_choose_their_path_once(monkeypatch):
+    """KIVI's newest tokens wait in fp16 for a whole group, so the window's length changes on every
+    decode step. The route memo keys on which side of `engine.FP16_HELD_LIMIT` the fp16 spans are,
+    not on that length, so the path is chosen once instead of on every step until each length had
+    been seen; crossing the limit still chooses again."""
+    cache = CompressedKVCache(config_for("kivi", 4, group_size=32))
+    keys = mx.random.normal((1, 2, 70, 64), key=mx.random.key(3))
+    cache.update_and_fetch(keys, keys)
+    queries = mx.random.normal((1, 4, 1, 64), key=mx.random.key(4))
+    calls, choose = [], engine.choose
+    monkeypatch.setattr(engine, "choose", lambda phase, *args: calls.append(phase) or choose(phase, *args))
+    windows, outs = set(), []
+    for i in range(20):
+        cache.update_and_fetch(keys[..., i : i + 1, :], keys[..., i : i + 1, :])
+        windows.add(cache.window)
+        outs.append(cache.attend(queries, 0.125))
+    assert len(windows) == 20 and calls.count("decode") == 1
+    assert mx.allclose(outs[-1], engine.generic(cache._history(), queries, 0.125), rtol=1e-4, atol=2e-5).item()
+    monkeypatch.setattr(engine, "FP16_HELD_LIMIT", cache.window)  # the spans are past it: a new choice
+    cache.update_and_fetch(keys[..., :1, :], keys[..., :1, :])
+    cache.attend(queries, 0.125)
+    assert calls.count("decode") == 2

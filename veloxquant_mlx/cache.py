@@ -588,15 +588,16 @@ class CompressedKVCache(_BaseCache):
 
     def _route(self, phase: str, queries, mask):
         """The registered path for this kind of call (`engine.choose`), memoised on what the
-        paths' `supports` look at (shapes, dtypes, the mask's kind, the fp16 spans, whether
-        codes exist and means are fixed), so a decode step does not re-run the checks.
+        paths' `supports` look at (shapes, dtypes, the mask's kind, the fp16 spans against
+        `engine.FP16_HELD_LIMIT`, whether codes exist and means are fixed), so a decode step does
+        not re-run the checks.
         "defer": whether a decode token may wait for a "decode_store" path; "slide": whether
         one may wait to enter a full window, which a "decode_store" path slides (`incoming`)."""
         if mask is not None and not isinstance(mask, str):
             return None  # an explicit mask array: the generic path applies it
         slide = phase == "slide" or (phase == "decode_store" and self.incoming is not None)
         key = (phase, None if queries is None else (tuple(queries.shape), queries.dtype), mask, self.sinks,
-               self.window, self.just_encoded is not None, self.encoded > 0, self.key_mean is None, slide)
+               self._fp16_route_key(), self.just_encoded is not None, self.encoded > 0, self.key_mean is None, slide)
         if key not in self._routes:
             history = self._history(pending=self.incoming or self.store.pending, slide=slide)
             if phase in ("defer", "slide"):
@@ -604,6 +605,15 @@ class CompressedKVCache(_BaseCache):
             else:
                 self._routes[key] = engine.choose(phase, history, queries, mask)
         return self._routes[key]
+
+    def _fp16_route_key(self) -> tuple:
+        """What of the fp16 window the paths' `supports` look at: whether it holds tokens, and whether
+        the sinks with the window's tokens, and with its buffer whole, fit `engine.FP16_HELD_LIMIT`.
+        Keyed on the window's length itself, a group format (KIVI's tokens waiting for a whole group)
+        would choose its path again on every decode step until each length had been seen once."""
+        capacity = 0 if self.window_fill is None else self._window_keys.shape[2]
+        limit = engine.FP16_HELD_LIMIT
+        return self.window > 0, self.sinks + self.window <= limit, self.sinks + capacity <= limit
 
     def dequantized(self):
         """(keys, values) as the attention sees them, in fp32. For tests and debugging:

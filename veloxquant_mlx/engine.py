@@ -160,6 +160,11 @@ def plain_mask(mask) -> bool:
     return mask is None or (isinstance(mask, str) and mask == "causal")
 
 
+# The most fp16 sink + window tokens a merge kernel attends to itself (4 bytes of shared memory each):
+# the only way a path's `supports` depends on how many fp16 tokens there are, so a cache memoises
+# its routes on which side of it the sinks and window are, not on the window's length.
+FP16_HELD_LIMIT = 1024
+
 # Entries of the caches keyed by codecs (compiled steps, kernel programs, encoders): calibrated
 # methods have codecs per layer (80 layers in Llama-3.1-70B) and a decode step asks for every
 # layer's, so a smaller cache would be evicted, and every entry built again, at each step.

@@ -56,7 +56,7 @@ def _make_runner(name: str) -> Runner:
 
 # ---- constants, built once --------------------------------------------------
 
-from ..engine import small_array  # noqa: E402  (re-exported for the kernels' callers)
+from ..engine import FP16_HELD_LIMIT, small_array  # noqa: E402  (re-exported for the kernels' callers)
 
 
 _DUMMY: Dict[object, mx.array] = {}
@@ -309,7 +309,7 @@ def mse_dequant(run: Runner, codec, layout, role: str, rows: mx.array, tokens: i
     return out
 
 
-MAX_PLAIN_TOKENS = 1024  # fp16 sinks + window tokens merge_encode attends to itself (shared memory: 4 per token)
+MAX_PLAIN_TOKENS = FP16_HELD_LIMIT  # fp16 sinks + window tokens merge_encode attends to itself
 
 
 def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys: mx.array, values: mx.array,
