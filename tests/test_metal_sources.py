@@ -26,8 +26,11 @@ cindex = pytest.importorskip("clang.cindex", reason="libclang (the test extra in
 SHIM = (Path(__file__).parent / "data" / "metal_stdlib_shim.h").read_text()
 
 
-def metal_errors(text: str) -> list:
-    """clang's errors for a Metal translation unit from `templates.render_metal`, each with its line."""
+UNIT = "kernel.metal.cpp"
+
+
+def _parse(text: str):
+    """(libclang translation unit, its lines) of a Metal source from `templates.render_metal`."""
     # Two spellings clang's C++ does not take and MSL does: attributes on an explicit instantiation,
     # and threadgroup arrays declared in a kernel's scope (static here, so that they keep the address
     # space: clang allows none on automatic variables).
@@ -35,14 +38,23 @@ def metal_errors(text: str) -> list:
     text = text.replace("#define VQ_SHARED threadgroup", "#define VQ_SHARED static threadgroup")
     text = '#include "metal_stdlib_shim.h"\n' + text
     unit = cindex.Index.create().parse(
-        "kernel.metal.cpp", args=["-std=c++17", "-x", "c++", "-nostdinc", "-nostdinc++", "-I/shim",
-                                  "-Wno-unknown-attributes", "-ferror-limit=0"],
-        unsaved_files=[("kernel.metal.cpp", text), ("/shim/metal_stdlib_shim.h", SHIM)])
-    lines = text.split("\n")
-    errors = [f"{d.spelling} | {lines[d.location.line - 1].strip()[:160] if d.location.file and d.location.file.name == 'kernel.metal.cpp' else d.location}"
-              for d in unit.diagnostics if d.severity >= cindex.Diagnostic.Error]
-    return errors + [f"pointer type must have explicit address space qualifier | {lines[line - 1].strip()[:160]}"
-                     for line in _unqualified_pointers(unit.cursor)]
+        UNIT, args=["-std=c++17", "-x", "c++", "-nostdinc", "-nostdinc++", "-I/shim", "-Wno-unknown-attributes",
+                    "-ferror-limit=0"],
+        unsaved_files=[(UNIT, text), ("/shim/metal_stdlib_shim.h", SHIM)])
+    return unit, text.split("\n")
+
+
+def _errors(unit, lines) -> list:
+    return [f"{d.spelling} | {lines[d.location.line - 1].strip()[:160] if d.location.file and d.location.file.name == UNIT else d.location}"
+            for d in unit.diagnostics if d.severity >= cindex.Diagnostic.Error]
+
+
+def metal_errors(text: str) -> list:
+    """clang's errors for a Metal translation unit from `templates.render_metal`, each with its line,
+    and its pointers without an address space."""
+    unit, lines = _parse(text)
+    return _errors(unit, lines) + [f"pointer type must have explicit address space qualifier | {lines[line - 1].strip()[:160]}"
+                                   for line in _unqualified_pointers(unit.cursor)]
 
 
 _POINTER_SITES = ("VAR_DECL", "PARM_DECL", "FIELD_DECL", "TYPEDEF_DECL", "CSTYLE_CAST_EXPR", "CXX_STATIC_CAST_EXPR",
@@ -54,7 +66,7 @@ def _unqualified_pointers(cursor) -> list:
     MSL rejects ("pointer type must have explicit address space qualifier"; clang's C++ takes them)."""
     found = []
     for child in cursor.get_children():
-        if child.location.file and child.location.file.name == "kernel.metal.cpp":
+        if child.location.file and child.location.file.name == UNIT:
             if child.kind.name in _POINTER_SITES:
                 kind_type = child.underlying_typedef_type if child.kind.name == "TYPEDEF_DECL" else child.type
                 canonical = kind_type.get_canonical()
@@ -75,25 +87,28 @@ def threadgroup_bytes(text: str, template) -> int:
     constants = "".join(f"using {n} = {types[v]};\n" if isinstance(v, str) else
                         f"constexpr {'bool' if isinstance(v, bool) else 'int'} {n} = {int(v)};\n" for n, v in template)
     text = re.sub(r"template <[^>]*>\n\[\[kernel\]\]", lambda _: constants + "[[kernel]]", text, count=1)
-    text = re.sub(r"\ntemplate \[\[host_name.*\n", "\n", text)
-    text = '#include "metal_stdlib_shim.h"\n' + text.replace("#define VQ_SHARED threadgroup",
-                                                           "#define VQ_SHARED static threadgroup")
-    unit = cindex.Index.create().parse(
-        "kernel.metal.cpp", args=["-std=c++17", "-x", "c++", "-nostdinc", "-nostdinc++", "-I/shim", "-Wno-unknown-attributes"],
-        unsaved_files=[("kernel.metal.cpp", text), ("/shim/metal_stdlib_shim.h", SHIM)])
-    assert not [d for d in unit.diagnostics if d.severity >= cindex.Diagnostic.Error]
+    unit, lines = _parse(re.sub(r"\ntemplate \[\[host_name.*\n", "\n", text))  # no template left to instantiate
+    assert not _errors(unit, lines)
 
     def total(cursor) -> int:
         return sum((child.type.get_size() if child.kind.name == "VAR_DECL"
                     and "address_space(3)" in child.type.get_canonical().spelling else 0) + total(child)
                    for child in cursor.get_children()
-                   if child.location.file is None or child.location.file.name == "kernel.metal.cpp")
+                   if child.location.file is None or child.location.file.name == UNIT)
 
     return total(unit.cursor)
 
 
 def _input_specs(kernel: str, inputs) -> dict:
     return {name: (launch.dtype_name(a.dtype), a.size, a.ndim) for name, a in zip(templates.KERNELS[kernel]["inputs"], inputs)}
+
+
+def zero_outputs(plan, inputs, shapes=None) -> list:
+    """A kernel's outputs as zeros of their shapes, computed from its first input (so that a graph
+    keeps its shape and nothing runs before evaluation): what the recorded launches return."""
+    anchor = inputs[0].reshape(-1)[:1].astype(mx.float32) * 0
+    return [mx.zeros(s, launch._DTYPES[d]) + anchor.astype(launch._DTYPES[d])
+            for s, d in zip(shapes or plan.output_shapes, plan.output_dtypes)]
 
 
 def clear_kernel_caches():
@@ -133,9 +148,7 @@ def record_metal_launches() -> dict:
         key = (plan.kernel, tuple(plan.template), tuple(sorted(specs.items())), tuple(plan.output_dtypes))
         if key not in launches:
             launches[key] = templates.render_metal(plan.kernel, list(plan.template), specs, outputs, name="vq_kernel")
-        anchor = inputs[0].reshape(-1)[:1].astype(mx.float32) * 0
-        return [mx.zeros(s, launch._DTYPES[d]) + anchor.astype(launch._DTYPES[d])
-                for s, d in zip(shapes or plan.output_shapes, plan.output_dtypes)]
+        return zero_outputs(plan, inputs, shapes)
 
     clear = clear_kernel_caches
 
@@ -267,12 +280,7 @@ def test_a_shape_over_metals_threadgroup_memory_takes_the_next_path(monkeypatch)
     from veloxquant_mlx.kernels import _warn_no_kernel, check
     from veloxquant_mlx.settings import EngineSettings
 
-    def zeros(dialect, plan, inputs, shapes=None):
-        anchor = inputs[0].reshape(-1)[:1].astype(mx.float32) * 0
-        return [mx.zeros(s, launch._DTYPES[d]) + anchor.astype(launch._DTYPES[d])
-                for s, d in zip(shapes or plan.output_shapes, plan.output_dtypes)]
-
-    monkeypatch.setattr(launch, "run_mlx", zeros)
+    monkeypatch.setattr(launch, "run_mlx", lambda dialect, plan, inputs, shapes=None: zero_outputs(plan, inputs, shapes))
     monkeypatch.setattr(check, "usable", lambda name: True)
     monkeypatch.setattr(check, "format_usable", lambda h: True)
     monkeypatch.setattr(check, "format_encode_usable", lambda *args: True)
