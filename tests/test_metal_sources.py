@@ -116,8 +116,10 @@ def clear_kernel_caches():
     compiled steps hold the runner they were made with), for the tests after these."""
     from veloxquant_mlx import engine
     from veloxquant_mlx.kernels import check, partial, step
+    from veloxquant_mlx.weights import kernel as weights_kernel
 
     check.reset()
+    weights_kernel.reset()
     for cached in (engine.row_encoder, engine.field_encoder, step._step_fn, partial._step_fn):
         cached.cache_clear()
 
@@ -135,6 +137,7 @@ def record_metal_launches() -> dict:
     from veloxquant_mlx.kernels import _dequant_rows, check, selftest
     from veloxquant_mlx.rotating import CompressedRotatingKVCache
     from veloxquant_mlx.settings import EngineSettings
+    from veloxquant_mlx.weights import kernel as weights_kernel
     from veloxquant_mlx.weights import selftest as weights_selftest
 
     launches = {}
@@ -158,6 +161,7 @@ def record_metal_launches() -> dict:
         patch.setattr(check, "usable", lambda name: True)
         patch.setattr(check, "format_usable", lambda h: True)
         patch.setattr(check, "format_encode_usable", lambda *args: True)
+        patch.setattr(weights_kernel, "usable", lambda dialect, dtype: True)
         clear()
         try:
             selftest.run_all("metal", safe=True)  # zeros fail its comparisons: only the launches count

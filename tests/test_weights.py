@@ -608,6 +608,31 @@ def test_gpu_route_launch_arguments_run_the_kernel_in_the_emulator(monkeypatch):
         np.testing.assert_allclose(np.array(got), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
 
+def test_weights_kernel_first_use_check_stands_aside_with_a_warning(monkeypatch):
+    """On a GPU back end the LUT matmul is checked once per process and input dtype against the tiled
+    matmul (weights/selftest.py's small cases; here through the kernel's C++ emulation): a correct
+    kernel passes silently, a wrong one warns, naming the kernel, and the layers leave it."""
+    import warnings
+
+    from veloxquant_mlx.weights import kernel
+
+    emulate_gpu_kernels(monkeypatch)
+    monkeypatch.setattr(kernel, "_VERDICTS", {})
+    layer = QuantizedLinear.from_weight(_weight(37, 256, seed=3), 3)
+    x = layer.rotation.apply(_weight(2, 256, seed=5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel.usable("cuda", "float32") and kernel.launch_function(layer, x) is not None
+    monkeypatch.setattr(kernel, "_VERDICTS", {})
+    lut_matmul = kernel.lut_matmul
+    monkeypatch.setattr(kernel, "lut_matmul", lambda *args: lut_matmul(*args) * 1.01)
+    with pytest.warns(RuntimeWarning, match=r"cuda kernel lut_matmul \(weights/kernel.py\) failed its first-use check"):
+        assert not kernel.usable("cuda", "float32")
+    assert kernel.launch_function(layer, x) is None and ("cuda", "float16") not in kernel._VERDICTS  # per dtype
+    expected = np.array(layer.tiled_matmul(x))
+    np.testing.assert_allclose(np.array(kernel.route(layer, x)(x)), expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
 def test_shared_alpha_sets_the_groups_column_scaling_only():
     model = quantize_model(_tiny(hidden=128), 4, shared_alpha=0.0, share_rotations=True, progress=False)
     block = model.model.layers[0]

@@ -203,6 +203,48 @@ def compiled(function: Callable) -> Callable:
     return mx.compile(function) if COMPILE_ROUTES else function
 
 
+# The LUT matmul's first-use check on a GPU back end: weights/selftest.py's small cases (a ragged
+# and an odd dimension, grouped scales) in the input's dtype, against the tiled matmul (MLX ops).
+CHECK_CASES = ("3bit-odd-dim-m3", "2bit-groups-m8", "3bit-ragged-m5")
+CHECKED_DIALECTS = ("cuda", "metal")
+_VERDICTS = {}  # (dialect, dtype) -> passed
+
+
+def usable(dialect: str, dtype: str) -> bool:
+    """Whether the LUT matmul may run on `dialect` for inputs of `dtype`: checked once per process
+    (the engine's kernels have their own check, `kernels/check.py`). A failure warns, naming the
+    case and the error, and weight layers take the tiled matmul (MLX ops)."""
+    if dialect not in CHECKED_DIALECTS:
+        return True
+    key = (dialect, dtype)
+    if key not in _VERDICTS:
+        from dataclasses import replace
+
+        from . import first_use, selftest
+
+        cases = [(replace(case, dtype=dtype),) for case in selftest.CASES if case.name in CHECK_CASES]
+        _VERDICTS[key] = first_use.run(dialect, cases, _check_case, lambda case: case[0].name, KERNEL_NAME,
+                                       "weights/kernel.py", "weight layers decode their codes in tiles and "
+                                       "multiply with MLX ops instead.")
+    return _VERDICTS[key]
+
+
+def _check_case(dialect: str, case) -> dict:
+    from . import selftest
+
+    layer, x_rot = selftest.lut_case(case)
+    got = lut_matmul(x_rot, layer, dialect).astype(mx.float32)
+    ref = layer.tiled_matmul(x_rot).astype(mx.float32)
+    error = float(mx.max(mx.abs(got - ref)) / mx.max(mx.abs(ref)))
+    tolerance = selftest.TOLERANCES[case.dtype]
+    return {"vs_ops": error, "tolerance": tolerance, "ok": error <= tolerance}
+
+
+def reset() -> None:
+    """Forget the verdicts (tests)."""
+    _VERDICTS.clear()
+
+
 def launch_function(layer, rotated: mx.array) -> Optional[Tuple[Callable, bool]]:
     """(f(x, codes, scales, codebook) -> the layer's matmul of x, whether it is a GPU launch) for
     inputs of this shape and dtype, with the launch arguments resolved here, once: the GPU
@@ -210,7 +252,7 @@ def launch_function(layer, rotated: mx.array) -> Optional[Tuple[Callable, bool]]
     writes the output in its final shape), or the C++ CPU kernel. None where the matmul does not
     take the arrays this way (the emulator, the CPU without the kernel)."""
     dialect = dialect_for(rotated)
-    if dialect in ("cuda", "metal"):
+    if dialect in ("cuda", "metal") and usable(dialect, launch.dtype_name(rotated.dtype)):
         p = _plan_for(rotated, layer)
         run = launch._mlx_kernel(dialect, p.kernel)
         template = launch.mlx_template(p)
@@ -241,7 +283,7 @@ def route(layer, rotated: mx.array) -> Callable[[mx.array], mx.array]:
     found = launch_function(layer, rotated)
     if found is None:
         dialect = dialect_for(rotated)
-        if dialect is not None:
+        if dialect is not None and usable(dialect, launch.dtype_name(rotated.dtype)):
             return lambda x: lut_matmul(x, layer, dialect)
         if native_cpu_for(rotated, layer):
             return lambda x: native_lut_matmul(x, layer)

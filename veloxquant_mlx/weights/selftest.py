@@ -290,13 +290,24 @@ def _numpy_reference(layer: QuantizedLinear, x_rot: np.ndarray) -> np.ndarray:
     return x_rot.astype(np.float64) @ w.T
 
 
-def run_case(case: Case, backend: str) -> dict:
+def lut_case(case: Case):
+    """(layer, rotated input) of a case, as the self-test makes them: what the LUT matmul's first-use
+    check (`kernel.usable`) runs."""
+    layer, _, x_rot = _case_arrays(case)
+    return layer, x_rot
+
+
+def _case_arrays(case: Case):
     rng = np.random.default_rng(case.seed)
     weight = mx.array(rng.standard_normal((case.out_features, case.in_features)).astype(np.float32))
     layer = QuantizedLinear.from_weight(weight, case.bits, seed=case.seed, group_size=case.group_size)
-    dtype = getattr(mx, case.dtype)
     x = mx.array(rng.standard_normal((case.rows, case.in_features)).astype(np.float32))
-    x_rot = layer.rotation.apply(x).astype(dtype)
+    return layer, x, layer.rotation.apply(x).astype(getattr(mx, case.dtype))
+
+
+def run_case(case: Case, backend: str) -> dict:
+    layer, x, x_rot = _case_arrays(case)
+    dtype = getattr(mx, case.dtype)
     got = np.array(kernel.lut_matmul(x_rot, layer, backend).astype(mx.float32))
     tiled = np.array(layer.tiled_matmul(x_rot).astype(mx.float32))
     exact = _numpy_reference(layer, np.array(x_rot.astype(mx.float32)))
