@@ -206,8 +206,6 @@ def emulate_gpu_kernels(monkeypatch, launched=None):
 
     monkeypatch.setattr(kernel, "_gpu_dialect", lambda: "cuda")
     monkeypatch.setattr(launch, "_mlx_kernel", emulated)
-    # the LUT matmul's first-use check has its own test (test_weights_kernel_first_use_check...)
-    monkeypatch.setattr(kernel, "_VERDICTS", {("cuda", d): True for d in ("float32", "float16", "bfloat16")})
     # the emulation reads its inputs as numpy arrays, which mx.compile's tracing cannot give it
     monkeypatch.setattr(kernel, "COMPILE_ROUTES", False)
 

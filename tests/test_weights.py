@@ -609,20 +609,22 @@ def test_gpu_route_launch_arguments_run_the_kernel_in_the_emulator(monkeypatch):
 
 
 def test_weights_kernel_first_use_check_stands_aside_with_a_warning(monkeypatch):
-    """On a GPU back end the LUT matmul is checked once per process and input dtype against the tiled
-    matmul (weights/selftest.py's small cases; here through the kernel's C++ emulation): a correct
-    kernel passes silently, a wrong one warns, naming the kernel, and the layers leave it."""
+    """On Metal the LUT matmul is checked once per process and input dtype against the tiled matmul
+    (weights/selftest.py's small cases; here on the C++ emulation standing in for it): a correct kernel
+    passes silently, a wrong one warns, naming the kernel, and the layers leave it."""
     import warnings
 
     from veloxquant_mlx.weights import kernel
 
     emulate_gpu_kernels(monkeypatch)
     monkeypatch.setattr(kernel, "_VERDICTS", {})
+    monkeypatch.setattr(kernel, "CHECKED_DIALECTS", ("cuda",))  # the emulated back end stands in for Metal
     layer = QuantizedLinear.from_weight(_weight(37, 256, seed=3), 3)
     x = layer.rotation.apply(_weight(2, 256, seed=5))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kernel.usable("cuda", "float32") and kernel.launch_function(layer, x) is not None
+        assert kernel.usable("cuda", "float16")  # the reference is float32 on the CPU: no TF32 in it
     monkeypatch.setattr(kernel, "_VERDICTS", {})
     lut_matmul = kernel.lut_matmul
     monkeypatch.setattr(kernel, "lut_matmul", lambda *args: lut_matmul(*args) * 1.01)
