@@ -203,7 +203,7 @@ def compiled(function: Callable) -> Callable:
     return mx.compile(function) if COMPILE_ROUTES else function
 
 
-# The LUT matmul's first-use check on a GPU back end: weights/selftest.py's small cases (a ragged
+# The LUT matmul's first-use check: weights/selftest.py's small cases (a ragged
 # and an odd dimension, grouped scales) in the input's dtype, against the tiled matmul (MLX ops, on
 # the CPU).
 CHECK_CASES = ("3bit-odd-dim-m3", "2bit-groups-m8", "3bit-ragged-m5")
@@ -235,7 +235,7 @@ def usable(dialect: str, dtype: str) -> bool:
 def _check_case(dialect: str, case) -> dict:
     from . import selftest
 
-    layer, x_rot = selftest.lut_case(case)
+    layer, _, x_rot = selftest.case_arrays(case)
     got = lut_matmul(x_rot, layer, dialect).astype(mx.float32)
     with mx.stream(mx.cpu):  # in full float32: MLX's GPU matmuls run at TF32 by default
         ref = layer.tiled_matmul(x_rot).astype(mx.float32)

@@ -290,14 +290,9 @@ def _numpy_reference(layer: QuantizedLinear, x_rot: np.ndarray) -> np.ndarray:
     return x_rot.astype(np.float64) @ w.T
 
 
-def lut_case(case: Case):
-    """(layer, rotated input) of a case, as the self-test makes them: what the LUT matmul's first-use
-    check (`kernel.usable`) runs."""
-    layer, _, x_rot = _case_arrays(case)
-    return layer, x_rot
-
-
-def _case_arrays(case: Case):
+def case_arrays(case: Case):
+    """(layer, input, rotated input) of a case: what the self-test and the LUT matmul's first-use
+    check (`kernel.usable`) run."""
     rng = np.random.default_rng(case.seed)
     weight = mx.array(rng.standard_normal((case.out_features, case.in_features)).astype(np.float32))
     layer = QuantizedLinear.from_weight(weight, case.bits, seed=case.seed, group_size=case.group_size)
@@ -306,7 +301,7 @@ def _case_arrays(case: Case):
 
 
 def run_case(case: Case, backend: str) -> dict:
-    layer, x, x_rot = _case_arrays(case)
+    layer, x, x_rot = case_arrays(case)
     dtype = getattr(mx, case.dtype)
     got = np.array(kernel.lut_matmul(x_rot, layer, backend).astype(mx.float32))
     tiled = np.array(layer.tiled_matmul(x_rot).astype(mx.float32))
