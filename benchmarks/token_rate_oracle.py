@@ -42,6 +42,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from rate_distortion_floor import TestChannelCodec  # this script's folder is on sys.path
 from veloxquant_mlx.methods.turboquant_mse import MSECodec
 from veloxquant_mlx.models import load_model
 
@@ -62,24 +63,6 @@ def parse_layout(name):
         return LAYOUTS[name]
     bits, value_bits, window = name.split("/")
     return layout(float(bits), float(value_bits), int(window))
-
-
-class BoundChannel:
-    """The rate-distortion test channel of `rate_distortion_floor.py` in place of the codes (same stored
-    scales): the quality a code at Shannon's bound would give."""
-
-    def __init__(self, dim, bits, seed, unbiased):
-        from veloxquant_mlx.rotations import random_rotation
-
-        self.rotation, self.bits, self.unbiased = random_rotation(dim, seed), bits, unbiased
-
-    def round_trip(self, x):
-        norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
-        unit = self.rotation.apply(x) / mx.maximum(norm, 1e-30)
-        gain = 1 - 2.0 ** (-2 * self.bits)
-        y = gain * unit + (gain * 2.0 ** (-2 * self.bits) / x.shape[-1]) ** 0.5 * mx.random.normal(unit.shape)
-        scale = mx.sum(unit * y, axis=-1, keepdims=True) if self.unbiased else mx.sqrt(mx.sum(y * y, -1, keepdims=True))
-        return self.rotation.invert(y * norm / mx.maximum(scale, 1e-30))
 
 
 class Experiment:
@@ -135,12 +118,11 @@ class Experiment:
         mean = self._first_chunk_mean(x)
         D, seed, unbiased = x.shape[-1], int(role == "values"), role == "values"  # KVCacheConfig's seeds: 0, 0 + 1
         key = (role, bits, D)
-        if self.code == "bound":
-            if key not in self.codecs:
-                self.codecs[key] = BoundChannel(D, bits, seed, unbiased)
-            return self.codecs[key].round_trip(x - mean) + mean
         if key not in self.codecs:
-            self.codecs[key] = MSECodec(D, int(bits), seed, renorm=True, unbiased=unbiased)
+            if self.code == "bound":  # the floor's test channel, with the presets' stored scales
+                self.codecs[key] = TestChannelCodec(D, bits, seed, "unbiased" if unbiased else "renorm")
+            else:
+                self.codecs[key] = MSECodec(D, int(bits), seed, renorm=True, unbiased=unbiased)
         codec = self.codecs[key]
         return codec.from_domain(codec.decode(codec.encode(x - mean))) + mean  # decode gives the rotated domain
 
@@ -202,6 +184,12 @@ def compare(reference, logits, scored):
     return float(kl), mx.argmax(ref, axis=-1), mx.argmax(out, axis=-1)
 
 
+def mean_nll(logits, targets, scored):
+    """Mean negative log-likelihood of `targets` (the tokens after positions scored..L-2)."""
+    logits = logits[scored:-1]
+    return float(mx.mean(-(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[mx.arange(len(targets)), targets]))
+
+
 def nominal_bits(cfg, kept_tokens, L, D):
     coded = L - SINKS - cfg["window"] - kept_tokens
     code_bits = (cfg["bits"] + cfg["value_bits"]) / 2 + 16 / D  # two fp16 norms over 2D coordinates
@@ -216,7 +204,8 @@ def main():
     parser.add_argument("--ctx", type=int, default=2048)
     parser.add_argument("--layouts", default="vq3,vq4,vq2", help="preset names or KEY_BITS/VALUE_BITS/WINDOW")
     parser.add_argument("--code", choices=("lloyd", "bound"), default="lloyd",
-                        help="the presets' Lloyd-Max codes, or the rate-distortion bound's test channel")
+                        help="the presets' Lloyd-Max codes, or the rate-distortion bound's test channel "
+                        "(rate_distortion_floor.TestChannelCodec)")
     parser.add_argument("--noise-seed", type=int, default=0, help="the bound channel's noise")
     parser.add_argument("--fractions", default="0.01,0.02,0.04", help="shares of the window's tokens kept in fp16")
     parser.add_argument("--criteria", default="attention,window,window_share,key_norm,wider_window")
@@ -237,8 +226,7 @@ def main():
     D = model.layers[0].self_attn.head_dim
     reference = experiment.logits("fp16")
     targets = tokens[scored + 1 :]
-    ref_nll = float(mx.mean(-(reference[scored:-1] - mx.logsumexp(reference[scored:-1], axis=-1, keepdims=True))
-                            [mx.arange(len(targets)), targets]))
+    ref_nll = mean_nll(reference, targets, scored)
     stats = experiment.stats
 
     rows = []
@@ -247,8 +235,7 @@ def main():
         start = time.time()
         logits = experiment.logits("fake", cfg, kept)
         kl, ref_top, top = compare(reference, logits, scored)
-        nll = float(mx.mean(-(logits[scored:-1] - mx.logsumexp(logits[scored:-1], axis=-1, keepdims=True))
-                            [mx.arange(len(targets)), targets]))
+        nll = mean_nll(logits, targets, scored)
         if kept[0] is not None:  # the mean over layers and kv heads (a threshold keeps different counts)
             count = float(mx.mean(mx.stack([mx.sum(m, axis=-1).astype(mx.float32) for m in kept])))
         row = {"layout": name, "criterion": criterion, "kept_tokens": count, "window": cfg["window"],
