@@ -165,14 +165,18 @@ def choose(stats, criterion, count, window, shared=False):
     return masks
 
 
-def over_threshold(stats, criterion, threshold, window):
+def over_threshold(stats, criterion, threshold, window, shared=False):
     """Per layer, the (H, L) mask of the tokens whose score reaches `threshold`: a rule a cache can apply to
-    each token as it leaves the window, with no later change, so no query sees a choice made after it."""
+    each token as it leaves the window, with no later change, so no query sees a choice made after it;
+    `shared`: the same tokens for every kv head, by their scores summed over the heads."""
     masks = []
     for s in stats:
-        L = s[criterion].shape[-1]
+        score = s[criterion]
+        if shared:
+            score = mx.broadcast_to(mx.sum(score, axis=0, keepdims=True), score.shape)
+        L = score.shape[-1]
         eligible = (mx.arange(L) >= SINKS) & (mx.arange(L) < L - window)
-        masks.append((s[criterion] >= threshold) & eligible[None])
+        masks.append((score >= threshold) & eligible[None])
     return masks
 
 
@@ -211,6 +215,8 @@ def main():
     parser.add_argument("--criteria", default="attention,window,window_share,key_norm,wider_window")
     parser.add_argument("--thresholds", default="", help="also keep every token whose window_share reaches "
                         "each of these (comma-separated)")
+    parser.add_argument("--threshold-criterion", choices=("window_share", "window_share_layer"), default="window_share",
+                        help="the thresholds' score: per kv head, or summed over a layer's kv heads (one set per layer)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -259,8 +265,9 @@ def main():
                 key = f"{key}{base['window']}" if key.startswith("window") else key
                 run(name, base, criterion, count, choose(stats, key, count, base["window"], shared))
         for threshold in (float(t) for t in args.thresholds.split(",") if t):
-            key = f"window_share{base['window']}"
-            run(name, base, f"window_share >= {threshold:g}", 0, over_threshold(stats, key, threshold, base["window"]))
+            key, shared = f"window_share{base['window']}", args.threshold_criterion == "window_share_layer"
+            run(name, base, f"{args.threshold_criterion} >= {threshold:g}", 0,
+                over_threshold(stats, key, threshold, base["window"], shared))
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
