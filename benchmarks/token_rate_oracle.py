@@ -148,35 +148,35 @@ class Experiment:
         return out[0]
 
 
+def _scores(s, criterion, window, shared):
+    """One layer's (H, L) scores (summed over the kv heads when `shared`) and which tokens may be kept: neither
+    sinks nor, at the end of the window, still in the fp16 window."""
+    score = s[criterion]
+    if shared:
+        score = mx.broadcast_to(mx.sum(score, axis=0, keepdims=True), score.shape)
+    L = score.shape[-1]
+    return score, ((mx.arange(L) >= SINKS) & (mx.arange(L) < L - window))[None]
+
+
 def choose(stats, criterion, count, window, shared=False):
-    """Per layer, the (H, L) mask of the `count` highest-scoring tokens per kv head among those that are
-    neither sinks nor (at the end of the window) still in the fp16 window; `shared`: the same tokens for
-    every kv head, by their scores summed over the heads."""
+    """Per layer, the (H, L) mask of the `count` highest-scoring tokens per kv head that may be kept;
+    `shared`: the same tokens for every kv head, by their scores summed over the heads."""
     masks = []
     for s in stats:
-        score = s[criterion]
-        if shared:
-            score = mx.broadcast_to(mx.sum(score, axis=0, keepdims=True), score.shape)
-        L = score.shape[-1]
-        eligible = (mx.arange(L) >= SINKS) & (mx.arange(L) < L - window)
-        score = mx.where(eligible[None], score, -mx.inf)
+        score, eligible = _scores(s, criterion, window, shared)
+        score = mx.where(eligible, score, -mx.inf)
         threshold = mx.sort(score, axis=-1)[:, -count][:, None]
-        masks.append((score >= threshold) & eligible[None])
+        masks.append((score >= threshold) & eligible)
     return masks
 
 
 def over_threshold(stats, criterion, threshold, window, shared=False):
     """Per layer, the (H, L) mask of the tokens whose score reaches `threshold`: a rule a cache can apply to
-    each token as it leaves the window, with no later change, so no query sees a choice made after it;
-    `shared`: the same tokens for every kv head, by their scores summed over the heads."""
+    each token as it leaves the window, with no later change, so no query sees a choice made after it."""
     masks = []
     for s in stats:
-        score = s[criterion]
-        if shared:
-            score = mx.broadcast_to(mx.sum(score, axis=0, keepdims=True), score.shape)
-        L = score.shape[-1]
-        eligible = (mx.arange(L) >= SINKS) & (mx.arange(L) < L - window)
-        masks.append((score >= threshold) & eligible[None])
+        score, eligible = _scores(s, criterion, window, shared)
+        masks.append((score >= threshold) & eligible)
     return masks
 
 
