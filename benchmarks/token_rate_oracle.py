@@ -180,18 +180,15 @@ def over_threshold(stats, criterion, threshold, window, shared=False):
     return masks
 
 
-def compare(reference, logits, scored):
-    ref = reference[scored:]
-    out = logits[scored:]
-    log_p, log_q = (x - mx.logsumexp(x, axis=-1, keepdims=True) for x in (ref, out))
-    kl = mx.mean(mx.sum(mx.exp(log_p) * (log_p - log_q), axis=-1))
-    return float(kl), mx.argmax(ref, axis=-1), mx.argmax(out, axis=-1)
+def scored_log_probs(logits, scored):
+    """Log-probabilities at the scored positions (scored..L-1)."""
+    logits = logits[scored:]
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def mean_nll(logits, targets, scored):
-    """Mean negative log-likelihood of `targets` (the tokens after positions scored..L-2)."""
-    logits = logits[scored:-1]
-    return float(mx.mean(-(logits - mx.logsumexp(logits, axis=-1, keepdims=True))[mx.arange(len(targets)), targets]))
+def mean_nll(log_probs, targets):
+    """Mean negative log-likelihood of `targets`, the tokens after positions scored..L-2."""
+    return float(mx.mean(-log_probs[:-1][mx.arange(len(targets)), targets]))
 
 
 def nominal_bits(cfg, kept_tokens, L, D):
@@ -230,23 +227,24 @@ def main():
     llama.scaled_dot_product_attention = experiment
     L, scored = len(ids), len(ids) // 2
     D = model.layers[0].self_attn.head_dim
-    reference = experiment.logits("fp16")
+    reference = scored_log_probs(experiment.logits("fp16"), scored)
     targets = tokens[scored + 1 :]
-    ref_nll = mean_nll(reference, targets, scored)
+    ref_nll = mean_nll(reference, targets)
     stats = experiment.stats
 
     rows = []
 
     def run(name, cfg, criterion, count, kept):
         start = time.time()
-        logits = experiment.logits("fake", cfg, kept)
-        kl, ref_top, top = compare(reference, logits, scored)
-        nll = mean_nll(logits, targets, scored)
+        log_probs = scored_log_probs(experiment.logits("fake", cfg, kept), scored)
+        kl = float(mx.mean(mx.sum(mx.exp(reference) * (reference - log_probs), axis=-1)))
+        nll = mean_nll(log_probs, targets)
         if kept[0] is not None:  # the mean over layers and kv heads (a threshold keeps different counts)
             count = float(mx.mean(mx.stack([mx.sum(m, axis=-1).astype(mx.float32) for m in kept])))
         row = {"layout": name, "criterion": criterion, "kept_tokens": count, "window": cfg["window"],
                "bits": nominal_bits(cfg, count, L, D), "ppl_change": float(mx.exp(mx.array(nll - ref_nll))) - 1,
-               "kl": kl, "top1": float(mx.mean(ref_top == top)), "seconds": time.time() - start}
+               "kl": kl, "top1": float(mx.mean(mx.argmax(reference, -1) == mx.argmax(log_probs, -1))),
+               "seconds": time.time() - start}
         rows.append(row)
         print(f"{name:4s} {criterion:13s} kept {count:6.1f} window {cfg['window']:4d} bits {row['bits']:.3f} "
               f"dPPL {100 * row['ppl_change']:+.2f}% KL {kl:.4f} top1 {100 * row['top1']:.1f}%", flush=True)
