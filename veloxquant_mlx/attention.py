@@ -26,6 +26,7 @@ class Segment:
     value_fields: Optional[Dict[str, mx.array]] = None  # encoded values, for value_codec.weighted_sum
     value_shift: Optional[mx.array] = None  # (B, H, 1, domain dim) added to every decoded value
     query_rows: Optional[Tuple[int, int]] = None  # only queries [a, b) score this segment (extra_mask: (b - a, T))
+    positions: Optional[mx.array] = None  # (T,) the tokens' positions when not start.. in order (kept tokens)
 
     def decoded_values(self, value_codec) -> mx.array:
         """The values in fp32 (in the value codec's domain when encoded)."""
@@ -35,19 +36,26 @@ class Segment:
         return values if self.value_shift is None else values + self.value_shift
 
 
-def _block_mask(mask, start: int, stop: int, total: int, L: int, heads: int, repeats: int):
-    """The mask restricted to key positions [start, stop), shaped for (B, H, rep, L, T) scores."""
+def _block_mask(mask, start: int, stop: int, total: int, L: int, heads: int, repeats: int,
+                positions: Optional[mx.array] = None):
+    """The mask restricted to key positions [start, stop), or to `positions` when given, shaped
+    for (B, H, rep, L, T) scores."""
     if mask is None:
         return None
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unsupported attention mask {mask!r}")
         first_query = total - L
+        query_pos = mx.arange(first_query, total)[:, None]
+        if positions is not None:
+            return query_pos >= positions[None]
         if stop - 1 <= first_query:
             return None
-        query_pos = mx.arange(first_query, total)[:, None]
         return query_pos >= mx.arange(start, stop)[None]
-    block = mask[..., start:stop]
+    if positions is not None:  # positions past the mask's columns are masked by the segment's own extra_mask
+        block = mx.take(mask, mx.clip(positions, 0, mask.shape[-1] - 1), axis=-1)
+    else:
+        block = mask[..., start:stop]
     if block.ndim == 4:
         if block.shape[1] == heads * repeats and heads * repeats > 1:
             block = block.reshape(block.shape[0], heads, repeats, *block.shape[2:])
@@ -119,7 +127,7 @@ def attend(
                 running_sum = mx.zeros((B, kv_heads, repeats, L, 1))
         keys = mx.expand_dims(seg.keys.astype(mx.float32), 2)
         scores = q_seg @ keys.swapaxes(-1, -2)
-        block = _block_mask(mask, seg.start, seg.start + keys.shape[-2], total, L, kv_heads, repeats)
+        block = _block_mask(mask, seg.start, seg.start + keys.shape[-2], total, L, kv_heads, repeats, seg.positions)
         if block is not None and rows is not None and block.shape[-2] == L:
             block = block[..., rows[0] : rows[1], :]
         if seg.extra_mask is not None:

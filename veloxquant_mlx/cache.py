@@ -53,6 +53,7 @@ from . import engine
 from .artifacts import CodecSet, checksums, metadata_digest, verify_checksums
 from .attention import Segment
 from .config import KVCacheConfig
+from .kept import KeptTokens, window_shares
 from .methods.base import at_positions
 from .settings import EngineSettings
 from .storage import RowStore, grow, store_for
@@ -116,6 +117,7 @@ class CompressedKVCache(_BaseCache):
         self._routes = {}  # (phase, call shape) -> registered path or None: chosen once, not per token
         self.layer: Optional[int] = None  # index in the model, when made for one (recorded when saved)
         self.model_identity: Optional[dict] = None  # `artifacts.model_identity` of that model
+        self.kept = KeptTokens.for_config(config)  # `keep_attended`: tokens kept in fp16 past the window (`kept.py`)
 
     # Immutable or shared by every cache of a config (codebooks, compiled encoders): not copied.
     _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_row_encoder", "_field_encoder", "_settings",
@@ -148,6 +150,11 @@ class CompressedKVCache(_BaseCache):
         self.value_codec = self.codecs.get("values", self.value_dim)
         self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
         self._immediate = (self.block == 1 and self.config.sink_tokens == 0 and self.config.residual_length == 0)
+        if self.kept is not None and (self.block != 1 or self.batch != 1):
+            raise CacheInputError(
+                f"keep_attended needs a format that codes each token on its own and a cache of batch 1 (batches "
+                f"hold one cache per sequence, `batch.py`); {self.config.method} codes tokens in blocks of "
+                f"{self.block}, and this cache is of batch {self.batch}")
         self.store = store_for(self.key_codec, self.value_codec, self._encode_rows, self._encode_fields)
         if isinstance(self.store, RowStore):
             self._row_encoder = engine.row_encoder(self.store.layout, self.key_codec, self.value_codec, self.settings)
@@ -297,6 +304,8 @@ class CompressedKVCache(_BaseCache):
             self._setup(keys, values)
         keys = keys.astype(self.window_dtype)
         values = values.astype(self.window_dtype)
+        if self.kept is not None:  # tokens that left the window with no attention call since: settled now
+            self.kept.settle(self.sinks + self.encoded, self.just_encoded)
         self.offset += keys.shape[2]
         self.just_encoded = None
         if self._immediate and keys.shape[2]:
@@ -418,6 +427,7 @@ class CompressedKVCache(_BaseCache):
             band=self.just_encoded is not None, pending=pending, recent=self._recent_tokens,
             fp16_from=self._fp16_from, window_slot=self.window_start if slide else None,
             window_capacity=None if self.window_fill is None else self._window_keys.shape[2],
+            kept=self.kept is not None and self.kept.capacity > 0,
         )
 
     def _recent_tokens(self):
@@ -501,6 +511,9 @@ class CompressedKVCache(_BaseCache):
             only_codes = None
             if query_len and self.just_encoded is not None and self.sinks + stop > first:
                 only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
+            coded = None if self.kept is None else self.kept.coded(self.sinks + start, self.sinks + stop)
+            if coded is not None:
+                only_codes = coded if only_codes is None else only_codes & coded
             yield Segment(
                 self.key_codec.decode(at_positions(self.key_codec, self.store.fields("keys", start, stop),
                                                    self.sinks + start)),
@@ -515,6 +528,14 @@ class CompressedKVCache(_BaseCache):
         # accumulator for every block of codes to rescale (a prefill chunk's (L, D) per block).
         if self.sinks:
             yield Segment(self._centered(self.sink_keys), self.sink_values, 0, encoded=False)
+        kept = None if self.kept is None else self.kept.held()
+        if kept is not None:
+            # A query sees a kept token here when it no longer sees it in its fp16 band (below);
+            # empty slots sit at a position after every query.
+            keys, values, positions = kept
+            sees_from = fp16_from if query_len and self.just_encoded is not None else self.sinks + self.encoded
+            yield Segment(self._centered(keys), values, 0, encoded=False, extra_mask=positions[None] < sees_from,
+                          positions=positions)
         if query_len and self.just_encoded is not None:
             yield from self._recent_fp16(*self._recent_tokens(), query_len, fp16_from)
         elif self.window:
@@ -561,6 +582,8 @@ class CompressedKVCache(_BaseCache):
                 f"{self.kv_heads} heads, head dim {self.key_dim}")
         if L == 0:
             return mx.zeros((B, heads, 0, self.value_dim), dtype=queries.dtype)
+        if self.kept is not None:
+            self._keep_attended(queries, scale)
         store = self.store
         if store.pending is not None or self.incoming is not None:
             path = self._route("decode_store", queries, mask)
@@ -586,6 +609,24 @@ class CompressedKVCache(_BaseCache):
         self.just_encoded = None  # only the call after the update scores them in fp16
         return out
 
+    def _keep_attended(self, queries: mx.array, scale: float):
+        """`keep_attended`: add this call's window shares (`kept.window_shares`) and settle the
+        tokens that have left the window, before any path scores, so that the later queries of a
+        prefill chunk see the tokens its earlier ones kept."""
+        L = queries.shape[2]
+        if self.just_encoded is not None:
+            span, _, first = self.just_encoded
+            if self.window:
+                span = mx.concatenate([span, self.window_keys], axis=2)
+        else:
+            span, first = (self.window_keys if self.window else None), self.sinks + self.encoded
+        if span is not None:
+            query_pos = mx.arange(self.offset - L, self.offset)
+            shares = window_shares(queries, scale, self.sink_keys, span, first, self._fp16_from(query_pos),
+                                   self.offset - L, self.config.residual_length)
+            self.kept.add_shares(shares, first, self.offset)
+        self.kept.settle(self.sinks + self.encoded, self.just_encoded)
+
     def _route(self, phase: str, queries, mask):
         """The registered path for this kind of call (`engine.choose`), memoised on what the
         paths' `supports` look at (shapes, dtypes, the mask's kind, the fp16 spans against
@@ -595,9 +636,12 @@ class CompressedKVCache(_BaseCache):
         one may wait to enter a full window, which a "decode_store" path slides (`incoming`)."""
         if mask is not None and not isinstance(mask, str):
             return None  # an explicit mask array: the generic path applies it
+        if self.kept is not None and phase in ("defer", "slide"):
+            return None  # a token leaves the window in the update: `_keep_attended` needs its fp16 copy
         slide = phase == "slide" or (phase == "decode_store" and self.incoming is not None)
         key = (phase, None if queries is None else (tuple(queries.shape), queries.dtype), mask, self.sinks,
-               self._fp16_route_key(), self.just_encoded is not None, self.encoded > 0, self.key_mean is None, slide)
+               self._fp16_route_key(), self.just_encoded is not None, self.encoded > 0, self.key_mean is None, slide,
+               self.kept is not None and self.kept.capacity > 0)
         if key not in self._routes:
             history = self._history(pending=self.incoming or self.store.pending, slide=slide)
             if phase in ("defer", "slide"):
@@ -620,6 +664,8 @@ class CompressedKVCache(_BaseCache):
         this materialises the whole history, which attention itself never does."""
         parts = []
         for seg in self.segments():
+            if seg.positions is not None:
+                continue  # the kept tokens: written over their codes below
             values = seg.decoded_values(self.value_codec)
             if seg.encoded:
                 parts.append((seg.start, self.key_codec.from_domain(seg.keys), self.value_codec.from_domain(values)))
@@ -629,7 +675,16 @@ class CompressedKVCache(_BaseCache):
         keys = mx.concatenate([k for _, k, _ in parts], axis=2)
         if self.key_mean is not None:
             keys = keys + self.key_mean
-        return keys, mx.concatenate([v for _, _, v in parts], axis=2)
+        values = mx.concatenate([v for _, _, v in parts], axis=2)
+        kept = None if self.kept is None else self.kept.held()
+        if kept is not None:
+            kept_keys, kept_values, positions = kept
+            held = [i for i, p in enumerate(positions.tolist()) if p < self.offset]
+            if held:
+                slots, at = mx.array(held), positions[mx.array(held)]
+                keys[:, :, at] = kept_keys[:, :, slots].astype(mx.float32)
+                values[:, :, at] = kept_values[:, :, slots].astype(mx.float32)
+        return keys, values
 
     def size(self):
         return self.offset
@@ -654,6 +709,8 @@ class CompressedKVCache(_BaseCache):
             return 0
         self.flush()
         n = min(n, self.offset)
+        if self.kept is not None:
+            self.kept.settle(self.sinks + self.encoded, self.just_encoded)
         self.just_encoded = None
         left = n
         window = self.window
@@ -676,6 +733,8 @@ class CompressedKVCache(_BaseCache):
             self.sink_keys = self.sink_keys[..., : sinks - left, :]
             self.sink_values = self.sink_values[..., : sinks - left, :]
         self.offset -= n
+        if self.kept is not None:  # shares the trimmed queries gave the window's tokens stay counted
+            self.kept.truncate(self.sinks + self.encoded, self.offset)
         return n
 
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
@@ -708,7 +767,8 @@ class CompressedKVCache(_BaseCache):
         if used:
             window = tuple(self._held(a) for a in window if a is not None)
         arrays = (self.sink_keys, self.sink_values, *window, self.key_mean, self.value_mean)
-        return sum(a.nbytes for a in arrays if a is not None)
+        kept = 0 if self.kept is None else self.kept.nbytes
+        return sum(a.nbytes for a in arrays if a is not None) + kept
 
     @property
     def nbytes(self) -> int:
@@ -753,6 +813,9 @@ class CompressedKVCache(_BaseCache):
             for name in _DENSE_STATE:
                 if getattr(self, name) is not None and getattr(self, name).shape[2]:
                     arrays[name] = getattr(self, name)
+            if self.kept is not None:
+                header["kept"], kept_arrays = self.kept.state()
+                arrays.update(kept_arrays)
         if _SAVING.get():
             # Only for a file: mlx-lm evaluates `state` after every prefill chunk, and the CRC
             # reads every tensor on the host.
@@ -820,6 +883,11 @@ class CompressedKVCache(_BaseCache):
                 setattr(self, name, arrays[name])
         saved = {group: dict(arrays.get(group) or {}) for group in ("keys", "values")}
         problems = self._check_fields(saved, encoded)
+        if self.kept is not None:
+            if not isinstance(header.get("kept"), dict):
+                raise CacheFormatError(f"{where}: keep_attended, but the header holds no kept tokens")
+            problems += self.kept.load(header["kept"], arrays, (self.batch, self.kv_heads, self.key_dim,
+                                                               self.value_dim), dtype, self.offset)
         if not problems:
             self.store.load(saved["keys"], saved["values"], encoded)
         self._check_restored(problems, where)

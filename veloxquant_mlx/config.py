@@ -24,6 +24,10 @@ ALIASES = {
 }
 
 
+# Options the cache applies, not the codecs (`kept.py`): no part of what an artifact dir holds.
+CACHE_OPTIONS = frozenset({"keep_attended", "keep_most"})
+
+
 @dataclass(frozen=True)
 class KVCacheConfig:
     """What to compress the KV cache with.
@@ -126,7 +130,7 @@ class KVCacheConfig:
         from .methods import get_method
 
         method = get_method(self.method)
-        options = {k: v for k, v in self.options.items() if k not in method.encode_options}
+        options = {k: v for k, v in self.options.items() if k not in method.encode_options | CACHE_OPTIONS}
         return {"method": self.method, "bits": self.bits, "value_bits": self.value_bits,
                 "seed": self.seed, "options": options}
 

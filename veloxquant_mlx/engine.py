@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -47,7 +48,7 @@ class History:
                  segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None,
                  recent: Optional[Callable[[], Optional[Tuple]]] = None, fp16_from: Optional[Callable] = None,
                  fp16_parts: Optional[Callable[..., Tuple]] = None, window_slot: Optional[int] = None,
-                 window_capacity: Optional[int] = None):
+                 window_capacity: Optional[int] = None, kept: bool = False):
         self.store, self.key_codec, self.value_codec = store, key_codec, value_codec
         self.kv_heads, self.offset, self.sinks, self.window = kv_heads, offset, sinks, window
         self.key_mean, self.value_mean, self.settings = key_mean, value_mean, settings
@@ -63,6 +64,9 @@ class History:
         # Set when the window is held in a buffer of this many tokens, `window` of them filled
         # (cache.py, `_tail_append`): `fp16_inputs(held=True)` hands over the whole buffer.
         self.window_capacity = window_capacity
+        # Whether the history has fp16 tokens kept past the window (`kept.py`) with their codes
+        # masked out: only the generic path reads them (`segments`).
+        self.kept = kept
 
     @property
     def count(self) -> int:
@@ -134,8 +138,18 @@ def choose(phase: str, history: History, queries: mx.array, mask=None) -> Option
         return None
     for path in _PATHS[phase]:
         if path.supports(history, queries, mask):
+            if history.kept:
+                _warn_kept(path.name)
+                return None
             return path
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_kept(path: str):
+    """Once per path and process."""
+    warnings.warn(f"veloxquant_mlx: keep_attended: the {path!r} attention path does not read tokens kept in fp16 "
+                  "past the window, so these calls run on the generic path (slower)", RuntimeWarning, stacklevel=4)
 
 
 def defers(history: History) -> bool:

@@ -49,6 +49,9 @@ class CompressedRotatingKVCache(_BaseCache):
             raise ValueError(f"{config.method} codes each key at its position (RoPE applied at attention time), "
                              "which a sliding window's eviction would shift: a rotating cache (sliding-window "
                              "layers, --max-kv-size) cannot hold it")
+        if config.options.get("keep_attended"):
+            raise ValueError("keep_attended keeps tokens at their positions, which a sliding window's eviction would "
+                             "shift: a rotating cache (sliding-window layers, --max-kv-size) does not take it")
         self.config, self.max_size, self.keep = config, max_size, keep
         self.inner = CompressedKVCache(config.replace(sink_tokens=keep), codecs, settings)
         self.offset = 0  # tokens seen (RoPE positions); the inner cache's offset counts those held

@@ -141,8 +141,10 @@ class Method:
     summary: ClassVar[str] = ""
     values_summary: ClassVar[str] = ""
     # Options every method takes: int8 channels peeled off before the codec (`methods/outliers.py`),
-    # per-channel key scales traded with the queries (`methods/smoothing.py`).
-    generic_options: ClassVar[Dict[str, type]] = {"outliers": int, "value_outliers": int, "smooth_keys": float}
+    # per-channel key scales traded with the queries (`methods/smoothing.py`), tokens kept in fp16
+    # past the window by the attention they got there (`kept.py`, cache options: `CACHE_OPTIONS`).
+    generic_options: ClassVar[Dict[str, type]] = {"outliers": int, "value_outliers": int, "smooth_keys": float,
+                                                  "keep_attended": float, "keep_most": float}
 
     @classmethod
     def validate(cls, config) -> None:
@@ -173,6 +175,14 @@ class Method:
         for key in cls.generic_options:
             if config.options.get(key, 0) < 0:
                 raise ValueError(f"option {key} must be >= 0, got {config.options[key]}")
+        if "keep_most" in config.options and not 0 < config.options["keep_most"] <= 1:
+            raise ValueError(f"option keep_most (a fraction of the tokens) must be in (0, 1], got "
+                             f"{config.options['keep_most']}")
+        if "keep_most" in config.options and not config.options.get("keep_attended"):
+            raise ValueError("option keep_most bounds keep_attended's tokens: give keep_attended too")
+        if config.options.get("keep_attended") and config.residual_length == 0:
+            raise ValueError("option keep_attended chooses tokens by the attention they get in the fp16 window: "
+                             "it needs residual_length (--residual-length, spec window=) > 0")
         if config.options.get("smooth_keys", 0) > 1:
             raise ValueError(f"option smooth_keys (SmoothQuant's alpha) must be in (0, 1], got {config.options['smooth_keys']}")
 

@@ -1,0 +1,201 @@
+"""`keep_attended`: tokens kept in fp16 past the window by the attention they got there (`kept.py`)."""
+
+import copy
+import math
+import warnings
+
+import mlx.core as mx
+import pytest
+
+from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, KVCacheConfig
+from veloxquant_mlx import engine
+from veloxquant_mlx.batch import BatchCompressedKVCache
+from veloxquant_mlx.cache import CacheInputError
+from veloxquant_mlx.kept import EMPTY, MIN_TOKENS
+from veloxquant_mlx.rotating import CompressedRotatingKVCache
+
+SINKS, WINDOW, HEADS, QUERY_HEADS, DIM, N = 4, 8, 2, 4, 64, 160
+DECODE_RULE = EngineSettings.resolve(prefill_rule="decode")
+
+
+def config(threshold=1.5, **options):
+    return KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2, sink_tokens=SINKS, residual_length=WINDOW,
+                         options={"renorm": True, "keep_attended": threshold, **options})
+
+
+def inputs(seed=0, liked=(50, 97)):
+    """Keys, values and queries where the tokens at `liked` get much of every later query's attention."""
+    mx.random.seed(seed)
+    k = mx.random.normal((1, HEADS, N, DIM))
+    v = mx.random.normal((1, HEADS, N, DIM))
+    direction = mx.random.normal((DIM,))
+    direction = direction / mx.linalg.norm(direction)
+    for position in liked:
+        k[:, :, position] = 8 * direction
+    q = mx.random.normal((1, QUERY_HEADS, N, DIM)) + 3 * direction
+    # as the cache holds them (fp16), so that the references below see the same keys
+    return tuple(a.astype(mx.float16).astype(mx.float32) for a in (k, v, q))
+
+
+def run(cfg, chunks, data, settings=DECODE_RULE):
+    k, v, q = data
+    cache = CompressedKVCache(cfg, settings=settings)
+    outs, start = [], 0
+    for size in chunks:
+        cache.update_and_fetch(k[..., start : start + size, :], v[..., start : start + size, :])
+        outs.append(cache.attend(q[..., start : start + size, :], 1 / 8, mask="causal"))
+        start += size
+    return cache, mx.concatenate(outs, axis=2)
+
+
+def kept_positions(cache):
+    return sorted(p for p in cache.kept.held()[2].tolist() if p != EMPTY)
+
+
+def dense_shares(k, q, scale=1 / 8):
+    """Each token's window share, computed densely: query i's softmax over the sinks and positions
+    (i - WINDOW, i], the part on token j summed over the queries that see j in the window and over
+    query heads, divided by the query heads."""
+    repeats = QUERY_HEADS // HEADS
+    keys = mx.repeat(k, repeats, axis=1)
+    scores = (q * scale) @ keys.swapaxes(-1, -2)  # (1, Hq, N, N)
+    i, j = mx.arange(N)[:, None], mx.arange(N)[None]
+    band = (j <= i) & (j > i - WINDOW) & (j >= SINKS)
+    seen = band | ((j < SINKS) & (j <= i))
+    probs = mx.softmax(mx.where(seen, scores, -mx.inf), axis=-1)
+    return mx.sum(mx.where(band, probs, 0.0), axis=(0, 1, 2)) / QUERY_HEADS
+
+
+def test_kept_tokens_are_the_threshold_rule_applied_as_each_token_leaves_the_window():
+    data = inputs()
+    cache, _ = run(config(1.5), [N], data)
+    shares = dense_shares(data[0], data[2])
+    settled = range(SINKS, cache.sinks + cache.encoded)  # every token that left the window
+    want = [j for j in settled if shares[j].item() >= 1.5]
+    assert 50 in want and 97 in want and len(want) < cache.kept.budget(cache.kept.settled)
+    assert kept_positions(cache) == want
+    shares_held = cache.kept.shares  # the window's tokens: what their queries gave them so far
+    assert mx.allclose(shares_held, shares[cache.sinks + cache.encoded :], atol=1e-4).item()
+
+
+@pytest.mark.parametrize("chunks", [[1] * N, [37, 63, 1, 1, 58], [5, 150, 5]])
+def test_kept_tokens_and_outputs_do_not_depend_on_the_chunks(chunks):
+    data = inputs()
+    whole, out = run(config(1.5), [N], data)
+    split, out_split = run(config(1.5), chunks, data)
+    assert kept_positions(split) == kept_positions(whole) != []
+    assert mx.allclose(out_split, out, atol=1e-4).item(), float(mx.abs(out_split - out).max())
+
+
+def test_attention_sees_kept_tokens_in_fp16_and_the_rest_from_codes():
+    """A decode step's output is attention over the cache's decoded history with each kept token's
+    fp16 key and value in place of its codes (and no other change)."""
+    data = inputs()
+    k, v, q = data
+    kept, _ = run(config(1.5), [N - 1], data)
+    plain, _ = run(config(1.5).replace(options={"renorm": True}), [N - 1], data)
+    for cache in (kept, plain):
+        cache.update_and_fetch(k[..., N - 1 :, :], v[..., N - 1 :, :])
+    positions = kept_positions(kept)
+    assert positions
+    keys, values = plain.dequantized()
+    at = mx.array(positions)
+    keys[:, :, at], values[:, :, at] = k[:, :, at], v[:, :, at]
+    want = mx.fast.scaled_dot_product_attention(q[..., N - 1 :, :], keys, values, scale=1 / 8)
+    got = kept.attend(q[..., N - 1 :, :], 1 / 8)
+    assert mx.allclose(got, want, atol=1e-4).item()
+    without = plain.attend(q[..., N - 1 :, :], 1 / 8)
+    assert not mx.allclose(without, want, atol=1e-3).item()  # the kept tokens changed the output
+    dk, dv = kept.dequantized()
+    assert mx.allclose(dk, keys, atol=1e-3).item() and mx.allclose(dv, values, atol=1e-3).item()
+
+
+def test_keep_most_bounds_the_kept_tokens_and_their_bytes():
+    data = inputs()
+    everything, _ = run(config(0.0001, keep_most=1 / 64), [N], data)  # every token qualifies
+    budget = math.ceil(MIN_TOKENS / 64)
+    assert everything.kept.capacity == budget
+    assert kept_positions(everything) == list(range(SINKS, SINKS + budget))  # the first ones, then none
+    plain, _ = run(config(0.0001).replace(options={"renorm": True}), [N], data)
+    kept_bytes = everything.nbytes - plain.nbytes
+    slot = 2 * HEADS * DIM * 2 + 4  # fp16 key and value of each kv head, and the position
+    assert slot * (budget + 1) <= kept_bytes <= slot * (budget + 1) + 4 + 4 * WINDOW
+
+
+def test_state_round_trip_and_refusals():
+    data = inputs()
+    k, v, q = data
+    cache, _ = run(config(1.5), [N - 1], data)
+    restored = CompressedKVCache.from_state(cache.state)
+    assert kept_positions(restored) == kept_positions(cache)
+    copied = copy.deepcopy(cache)
+    outs = []
+    for c in (cache, restored, copied):
+        c.settings = DECODE_RULE
+        c.update_and_fetch(k[..., N - 1 :, :], v[..., N - 1 :, :])
+        outs.append(c.attend(q[..., N - 1 :, :], 1 / 8))
+    assert mx.array_equal(outs[0], outs[1]).item() and mx.array_equal(outs[0], outs[2]).item()
+    header, arrays = cache.state
+    arrays = dict(arrays, kept_keys=arrays["kept_keys"][:, :, :-1])
+    with pytest.raises(CacheFormatError, match="kept keys"):
+        CompressedKVCache.from_state([header, arrays])
+
+
+def test_trim_drops_kept_tokens_that_were_trimmed():
+    data = inputs()
+    k, v, q = data
+    cache, _ = run(config(1.5), [N], data)
+    assert 97 in kept_positions(cache)
+    cache.trim(N - 90)  # into the codes: positions 90.. are gone
+    assert cache.offset == 90 and kept_positions(cache) == [p for p in kept_positions(cache) if p < 90]
+    assert 97 not in kept_positions(cache) and 50 in kept_positions(cache)
+    cache.update_and_fetch(k[..., 90:91, :], v[..., 90:91, :])
+    assert cache.attend(q[..., 90:91, :], 1 / 8).shape == (1, QUERY_HEADS, 1, DIM)
+
+
+def test_batches_keep_tokens_per_sequence():
+    data = inputs()
+    k, v, q = data
+    rows = [run(config(1.5), [N - 1], inputs(seed))[0] for seed in (0, 1)]
+    batch = BatchCompressedKVCache.merge(rows)
+    batch.update_and_fetch(mx.concatenate([k[..., N - 1 :, :]] * 2), mx.concatenate([v[..., N - 1 :, :]] * 2))
+    out = batch.attend(mx.concatenate([q[..., N - 1 :, :]] * 2), 1 / 8, mask=None)
+    for row, cache in enumerate(rows):
+        cache.update_and_fetch(k[..., N - 1 :, :], v[..., N - 1 :, :])
+        assert mx.allclose(out[row : row + 1], cache.attend(q[..., N - 1 :, :], 1 / 8), atol=1e-5).item()
+
+
+def test_a_fused_path_that_would_take_the_call_warns_that_it_does_not():
+    data = inputs()
+    k, v, q = data
+    cache, _ = run(config(1.5), [N - 1], data, settings=EngineSettings.resolve(prefill_rule="decode"))
+    cache.update_and_fetch(k[..., N - 1 :, :], v[..., N - 1 :, :])
+    history = cache._history()
+    history.kept = False
+    fused = engine.choose("decode", history, q[..., N - 1 :, :])
+    engine._warn_kept.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cache.attend(q[..., N - 1 :, :], 1 / 8)
+    assert cache.last_path == "generic"
+    said = [str(w.message) for w in caught if "keep_attended" in str(w.message)]
+    assert said == ([] if fused is None else [said[0]]) and (fused is None or fused.name in said[0])
+
+
+def test_what_keep_attended_refuses():
+    with pytest.raises(ValueError, match="residual_length"):
+        KVCacheConfig(method="turboquant_mse", options={"keep_attended": 1.0})
+    with pytest.raises(ValueError, match="keep_most"):
+        KVCacheConfig(method="turboquant_mse", residual_length=8, options={"keep_most": 0.01})
+    with pytest.raises(ValueError, match="keep_most"):
+        config(1.5, keep_most=0.0)
+    kivi = KVCacheConfig(method="kivi", bits=4, residual_length=32, options={"keep_attended": 1.0})
+    k, v, _ = inputs()
+    with pytest.raises(CacheInputError, match="blocks"):
+        CompressedKVCache(kivi).update_and_fetch(k, v)
+    with pytest.raises(CacheInputError, match="batch 1"):
+        CompressedKVCache(config()).update_and_fetch(mx.concatenate([k, k]), mx.concatenate([v, v]))
+    with pytest.raises(ValueError, match="rotating"):
+        CompressedRotatingKVCache(config(), max_size=64)
+    # not part of the codecs: the same codebooks and artifacts with or without it
+    assert config(1.5).codec_key() == config(1.5).replace(options={"renorm": True}).codec_key()

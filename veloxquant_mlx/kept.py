@@ -1,0 +1,223 @@
+"""Tokens kept in fp16 after they leave the window, chosen by the attention they got there.
+
+The fp16 sinks and window are a rate per token: full precision for the first and the newest
+tokens, codes for the rest. `keep_attended=T` adds a third fp16 set per layer: a token that
+leaves the window stays in fp16 (its codes masked out) when its *window share* reaches T.
+
+A token's window share is the attention it received while it was in the window, with each
+query's attention normalised over that query's fp16 tokens only (the sinks and its window
+band), summed over those queries and over the layer's query heads, divided by the number of
+query heads (1 is about what a token of uniform attention gets). The cache computes it from
+the queries and the fp16 tokens it holds, whichever path scores the codes, and settles each
+token once, as it leaves the window, when every query that sees it there has been scored:
+the choice never changes after a query has used it, and it does not depend on how a prompt
+was split into chunks. This is the `window_share_layer >= T` rule of
+`benchmarks/token_rate_oracle.py` (an H2O-like criterion, Zhang et al. 2023, arXiv
+2306.14048, restricted to what a cache can see), measured there and with this cache in
+docs/calibrated.md.
+
+`keep_most=F` bounds the kept tokens by F times the settled tokens (counted from
+`MIN_TOKENS`, so that early tokens get a budget): past it, tokens are coded whatever their
+share, and the cache's bytes stay bounded. Everything here is MLX arrays in the decode
+graph, with no host sync: the kept count lives on the device and the slots fill by scatter.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+EMPTY = 1 << 30  # the position of an empty slot: after every query, so no query attends to it
+MIN_TOKENS = 2048  # the budget counts at least this many settled tokens
+DEFAULT_MOST = 1 / 256
+
+
+def window_shares(queries: mx.array, scale: float, sink_keys: Optional[mx.array], span_keys: mx.array,
+                  span_first: int, fp16_from: mx.array, query_first: int, band: int) -> mx.array:
+    """(S,) the window share that this call's queries give each token of the fp16 span.
+
+    queries (1, Hq, L, D) at positions query_first.., the span's keys (1, H, S, D) at positions
+    span_first.., sink_keys (1, H, n, D) at 0..n-1 (or None); fp16_from (L,) the first non-sink
+    position each query sees in fp16. Each query's band holds at most `band` tokens, gathered
+    rather than scored against the whole span."""
+    _, query_heads, L, dim = queries.shape
+    heads, S = span_keys.shape[1], span_keys.shape[2]
+    repeats = query_heads // heads
+    # (H, L, R, D): the R query heads of a kv head, per query, as one matmul batch with its band
+    q = (queries[0].astype(mx.float32) * scale).reshape(heads, repeats, L, dim).transpose(0, 2, 1, 3)
+    query_pos = mx.arange(query_first, query_first + L)
+    band_pos = query_pos[:, None] - band + 1 + mx.arange(band)[None]  # (L, band), the last one is the query's own
+    valid = (band_pos >= fp16_from[:, None]) & (band_pos >= span_first)
+    index = mx.clip(band_pos - span_first, 0, S - 1)
+    band_keys = mx.take(span_keys[0].astype(mx.float32), index.reshape(-1), axis=1).reshape(heads, L, band, dim)
+    scores = mx.where(valid[None, :, None], q @ band_keys.swapaxes(-1, -2), -mx.inf)  # (H, L, R, band)
+    if sink_keys is not None and sink_keys.shape[2]:
+        sinks = sink_keys.shape[2]
+        sink_scores = q @ sink_keys[0].astype(mx.float32)[:, None].swapaxes(-1, -2)  # (H, L, R, n)
+        causal = mx.arange(sinks)[None] <= query_pos[:, None]
+        scores = mx.concatenate([mx.where(causal[None, :, None], sink_scores, -mx.inf), scores], axis=-1)
+    else:
+        sinks = 0
+    probs = mx.softmax(scores, axis=-1, precise=True)[..., sinks:]
+    # A query that sees no fp16 token at all (none held yet) has a row of -inf: it gives nothing.
+    share = mx.sum(mx.where(valid[None, :, None], probs, 0.0), axis=(0, 2)) / query_heads  # (L, band)
+    return mx.zeros((S,), mx.float32).at[index.reshape(-1)].add(mx.where(valid, share, 0.0).reshape(-1))
+
+
+class KeptTokens:
+    """One layer's kept tokens: fp16 keys and values in slots, their positions, and the shares
+    of the tokens not yet settled. Slots hold `capacity` tokens plus one that takes the writes
+    of tokens not kept (scatter has no "skip"), never read."""
+
+    def __init__(self, threshold: float, most: float):
+        self.threshold, self.most = float(threshold), float(most)
+        self.keys = self.values = None  # (1, H, capacity + 1, D) fp16
+        self.positions = None  # (capacity + 1,) int32, EMPTY where no token is held
+        self.count = mx.zeros((1,), mx.int32)  # slots filled (some may have been trimmed away since)
+        self.shares = mx.zeros((0,), mx.float32)  # of positions [share_start, share_start + len)
+        self.share_start: Optional[int] = None
+        self.settled = 0  # tokens whose fate is decided: the budget counts them
+
+    @classmethod
+    def for_config(cls, config) -> Optional["KeptTokens"]:
+        threshold = config.options.get("keep_attended", 0)
+        if not threshold:
+            return None
+        return cls(threshold, config.options.get("keep_most", DEFAULT_MOST))
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[0] - 1
+
+    def budget(self, settled: int) -> int:
+        return math.ceil(self.most * max(settled, MIN_TOKENS))
+
+    # ---- shares ---------------------------------------------------------------------------
+    def add_shares(self, shares: mx.array, first: int, offset: int):
+        """Add `shares` of positions [first, first + len) to the running ones, which then cover
+        every position from the oldest unsettled one to `offset`."""
+        if self.share_start is None:
+            self.share_start = first
+        held = self.shares.shape[0]
+        needed = offset - self.share_start
+        if needed > held:
+            self.shares = mx.concatenate([self.shares, mx.zeros((needed - held,), mx.float32)])
+        lead = first - self.share_start
+        self.shares = mx.concatenate([self.shares[:lead], self.shares[lead : lead + shares.shape[0]] + shares,
+                                      self.shares[lead + shares.shape[0] :]])
+
+    def settle(self, stop: int, leaving: Optional[Tuple[mx.array, mx.array, int]]):
+        """Decide every unsettled position before `stop` (they have left the window, and every
+        query that saw them there has been scored): those whose share reaches the threshold take
+        a slot, from `leaving` = (keys, values, first position), their fp16 copies. A position
+        `leaving` does not hold (no attention call came between two updates) is coded."""
+        if self.share_start is None or stop <= self.share_start:
+            return
+        start, n = self.share_start, stop - self.share_start
+        shares = self.shares[:n]
+        if shares.shape[0] < n:
+            shares = mx.concatenate([shares, mx.zeros((n - shares.shape[0],), mx.float32)])
+        self.shares, self.share_start = self.shares[n:], stop
+        self.settled += n
+        if leaving is None:
+            return
+        keys, values, first = leaving
+        lo, hi = max(start, first), min(stop, first + keys.shape[2])
+        if hi <= lo:
+            return
+        self._make_room(keys, values)
+        cap = self.capacity
+        chosen = shares[lo - start : hi - start] >= self.threshold
+        rank = self.count + mx.cumsum(chosen.astype(mx.int32)) - 1
+        fits = chosen & (rank < cap)
+        slot = mx.where(fits, rank, cap)
+        self.keys[:, :, slot] = keys[..., lo - first : hi - first, :]
+        self.values[:, :, slot] = values[..., lo - first : hi - first, :]
+        self.positions[slot] = mx.arange(lo, hi, dtype=mx.int32)
+        self.positions[cap] = EMPTY
+        self.count = self.count + mx.sum(fits.astype(mx.int32))
+
+    def _make_room(self, keys: mx.array, values: mx.array):
+        """Slots for the budget of the tokens settled so far (it grows by one every 1/most tokens)."""
+        cap, wanted = self.capacity, self.budget(self.settled)
+        if wanted <= cap:
+            return
+        more = wanted - cap + (1 if self.positions is None else 0)
+        shape = (*keys.shape[:2], more)
+        if self.positions is None:
+            self.keys = mx.zeros((*shape, keys.shape[3]), keys.dtype)
+            self.values = mx.zeros((*shape, values.shape[3]), values.dtype)
+            self.positions = mx.full((more,), EMPTY, mx.int32)
+            return
+        self.keys = mx.concatenate([self.keys, mx.zeros((*shape, keys.shape[3]), keys.dtype)], axis=2)
+        self.values = mx.concatenate([self.values, mx.zeros((*shape, values.shape[3]), values.dtype)], axis=2)
+        self.positions = mx.concatenate([self.positions, mx.full((more,), EMPTY, mx.int32)])
+
+    # ---- what attention reads -------------------------------------------------------------
+    def held(self) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
+        """(keys, values, positions) of the slots (empty ones at EMPTY), or None before any."""
+        if not self.capacity:
+            return None
+        cap = self.capacity
+        return self.keys[:, :, :cap], self.values[:, :, :cap], self.positions[:cap]
+
+    def coded(self, start: int, stop: int) -> Optional[mx.array]:
+        """(1, stop - start) bool: which positions of [start, stop) attention scores from their
+        codes (the kept ones it scores in fp16), or None when nothing can be kept."""
+        if not self.capacity:
+            return None
+        positions = mx.arange(start, stop)[:, None]
+        return ~mx.any(positions == self.positions[None, : self.capacity], axis=1)[None]
+
+    # ---- trim, bytes, state ---------------------------------------------------------------
+    def truncate(self, coded_stop: int, offset: int):
+        """After a trim: no kept token at `coded_stop` or later (they are gone), no share past `offset`."""
+        if self.positions is not None:
+            self.positions = mx.where(self.positions >= coded_stop, EMPTY, self.positions)
+        if self.share_start is not None:
+            self.share_start = min(self.share_start, offset)
+            self.shares = self.shares[: offset - self.share_start]
+
+    def arrays(self) -> list:
+        return [a for a in (self.keys, self.values, self.positions, self.count, self.shares) if a is not None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays())
+
+    def state(self) -> Tuple[dict, dict]:
+        header = {"share_start": self.share_start, "settled": self.settled}
+        arrays = {"kept_count": self.count, "kept_shares": self.shares}
+        if self.positions is not None:
+            arrays.update(kept_keys=self.keys, kept_values=self.values, kept_positions=self.positions)
+        return header, arrays
+
+    def load(self, header: dict, arrays: dict, shape: Tuple[int, int, int, int], dtype, offset: int) -> list:
+        """Restore from `state`; the problems found (shapes that do not fit), empty when none."""
+        problems = []
+        try:
+            self.share_start, self.settled = header["share_start"], int(header["settled"])
+            if self.share_start is not None:
+                self.share_start = int(self.share_start)
+        except Exception as error:
+            return [f"kept tokens: unusable header ({error!r})"]
+        count, shares = arrays.get("kept_count"), arrays.get("kept_shares")
+        if count is None or count.shape != (1,) or shares is None or shares.ndim != 1:
+            return ["kept tokens: no count or shares"]
+        if shares.shape[0] != (0 if self.share_start is None else offset - self.share_start):
+            problems.append(f"kept shares hold {shares.shape[0]} positions, not {offset} - {self.share_start}")
+        self.count, self.shares = count.astype(mx.int32), shares.astype(mx.float32)
+        if "kept_positions" in arrays:
+            self.keys, self.values = arrays.get("kept_keys"), arrays.get("kept_values")
+            self.positions = arrays["kept_positions"].astype(mx.int32)
+            batch, heads, key_dim, value_dim = shape
+            slots = self.positions.shape[0] if self.positions.ndim == 1 else -1
+            if slots != self.budget(self.settled) + 1:
+                problems.append(f"kept tokens: {slots} slots, not the budget {self.budget(self.settled)} + 1")
+            for name, array, dim in (("keys", self.keys, key_dim), ("values", self.values, value_dim)):
+                if array is None or array.shape != (batch, heads, slots, dim) or array.dtype != dtype:
+                    problems.append(f"kept {name} have shape {getattr(array, 'shape', None)} and dtype "
+                                    f"{getattr(array, 'dtype', None)}, expected {(batch, heads, slots, dim)} {dtype}")
+        return problems
