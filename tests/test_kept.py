@@ -165,21 +165,31 @@ def test_batches_keep_tokens_per_sequence():
         assert mx.allclose(out[row : row + 1], cache.attend(q[..., N - 1 :, :], 1 / 8), atol=1e-5).item()
 
 
-def test_a_fused_path_that_would_take_the_call_warns_that_it_does_not():
+def test_decode_paths_that_read_kept_tokens_match_the_generic_path_and_others_warn():
+    """A decode step with kept tokens runs on a path registered with `takes_kept` (the compiled
+    decode step) with the generic path's result; a path above it that would have taken the call
+    is named in a warning."""
     data = inputs()
     k, v, q = data
-    cache, _ = run(config(1.5), [N - 1], data, settings=EngineSettings.resolve(prefill_rule="decode"))
+    cache, _ = run(config(1.5), [N - 1], data)
     cache.update_and_fetch(k[..., N - 1 :, :], v[..., N - 1 :, :])
     history = cache._history()
-    history.kept = False
-    fused = engine.choose("decode", history, q[..., N - 1 :, :])
+    assert history.kept and kept_positions(cache)
+    skipped = [p.name for p in engine.paths("decode") if p.supports(history, q[..., N - 1 :, :], None)
+               and not p.takes_kept]
+    ranked = [p.name for p in engine.paths("decode")]
+    used = engine.choose("decode", history, q[..., N - 1 :, :])
+    assert used is not None and used.takes_kept
     engine._warn_kept.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cache.attend(q[..., N - 1 :, :], 1 / 8)
-    assert cache.last_path == "generic"
+        got = cache.attend(q[..., N - 1 :, :], 1 / 8)
+    assert cache.last_path == used.name
     said = [str(w.message) for w in caught if "keep_attended" in str(w.message)]
-    assert said == ([] if fused is None else [said[0]]) and (fused is None or fused.name in said[0])
+    above = [name for name in skipped if ranked.index(name) < ranked.index(used.name)]
+    assert len(said) == (1 if above else 0) and all(above[0] in text and used.name in text for text in said)
+    want = engine.generic(cache._history(), q[..., N - 1 :, :], 1 / 8)
+    assert mx.allclose(got, want, atol=1e-5).item(), float(mx.abs(got - want).max())
 
 
 def test_what_keep_attended_refuses():

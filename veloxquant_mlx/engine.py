@@ -48,7 +48,7 @@ class History:
                  segments: Callable[[int, int], Iterable[Segment]], band: bool, pending=None,
                  recent: Optional[Callable[[], Optional[Tuple]]] = None, fp16_from: Optional[Callable] = None,
                  fp16_parts: Optional[Callable[..., Tuple]] = None, window_slot: Optional[int] = None,
-                 window_capacity: Optional[int] = None, kept: bool = False):
+                 window_capacity: Optional[int] = None, kept: Optional[Callable[[], Tuple]] = None):
         self.store, self.key_codec, self.value_codec = store, key_codec, value_codec
         self.kv_heads, self.offset, self.sinks, self.window = kv_heads, offset, sinks, window
         self.key_mean, self.value_mean, self.settings = key_mean, value_mean, settings
@@ -64,9 +64,20 @@ class History:
         # Set when the window is held in a buffer of this many tokens, `window` of them filled
         # (cache.py, `_tail_append`): `fp16_inputs(held=True)` hands over the whole buffer.
         self.window_capacity = window_capacity
-        # Whether the history has fp16 tokens kept past the window (`kept.py`) with their codes
-        # masked out: only the generic path reads them (`segments`).
-        self.kept = kept
+        # Set when the history has fp16 tokens kept past the window (`kept.py`), their codes masked
+        # out: `kept_inputs` gives them to paths registered with `takes_kept`; the generic path
+        # reads them as a segment.
+        self._kept = kept
+
+    @property
+    def kept(self) -> bool:
+        return self._kept is not None
+
+    def kept_inputs(self) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(keys (not centred), values, slot bias (slots,), code bias (store capacity,)): the kept
+        tokens' slots, with 0 added to the scores of the slots that hold a token and -inf to the
+        empty ones, and -inf added to the scores of the kept tokens' codes, 0 to the others."""
+        return self._kept()
 
     @property
     def count(self) -> int:
@@ -108,20 +119,22 @@ class AttentionPath:
     supports: Callable[[History, mx.array, object], bool]
     run: Callable
     priority: int = 0
+    takes_kept: bool = False  # reads `History.kept_inputs` (tokens kept in fp16 past the window)
 
 
 _PATHS: Dict[str, List[AttentionPath]] = {phase: [] for phase in PHASES}
 
 
-def register_path(name: str, phase: str, supports: Callable, priority: int = 0):
+def register_path(name: str, phase: str, supports: Callable, priority: int = 0, takes_kept: bool = False):
     """Decorator: register `run(history, queries, scale, mask)` for `phase`, tried before
-    paths of lower `priority` (kernels for one format above the paths for every format)."""
+    paths of lower `priority` (kernels for one format above the paths for every format);
+    `takes_kept`: it attends to `History.kept_inputs` too."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
     def register(run):
         paths = [p for p in _PATHS[phase] if p.name != name]
-        paths.append(AttentionPath(name, phase, supports, run, priority))
+        paths.append(AttentionPath(name, phase, supports, run, priority, takes_kept))
         _PATHS[phase] = sorted(paths, key=lambda p: -p.priority)
         return run
 
@@ -136,20 +149,25 @@ def choose(phase: str, history: History, queries: mx.array, mask=None) -> Option
     """The first registered path of `phase` that takes this call, or None (generic)."""
     if not history.settings.kernels:
         return None
+    skipped = None  # a path that would have taken the call but does not read kept tokens
     for path in _PATHS[phase]:
         if path.supports(history, queries, mask):
-            if history.kept:
-                _warn_kept(path.name)
-                return None
+            if history.kept and not path.takes_kept:
+                skipped = skipped or path.name
+                continue
+            if skipped:
+                _warn_kept(skipped, path.name)
             return path
+    if skipped:
+        _warn_kept(skipped, "generic")
     return None
 
 
 @functools.lru_cache(maxsize=None)
-def _warn_kept(path: str):
-    """Once per path and process."""
-    warnings.warn(f"veloxquant_mlx: keep_attended: the {path!r} attention path does not read tokens kept in fp16 "
-                  "past the window, so these calls run on the generic path (slower)", RuntimeWarning, stacklevel=4)
+def _warn_kept(skipped: str, used: str):
+    """Once per pair of paths and process."""
+    warnings.warn(f"veloxquant_mlx: keep_attended: the {skipped!r} attention path does not read tokens kept in fp16 "
+                  f"past the window, so these calls run on the {used!r} path", RuntimeWarning, stacklevel=4)
 
 
 def defers(history: History) -> bool:
@@ -317,14 +335,18 @@ def fp16_tokens(parts: int, arrays: List[mx.array], key_mean: Optional[mx.array]
     return mx.concatenate([k.astype(mx.float32) for k in keys], axis=2), mx.concatenate(values, axis=2)
 
 
-def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float):
-    """A partial over fp16 tokens (sinks + window): (o (B*Hq, Dv), ml (B*Hq, 2)), float32."""
+def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                  bias: Optional[mx.array] = None):
+    """A partial over fp16 tokens (sinks + window): (o (B*Hq, Dv), ml (B*Hq, 2)), float32;
+    `bias` (T,) is added to every query's scores."""
     B, n_heads, L, dim = queries.shape
     kv_heads = keys.shape[1]
     q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, n_heads // kv_heads * L, dim)
     scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
+    if bias is not None:
+        scores = scores + bias
     m = mx.max(scores, axis=-1, keepdims=True)
-    p = mx.exp(scores - m)
+    p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
     o = p @ values.astype(mx.float32)
     ml = mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1)
     return o.reshape(B * n_heads * L, -1), ml.reshape(B * n_heads * L, 2)
@@ -337,13 +359,13 @@ def _slice_fields(fields, per_row, start: int, stop: int):
 @functools.lru_cache(maxsize=CODEC_KEYED)
 def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], per_row, capacity: int,
                out_shape: Tuple[int, ...], out_dtype, scale: float, fp16_parts: int, centered: bool,
-               compiled: bool = True, first_position: int = 0):
+               compiled: bool = True, first_position: int = 0, kept: bool = False):
     key_names, value_names = names
     key_per_row, value_per_row = dict(per_row[0]), dict(per_row[1])
     block = math.lcm(key_codec.token_block, value_codec.token_block)
     split = -(-DECODE_SPLIT // block) * block
 
-    def step(queries, key_bufs, value_bufs, count, fp16, key_mean, value_mean):
+    def step(queries, key_bufs, value_bufs, count, fp16, key_mean, value_mean, kept_inputs=()):
         key_fields, value_fields = dict(zip(key_names, key_bufs)), dict(zip(value_names, value_bufs))
         B, n_heads, _, dim = queries.shape
         kv_heads = key_bufs[0].shape[1]
@@ -355,6 +377,8 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
             fields = at_positions(key_codec, _slice_fields(key_fields, key_per_row, start, stop), first_position + start)
             scores = key_codec.score(q, fields)  # (B, H, REP, n)
             scores = mx.where(mx.arange(start, stop) < count, scores, -mx.inf)
+            if kept:
+                scores = scores + kept_inputs[3][start:stop]
             m = mx.max(scores, axis=-1, keepdims=True)
             p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
             o = value_codec.weighted_sum(mx.expand_dims(p, 3), _slice_fields(value_fields, value_per_row, start, stop))
@@ -363,7 +387,17 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
         o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep, -1)
         ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
-        plain = None if tokens is None else plain_partial(queries, *tokens, scale)
+        bias = None
+        if kept:
+            kept_keys, kept_values, slot_bias, _ = kept_inputs
+            kept_keys = kept_keys.astype(mx.float32) - key_mean if centered else kept_keys
+            if tokens is None:
+                tokens, bias = (kept_keys, kept_values), slot_bias
+            else:
+                bias = mx.concatenate([mx.zeros((tokens[0].shape[2],)), slot_bias])
+                tokens = (mx.concatenate([tokens[0].astype(mx.float32), kept_keys.astype(mx.float32)], axis=2),
+                          mx.concatenate([tokens[1], kept_values.astype(tokens[1].dtype)], axis=2))
+        plain = None if tokens is None else plain_partial(queries, *tokens, scale, bias)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                               value_mean=value_mean if centered else None)
 
@@ -386,19 +420,21 @@ def capacity_fields(h: History):
     return names, per_row, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]]
 
 
-@register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0)
+@register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0, takes_kept=True)
 def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, compiled: bool = True) -> mx.array:
     """Decode for every format: the codes of the whole capacity are decoded split by split
     with the codecs' MLX ops, tokens past `count` masked, and the fp16 sinks/window merged,
-    in one `mx.compile`d graph whose shapes change only when the store grows."""
+    in one `mx.compile`d graph whose shapes change only when the store grows. Tokens kept in
+    fp16 past the window (`kept.py`) join the fp16 partial and their codes are masked out."""
     names, per_row, key_bufs, value_bufs = capacity_fields(h)
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
     fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, h.store.capacity, tuple(queries.shape),
-                    queries.dtype, float(scale), parts, centered, compiled, h.sinks if h.key_codec.positional else 0)
+                    queries.dtype, float(scale), parts, centered, compiled, h.sinks if h.key_codec.positional else 0,
+                    h.kept)
     none = small_array((0.0,), mx.float32)
     return fn(queries, key_bufs, value_bufs, small_array((h.count,)), fp16, h.key_mean if centered else none,
-              h.value_mean if centered else none)
+              h.value_mean if centered else none, list(h.kept_inputs()) if h.kept else [])
 
 
 def _sdpa_decode_supports(h: History, queries: mx.array, mask) -> bool:

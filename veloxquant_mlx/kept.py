@@ -18,8 +18,10 @@ docs/calibrated.md.
 
 `keep_most=F` bounds the kept tokens by F times the settled tokens (counted from
 `MIN_TOKENS`, so that early tokens get a budget): past it, tokens are coded whatever their
-share, and the cache's bytes stay bounded. Everything here is MLX arrays in the decode
-graph, with no host sync: the kept count lives on the device and the slots fill by scatter.
+share, and the cache's bytes stay bounded. The slots fill by scatter, the count lives on the
+device, and the slots grow with what is kept (`HEADROOM` spare): the host reads the count
+only when the tokens settled since it last did could overflow the spare slots (once per
+`HEADROOM` decode steps, twice per prefill chunk).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import mlx.core as mx
 
 EMPTY = 1 << 30  # the position of an empty slot: after every query, so no query attends to it
 MIN_TOKENS = 2048  # the budget counts at least this many settled tokens
-DEFAULT_MOST = 1 / 256
+DEFAULT_MOST = 1 / 32
+HEADROOM = 4  # spare slots: a decode step reads the kept count once per this many settled tokens
 
 
 def window_shares(queries: mx.array, scale: float, sink_keys: Optional[mx.array], span_keys: mx.array,
@@ -79,6 +82,8 @@ class KeptTokens:
         self.shares = mx.zeros((0,), mx.float32)  # of positions [share_start, share_start + len)
         self.share_start: Optional[int] = None
         self.settled = 0  # tokens whose fate is decided: the budget counts them
+        self.known = 0  # the count when the host last read it
+        self.unread = 0  # tokens settled since: each may have taken a slot
 
     @classmethod
     def for_config(cls, config) -> Optional["KeptTokens"]:
@@ -127,9 +132,9 @@ class KeptTokens:
         lo, hi = max(start, first), min(stop, first + keys.shape[2])
         if hi <= lo:
             return
-        self._make_room(keys, values)
-        cap = self.capacity
         chosen = shares[lo - start : hi - start] >= self.threshold
+        self._make_room(chosen, keys, values)
+        cap = self.capacity
         rank = self.count + mx.cumsum(chosen.astype(mx.int32)) - 1
         fits = chosen & (rank < cap)
         slot = mx.where(fits, rank, cap)
@@ -138,10 +143,18 @@ class KeptTokens:
         self.positions[slot] = mx.arange(lo, hi, dtype=mx.int32)
         self.positions[cap] = EMPTY
         self.count = self.count + mx.sum(fits.astype(mx.int32))
+        self.unread += hi - lo
 
-    def _make_room(self, keys: mx.array, values: mx.array):
-        """Slots for the budget of the tokens settled so far (it grows by one every 1/most tokens)."""
-        cap, wanted = self.capacity, self.budget(self.settled)
+    def _make_room(self, chosen: mx.array, keys: mx.array, values: mx.array):
+        """Slots for every token of `chosen` that may take one, within the budget of the tokens
+        settled so far: the count is read (a host sync) only when they might not fit."""
+        cap = self.capacity
+        if self.known + self.unread + chosen.shape[0] <= cap:
+            return
+        self.known, self.unread = int(self.count.item()), 0
+        if self.known + chosen.shape[0] <= cap:
+            return
+        wanted = min(self.budget(self.settled), self.known + int(mx.sum(chosen).item()) + HEADROOM)
         if wanted <= cap:
             return
         more = wanted - cap + (1 if self.positions is None else 0)
@@ -170,6 +183,18 @@ class KeptTokens:
             return None
         positions = mx.arange(start, stop)[:, None]
         return ~mx.any(positions == self.positions[None, : self.capacity], axis=1)[None]
+
+    def biases(self, first_code: int, code_capacity: int) -> Tuple[mx.array, mx.array]:
+        """(slots,) 0 for a slot holding a token, -inf for an empty one; (code_capacity,) -inf at
+        the rows of the store (from position `first_code`) of the kept tokens' codes, else 0:
+        what a path that scores the store's whole capacity adds to its scores."""
+        positions = self.positions[: self.capacity]
+        held = positions < EMPTY
+        slot_bias = mx.where(held, 0.0, -mx.inf)
+        rows = mx.where(held, positions - first_code, code_capacity)
+        code_bias = mx.zeros((code_capacity + 1,), mx.float32)
+        code_bias[rows] = -mx.inf
+        return slot_bias, code_bias[:code_capacity]
 
     # ---- trim, bytes, state ---------------------------------------------------------------
     def truncate(self, coded_stop: int, offset: int):
@@ -214,8 +239,9 @@ class KeptTokens:
             self.positions = arrays["kept_positions"].astype(mx.int32)
             batch, heads, key_dim, value_dim = shape
             slots = self.positions.shape[0] if self.positions.ndim == 1 else -1
-            if slots != self.budget(self.settled) + 1:
-                problems.append(f"kept tokens: {slots} slots, not the budget {self.budget(self.settled)} + 1")
+            if not 1 < slots <= self.budget(self.settled) + 1:
+                problems.append(f"kept tokens: {slots} slots, for a budget of {self.budget(self.settled)}")
+            self.known = int(self.count.item())
             for name, array, dim in (("keys", self.keys, key_dim), ("values", self.values, value_dim)):
                 if array is None or array.shape != (batch, heads, slots, dim) or array.dtype != dtype:
                     problems.append(f"kept {name} have shape {getattr(array, 'shape', None)} and dtype "
