@@ -18,9 +18,9 @@ SINKS, WINDOW, HEADS, QUERY_HEADS, DIM, N = 4, 8, 2, 4, 64, 160
 DECODE_RULE = EngineSettings.resolve(prefill_rule="decode")
 
 
-def config(threshold=1.5, **options):
+def config(threshold=1.5, center=False, **options):
     return KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2, sink_tokens=SINKS, residual_length=WINDOW,
-                         options={"renorm": True, "keep_attended": threshold, **options})
+                         center=center, options={"renorm": True, "keep_attended": threshold, **options})
 
 
 def inputs(seed=0, liked=(50, 97)):
@@ -165,13 +165,14 @@ def test_batches_keep_tokens_per_sequence():
         assert mx.allclose(out[row : row + 1], cache.attend(q[..., N - 1 :, :], 1 / 8), atol=1e-5).item()
 
 
-def test_decode_paths_that_read_kept_tokens_match_the_generic_path_and_others_warn():
-    """A decode step with kept tokens runs on a path registered with `takes_kept` (the compiled
-    decode step) with the generic path's result; a path above it that would have taken the call
-    is named in a warning."""
+@pytest.mark.parametrize("center", [False, True])
+def test_decode_paths_that_read_kept_tokens_match_the_generic_path_and_others_warn(center):
+    """A decode step with kept tokens runs on a path registered with `takes_kept` with the generic
+    path's result (and so does every other such path that takes the call); a path above it that
+    would have taken the call is named in a warning."""
     data = inputs()
     k, v, q = data
-    cache, _ = run(config(1.5), [N - 1], data)
+    cache, _ = run(config(1.5, center), [N - 1], data)
     cache.update_and_fetch(k[..., N - 1 :, :], v[..., N - 1 :, :])
     history = cache._history()
     assert history.kept and kept_positions(cache)
@@ -190,6 +191,10 @@ def test_decode_paths_that_read_kept_tokens_match_the_generic_path_and_others_wa
     assert len(said) == (1 if above else 0) and all(above[0] in text and used.name in text for text in said)
     want = engine.generic(cache._history(), q[..., N - 1 :, :], 1 / 8)
     assert mx.allclose(got, want, atol=1e-5).item(), float(mx.abs(got - want).max())
+    for path in engine.paths("decode"):  # every path that says it takes this call, not only the first
+        if path.takes_kept and path.supports(history, q[..., N - 1 :, :], None):
+            out = path.run(cache._history(), q[..., N - 1 :, :], 1 / 8)
+            assert mx.allclose(out, want, atol=1e-5).item(), (path.name, float(mx.abs(out - want).max()))
 
 
 def test_what_keep_attended_refuses():

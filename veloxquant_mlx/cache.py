@@ -432,9 +432,9 @@ class CompressedKVCache(_BaseCache):
 
     def _kept_inputs(self):
         """`engine.History.kept_inputs`: the kept tokens and the biases that mask them in and their codes out."""
-        keys, values, positions = self.kept.held()
+        keys, values, _ = self.kept.held()
         slot_bias, code_bias = self.kept.biases(self.sinks, self.store.capacity)
-        return keys, values, slot_bias, code_bias
+        return keys, values, slot_bias, code_bias, self.kept.code_rows(self.sinks)
 
     def _recent_tokens(self):
         """(keys (centered), values, first position) of the tokens this update encoded followed by

@@ -73,10 +73,11 @@ class History:
     def kept(self) -> bool:
         return self._kept is not None
 
-    def kept_inputs(self) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
-        """(keys (not centred), values, slot bias (slots,), code bias (store capacity,)): the kept
-        tokens' slots, with 0 added to the scores of the slots that hold a token and -inf to the
-        empty ones, and -inf added to the scores of the kept tokens' codes, 0 to the others."""
+    def kept_inputs(self) -> Tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
+        """(keys (not centred), values, slot bias (slots,), code bias (store capacity,), code rows
+        (slots,)): the kept tokens' slots, with 0 added to the scores of the slots that hold a
+        token and -inf to the empty ones; -inf added to the scores of the kept tokens' codes, 0
+        to the others; the store row of each slot's codes."""
         return self._kept()
 
     @property
@@ -352,6 +353,36 @@ def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     return o.reshape(B * n_heads * L, -1), ml.reshape(B * n_heads * L, 2)
 
 
+def kept_code_split(h: History, queries: mx.array, scale: float) -> Tuple[mx.array, mx.array]:
+    """For a path whose partials (`merge_partials`) scored every code, the kept tokens among them
+    included: one more split (o (BH, 1, REP, Dv), ml (BH, 1, REP, 2)) holding minus those tokens'
+    share, scored from their codes as the path scored them, so that merged with the others it takes
+    them out (a difference of sums of positive terms in fp32: a relative error of the order of the
+    kept codes' share of the codes' mass times fp32's epsilon). Decode queries only."""
+    _, _, slot_bias, _, rows = h.kept_inputs()
+    B, n_heads, _, dim = queries.shape
+    rep = n_heads // h.kv_heads
+    q = h.key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, h.kv_heads, rep, dim))
+    scores = h.key_codec.score(q, h.store.gather("keys", rows)) + slot_bias  # (B, H, REP, slots)
+    m = mx.max(scores, axis=-1, keepdims=True)
+    p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
+    o = h.value_codec.weighted_sum(mx.expand_dims(p, 3), h.store.gather("values", rows)).squeeze(3)
+    ml = mx.concatenate([m, -mx.sum(p, axis=-1, keepdims=True)], axis=-1)
+    return (-o).reshape(B * h.kv_heads, 1, rep, -1), ml.reshape(B * h.kv_heads, 1, rep, 2)
+
+
+def with_kept_fp16(h: History, tokens: Optional[Tuple[mx.array, mx.array]], key_mean: Optional[mx.array]):
+    """(keys, values, bias) of `tokens` (the fp16 sinks/window, keys centred, or None) with the kept
+    tokens' fp16 slots after them, and the bias (0 or -inf per slot) that masks the empty slots."""
+    kept_keys, kept_values, slot_bias = h.kept_inputs()[:3]
+    kept_keys = kept_keys.astype(mx.float32) - key_mean if key_mean is not None else kept_keys
+    if tokens is None:
+        return kept_keys, kept_values, slot_bias
+    bias = mx.concatenate([mx.zeros((tokens[0].shape[2],)), slot_bias])
+    return (mx.concatenate([tokens[0].astype(mx.float32), kept_keys.astype(mx.float32)], axis=2),
+            mx.concatenate([tokens[1], kept_values.astype(tokens[1].dtype)], axis=2), bias)
+
+
 def _slice_fields(fields, per_row, start: int, stop: int):
     return {name: buf[..., start // per_row[name] : stop // per_row[name], :] for name, buf in fields.items()}
 
@@ -389,7 +420,7 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
         bias = None
         if kept:
-            kept_keys, kept_values, slot_bias, _ = kept_inputs
+            kept_keys, kept_values, slot_bias = kept_inputs[:3]
             kept_keys = kept_keys.astype(mx.float32) - key_mean if centered else kept_keys
             if tokens is None:
                 tokens, bias = (kept_keys, kept_values), slot_bias

@@ -184,6 +184,11 @@ class KeptTokens:
         positions = mx.arange(start, stop)[:, None]
         return ~mx.any(positions == self.positions[None, : self.capacity], axis=1)[None]
 
+    def code_rows(self, first_code: int) -> mx.array:
+        """(slots,) each slot's row in the store (from position `first_code`), 0 for an empty slot."""
+        positions = self.positions[: self.capacity]
+        return mx.where(positions < EMPTY, positions - first_code, 0)
+
     def biases(self, first_code: int, code_capacity: int) -> Tuple[mx.array, mx.array]:
         """(slots,) 0 for a slot holding a token, -inf for an empty one; (code_capacity,) -inf at
         the rows of the store (from position `first_code`) of the kept tokens' codes, else 0:

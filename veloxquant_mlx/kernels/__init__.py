@@ -168,7 +168,7 @@ def _native_supports(h, queries, mask) -> bool:
             and kernel_supported(ops.codes_codec(h.key_codec), h.value_codec))
 
 
-@engine.register_path("mse_native", "decode", _native_supports, priority=20)
+@engine.register_path("mse_native", "decode", _native_supports, priority=20, takes_kept=True)
 def native_decode(h, queries, scale, mask=None):
     o, ml = native.mse_partials(queries, h.key_codec, h.value_codec, h.layout, h.store.rows, h.count, scale)
     return portable.merge(o, ml, h, queries, scale)
@@ -205,7 +205,7 @@ def _portable_supports(h, queries, mask) -> bool:
             and _decode_call(queries, mask) and _mse(h))
 
 
-@engine.register_path("mse_portable", "decode", _portable_supports, priority=5)
+@engine.register_path("mse_portable", "decode", _portable_supports, priority=5, takes_kept=True)
 def portable_decode(h, queries, scale, mask=None):
     """On the CPU without the C++ kernel: codes decoded a split at a time through a table of
     centroid groups (`portable.decode_unit`), MLX ops."""
