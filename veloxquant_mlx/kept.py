@@ -151,6 +151,8 @@ class KeptTokens:
         cap = self.capacity
         if self.known + self.unread + chosen.shape[0] <= cap:
             return
+        if self.positions is not None and cap >= self.budget(self.settled):
+            return  # no more slots until the budget grows: tokens past it are coded, no need to read the count
         self.known, self.unread = int(self.count.item()), 0
         if self.known + chosen.shape[0] <= cap:
             return
