@@ -427,14 +427,8 @@ class CompressedKVCache(_BaseCache):
             band=self.just_encoded is not None, pending=pending, recent=self._recent_tokens,
             fp16_from=self._fp16_from, window_slot=self.window_start if slide else None,
             window_capacity=None if self.window_fill is None else self._window_keys.shape[2],
-            kept=self._kept_inputs if self.kept is not None and self.kept.capacity else None,
+            kept=(self.kept, self.sinks) if self.kept is not None and self.kept.capacity else None,
         )
-
-    def _kept_inputs(self):
-        """`engine.History.kept_inputs`: the kept tokens and the biases that mask them in and their codes out."""
-        keys, values, _ = self.kept.held()
-        slot_bias, code_bias = self.kept.biases(self.sinks, self.store.capacity)
-        return keys, values, slot_bias, code_bias, self.kept.code_rows(self.sinks)
 
     def _recent_tokens(self):
         """(keys (centered), values, first position) of the tokens this update encoded followed by

@@ -65,20 +65,27 @@ class History:
         # (cache.py, `_tail_append`): `fp16_inputs(held=True)` hands over the whole buffer.
         self.window_capacity = window_capacity
         # Set when the history has fp16 tokens kept past the window (`kept.py`), their codes masked
-        # out: `kept_inputs` gives them to paths registered with `takes_kept`; the generic path
-        # reads them as a segment.
+        # out: `kept_slots` and `kept_code_bias` give them to paths registered with `takes_kept`;
+        # the generic path reads them as a segment. (the cache's `KeptTokens`, its first code's position)
         self._kept = kept
 
     @property
     def kept(self) -> bool:
         return self._kept is not None
 
-    def kept_inputs(self) -> Tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
-        """(keys (not centred), values, slot bias (slots,), code bias (store capacity,), code rows
-        (slots,)): the kept tokens' slots, with 0 added to the scores of the slots that hold a
-        token and -inf to the empty ones; -inf added to the scores of the kept tokens' codes, 0
-        to the others; the store row of each slot's codes."""
-        return self._kept()
+    @functools.cached_property
+    def kept_slots(self) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+        """(keys (not centred), values, slot bias (slots,), code rows (slots,)): the kept tokens'
+        slots, with 0 added to the scores of the slots that hold a token and -inf to the empty
+        ones, and the store row of each slot's codes."""
+        kept, first_code = self._kept
+        keys, values, _ = kept.held()
+        return keys, values, kept.slot_bias(), kept.code_rows(first_code)
+
+    def kept_code_bias(self) -> mx.array:
+        """(store capacity,) -inf added to the scores of the kept tokens' codes, 0 to the others."""
+        kept, first_code = self._kept
+        return kept.code_bias(first_code, self.store.capacity)
 
     @property
     def count(self) -> int:
@@ -359,7 +366,7 @@ def kept_code_split(h: History, queries: mx.array, scale: float) -> Tuple[mx.arr
     share, scored from their codes as the path scored them, so that merged with the others it takes
     them out (a difference of sums of positive terms in fp32: a relative error of the order of the
     kept codes' share of the codes' mass times fp32's epsilon). Decode queries only."""
-    _, _, slot_bias, _, rows = h.kept_inputs()
+    _, _, slot_bias, rows = h.kept_slots
     B, n_heads, _, dim = queries.shape
     rep = n_heads // h.kv_heads
     q = h.key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, h.kv_heads, rep, dim))
@@ -371,10 +378,11 @@ def kept_code_split(h: History, queries: mx.array, scale: float) -> Tuple[mx.arr
     return (-o).reshape(B * h.kv_heads, 1, rep, -1), ml.reshape(B * h.kv_heads, 1, rep, 2)
 
 
-def with_kept_fp16(h: History, tokens: Optional[Tuple[mx.array, mx.array]], key_mean: Optional[mx.array]):
+def with_kept_fp16(tokens: Optional[Tuple[mx.array, mx.array]], kept_keys: mx.array, kept_values: mx.array,
+                   slot_bias: mx.array, key_mean: Optional[mx.array]):
     """(keys, values, bias) of `tokens` (the fp16 sinks/window, keys centred, or None) with the kept
-    tokens' fp16 slots after them, and the bias (0 or -inf per slot) that masks the empty slots."""
-    kept_keys, kept_values, slot_bias = h.kept_inputs()[:3]
+    tokens' fp16 slots (`History.kept_slots`) after them, and the bias (0 or -inf per slot) that
+    masks the empty slots."""
     kept_keys = kept_keys.astype(mx.float32) - key_mean if key_mean is not None else kept_keys
     if tokens is None:
         return kept_keys, kept_values, slot_bias
@@ -397,6 +405,7 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
     split = -(-DECODE_SPLIT // block) * block
 
     def step(queries, key_bufs, value_bufs, count, fp16, key_mean, value_mean, kept_inputs=()):
+        # kept_inputs: (keys, values, slot bias) of `History.kept_slots`, then `History.kept_code_bias()`
         key_fields, value_fields = dict(zip(key_names, key_bufs)), dict(zip(value_names, value_bufs))
         B, n_heads, _, dim = queries.shape
         kv_heads = key_bufs[0].shape[1]
@@ -420,14 +429,7 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
         bias = None
         if kept:
-            kept_keys, kept_values, slot_bias = kept_inputs[:3]
-            kept_keys = kept_keys.astype(mx.float32) - key_mean if centered else kept_keys
-            if tokens is None:
-                tokens, bias = (kept_keys, kept_values), slot_bias
-            else:
-                bias = mx.concatenate([mx.zeros((tokens[0].shape[2],)), slot_bias])
-                tokens = (mx.concatenate([tokens[0].astype(mx.float32), kept_keys.astype(mx.float32)], axis=2),
-                          mx.concatenate([tokens[1], kept_values.astype(tokens[1].dtype)], axis=2))
+            *tokens, bias = with_kept_fp16(tokens, *kept_inputs[:3], key_mean if centered else None)
         plain = None if tokens is None else plain_partial(queries, *tokens, scale, bias)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                               value_mean=value_mean if centered else None)
@@ -465,7 +467,7 @@ def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, comp
                     h.kept)
     none = small_array((0.0,), mx.float32)
     return fn(queries, key_bufs, value_bufs, small_array((h.count,)), fp16, h.key_mean if centered else none,
-              h.value_mean if centered else none, list(h.kept_inputs()) if h.kept else [])
+              h.value_mean if centered else none, [*h.kept_slots[:3], h.kept_code_bias()] if h.kept else [])
 
 
 def _sdpa_decode_supports(h: History, queries: mx.array, mask) -> bool:

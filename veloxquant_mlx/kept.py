@@ -191,17 +191,18 @@ class KeptTokens:
         positions = self.positions[: self.capacity]
         return mx.where(positions < EMPTY, positions - first_code, 0)
 
-    def biases(self, first_code: int, code_capacity: int) -> Tuple[mx.array, mx.array]:
-        """(slots,) 0 for a slot holding a token, -inf for an empty one; (code_capacity,) -inf at
-        the rows of the store (from position `first_code`) of the kept tokens' codes, else 0:
-        what a path that scores the store's whole capacity adds to its scores."""
+    def slot_bias(self) -> mx.array:
+        """(slots,) 0 for a slot holding a token, -inf for an empty one."""
+        return mx.where(self.positions[: self.capacity] < EMPTY, 0.0, -mx.inf)
+
+    def code_bias(self, first_code: int, code_capacity: int) -> mx.array:
+        """(code_capacity,) -inf at the rows of the store (from position `first_code`) of the kept
+        tokens' codes, else 0: what a path that scores the store's whole capacity adds to its scores."""
         positions = self.positions[: self.capacity]
-        held = positions < EMPTY
-        slot_bias = mx.where(held, 0.0, -mx.inf)
-        rows = mx.where(held, positions - first_code, code_capacity)
+        rows = mx.where(positions < EMPTY, positions - first_code, code_capacity)
         code_bias = mx.zeros((code_capacity + 1,), mx.float32)
         code_bias[rows] = -mx.inf
-        return slot_bias, code_bias[:code_capacity]
+        return code_bias[:code_capacity]
 
     # ---- trim, bytes, state ---------------------------------------------------------------
     def truncate(self, coded_stop: int, offset: int):

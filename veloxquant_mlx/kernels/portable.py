@@ -134,7 +134,7 @@ def merge(o: mx.array, ml: mx.array, h, queries: mx.array, scale: float) -> mx.a
     if h.kept:
         o_kept, ml_kept = kept_code_split(h, queries, scale)
         o, ml = mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1)
-        keys, values, bias = with_kept_fp16(h, fp16, h.key_mean)
+        keys, values, bias = with_kept_fp16(fp16, *h.kept_slots[:3], h.key_mean)
         fn = _merge_with_plain_fn(h.value_codec, tuple(queries.shape), queries.dtype, float(scale),
                                   h.value_mean is not None, True)
         return fn(o, ml, queries, keys, values, h.value_mean if h.value_mean is not None else ml, bias)
