@@ -127,7 +127,7 @@ class AttentionPath:
     supports: Callable[[History, mx.array, object], bool]
     run: Callable
     priority: int = 0
-    takes_kept: bool = False  # reads `History.kept_inputs` (tokens kept in fp16 past the window)
+    takes_kept: bool = False  # reads `History.kept_slots` (tokens kept in fp16 past the window)
 
 
 _PATHS: Dict[str, List[AttentionPath]] = {phase: [] for phase in PHASES}
@@ -136,7 +136,7 @@ _PATHS: Dict[str, List[AttentionPath]] = {phase: [] for phase in PHASES}
 def register_path(name: str, phase: str, supports: Callable, priority: int = 0, takes_kept: bool = False):
     """Decorator: register `run(history, queries, scale, mask)` for `phase`, tried before
     paths of lower `priority` (kernels for one format above the paths for every format);
-    `takes_kept`: it attends to `History.kept_inputs` too."""
+    `takes_kept`: it attends to `History.kept_slots` too (and masks those tokens' codes)."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
