@@ -503,6 +503,8 @@ class CompressedKVCache(_BaseCache):
         block = min(self.attention_block, max(256, self.score_tile // max(query_rows, 1)))
         block = math.ceil(block / self.block) * self.block
         encoded = self.encoded
+        # The kept tokens' codes, masked out of every block (`kept.py`): -inf at their rows.
+        kept_codes = self.kept.code_bias(self.sinks, encoded) if self.kept is not None and self.kept.capacity else None
         if query_len and self.just_encoded is not None and self._chunk_sees_fp16(query_len):
             # Every query sees this update's tokens in fp16: their codes would be masked out whole.
             encoded = max(0, first - self.sinks)
@@ -511,8 +513,8 @@ class CompressedKVCache(_BaseCache):
             only_codes = None
             if query_len and self.just_encoded is not None and self.sinks + stop > first:
                 only_codes = mx.arange(self.sinks + start, self.sinks + stop)[None] < fp16_from
-            coded = None if self.kept is None else self.kept.coded(self.sinks + start, self.sinks + stop)
-            if coded is not None:
+            if kept_codes is not None:
+                coded = (kept_codes[start:stop] == 0)[None]
                 only_codes = coded if only_codes is None else only_codes & coded
             yield Segment(
                 self.key_codec.decode(at_positions(self.key_codec, self.store.fields("keys", start, stop),

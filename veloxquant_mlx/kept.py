@@ -110,8 +110,7 @@ class KeptTokens:
         if needed > held:
             self.shares = mx.concatenate([self.shares, mx.zeros((needed - held,), mx.float32)])
         lead = first - self.share_start
-        self.shares = mx.concatenate([self.shares[:lead], self.shares[lead : lead + shares.shape[0]] + shares,
-                                      self.shares[lead + shares.shape[0] :]])
+        self.shares[lead : lead + shares.shape[0]] += shares
 
     def settle(self, stop: int, leaving: Optional[Tuple[mx.array, mx.array, int]]):
         """Decide every unsettled position before `stop` (they have left the window, and every
@@ -177,14 +176,6 @@ class KeptTokens:
             return None
         cap = self.capacity
         return self.keys[:, :, :cap], self.values[:, :, :cap], self.positions[:cap]
-
-    def coded(self, start: int, stop: int) -> Optional[mx.array]:
-        """(1, stop - start) bool: which positions of [start, stop) attention scores from their
-        codes (the kept ones it scores in fp16), or None when nothing can be kept."""
-        if not self.capacity:
-            return None
-        positions = mx.arange(start, stop)[:, None]
-        return ~mx.any(positions == self.positions[None, : self.capacity], axis=1)[None]
 
     def code_rows(self, first_code: int) -> mx.array:
         """(slots,) each slot's row in the store (from position `first_code`), 0 for an empty slot."""
