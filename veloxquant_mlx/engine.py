@@ -365,17 +365,32 @@ def kept_code_split(h: History, queries: mx.array, scale: float) -> Tuple[mx.arr
     included: one more split (o (BH, 1, REP, Dv), ml (BH, 1, REP, 2)) holding minus those tokens'
     share, scored from their codes as the path scored them, so that merged with the others it takes
     them out (a difference of sums of positive terms in fp32: a relative error of the order of the
-    kept codes' share of the codes' mass times fp32's epsilon). Decode queries only."""
+    kept codes' share of the codes' mass times fp32's epsilon). Decode queries only; one compiled
+    graph per layout and slot count."""
     _, _, slot_bias, rows = h.kept_slots
-    B, n_heads, _, dim = queries.shape
-    rep = n_heads // h.kv_heads
-    q = h.key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, h.kv_heads, rep, dim))
-    scores = h.key_codec.score(q, h.store.gather("keys", rows)) + slot_bias  # (B, H, REP, slots)
-    m = mx.max(scores, axis=-1, keepdims=True)
-    p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
-    o = h.value_codec.weighted_sum(mx.expand_dims(p, 3), h.store.gather("values", rows)).squeeze(3)
-    ml = mx.concatenate([m, -mx.sum(p, axis=-1, keepdims=True)], axis=-1)
-    return (-o).reshape(B * h.kv_heads, 1, rep, -1), ml.reshape(B * h.kv_heads, 1, rep, 2)
+    names, per_row, key_bufs, value_bufs = capacity_fields(h)
+    fn = _kept_split_fn(h.key_codec, h.value_codec, names, h.kv_heads, float(scale), tuple(queries.shape))
+    return fn(queries, key_bufs, value_bufs, rows, slot_bias)
+
+
+@functools.lru_cache(maxsize=CODEC_KEYED)
+def _kept_split_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], kv_heads: int,
+                   scale: float, query_shape: Tuple[int, ...]):
+    B, n_heads, _, dim = query_shape
+    rep = n_heads // kv_heads
+
+    def split(queries, key_bufs, value_bufs, rows, slot_bias):
+        key_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(names[0], key_bufs)}
+        value_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(names[1], value_bufs)}
+        q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim))
+        scores = key_codec.score(q, key_fields) + slot_bias  # (B, H, REP, slots)
+        m = mx.max(scores, axis=-1, keepdims=True)
+        p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
+        o = value_codec.weighted_sum(mx.expand_dims(p, 3), value_fields).squeeze(3)
+        ml = mx.concatenate([m, -mx.sum(p, axis=-1, keepdims=True)], axis=-1)
+        return (-o).reshape(B * kv_heads, 1, rep, -1), ml.reshape(B * kv_heads, 1, rep, 2)
+
+    return mx.compile(split)
 
 
 def with_kept_fp16(tokens: Optional[Tuple[mx.array, mx.array]], kept_keys: mx.array, kept_values: mx.array,

@@ -156,9 +156,11 @@ def _step_supports(h, queries, mask) -> bool:
     return h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries, _mse_codes)
 
 
-@engine.register_path("mse_kernel_step", "decode", _step_supports, priority=20)
+@engine.register_path("mse_kernel_step", "decode", _step_supports, priority=20, takes_kept=True)
 def kernel_step(h, queries, scale, mask=None):
-    """The partial and merge kernels (and the fp16 sinks/window partial), one compiled graph."""
+    """The partial and merge kernels (and the fp16 sinks/window partial), one compiled graph. Tokens
+    kept in fp16 past the window (`kept.py`): one more split takes their codes' terms out
+    (`engine.kept_code_split`) and their fp16 slots join the sinks/window partial."""
     return step.attend(h.settings.backend, h, queries, scale)
 
 
@@ -189,13 +191,20 @@ def _ops_supports(h, queries, mask) -> bool:
     return not h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries)
 
 
-@engine.register_path("mse_kernel_ops", "decode", _ops_supports, priority=10)
+@engine.register_path("mse_kernel_ops", "decode", _ops_supports, priority=10, takes_kept=True)
 def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
-    """The kernels launched op by op (VELOXQUANT_COMPILE_STEP=0, and tests with a chunk size)."""
+    """The kernels launched op by op (VELOXQUANT_COMPILE_STEP=0, and tests with a chunk size); kept
+    tokens as in `kernel_step`."""
     run = ops.runner(h.settings.backend)
-    plain = None if h.fp16 is None else engine.plain_partial(queries, *h.fp16, scale)
+    tokens, bias = h.fp16, None
+    if h.kept:
+        o_kept, ml_kept = engine.kept_code_split(h, queries, scale)
+        *tokens, bias = engine.with_kept_fp16(tokens, *h.kept_slots[:3], h.key_mean)
+    plain = None if tokens is None else engine.plain_partial(queries, *tokens, scale, bias)
     o, ml, _ = ops.mse_partials(run, queries, h.key_codec, h.value_codec, h.store.rows, h.count, scale,
                                 chunk=chunk or h.settings.split_tokens, mma=step.uses_tensor_cores(h.settings.backend, h, queries))
+    if h.kept:
+        o, ml = mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1)
     return ops.merge(run, o, ml, h.value_codec, queries.shape, queries.dtype, plain=plain, value_mean=h.value_mean)
 
 

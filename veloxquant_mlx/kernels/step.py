@@ -35,7 +35,8 @@ import functools
 
 import mlx.core as mx
 
-from ..engine import CODEC_KEYED, attention_dtype, fp16_tokens, plain_partial, small_array
+from ..engine import (CODEC_KEYED, attention_dtype, fp16_tokens, kept_code_split, plain_partial, small_array,
+                      with_kept_fp16)
 from . import launch, ops
 
 
@@ -48,10 +49,11 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 @functools.lru_cache(maxsize=CODEC_KEYED)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
              scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False,
-             chunk=None, key_scale_heads: int = 0):
+             chunk=None, key_scale_heads: int = 0, kept: bool = False):
     """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
     encodes, attends to and stores the new one (`fused`). `chunk`: tokens per split (None: planned).
-    `key_scale_heads`: smoothed keys (`key_codec` the base's), whose scales are the `key_scale` input."""
+    `key_scale_heads`: smoothed keys (`key_codec` the base's), whose scales are the `key_scale` input.
+    `kept`: "attend" takes tokens kept in fp16 past the window (`kept.py`) as `kept_inputs`."""
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
     rotate_query = ops.constants(key_codec)["signs"] is not None
@@ -60,14 +62,22 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
                                       q_dtype=q_dtype if rotate_query else "float32", chunk=chunk,
                                       key_scale_heads=key_scale_heads if rotate_query else 0)
 
-    def plain(queries, fp16, key_mean):
+    def plain(queries, fp16, key_mean, kept_inputs=()):
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
-        return None if tokens is None else plain_partial(queries, *tokens, scale)
+        bias = None
+        if kept:
+            *tokens, bias = with_kept_fp16(tokens, *kept_inputs, key_mean if centered else None)
+        return None if tokens is None else plain_partial(queries, *tokens, scale, bias)
 
-    def attend(queries, rows, meta, key_mean, value_mean, key_scale, fp16):
+    def attend(queries, rows, meta, key_mean, value_mean, key_scale, fp16, kept_inputs=()):
+        # kept_inputs: the split of `engine.kept_code_split` (o, ml), then the (keys, values, slot bias)
+        # of `History.kept_slots`: the kept tokens' code terms taken out, their fp16 joined to the plain partial.
         key_scale = key_scale if key_scale_heads else None
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta, key_scale)
-        return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain(queries, fp16, key_mean),
+        if kept:
+            o, ml = mx.concatenate([o, kept_inputs[0]], axis=1), mx.concatenate([ml, kept_inputs[1]], axis=1)
+        return ops.merge(run, o, ml, value_codec, out_shape, out_dtype,
+                         plain=plain(queries, fp16, key_mean, kept_inputs[2:]),
                          value_mean=value_mean if centered else None)
 
     def fused(queries, rows, meta, key_mean, value_mean, key_scale, fp16, keys, values, slide=None):
@@ -91,6 +101,9 @@ def uses_tensor_cores(runner_name: str, h, queries) -> bool:
 
 
 def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *extra, slide: bool = False):
+    kept = kind == "attend" and h.kept
+    if kept:  # (before reading the rows: the split reads the store's fields, which flushes it)
+        extra += ([*kept_code_split(h, queries, scale), *h.kept_slots[:3]],)
     rows = h.store.rows
     q_dtype = attention_dtype(queries)
     centered = h.key_mean is not None
@@ -100,7 +113,7 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     plan, fn = _step_fn(kind, runner_name, key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
                         centered, parts, uses_tensor_cores(runner_name, h, queries), h.settings.split_tokens,
-                        0 if key_scale is None else key_scale.shape[0])
+                        0 if key_scale is None else key_scale.shape[0], kept)
     _, chunk, capacity, splits = plan.meta["meta"]
     if slide:  # merge_encode_slide's meta: [splits, sinks, window, the slot of the window's oldest token]
         extra += (small_array((splits, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot)),)
