@@ -210,6 +210,29 @@ def test_decode_paths_that_read_kept_tokens_match_the_generic_path_and_others_wa
         assert mx.allclose(out, want, atol=atol).item(), float(mx.abs(out - want).max())
 
 
+@pytest.mark.parametrize("rule", ["decode", "chunk"])
+def test_prefill_over_decoded_codes_sees_kept_tokens_in_fp16(rule):
+    """The GPU's prefill paths (the history decoded, then MLX's fused attention) write the kept
+    tokens' fp16 over their decoded codes and agree with the generic path; the emulator runs the
+    dequant kernels of `mse_kernel_prefill` and `format_kernel_prefill`."""
+    from veloxquant_mlx import kernels
+
+    data = inputs()
+    k, v, q = data
+    cache, _ = run(config(1.5), [100], data, EngineSettings.resolve(prefill_rule=rule, backend="emulator"))
+    cache.update_and_fetch(k[..., 100:140, :], v[..., 100:140, :])
+    cache._keep_attended(q[..., 100:140, :], 1 / 8)  # what attend() does before any path
+    assert len(kept_positions(cache)) >= 2
+    chunk = q[..., 100:140, :]
+    want = engine.generic(cache._history(), chunk, 1 / 8, "causal")
+    for name, path in (("sdpa_prefill", engine.sdpa_prefill), ("mse_kernel_prefill", kernels.kernel_prefill),
+                       ("format_kernel_prefill", kernels.format_kernel_prefill)):
+        got = path(cache._history(), chunk, 1 / 8, "causal")
+        assert mx.allclose(got, want, atol=5e-4).item(), (name, float(mx.abs(got - want).max()))
+    assert all(p.takes_kept for p in engine.paths("prefill")
+               if p.name in ("sdpa_prefill", "mse_kernel_prefill", "format_kernel_prefill"))
+
+
 def test_what_keep_attended_refuses():
     with pytest.raises(ValueError, match="residual_length"):
         KVCacheConfig(method="turboquant_mse", options={"keep_attended": 1.0})

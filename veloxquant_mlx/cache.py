@@ -623,9 +623,12 @@ class CompressedKVCache(_BaseCache):
         else:
             span, first = (self.window_keys if self.window else None), self.sinks + self.encoded
         if span is not None:
-            query_pos = mx.arange(self.offset - L, self.offset)
-            shares = window_shares(queries, scale, self.sink_keys, span, first, self._fp16_from(query_pos),
-                                   self.offset - L, self.config.residual_length)
+            if L == 1:  # a decode step: the same graph every step, positions as a small array
+                fp16_from = engine.small_array((self._fp16_from(self.offset - 1),))
+            else:
+                fp16_from = self._fp16_from(mx.arange(self.offset - L, self.offset))
+            shares = window_shares(queries, scale, self.sink_keys, span, first, fp16_from, self.offset - L,
+                                   self.config.residual_length)
             self.kept.add_shares(shares, first, self.offset)
         self.kept.settle(self.sinks + self.encoded, self.just_encoded)
 

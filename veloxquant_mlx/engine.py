@@ -31,6 +31,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import mlx.core as mx
 
 from .attention import Segment, attend as generic_attend
+from .formats import RowLayout
 from .methods.base import at_positions
 from .settings import EngineSettings
 
@@ -368,20 +369,28 @@ def kept_code_split(h: History, queries: mx.array, scale: float) -> Tuple[mx.arr
     kept codes' share of the codes' mass times fp32's epsilon). Decode queries only; one compiled
     graph per layout and slot count."""
     _, _, slot_bias, rows = h.kept_slots
-    names, per_row, key_bufs, value_bufs = capacity_fields(h)
+    if h.layout is not None:  # one row per token: the kept tokens' rows, then their fields
+        h.store.flush()
+        fn = _kept_split_fn(h.key_codec, h.value_codec, h.layout, h.kv_heads, float(scale), tuple(queries.shape))
+        return fn(queries, [h.store.rows], [], rows, slot_bias)
+    names, _, key_bufs, value_bufs = capacity_fields(h)
     fn = _kept_split_fn(h.key_codec, h.value_codec, names, h.kv_heads, float(scale), tuple(queries.shape))
     return fn(queries, key_bufs, value_bufs, rows, slot_bias)
 
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
-def _kept_split_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], kv_heads: int,
-                   scale: float, query_shape: Tuple[int, ...]):
+def _kept_split_fn(key_codec, value_codec, fields, kv_heads: int, scale: float, query_shape: Tuple[int, ...]):
+    """`fields`: a `RowLayout` (the buffers are the store's rows) or the (key, value) field names of
+    `capacity_fields` (the buffers are those fields)."""
     B, n_heads, _, dim = query_shape
     rep = n_heads // kv_heads
 
     def split(queries, key_bufs, value_bufs, rows, slot_bias):
-        key_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(names[0], key_bufs)}
-        value_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(names[1], value_bufs)}
+        if isinstance(fields, RowLayout):
+            key_fields, value_fields = fields.views(mx.take(key_bufs[0], rows, axis=2))
+        else:
+            key_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[0], key_bufs)}
+            value_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[1], value_bufs)}
         q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim))
         scores = key_codec.score(q, key_fields) + slot_bias  # (B, H, REP, slots)
         m = mx.max(scores, axis=-1, keepdims=True)
@@ -665,6 +674,9 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     def into_domains(fk, fv):
         return fp16_into_domains(None if query_space else kc, vc, fk, fv, h.value_mean, dtype)
 
+    if keys is not None and h.kept:
+        keys, values = kept_over_codes(h, keys, values, into_domains)
+
     if band:
         # "chunk": keys [sinks | codes before first | the recent span in fp16], in position order,
         # so the causal mask holds. "decode": keys [sinks | every code | the recent span in fp16];
@@ -701,6 +713,27 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
                               queries)
 
 
+def kept_over_codes(h: History, keys: mx.array, values: mx.array, into_domains: Callable) -> Tuple[mx.array, mx.array]:
+    """Decoded codes (B, H, T, D) of the first T coded positions with the kept tokens' fp16 copies
+    (`History.kept_slots`, mapped by `into_domains` as the sinks and window are) written over their
+    rows: a query that would see a kept token from its codes sees it in fp16, as the generic path's
+    kept segment shows it (the codes a query sees in its band it sees in fp16 either way)."""
+    kept_keys, kept_values, slot_bias, rows = h.kept_slots
+    T = keys.shape[2]
+    rows = mx.where((slot_bias == 0) & (rows < T), rows, T)  # empty slots, and rows past T, to a spare row
+    if h.key_mean is not None:
+        kept_keys = kept_keys.astype(mx.float32) - h.key_mean
+    fk, fv = into_domains(kept_keys, kept_values)
+
+    def over(decoded, fp16):
+        spare = mx.zeros((*decoded.shape[:2], 1, decoded.shape[3]), decoded.dtype)
+        decoded = mx.concatenate([decoded, spare], axis=2)
+        decoded[:, :, rows] = fp16.astype(decoded.dtype)
+        return decoded[:, :, :T]
+
+    return over(keys, fk), over(values, fv)
+
+
 def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array:
     centered = h.value_mean is not None
     out = _out_of_value_domain_fn(h.value_codec, h.kv_heads, centered, queries.dtype)(
@@ -731,4 +764,4 @@ def bound_prefill_memory(out: mx.array, sync: str):
         mx.eval(previous)
 
 
-register_path("sdpa_prefill", "prefill", sdpa_prefill_supports, priority=0)(sdpa_prefill)
+register_path("sdpa_prefill", "prefill", sdpa_prefill_supports, priority=0, takes_kept=True)(sdpa_prefill)

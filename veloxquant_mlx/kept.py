@@ -26,10 +26,13 @@ only when the tokens settled since it last did could overflow the spare slots (o
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
 import mlx.core as mx
+
+from .engine import small_array
 
 EMPTY = 1 << 30  # the position of an empty slot: after every query, so no query attends to it
 MIN_TOKENS = 2048  # the budget counts at least this many settled tokens
@@ -44,29 +47,57 @@ def window_shares(queries: mx.array, scale: float, sink_keys: Optional[mx.array]
     queries (1, Hq, L, D) at positions query_first.., the span's keys (1, H, S, D) at positions
     span_first.., sink_keys (1, H, n, D) at 0..n-1 (or None); fp16_from (L,) the first non-sink
     position each query sees in fp16. Each query's band holds at most `band` tokens, gathered
-    rather than scored against the whole span."""
-    _, query_heads, L, dim = queries.shape
-    heads, S = span_keys.shape[1], span_keys.shape[2]
-    repeats = query_heads // heads
-    # (H, L, R, D): the R query heads of a kv head, per query, as one matmul batch with its band
-    q = (queries[0].astype(mx.float32) * scale).reshape(heads, repeats, L, dim).transpose(0, 2, 1, 3)
-    query_pos = mx.arange(query_first, query_first + L)
-    band_pos = query_pos[:, None] - band + 1 + mx.arange(band)[None]  # (L, band), the last one is the query's own
-    valid = (band_pos >= fp16_from[:, None]) & (band_pos >= span_first)
-    index = mx.clip(band_pos - span_first, 0, S - 1)
-    band_keys = mx.take(span_keys[0].astype(mx.float32), index.reshape(-1), axis=1).reshape(heads, L, band, dim)
-    scores = mx.where(valid[None, :, None], q @ band_keys.swapaxes(-1, -2), -mx.inf)  # (H, L, R, band)
-    if sink_keys is not None and sink_keys.shape[2]:
-        sinks = sink_keys.shape[2]
-        sink_scores = q @ sink_keys[0].astype(mx.float32)[:, None].swapaxes(-1, -2)  # (H, L, R, n)
-        causal = mx.arange(sinks)[None] <= query_pos[:, None]
-        scores = mx.concatenate([mx.where(causal[None, :, None], sink_scores, -mx.inf), scores], axis=-1)
-    else:
+    rather than scored against the whole span. A decode step (L = 1) replays one compiled graph:
+    the positions enter as arrays; a prefill chunk, whose shapes vary, runs op by op."""
+    sinks = () if sink_keys is None or not sink_keys.shape[2] else (sink_keys,)
+    fn = _window_shares_fn(float(scale), int(band), bool(sinks), queries.shape[2] == 1)
+    return fn(queries, span_keys, small_array((span_first, query_first)), fp16_from, *sinks)
+
+
+@functools.lru_cache(maxsize=64)
+def _window_shares_fn(scale: float, band: int, with_sinks: bool, compiled: bool):
+    def shares_of(queries, span_keys, firsts, fp16_from, sink_keys=None):
+        _, query_heads, L, dim = queries.shape
+        heads, S = span_keys.shape[1], span_keys.shape[2]
+        repeats = query_heads // heads
+        span_first, query_first = firsts[0], firsts[1]
+        # (H, L, R, D): the R query heads of a kv head, per query, as one matmul batch with its band
+        q = (queries[0].astype(mx.float32) * scale).reshape(heads, repeats, L, dim).transpose(0, 2, 1, 3)
+        query_pos = query_first + mx.arange(L)
+        band_pos = query_pos[:, None] - band + 1 + mx.arange(band)[None]  # (L, band), the last one is the query's own
+        valid = (band_pos >= fp16_from[:, None]) & (band_pos >= span_first)
+        index = mx.clip(band_pos - span_first, 0, S - 1)
+        band_keys = mx.take(span_keys[0].astype(mx.float32), index.reshape(-1), axis=1).reshape(heads, L, band, dim)
+        scores = mx.where(valid[None, :, None], q @ band_keys.swapaxes(-1, -2), -mx.inf)  # (H, L, R, band)
         sinks = 0
-    probs = mx.softmax(scores, axis=-1, precise=True)[..., sinks:]
-    # A query that sees no fp16 token at all (none held yet) has a row of -inf: it gives nothing.
-    share = mx.sum(mx.where(valid[None, :, None], probs, 0.0), axis=(0, 2)) / query_heads  # (L, band)
-    return mx.zeros((S,), mx.float32).at[index.reshape(-1)].add(mx.where(valid, share, 0.0).reshape(-1))
+        if with_sinks:
+            sinks = sink_keys.shape[2]
+            sink_scores = q @ sink_keys[0].astype(mx.float32)[:, None].swapaxes(-1, -2)  # (H, L, R, n)
+            causal = mx.arange(sinks)[None] <= query_pos[:, None]
+            scores = mx.concatenate([mx.where(causal[None, :, None], sink_scores, -mx.inf), scores], axis=-1)
+        probs = mx.softmax(scores, axis=-1, precise=True)[..., sinks:]
+        # A query that sees no fp16 token at all (none held yet) has a row of -inf: it gives nothing.
+        share = mx.sum(mx.where(valid[None, :, None], probs, 0.0), axis=(0, 2)) / query_heads  # (L, band)
+        return mx.zeros((S,), mx.float32).at[index.reshape(-1)].add(mx.where(valid, share, 0.0).reshape(-1))
+
+    return mx.compile(shares_of) if compiled else shares_of
+
+
+def _fill_slots(chosen, count, keys, values, positions, leaving_keys, leaving_values, leaving_positions):
+    """The slots after the tokens of `chosen` took the next free ones (those past the last slot write
+    the spare one, which stays EMPTY), and the new count."""
+    cap = positions.shape[0] - 1
+    rank = count + mx.cumsum(chosen.astype(mx.int32)) - 1
+    fits = chosen & (rank < cap)
+    slot = mx.where(fits, rank, cap)
+    keys[:, :, slot] = leaving_keys
+    values[:, :, slot] = leaving_values
+    positions[slot] = leaving_positions
+    positions[cap] = EMPTY
+    return keys, values, positions, count + mx.sum(fits.astype(mx.int32))
+
+
+_fill_one_slot = mx.compile(_fill_slots)  # a decode step's: one token, the same graph every step
 
 
 class KeptTokens:
@@ -133,15 +164,10 @@ class KeptTokens:
             return
         chosen = shares[lo - start : hi - start] >= self.threshold
         self._make_room(chosen, keys, values)
-        cap = self.capacity
-        rank = self.count + mx.cumsum(chosen.astype(mx.int32)) - 1
-        fits = chosen & (rank < cap)
-        slot = mx.where(fits, rank, cap)
-        self.keys[:, :, slot] = keys[..., lo - first : hi - first, :]
-        self.values[:, :, slot] = values[..., lo - first : hi - first, :]
-        self.positions[slot] = mx.arange(lo, hi, dtype=mx.int32)
-        self.positions[cap] = EMPTY
-        self.count = self.count + mx.sum(fits.astype(mx.int32))
+        fill = _fill_one_slot if hi - lo == 1 else _fill_slots
+        self.keys, self.values, self.positions, self.count = fill(
+            chosen, self.count, self.keys, self.values, self.positions, keys[..., lo - first : hi - first, :],
+            values[..., lo - first : hi - first, :], lo + mx.arange(hi - lo, dtype=mx.int32))
         self.unread += hi - lo
 
     def _make_room(self, chosen: mx.array, keys: mx.array, values: mx.array):

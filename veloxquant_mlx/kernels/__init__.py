@@ -237,7 +237,7 @@ def _prefill_supports(h, queries, mask) -> bool:
             and engine.sdpa_prefill_supports(h, queries, mask))
 
 
-@engine.register_path("mse_kernel_prefill", "prefill", _prefill_supports, priority=10)
+@engine.register_path("mse_kernel_prefill", "prefill", _prefill_supports, priority=10, takes_kept=True)
 def kernel_prefill(h, queries, scale, mask=None):
     """The engine's SDPA prefill with the history decoded by the dequant kernel."""
     return engine.sdpa_prefill(h, queries, scale, mask, decode=_dequant_rows)
@@ -290,7 +290,8 @@ def format_kernel_decode(h, queries, scale, mask=None):
 
 
 @engine.register_path("format_kernel_prefill", "prefill",
-                      lambda h, q, mask: _format_kernel_ok(h) and engine.sdpa_prefill_applies(h, q, mask), priority=5)
+                      lambda h, q, mask: _format_kernel_ok(h) and engine.sdpa_prefill_applies(h, q, mask), priority=5,
+                      takes_kept=True)
 def format_kernel_prefill(h, queries, scale, mask=None):
     return engine.sdpa_prefill(h, queries, scale, mask, decode=_kernel_decoder)
 
