@@ -120,6 +120,10 @@ def test_keep_most_bounds_the_kept_tokens_and_their_bytes():
     kept_bytes = everything.nbytes - plain.nbytes
     slot = 2 * HEADS * DIM * 2 + 4  # fp16 key and value of each kv head, and the position
     assert slot * (budget + 1) <= kept_bytes <= slot * (budget + 1) + 4 + 4 * WINDOW
+    # The slots are the budget whatever is kept: the bytes do not depend on the text (nor need a count read back).
+    none_kept, _ = run(config(1e9, keep_most=1 / 64), [N], data)
+    assert not kept_positions(none_kept) and none_kept.kept.capacity == budget
+    assert none_kept.nbytes == everything.nbytes
 
 
 def test_state_round_trip_and_refusals():

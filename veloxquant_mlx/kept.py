@@ -18,10 +18,11 @@ docs/calibrated.md.
 
 `keep_most=F` bounds the kept tokens by F times the settled tokens (counted from
 `MIN_TOKENS`, so that early tokens get a budget): past it, tokens are coded whatever their
-share, and the cache's bytes stay bounded. The slots fill by scatter, the count lives on the
-device, and the slots grow with what is kept (`HEADROOM` spare): the host reads the count
-only when the tokens settled since it last did could overflow the spare slots (once per
-`HEADROOM` decode steps, twice per prefill chunk).
+share. The slots are the whole budget, allocated as it grows (one slot per 1/F settled
+tokens), so a cache's bytes do not depend on the text, and the host never reads anything:
+the slots fill by scatter and the count lives on the device. (Slots that grew with what was
+kept needed the count read back, a sync that stalled a GPU's pipelined decode once per few
+steps in every layer.)
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ from .engine import small_array
 
 EMPTY = 1 << 30  # the position of an empty slot: after every query, so no query attends to it
 MIN_TOKENS = 2048  # the budget counts at least this many settled tokens
-DEFAULT_MOST = 1 / 32
-HEADROOM = 4  # spare slots: a decode step reads the kept count once per this many settled tokens
+DEFAULT_MOST = 1 / 256
 
 
 def window_shares(queries: mx.array, scale: float, sink_keys: Optional[mx.array], span_keys: mx.array,
@@ -113,8 +113,6 @@ class KeptTokens:
         self.shares = mx.zeros((0,), mx.float32)  # of positions [share_start, share_start + len)
         self.share_start: Optional[int] = None
         self.settled = 0  # tokens whose fate is decided: the budget counts them
-        self.known = 0  # the count when the host last read it
-        self.unread = 0  # tokens settled since: each may have taken a slot
 
     @classmethod
     def for_config(cls, config) -> Optional["KeptTokens"]:
@@ -163,37 +161,26 @@ class KeptTokens:
         if hi <= lo:
             return
         chosen = shares[lo - start : hi - start] >= self.threshold
-        self._make_room(chosen, keys, values)
+        self._grow(keys, values)
         fill = _fill_one_slot if hi - lo == 1 else _fill_slots
         self.keys, self.values, self.positions, self.count = fill(
             chosen, self.count, self.keys, self.values, self.positions, keys[..., lo - first : hi - first, :],
             values[..., lo - first : hi - first, :], lo + mx.arange(hi - lo, dtype=mx.int32))
-        self.unread += hi - lo
 
-    def _make_room(self, chosen: mx.array, keys: mx.array, values: mx.array):
-        """Slots for every token of `chosen` that may take one, within the budget of the tokens
-        settled so far: the count is read (a host sync) only when they might not fit."""
-        cap = self.capacity
-        if self.known + self.unread + chosen.shape[0] <= cap:
+    def _grow(self, keys: mx.array, values: mx.array):
+        """Slots for the budget of the tokens settled so far (and the spare one)."""
+        more = self.budget(self.settled) - self.capacity
+        if more <= 0:
             return
-        if self.positions is not None and cap >= self.budget(self.settled):
-            return  # no more slots until the budget grows: tokens past it are coded, no need to read the count
-        self.known, self.unread = int(self.count.item()), 0
-        if self.known + chosen.shape[0] <= cap:
-            return
-        wanted = min(self.budget(self.settled), self.known + int(mx.sum(chosen).item()) + HEADROOM)
-        if wanted <= cap:
-            return
-        more = wanted - cap + (1 if self.positions is None else 0)
-        shape = (*keys.shape[:2], more)
+        shape = (*keys.shape[:2], more + (1 if self.positions is None else 0))
         if self.positions is None:
             self.keys = mx.zeros((*shape, keys.shape[3]), keys.dtype)
             self.values = mx.zeros((*shape, values.shape[3]), values.dtype)
-            self.positions = mx.full((more,), EMPTY, mx.int32)
+            self.positions = mx.full((shape[2],), EMPTY, mx.int32)
             return
         self.keys = mx.concatenate([self.keys, mx.zeros((*shape, keys.shape[3]), keys.dtype)], axis=2)
         self.values = mx.concatenate([self.values, mx.zeros((*shape, values.shape[3]), values.dtype)], axis=2)
-        self.positions = mx.concatenate([self.positions, mx.full((more,), EMPTY, mx.int32)])
+        self.positions = mx.concatenate([self.positions, mx.full((shape[2],), EMPTY, mx.int32)])
 
     # ---- what attention reads -------------------------------------------------------------
     def held(self) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
@@ -264,9 +251,8 @@ class KeptTokens:
             self.positions = arrays["kept_positions"].astype(mx.int32)
             batch, heads, key_dim, value_dim = shape
             slots = self.positions.shape[0] if self.positions.ndim == 1 else -1
-            if not 1 < slots <= self.budget(self.settled) + 1:
+            if slots != self.budget(self.settled) + 1:
                 problems.append(f"kept tokens: {slots} slots, for a budget of {self.budget(self.settled)}")
-            self.known = int(self.count.item())
             for name, array, dim in (("keys", self.keys, key_dim), ("values", self.values, value_dim)):
                 if array is None or array.shape != (batch, heads, slots, dim) or array.dtype != dtype:
                     problems.append(f"kept {name} have shape {getattr(array, 'shape', None)} and dtype "
