@@ -623,12 +623,16 @@ class CompressedKVCache(_BaseCache):
         else:
             span, first = (self.window_keys if self.window else None), self.sinks + self.encoded
         if span is not None:
-            if L == 1:  # a decode step: the same graph every step, positions as a small array
+            band = self.config.residual_length
+            if L == 1 and self.just_encoded is not None and self.sinks + self.encoded == first + 1 and self.kept.decode_step(
+                    queries, scale, self.sink_keys, span, first, self._fp16_from(self.offset - 1), self.offset, band,
+                    self.just_encoded):
+                return  # a decode step: shares and settling in one compiled graph
+            if L == 1:
                 fp16_from = engine.small_array((self._fp16_from(self.offset - 1),))
             else:
                 fp16_from = self._fp16_from(mx.arange(self.offset - L, self.offset))
-            shares = window_shares(queries, scale, self.sink_keys, span, first, fp16_from, self.offset - L,
-                                   self.config.residual_length)
+            shares = window_shares(queries, scale, self.sink_keys, span, first, fp16_from, self.offset - L, band)
             self.kept.add_shares(shares, first, self.offset)
         self.kept.settle(self.sinks + self.encoded, self.just_encoded)
 

@@ -100,6 +100,41 @@ def _fill_slots(chosen, count, keys, values, positions, leaving_keys, leaving_va
 _fill_one_slot = mx.compile(_fill_slots)  # a decode step's: one token, the same graph every step
 
 
+@functools.lru_cache(maxsize=64)
+def _decode_step_fn(scale: float, band: int, with_sinks: bool, threshold: float):
+    """A decode step's whole bookkeeping as one compiled graph (`KeptTokens.decode_step`): the one
+    query's window shares, as `window_shares` computes them, with its band a slice of the span (the
+    query is the span's newest token), added to the running shares; the oldest position settled
+    and, if its share reaches the threshold, put in the next slot (`_fill_slots`)."""
+
+    def step(queries, span_keys, leaving_values, running, firsts, fp16_from, count, keys, values, positions,
+             sink_keys=None):
+        _, query_heads, _, dim = queries.shape
+        heads, S = span_keys.shape[1], span_keys.shape[2]
+        span_first, query_pos = firsts[0], firsts[1]
+        width = min(band, S)
+        q = (queries[0].astype(mx.float32) * scale).reshape(heads, query_heads // heads, dim)
+        band_pos = query_pos - width + 1 + mx.arange(width)
+        valid = (band_pos >= fp16_from[0]) & (band_pos >= span_first)
+        band_keys = span_keys[0, :, S - width :].astype(mx.float32)  # (H, width, D)
+        scores = mx.where(valid, q @ band_keys.swapaxes(-1, -2), -mx.inf)  # (H, R, width)
+        sinks = 0
+        if with_sinks:
+            sinks = sink_keys.shape[2]
+            sink_scores = q @ sink_keys[0].astype(mx.float32).swapaxes(-1, -2)
+            scores = mx.concatenate([mx.where(mx.arange(sinks) <= query_pos, sink_scores, -mx.inf), scores], axis=-1)
+        probs = mx.softmax(scores, axis=-1, precise=True)[..., sinks:]
+        share = mx.sum(mx.where(valid, probs, 0.0), axis=(0, 1)) / query_heads  # (width,)
+        total = mx.concatenate([running, mx.zeros((1,), mx.float32)])
+        total = mx.concatenate([total[: S - width], total[S - width :] + share])
+        chosen = total[:1] >= threshold
+        keys, values, positions, count = _fill_slots(chosen, count, keys, values, positions, span_keys[..., :1, :],
+                                                     leaving_values, span_first[None])
+        return total[1:], keys, values, positions, count
+
+    return mx.compile(step)
+
+
 class KeptTokens:
     """One layer's kept tokens: fp16 keys and values in slots, their positions, and the shares
     of the tokens not yet settled. Slots hold `capacity` tokens plus one that takes the writes
@@ -166,6 +201,26 @@ class KeptTokens:
         self.keys, self.values, self.positions, self.count = fill(
             chosen, self.count, self.keys, self.values, self.positions, keys[..., lo - first : hi - first, :],
             values[..., lo - first : hi - first, :], lo + mx.arange(hi - lo, dtype=mx.int32))
+
+    def decode_step(self, queries: mx.array, scale: float, sink_keys: Optional[mx.array], span_keys: mx.array,
+                    first: int, fp16_from: int, offset: int, band: int, leaving: Tuple[mx.array, mx.array, int]) -> bool:
+        """A decode step's `add_shares` and `settle` in one compiled graph, where they line up: the
+        running shares cover [first, offset - 1), the span [first, offset), and the one token that
+        left the window, at `first`, is the one to settle (`leaving`). False (nothing done) otherwise."""
+        keys, values, leaving_first = leaving
+        span = span_keys.shape[2]
+        if not (self.share_start == first == leaving_first and keys.shape[2] == 1 and span == offset - first
+                and self.shares.shape[0] == span - 1 and span > 1):
+            return False
+        self.settled += 1
+        self._grow(keys, values)
+        sinks = () if sink_keys is None or not sink_keys.shape[2] else (sink_keys,)
+        fn = _decode_step_fn(float(scale), int(band), bool(sinks), self.threshold)
+        self.shares, self.keys, self.values, self.positions, self.count = fn(
+            queries, span_keys, values, self.shares, small_array((first, offset - 1)), small_array((fp16_from,)),
+            self.count, self.keys, self.values, self.positions, *sinks)
+        self.share_start = first + 1
+        return True
 
     def _grow(self, keys: mx.array, values: mx.array):
         """Slots for the budget of the tokens settled so far (and the spare one)."""
