@@ -83,6 +83,10 @@ QJL_INCOHERENT = pytest.mark.xfail(
 # (tests/test_rabitq.py::test_generates_coherent_text_on_smollm2).
 RABITQ_DRIFTS = pytest.mark.xfail(strict=True, reason="rabitq K4/V4's greedy answer drifts into French place names")
 MARKS = {"qjl": QJL_INCOHERENT, "rabitq": RABITQ_DRIFTS}
+# Measured: plain turboquant_rvq K4 answers "Paris" on an Intel Xeon but "La femme de France, la capital de la
+# femme de France." on an AMD EPYC (thirty-third session; the same with OpenBLAS or MLX's own BLAS): its greedy
+# answer sits on the CPU's float rounding. With the presets' 4 fp16 sinks it answers "The capital of France is Paris."
+PROTECTED_FOR_COHERENCE = {"turboquant_rvq": {"sink_tokens": 4}}
 
 
 @pytest.mark.parametrize("method", [pytest.param(m, marks=MARKS[m]) if m in MARKS else m for m in ALL_METHODS])
@@ -91,7 +95,7 @@ def test_generated_text_stays_coherent(smollm2, method):
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
     )
-    caches = KVCacheBuilder(config_for(method, 4)).for_model(model).build()
+    caches = KVCacheBuilder(config_for(method, 4, **PROTECTED_FOR_COHERENCE.get(method, {}))).for_model(model).build()
     text = generate(model, tokenizer, prompt, max_tokens=24, prompt_cache=caches)
     assert "Paris" in text, text
 

@@ -294,7 +294,11 @@ def test_coherent_generation_on_smollm2(tmp_path):
     model, tokenizer = load_model("smollm2")
     config = KVCacheConfig(method="vecinfer", bits=2)
     calibrate(model, config, calibration_tokens(tokenizer, SAMPLE_TEXT.read_text(), 1, 512), tmp_path, progress=False)
-    prompt = tokenizer.encode("The capital of France is Paris. The capital of Germany is")
+    # Three examples before the question: with one (12 tokens), 2-bit vecinfer's greedy answer depended on
+    # the CPU's float rounding even with the sinks below (an AMD EPYC with OpenBLAS answered "Germany.",
+    # thirty-third session); with three, 22 of the 26 tokens go to codes.
+    prompt = tokenizer.encode("The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy "
+                              "is Rome. The capital of Germany is")
 
     def greedy(caches, n=12):
         out = []
@@ -303,8 +307,8 @@ def test_coherent_generation_on_smollm2(tmp_path):
         return out
 
     fp16 = greedy(None)
-    # the presets' 4 fp16 sinks (8 of the prompt's 12 tokens still go to codes): without them the greedy
-    # answer of 2-bit vecinfer depends on the CPU's float rounding (an Intel Xeon answered "Germany.")
+    # the presets' 4 fp16 sinks: without them the greedy answer of 2-bit vecinfer depends on the CPU's
+    # float rounding (an Intel Xeon answered "Germany.")
     caches = KVCacheBuilder(config.replace(artifact_dir=str(tmp_path), sink_tokens=4)).for_model(model).build()
     got = greedy(caches)
     assert got[:2] == fp16[:2], (tokenizer.decode(got), tokenizer.decode(fp16))

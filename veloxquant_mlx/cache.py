@@ -628,11 +628,9 @@ class CompressedKVCache(_BaseCache):
                     queries, scale, self.sink_keys, span, first, self._fp16_from(self.offset - 1), self.offset, band,
                     self.just_encoded):
                 return  # a decode step: shares and settling in one compiled graph
-            if L == 1:
-                fp16_from = engine.small_array((self._fp16_from(self.offset - 1),))
-            else:
-                fp16_from = self._fp16_from(mx.arange(self.offset - L, self.offset))
-            shares = window_shares(queries, scale, self.sink_keys, span, first, fp16_from, self.offset - L, band)
+            query_pos = mx.arange(self.offset - L, self.offset)
+            shares = window_shares(queries, scale, self.sink_keys, span, first, self._fp16_from(query_pos),
+                                   self.offset - L, band)
             self.kept.add_shares(shares, first, self.offset)
         self.kept.settle(self.sinks + self.encoded, self.just_encoded)
 

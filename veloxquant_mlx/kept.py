@@ -47,40 +47,36 @@ def window_shares(queries: mx.array, scale: float, sink_keys: Optional[mx.array]
     queries (1, Hq, L, D) at positions query_first.., the span's keys (1, H, S, D) at positions
     span_first.., sink_keys (1, H, n, D) at 0..n-1 (or None); fp16_from (L,) the first non-sink
     position each query sees in fp16. Each query's band holds at most `band` tokens, gathered
-    rather than scored against the whole span. A decode step (L = 1) replays one compiled graph:
-    the positions enter as arrays; a prefill chunk, whose shapes vary, runs op by op."""
-    sinks = () if sink_keys is None or not sink_keys.shape[2] else (sink_keys,)
-    fn = _window_shares_fn(float(scale), int(band), bool(sinks), queries.shape[2] == 1)
-    return fn(queries, span_keys, small_array((span_first, query_first)), fp16_from, *sinks)
+    rather than scored against the whole span. (A decode step in the steady state takes
+    `KeptTokens.decode_step` instead: the same shares, one compiled graph.)"""
+    _, query_heads, L, dim = queries.shape
+    heads, S = span_keys.shape[1], span_keys.shape[2]
+    repeats = query_heads // heads
+    # (H, L, R, D): the R query heads of a kv head, per query, as one matmul batch with its band
+    q = (queries[0].astype(mx.float32) * scale).reshape(heads, repeats, L, dim).transpose(0, 2, 1, 3)
+    query_pos = mx.arange(query_first, query_first + L)
+    band_pos = query_pos[:, None] - band + 1 + mx.arange(band)[None]  # (L, band), the last one is the query's own
+    valid = (band_pos >= fp16_from[:, None]) & (band_pos >= span_first)
+    index = mx.clip(band_pos - span_first, 0, S - 1)
+    band_keys = mx.take(span_keys[0].astype(mx.float32), index.reshape(-1), axis=1).reshape(heads, L, band, dim)
+    share = _band_shares(q, band_keys, valid[None, :, None], sink_keys, query_pos[:, None], query_heads)  # (L, band)
+    return mx.zeros((S,), mx.float32).at[index.reshape(-1)].add(mx.where(valid, share, 0.0).reshape(-1))
 
 
-@functools.lru_cache(maxsize=64)
-def _window_shares_fn(scale: float, band: int, with_sinks: bool, compiled: bool):
-    def shares_of(queries, span_keys, firsts, fp16_from, sink_keys=None):
-        _, query_heads, L, dim = queries.shape
-        heads, S = span_keys.shape[1], span_keys.shape[2]
-        repeats = query_heads // heads
-        span_first, query_first = firsts[0], firsts[1]
-        # (H, L, R, D): the R query heads of a kv head, per query, as one matmul batch with its band
-        q = (queries[0].astype(mx.float32) * scale).reshape(heads, repeats, L, dim).transpose(0, 2, 1, 3)
-        query_pos = query_first + mx.arange(L)
-        band_pos = query_pos[:, None] - band + 1 + mx.arange(band)[None]  # (L, band), the last one is the query's own
-        valid = (band_pos >= fp16_from[:, None]) & (band_pos >= span_first)
-        index = mx.clip(band_pos - span_first, 0, S - 1)
-        band_keys = mx.take(span_keys[0].astype(mx.float32), index.reshape(-1), axis=1).reshape(heads, L, band, dim)
-        scores = mx.where(valid[None, :, None], q @ band_keys.swapaxes(-1, -2), -mx.inf)  # (H, L, R, band)
-        sinks = 0
-        if with_sinks:
-            sinks = sink_keys.shape[2]
-            sink_scores = q @ sink_keys[0].astype(mx.float32)[:, None].swapaxes(-1, -2)  # (H, L, R, n)
-            causal = mx.arange(sinks)[None] <= query_pos[:, None]
-            scores = mx.concatenate([mx.where(causal[None, :, None], sink_scores, -mx.inf), scores], axis=-1)
-        probs = mx.softmax(scores, axis=-1, precise=True)[..., sinks:]
-        # A query that sees no fp16 token at all (none held yet) has a row of -inf: it gives nothing.
-        share = mx.sum(mx.where(valid[None, :, None], probs, 0.0), axis=(0, 2)) / query_heads  # (L, band)
-        return mx.zeros((S,), mx.float32).at[index.reshape(-1)].add(mx.where(valid, share, 0.0).reshape(-1))
-
-    return mx.compile(shares_of) if compiled else shares_of
+def _band_shares(q: mx.array, band_keys: mx.array, valid: mx.array, sink_keys: Optional[mx.array],
+                 query_pos: mx.array, query_heads: int) -> mx.array:
+    """Each query's softmax over its fp16 tokens (the sinks, then its band), the band's part summed over
+    the query heads (axes 0 and -2 of q's (H, ..., R, D)) and divided by their number: (..., band)."""
+    scores = mx.where(valid, q @ band_keys.swapaxes(-1, -2), -mx.inf)  # (H, ..., R, band)
+    sinks = 0
+    if sink_keys is not None and sink_keys.shape[2]:
+        sinks = sink_keys.shape[2]
+        keys = sink_keys[0].astype(mx.float32).reshape(sink_keys.shape[1], *([1] * (q.ndim - 3)), sinks, -1)
+        causal = mx.arange(sinks) <= query_pos  # (..., n)
+        scores = mx.concatenate([mx.where(causal[..., None, :], q @ keys.swapaxes(-1, -2), -mx.inf), scores], axis=-1)
+    probs = mx.softmax(scores, axis=-1, precise=True)[..., sinks:]
+    # A query that sees no fp16 token at all (none held yet) has a row of -inf: it gives nothing.
+    return mx.sum(mx.where(valid, probs, 0.0), axis=(0, -2)) / query_heads
 
 
 def _fill_slots(chosen, count, keys, values, positions, leaving_keys, leaving_values, leaving_positions):
@@ -97,11 +93,8 @@ def _fill_slots(chosen, count, keys, values, positions, leaving_keys, leaving_va
     return keys, values, positions, count + mx.sum(fits.astype(mx.int32))
 
 
-_fill_one_slot = mx.compile(_fill_slots)  # a decode step's: one token, the same graph every step
-
-
 @functools.lru_cache(maxsize=64)
-def _decode_step_fn(scale: float, band: int, with_sinks: bool, threshold: float):
+def _decode_step_fn(scale: float, band: int, threshold: float):
     """A decode step's whole bookkeeping as one compiled graph (`KeptTokens.decode_step`): the one
     query's window shares, as `window_shares` computes them, with its band a slice of the span (the
     query is the span's newest token), added to the running shares; the oldest position settled
@@ -117,14 +110,7 @@ def _decode_step_fn(scale: float, band: int, with_sinks: bool, threshold: float)
         band_pos = query_pos - width + 1 + mx.arange(width)
         valid = (band_pos >= fp16_from[0]) & (band_pos >= span_first)
         band_keys = span_keys[0, :, S - width :].astype(mx.float32)  # (H, width, D)
-        scores = mx.where(valid, q @ band_keys.swapaxes(-1, -2), -mx.inf)  # (H, R, width)
-        sinks = 0
-        if with_sinks:
-            sinks = sink_keys.shape[2]
-            sink_scores = q @ sink_keys[0].astype(mx.float32).swapaxes(-1, -2)
-            scores = mx.concatenate([mx.where(mx.arange(sinks) <= query_pos, sink_scores, -mx.inf), scores], axis=-1)
-        probs = mx.softmax(scores, axis=-1, precise=True)[..., sinks:]
-        share = mx.sum(mx.where(valid, probs, 0.0), axis=(0, 1)) / query_heads  # (width,)
+        share = _band_shares(q, band_keys, valid, sink_keys, query_pos, query_heads)  # (width,)
         total = mx.concatenate([running, mx.zeros((1,), mx.float32)])
         total = mx.concatenate([total[: S - width], total[S - width :] + share])
         chosen = total[:1] >= threshold
@@ -197,8 +183,7 @@ class KeptTokens:
             return
         chosen = shares[lo - start : hi - start] >= self.threshold
         self._grow(keys, values)
-        fill = _fill_one_slot if hi - lo == 1 else _fill_slots
-        self.keys, self.values, self.positions, self.count = fill(
+        self.keys, self.values, self.positions, self.count = _fill_slots(
             chosen, self.count, self.keys, self.values, self.positions, keys[..., lo - first : hi - first, :],
             values[..., lo - first : hi - first, :], lo + mx.arange(hi - lo, dtype=mx.int32))
 
@@ -215,7 +200,7 @@ class KeptTokens:
         self.settled += 1
         self._grow(keys, values)
         sinks = () if sink_keys is None or not sink_keys.shape[2] else (sink_keys,)
-        fn = _decode_step_fn(float(scale), int(band), bool(sinks), self.threshold)
+        fn = _decode_step_fn(float(scale), int(band), self.threshold)
         self.shares, self.keys, self.values, self.positions, self.count = fn(
             queries, span_keys, values, self.shares, small_array((first, offset - 1)), small_array((fp16_from,)),
             self.count, self.keys, self.values, self.positions, *sinks)
