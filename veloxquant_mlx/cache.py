@@ -624,9 +624,9 @@ class CompressedKVCache(_BaseCache):
             span, first = (self.window_keys if self.window else None), self.sinks + self.encoded
         if span is not None:
             band = self.config.residual_length
-            if L == 1 and self.just_encoded is not None and self.sinks + self.encoded == first + 1 and self.kept.decode_step(
-                    queries, scale, self.sink_keys, span, first, self._fp16_from(self.offset - 1), self.offset, band,
-                    self.just_encoded):
+            if L == 1 and self.just_encoded is not None and self.kept.decode_step(
+                    queries, scale, self.sink_keys, span, first, self._fp16_from(self.offset - 1), self.offset,
+                    self.sinks + self.encoded, band, self.just_encoded):
                 return  # a decode step: shares and settling in one compiled graph
             query_pos = mx.arange(self.offset - L, self.offset)
             shares = window_shares(queries, scale, self.sink_keys, span, first, self._fp16_from(query_pos),

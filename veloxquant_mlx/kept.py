@@ -188,14 +188,16 @@ class KeptTokens:
             values[..., lo - first : hi - first, :], lo + mx.arange(hi - lo, dtype=mx.int32))
 
     def decode_step(self, queries: mx.array, scale: float, sink_keys: Optional[mx.array], span_keys: mx.array,
-                    first: int, fp16_from: int, offset: int, band: int, leaving: Tuple[mx.array, mx.array, int]) -> bool:
-        """A decode step's `add_shares` and `settle` in one compiled graph, where they line up: the
-        running shares cover [first, offset - 1), the span [first, offset), and the one token that
-        left the window, at `first`, is the one to settle (`leaving`). False (nothing done) otherwise."""
+                    first: int, fp16_from: int, offset: int, stop: int, band: int,
+                    leaving: Tuple[mx.array, mx.array, int]) -> bool:
+        """A decode step's `add_shares` and `settle(stop, leaving)` in one compiled graph, where they
+        line up: the running shares cover [first, offset - 1), the span [first, offset), and the one
+        token that left the window, at `first` = stop - 1, is the one to settle (`leaving`). False
+        (nothing done) otherwise."""
         keys, values, leaving_first = leaving
         span = span_keys.shape[2]
-        if not (self.share_start == first == leaving_first and keys.shape[2] == 1 and span == offset - first
-                and self.shares.shape[0] == span - 1 and span > 1):
+        if not (self.share_start == first == leaving_first == stop - 1 and keys.shape[2] == 1
+                and span == offset - first and self.shares.shape[0] == span - 1 and span > 1):
             return False
         self.settled += 1
         self._grow(keys, values)

@@ -117,12 +117,6 @@ class RowStore:
         views = self.layout.views(self.rows[..., start:stop, :])
         return views[0] if role == "keys" else views[1]
 
-    def gather(self, role: str, tokens: mx.array) -> Fields:
-        """The fields of the tokens at indices `tokens` (any order, each < count)."""
-        self.flush()
-        views = self.layout.views(mx.take(self.rows, tokens, axis=2))
-        return views[0] if role == "keys" else views[1]
-
     def truncate(self, count: int):
         self.flush()
         self.count = min(count, self.count)
@@ -195,14 +189,6 @@ class FieldStore:
         per_row = self.tokens_per_row[role]
         return {name: buf[..., start // per_row[name] : -(-stop // per_row[name]), :]
                 for name, buf in self.buffers[role].items()}
-
-    def gather(self, role: str, tokens: mx.array) -> Fields:
-        """The fields of the tokens at indices `tokens` (any order, each < count): formats of one
-        token per row only."""
-        per_row = self.tokens_per_row[role]
-        if any(n != 1 for n in per_row.values()):
-            raise ValueError(f"{role}: fields of several tokens per row cannot be gathered by token")
-        return {name: mx.take(buf, tokens, axis=2) for name, buf in self.buffers[role].items()}
 
     def truncate(self, count: int):
         self.count = min(count, self.count)
