@@ -616,6 +616,11 @@ class CompressedKVCache(_BaseCache):
         tokens that have left the window, before any path scores, so that the later queries of a
         prefill chunk see the tokens its earlier ones kept."""
         L = queries.shape[2]
+        band = self.config.residual_length
+        if L == 1 and self.just_encoded is not None and self.window and self.kept.decode_step(
+                queries, scale, self.sink_keys, self.window_keys, self._fp16_from(self.offset - 1), self.offset,
+                self.sinks + self.encoded, band, self.just_encoded):
+            return  # a decode step: shares and settling in one compiled graph
         if self.just_encoded is not None:
             span, _, first = self.just_encoded
             if self.window:
@@ -623,11 +628,6 @@ class CompressedKVCache(_BaseCache):
         else:
             span, first = (self.window_keys if self.window else None), self.sinks + self.encoded
         if span is not None:
-            band = self.config.residual_length
-            if L == 1 and self.just_encoded is not None and self.kept.decode_step(
-                    queries, scale, self.sink_keys, span, first, self._fp16_from(self.offset - 1), self.offset,
-                    self.sinks + self.encoded, band, self.just_encoded):
-                return  # a decode step: shares and settling in one compiled graph
             query_pos = mx.arange(self.offset - L, self.offset)
             shares = window_shares(queries, scale, self.sink_keys, span, first, self._fp16_from(query_pos),
                                    self.offset - L, band)

@@ -100,21 +100,23 @@ def _decode_step_fn(scale: float, band: int, threshold: float):
     query is the span's newest token), added to the running shares; the oldest position settled
     and, if its share reaches the threshold, put in the next slot (`_fill_slots`)."""
 
-    def step(queries, span_keys, leaving_values, running, firsts, fp16_from, count, keys, values, positions,
-             sink_keys=None):
+    def step(queries, window_keys, leaving_keys, leaving_values, running, firsts, fp16_from, count, keys, values,
+             positions, sink_keys=None):
         _, query_heads, _, dim = queries.shape
-        heads, S = span_keys.shape[1], span_keys.shape[2]
+        heads, held = window_keys.shape[1], window_keys.shape[2]
         span_first, query_pos = firsts[0], firsts[1]
+        S = held + 1  # the span: the leaving token, then the window
         width = min(band, S)
         q = (queries[0].astype(mx.float32) * scale).reshape(heads, query_heads // heads, dim)
         band_pos = query_pos - width + 1 + mx.arange(width)
         valid = (band_pos >= fp16_from[0]) & (band_pos >= span_first)
-        band_keys = span_keys[0, :, S - width :].astype(mx.float32)  # (H, width, D)
+        band_keys = window_keys if width == held else mx.concatenate([leaving_keys, window_keys], axis=2)
+        band_keys = band_keys[0, :, band_keys.shape[2] - width :].astype(mx.float32)  # (H, width, D)
         share = _band_shares(q, band_keys, valid, sink_keys, query_pos, query_heads)  # (width,)
         total = mx.concatenate([running, mx.zeros((1,), mx.float32)])
         total = mx.concatenate([total[: S - width], total[S - width :] + share])
         chosen = total[:1] >= threshold
-        keys, values, positions, count = _fill_slots(chosen, count, keys, values, positions, span_keys[..., :1, :],
+        keys, values, positions, count = _fill_slots(chosen, count, keys, values, positions, leaving_keys,
                                                      leaving_values, span_first[None])
         return total[1:], keys, values, positions, count
 
@@ -187,25 +189,26 @@ class KeptTokens:
             chosen, self.count, self.keys, self.values, self.positions, keys[..., lo - first : hi - first, :],
             values[..., lo - first : hi - first, :], lo + mx.arange(hi - lo, dtype=mx.int32))
 
-    def decode_step(self, queries: mx.array, scale: float, sink_keys: Optional[mx.array], span_keys: mx.array,
-                    first: int, fp16_from: int, offset: int, stop: int, band: int,
+    def decode_step(self, queries: mx.array, scale: float, sink_keys: Optional[mx.array], window_keys: mx.array,
+                    fp16_from: int, offset: int, stop: int, band: int,
                     leaving: Tuple[mx.array, mx.array, int]) -> bool:
         """A decode step's `add_shares` and `settle(stop, leaving)` in one compiled graph, where they
-        line up: the running shares cover [first, offset - 1), the span [first, offset), and the one
-        token that left the window, at `first` = stop - 1, is the one to settle (`leaving`). False
-        (nothing done) otherwise."""
-        keys, values, leaving_first = leaving
-        span = span_keys.shape[2]
-        if not (self.share_start == first == leaving_first == stop - 1 and keys.shape[2] == 1
-                and span == offset - first and self.shares.shape[0] == span - 1 and span > 1):
+        line up: the one token that left the window (`leaving`, at `first` = stop - 1) is the one to
+        settle, the window holds [first + 1, offset) and the running shares cover [first, offset - 1).
+        The span is the leaving token and the window, not joined unless the band reaches past the
+        window. False (nothing done) otherwise."""
+        keys, values, first = leaving
+        held = window_keys.shape[2]
+        if not (self.share_start == first == stop - 1 and keys.shape[2] == 1 and held == offset - first - 1
+                and self.shares.shape[0] == held and held > 0):
             return False
         self.settled += 1
         self._grow(keys, values)
         sinks = () if sink_keys is None or not sink_keys.shape[2] else (sink_keys,)
         fn = _decode_step_fn(float(scale), int(band), self.threshold)
         self.shares, self.keys, self.values, self.positions, self.count = fn(
-            queries, span_keys, values, self.shares, small_array((first, offset - 1)), small_array((fp16_from,)),
-            self.count, self.keys, self.values, self.positions, *sinks)
+            queries, window_keys, keys, values, self.shares, small_array((first, offset - 1)),
+            small_array((fp16_from,)), self.count, self.keys, self.values, self.positions, *sinks)
         self.share_start = first + 1
         return True
 
