@@ -9,11 +9,12 @@ Each layer's cache is prefilled with `--context` random tokens, then 40 decode s
 as mlx-lm's generate loop pipelines them (build step t+1, async_eval it, wait for step t); the
 median of the last 32 is reported: the step (wall) and the host's part (building and launching the
 next step). Rows, each with fresh caches: `vq4`, `vq4` with a 24-token window, that window with
-`keep_attended=3.33`, then the same with (a) the general bookkeeping (`KeptTokens.add_shares` and
-`settle`, not a decode step's one compiled graph, `KeptTokens.decode_step`) with the window shares
-replaced by zeros (no share computation; the running shares and settling still run), (b) the kept tokens' code split replaced
-by an empty one (GPU kernel step only), (c) no shares at all (nothing is ever settled), (d) no
-bookkeeping call at all. The stubbed rows give wrong attention: they measure cost only.
+`keep_attended=3.33` (on a GPU: the fused step slides the window, the settling one compiled graph
+before it, `KeptTokens.decode_step_sliding`), then the same with (a) the window slid op by op and
+the step on the "decode" paths (`KeptTokens.decode_step`, `mse_kernel_step`), (b) the settling
+stubbed out (nothing settles after the prefill; the fused step still reads the kept slots). The
+stubbed row gives wrong attention: it measures cost only. First, a check that the fused step and
+(a) agree (`agreement`: outputs and kept positions over 64 decode steps of one layer).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from veloxquant_mlx import CompressedKVCache, KVCacheConfig  # noqa: E402
 from veloxquant_mlx import cache as cache_module  # noqa: E402
 from veloxquant_mlx import kept as kept_module  # noqa: E402
-from veloxquant_mlx.kernels import step as step_module  # noqa: E402
 
 HEADS, QUERY_HEADS, DIM, STEPS, WARM = 8, 32, 128, 40, 8
 VQ4 = KVCacheConfig.preset("vq4")
@@ -85,35 +85,57 @@ def timed(name: str, layers: int, context: int, overrides: dict) -> dict:
     return row
 
 
-def rows(layers: int, context: int, first: int = 7) -> list:
+def agreement(context: int, steps: int = 64) -> dict:
+    """One layer's cache decoding `steps` tokens with the fused step and with the window slid op by op
+    (row (a)), from the same prefill and inputs: the largest difference of their attention outputs,
+    and whether they kept the same positions."""
+    route = cache_module.CompressedKVCache._route
+    fused, sliding = prefilled(1, context, KEEP)[0], prefilled(1, context, KEEP)[0]
+    cache_module.CompressedKVCache._route = lambda self, phase, queries, mask: (
+        None if self is sliding and phase == "slide" else route(self, phase, queries, mask))
+    worst, paths = 0.0, set()
+    direction = mx.random.normal((DIM,))
+    direction = direction / mx.linalg.norm(direction)
+    try:
+        for i in range(steps):
+            # Every fifth token's key lies along the direction every query leans to: those draw attention.
+            q = (mx.random.normal((1, QUERY_HEADS, 1, DIM)) + 4 * direction).astype(mx.float16)
+            kv = mx.random.normal((1, HEADS, 1, DIM))
+            kv = (mx.broadcast_to(16 * direction, kv.shape) if i % 5 == 0 else kv).astype(mx.float16)
+            outs = []
+            for c in (fused, sliding):
+                c.update_and_fetch(kv, kv)
+                outs.append(c.attend(q, DIM ** -0.5).astype(mx.float32))
+                paths.add(c.last_path)
+            worst = max(worst, mx.abs(outs[0] - outs[1]).max().item())
+    finally:
+        cache_module.CompressedKVCache._route = route
+    held = [sorted(p for p in c.kept.positions.tolist() if p < kept_module.EMPTY) for c in (fused, sliding)]
+    row = dict(max_abs_difference=worst, same_kept=held[0] == held[1], kept=len(held[0]), paths=sorted(paths))
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def rows(layers: int, context: int, first: int = 5) -> list:
     out = [timed("vq4", layers, context, {})]
     if first >= 3:
         out.append(timed("vq4, window 24", layers, context, dict(residual_length=24)))
     out.append(timed("window 24, keep_attended=3.33", layers, context, KEEP))
     if first <= 3:
         return out
-    shares, one_graph = cache_module.window_shares, kept_module.KeptTokens.decode_step
-    kept_module.KeptTokens.decode_step = lambda self, *args: False  # the general path, which calls window_shares
-    cache_module.window_shares = lambda queries, scale, sinks, span, *rest: mx.zeros((span.shape[2],), mx.float32)
-    out.append(timed("(a) no share computation", layers, context, KEEP))
-    cache_module.window_shares, kept_module.KeptTokens.decode_step = shares, one_graph
-    split = step_module.kept_code_split
+    route = cache_module.CompressedKVCache._route
 
-    def empty_split(h, queries, scale):
-        B, n_heads, _, dim = queries.shape
-        rep = n_heads // h.kv_heads
-        return mx.zeros((B * h.kv_heads, 1, rep, dim)), mx.full((B * h.kv_heads, 1, rep, 2), -mx.inf)
+    def no_slide(self, phase, queries, mask):
+        return None if self.kept is not None and phase == "slide" else route(self, phase, queries, mask)
 
-    step_module.kept_code_split = empty_split
-    out.append(timed("(b) no code split", layers, context, KEEP))
-    step_module.kept_code_split = split
-    keep = cache_module.CompressedKVCache._keep_attended
-    cache_module.CompressedKVCache._keep_attended = lambda self, q, s: self.kept.settle(self.sinks + self.encoded,
-                                                                                     self.just_encoded)
-    out.append(timed("(c) no shares (nothing settles)", layers, context, KEEP))
-    cache_module.CompressedKVCache._keep_attended = lambda self, q, s: None
-    out.append(timed("(d) no bookkeeping call", layers, context, KEEP))
-    cache_module.CompressedKVCache._keep_attended = keep
+    cache_module.CompressedKVCache._route = no_slide
+    out.append(timed("(a) kept, the window slid op by op (no fused step)", layers, context, KEEP))
+    cache_module.CompressedKVCache._route = route
+    if first >= 5:
+        sliding = kept_module.KeptTokens.decode_step_sliding
+        kept_module.KeptTokens.decode_step_sliding = lambda self, *args: True
+        out.append(timed("(b) kept, fused step, no settling (the prefill's kept slots)", layers, context, KEEP))
+        kept_module.KeptTokens.decode_step_sliding = sliding
     return out
 
 
@@ -125,6 +147,11 @@ def render(folder: Path):
     for r in data["rows"]:
         lines.append(f"| {r['name']} | {r['step_ms']:.2f} | {r['host_ms']:.2f} | {r['path']} | "
                      f"{'' if r['kept_slots'] is None else r['kept_slots']} |")
+    check = data.get("agreement")
+    if check:
+        lines += ["", f"Agreement, one layer, {data['context']} tokens then 64 decode steps, the fused step against the window "
+                  f"slid op by op: largest output difference {check['max_abs_difference']:.2e}, same kept positions: "
+                  f"{check['same_kept']} ({check['kept']} kept), paths {', '.join(check['paths'])}."]
     (folder / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -135,17 +162,18 @@ def main():
     parser.add_argument("--render", type=Path)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--first", type=int, default=7, help="run the first N rows only (2: vq4 and keep_attended)")
+    parser.add_argument("--first", type=int, default=5, help="run the first N rows only (2: vq4 and keep_attended)")
     args = parser.parse_args()
     if args.render:
         return render(args.render)
     if args.out is None:
         parser.error("give --out DIR (or --render DIR)")
+    check = agreement(args.context)
     measured = rows(args.layers, args.context, args.first)
     args.out.mkdir(parents=True, exist_ok=True)
     device = f"{mx.default_device()}" + (f" ({mx.device_info().get('device_name', '')})" if mx.default_device().type == mx.DeviceType.gpu else "")
     (args.out / "results.json").write_text(json.dumps(dict(layers=args.layers, context=args.context, device=device,
-                                                           rows=measured), indent=1))
+                                                           rows=measured, agreement=check), indent=1))
     render(args.out)
 
 

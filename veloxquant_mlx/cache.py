@@ -617,6 +617,12 @@ class CompressedKVCache(_BaseCache):
         prefill chunk see the tokens its earlier ones kept."""
         L = queries.shape[2]
         band = self.config.residual_length
+        if self.incoming is not None:  # a "decode_store" kernel slides the window after this
+            if self.kept.decode_step_sliding(
+                    queries, scale, self.sink_keys, (self._window_keys, self._window_values, self.window_start),
+                    self.incoming[0], self._fp16_from(self.offset - 1), self.offset, self.sinks + self.encoded, band):
+                return
+            self._enter_window()  # the shares do not line up (a cache just loaded or trimmed): slide op by op
         if L == 1 and self.just_encoded is not None and self.window and self.kept.decode_step(
                 queries, scale, self.sink_keys, self.window_keys, self._fp16_from(self.offset - 1), self.offset,
                 self.sinks + self.encoded, band, self.just_encoded):
@@ -643,7 +649,7 @@ class CompressedKVCache(_BaseCache):
         one may wait to enter a full window, which a "decode_store" path slides (`incoming`)."""
         if mask is not None and not isinstance(mask, str):
             return None  # an explicit mask array: the generic path applies it
-        if self.kept is not None and phase in ("defer", "slide"):
+        if self.kept is not None and phase == "defer":
             return None  # a token leaves the window in the update: `_keep_attended` needs its fp16 copy
         slide = phase == "slide" or (phase == "decode_store" and self.incoming is not None)
         key = (phase, None if queries is None else (tuple(queries.shape), queries.dtype), mask, self.sinks,

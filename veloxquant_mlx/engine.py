@@ -361,45 +361,73 @@ def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     return o.reshape(B * n_heads * L, -1), ml.reshape(B * n_heads * L, 2)
 
 
-def kept_code_split(h: History, queries: mx.array, scale: float) -> Tuple[mx.array, mx.array]:
-    """For a path whose partials (`merge_partials`) scored every code, the kept tokens among them
-    included: one more split (o (BH, 1, REP, Dv), ml (BH, 1, REP, 2)) holding minus those tokens'
-    share, scored from their codes as the path scored them, so that merged with the others it takes
-    them out (a difference of sums of positive terms in fp32: a relative error of the order of the
-    kept codes' share of the codes' mass times fp32's epsilon). Decode queries only; one compiled
-    graph per layout and slot count."""
-    _, _, slot_bias, rows = h.kept_slots
+def kept_splits(h: History, queries: mx.array, scale: float, o: mx.array, ml: mx.array) -> Tuple[mx.array, mx.array]:
+    """The splits (o (BH, S, REP, Dv), ml (BH, S, REP, 2)) of a decode path whose partials scored
+    every stored code, the kept tokens' among them, with the two of `kept_partials` after them, so
+    that merged, the kept tokens count once, in fp16. One compiled graph per layout and slot count."""
     if h.layout is not None:  # one row per token: the kept tokens' rows, then their fields
         h.store.flush()
-        fn = _kept_split_fn(h.key_codec, h.value_codec, h.layout, h.kv_heads, float(scale), tuple(queries.shape))
-        return fn(queries, [h.store.rows], [], rows, slot_bias)
-    names, _, key_bufs, value_bufs = capacity_fields(h)
-    fn = _kept_split_fn(h.key_codec, h.value_codec, names, h.kv_heads, float(scale), tuple(queries.shape))
-    return fn(queries, key_bufs, value_bufs, rows, slot_bias)
+        fields, key_bufs, value_bufs = h.layout, [h.store.rows], []
+    else:
+        fields, _, key_bufs, value_bufs = capacity_fields(h)
+    centered = h.key_mean is not None, h.value_mean is not None
+    none = small_array((0.0,), mx.float32)
+    fn = _kept_splits_fn(h.key_codec, h.value_codec, fields, h.kv_heads, float(scale), tuple(queries.shape),
+                         centered)
+    o_kept, ml_kept = fn(queries, key_bufs, value_bufs, *h.kept_slots, h.key_mean if centered[0] else none,
+                         h.value_mean if centered[1] else none)
+    return mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1)
 
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
-def _kept_split_fn(key_codec, value_codec, fields, kv_heads: int, scale: float, query_shape: Tuple[int, ...]):
-    """`fields`: a `RowLayout` (the buffers are the store's rows) or the (key, value) field names of
-    `capacity_fields` (the buffers are those fields)."""
-    B, n_heads, _, dim = query_shape
+def _kept_splits_fn(key_codec, value_codec, fields, kv_heads: int, scale: float, query_shape: Tuple[int, ...],
+                    centered: Tuple[bool, bool]):
+    def splits(queries, key_bufs, value_bufs, keys, values, slot_bias, rows, key_mean, value_mean):
+        return kept_partials(key_codec, value_codec, fields, kv_heads, scale, queries, key_bufs, value_bufs, keys,
+                             values, slot_bias, rows, key_mean if centered[0] else None,
+                             value_mean if centered[1] else None)
+
+    return mx.compile(splits)
+
+
+def kept_partials(key_codec, value_codec, fields, kv_heads: int, scale: float, queries: mx.array, key_bufs,
+                  value_bufs, keys: mx.array, values: mx.array, slot_bias: mx.array, rows: mx.array,
+                  key_mean: Optional[mx.array], value_mean: Optional[mx.array], stored: Optional[mx.array] = None):
+    """Two splits over the kept tokens (`History.kept_slots`: keys, values, slot bias, code rows) for
+    one decode query per head, in the codecs' value domain (values centred where the cache centres
+    them): (o (BH, 2, REP, Dv), ml (BH, 2, REP, 2)).
+
+    The first holds minus their codes' terms, scored as the partials scored them (a difference of
+    sums of positive terms in fp32: a relative error of the order of the kept codes' share of the
+    codes' mass times fp32's epsilon), the second the tokens in fp16. `stored` (1,): only rows below
+    it have codes (a fused step stores the token it settles after this). `fields`: a `RowLayout`
+    (`key_bufs` [the store's rows]) or the (key, value) field names of `capacity_fields`."""
+    B, n_heads, _, dim = queries.shape
     rep = n_heads // kv_heads
+    if isinstance(fields, RowLayout):
+        key_fields, value_fields = fields.views(mx.take(key_bufs[0], rows, axis=2))
+    else:
+        key_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[0], key_bufs)}
+        value_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[1], value_bufs)}
+    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim)
+    code_bias = slot_bias if stored is None else mx.where(rows < stored, slot_bias, -mx.inf)
+    codes = key_codec.score(key_codec.to_domain(q), key_fields) + code_bias  # (B, H, REP, slots)
+    keys = keys.astype(mx.float32) - key_mean if key_mean is not None else keys.astype(mx.float32)
+    fp16 = q @ keys.swapaxes(-1, -2) + slot_bias
+    values = values.astype(mx.float32)
+    values = value_codec.to_domain(values - value_mean if value_mean is not None else values)
 
-    def split(queries, key_bufs, value_bufs, rows, slot_bias):
-        if isinstance(fields, RowLayout):
-            key_fields, value_fields = fields.views(mx.take(key_bufs[0], rows, axis=2))
-        else:
-            key_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[0], key_bufs)}
-            value_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[1], value_bufs)}
-        q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim))
-        scores = key_codec.score(q, key_fields) + slot_bias  # (B, H, REP, slots)
+    def softmax_sums(scores):
         m = mx.max(scores, axis=-1, keepdims=True)
-        p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
-        o = value_codec.weighted_sum(mx.expand_dims(p, 3), value_fields).squeeze(3)
-        ml = mx.concatenate([m, -mx.sum(p, axis=-1, keepdims=True)], axis=-1)
-        return (-o).reshape(B * kv_heads, 1, rep, -1), ml.reshape(B * kv_heads, 1, rep, 2)
+        return m, mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
 
-    return mx.compile(split)
+    m_codes, p_codes = softmax_sums(codes)
+    m_fp16, p_fp16 = softmax_sums(fp16)
+    o = mx.stack([-value_codec.weighted_sum(mx.expand_dims(p_codes, 3), value_fields).squeeze(3), p_fp16 @ values],
+                 axis=2)  # (B, H, 2, REP, Dv)
+    ml = mx.stack([mx.concatenate([m_codes, -mx.sum(p_codes, axis=-1, keepdims=True)], axis=-1),
+                   mx.concatenate([m_fp16, mx.sum(p_fp16, axis=-1, keepdims=True)], axis=-1)], axis=2)
+    return o.reshape(B * kv_heads, 2, rep, -1), ml.reshape(B * kv_heads, 2, rep, 2)
 
 
 def with_kept_fp16(tokens: Optional[Tuple[mx.array, mx.array]], kept_keys: mx.array, kept_values: mx.array,

@@ -144,8 +144,11 @@ def _fused_supports(h, queries, mask) -> bool:
     return _decode_call(queries, mask) and _kernels_take(h, queries, _mse_codes)
 
 
-@engine.register_path("mse_fused_step", "decode_store", _fused_supports, priority=30)
+@engine.register_path("mse_fused_step", "decode_store", _fused_supports, priority=30, takes_kept=True)
 def fused_step(h, queries, scale, mask=None):
+    """The kernels encode, attend to and store the waiting token (and slide the window). Tokens kept
+    in fp16 past the window (`kept.py`) as in `kernel_step`; the token this step encodes left the
+    window in it, and the cache settled it before the call (`KeptTokens.decode_step_sliding`)."""
     keys, values = h.pending
     return step.fused(h.settings.backend, h, queries, keys, values, scale)
 
@@ -159,8 +162,8 @@ def _step_supports(h, queries, mask) -> bool:
 @engine.register_path("mse_kernel_step", "decode", _step_supports, priority=20, takes_kept=True)
 def kernel_step(h, queries, scale, mask=None):
     """The partial and merge kernels (and the fp16 sinks/window partial), one compiled graph. Tokens
-    kept in fp16 past the window (`kept.py`): one more split takes their codes' terms out
-    (`engine.kept_code_split`) and their fp16 slots join the sinks/window partial."""
+    kept in fp16 past the window (`kept.py`): two more splits take their codes' terms out and add
+    them in fp16 (`engine.kept_partials`)."""
     return step.attend(h.settings.backend, h, queries, scale)
 
 
@@ -196,15 +199,12 @@ def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
     """The kernels launched op by op (VELOXQUANT_COMPILE_STEP=0, and tests with a chunk size); kept
     tokens as in `kernel_step`."""
     run = ops.runner(h.settings.backend)
-    tokens, bias = h.fp16, None
-    if h.kept:
-        o_kept, ml_kept = engine.kept_code_split(h, queries, scale)
-        *tokens, bias = engine.with_kept_fp16(tokens, *h.kept_slots[:3], h.key_mean)
-    plain = None if tokens is None else engine.plain_partial(queries, *tokens, scale, bias)
+    tokens = h.fp16
+    plain = None if tokens is None else engine.plain_partial(queries, *tokens, scale)
     o, ml, _ = ops.mse_partials(run, queries, h.key_codec, h.value_codec, h.store.rows, h.count, scale,
                                 chunk=chunk or h.settings.split_tokens, mma=step.uses_tensor_cores(h.settings.backend, h, queries))
     if h.kept:
-        o, ml = mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1)
+        o, ml = engine.kept_splits(h, queries, scale, o, ml)
     return ops.merge(run, o, ml, h.value_codec, queries.shape, queries.dtype, plain=plain, value_mean=h.value_mean)
 
 

@@ -324,8 +324,9 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
     `slide`: the window is the last pair of `fp16`, held as a ring, and this step slides it
     (`merge_encode_slide`): the token encoded is the window's at slot `slide[3]`, keys / values
     take its place, and the window after the slide comes back too. `slide` is the kernel's
-    int32 meta array [splits, sinks, window, slot], made by the caller (a compiled step takes
-    it as an input: the slot changes every step). (out, row, window keys, window values).
+    int32 meta array [splits, sinks, window, slot, kept], made by the caller (a compiled step takes
+    it as an input: the slot changes every step); kept != 0: the encoded token is not attended
+    to from its codes (`kept.py`). (out, row, window keys, window values).
     `key_scale`: smoothed keys' scales (H, D), whose codes `key_codec` (the base's) makes: the
     key is encoded as (k - mean) / s and scored with q * s; the fp16 tokens meet q as held."""
     bh, splits, rep, dim = o.shape

@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from ..engine import CODEC_KEYED, kept_code_split, merge_partials, plain_partial, with_kept_fp16
+from ..engine import CODEC_KEYED, kept_splits, merge_partials, plain_partial
 from ..packing import unpack
 
 PORTABLE_CHUNK = 4096
@@ -128,16 +128,11 @@ def merge(o: mx.array, ml: mx.array, h, queries: mx.array, scale: float) -> mx.a
     """The partials merged with the history's fp16 sinks/window (if any), un-rotated and
     divided, in one compiled graph on the CPU (a decode step's ~25 small ops, fused; the
     shapes repeat from one step to the next once the window is full). Tokens kept in fp16 past the
-    window (`kept.py`): their codes' share is taken out (`engine.kept_code_split`) and their fp16
-    slots join the sinks/window."""
+    window (`kept.py`): two more splits take their codes' share out and add their fp16
+    (`engine.kept_splits`)."""
     fp16 = h.fp16
     if h.kept:
-        o_kept, ml_kept = kept_code_split(h, queries, scale)
-        o, ml = mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1)
-        keys, values, bias = with_kept_fp16(fp16, *h.kept_slots[:3], h.key_mean)
-        fn = _merge_with_plain_fn(h.value_codec, tuple(queries.shape), queries.dtype, float(scale),
-                                  h.value_mean is not None, True)
-        return fn(o, ml, queries, keys, values, h.value_mean if h.value_mean is not None else ml, bias)
+        o, ml = kept_splits(h, queries, scale, o, ml)
     if fp16 is None:
         return merge_partials(o, ml, h.value_codec, queries.shape, queries.dtype, value_mean=h.value_mean)
     fn = _merge_with_plain_fn(h.value_codec, tuple(queries.shape), queries.dtype, float(scale),
@@ -146,10 +141,9 @@ def merge(o: mx.array, ml: mx.array, h, queries: mx.array, scale: float) -> mx.a
 
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
-def _merge_with_plain_fn(value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float, centered: bool,
-                         biased: bool = False):
-    def merged(o, ml, queries, keys, values, value_mean, bias=None):
-        plain = plain_partial(queries, keys, values, scale, bias if biased else None)
+def _merge_with_plain_fn(value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float, centered: bool):
+    def merged(o, ml, queries, keys, values, value_mean):
+        plain = plain_partial(queries, keys, values, scale)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                               value_mean=value_mean if centered else None)
 

@@ -1160,11 +1160,11 @@ def _merge_encode(slide: bool) -> str:
     if (t < s) vq_red[t] += vq_red[t + s];
     VQ_SYNC();
   }
-  const float s_new = vq_red[0] * knorm_out;
+  const float s_new = """ + ("meta[4] ? VQ_NEG_INF : " if slide else "") + r"""vq_red[0] * knorm_out;
   // The splits, then the new token (thread t holds value coordinate t).
 """ + _MERGE_SPLITS + r"""  const float M2 = VQ_MAXF(M, s_new);
   const float ec = (M == VQ_NEG_INF) ? 0.0f : VQ_EXP(M - M2);
-  const float en = VQ_EXP(s_new - M2);
+  const float en = (s_new == VQ_NEG_INF) ? 0.0f : VQ_EXP(s_new - M2);
   acc = acc * ec + en * vnorm_out * vcent[vcode_out];
   L = L * ec + en;
   VQ_SYNC();
@@ -1182,6 +1182,8 @@ MERGE_ENCODE = _merge_encode(slide=False)
 # window's oldest, at slot meta[3] of pb (the window is a ring: decode attention does not depend
 # on the order of the tokens it reads), and kx / vx, the new token, take its slot. The window
 # after the slide is an output, so a decode step of a windowed cache launches what a plain one does.
+# meta[4] != 0: the encoded token is not attended to from its codes (it was kept in fp16 as it
+# left the window, `kept.py`, and a split of the step's holds it). Meta: int32 [S, NA, NB, slot, kept].
 MERGE_ENCODE_SLIDE = _merge_encode(slide=True)
 
 
