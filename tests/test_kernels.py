@@ -36,6 +36,11 @@ IN_DTYPES = {
     "mse_dequant": {"rows": "uint32", "cent": "float32", "meta": "int32"},
     "mse_encode": {n: "float32" for n in templates.KERNELS["mse_encode"]["inputs"]},
 }
+IN_DTYPES["kept_splits"] = {n: "float32" for n in templates.KERNELS["kept_splits"]["inputs"]}
+IN_DTYPES["kept_splits"].update(q="float16", rows="uint32", kk="float16", kv="float16", kpos="int32", meta="int32",
+                                slide="int32")
+IN_DTYPES["kept_settle"] = {n: "float16" for n in templates.KERNELS["kept_settle"]["inputs"]}
+IN_DTYPES["kept_settle"].update(run="float32", meta="int32", par="float32", count="int32", kpos="int32")
 for _kernel in ("merge_encode", "merge_encode_slide"):
     IN_DTYPES[_kernel] = {n: "float32" for n in templates.KERNELS[_kernel]["inputs"]}
     IN_DTYPES[_kernel].update(meta="int32", q="float16", **{n: "float16" for n in ("kx", "vx", "pa_k", "pa_v", "pb_k", "pb_v")})
@@ -59,6 +64,9 @@ def _plans():
             yield launch.merge_plan(2, 4, dim, 7, unrotate=True, plain=True, value_mean=True, out_dtype="float16")
             yield launch.merge_plan(2, 4, dim, 7, unrotate=False, plain=False, value_mean=True, out_dtype="float16",
                                     tokens=64, x_dtype="float16")
+            yield launch.kept_splits_plan(2, 4, dim, bits, vbits, 17, center=True, x_dtype="float16",
+                                          key_scale_heads=2)
+            yield launch.kept_settle_plan(2, 4, dim, 24, 4, 17, x_dtype="float16")
             for window in (0, 64):
                 yield launch.merge_encode_plan(2, 4, dim, 7, (3, 1), (4, 2), center=True, x_dtype="float16",
                                                out_dtype="float16", plain_tokens=68, slide_window=window)

@@ -83,6 +83,13 @@ class History:
         keys, values, _ = kept.held()
         return keys, values, kept.slot_bias(), kept.code_rows(first_code)
 
+    @property
+    def kept_whole(self) -> Tuple[mx.array, mx.array, mx.array, int]:
+        """(keys, values, positions, first code's position) of the kept slots as held, the spare one
+        (EMPTY, never read) included: what the kernels take (`kernels.ops.kept_splits`)."""
+        kept, first_code = self._kept
+        return kept.keys, kept.values, kept.positions, first_code
+
     def kept_code_bias(self) -> mx.array:
         """(store capacity,) -inf added to the scores of the kept tokens' codes, 0 to the others."""
         kept, first_code = self._kept

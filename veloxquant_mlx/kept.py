@@ -94,15 +94,12 @@ def _fill_slots(chosen, count, keys, values, positions, leaving_keys, leaving_va
 
 
 @functools.lru_cache(maxsize=64)
-def _decode_step_fn(scale: float, band: int, threshold: float, ring: bool = False):
+def _decode_step_fn(scale: float, band: int, threshold: float):
     """A decode step's whole bookkeeping as one compiled graph (`KeptTokens.decode_step`): the one
     query's window shares, as `window_shares` computes them, with its band a slice of the span (the
     query is the span's newest token), added to the running shares; the oldest position settled
-    and, if its share reaches the threshold, put in the next slot (`_fill_slots`).
-
-    `ring`: the window is still the ring before the step's slide (a "decode_store" kernel slides it
-    after this graph): the inputs are the ring's keys and values, the slot of its oldest token (the
-    one leaving) and the token entering, and the window after the slide is read from them here."""
+    and, if its share reaches the threshold, put in the next slot (`_fill_slots`). (Before a fused
+    step slides the window ring, the kernels do this instead: `KeptTokens.decode_step_sliding`.)"""
 
     def step(queries, window_keys, leaving_keys, leaving_values, running, firsts, fp16_from, count, keys, values,
              positions, sink_keys=None):
@@ -124,16 +121,7 @@ def _decode_step_fn(scale: float, band: int, threshold: float, ring: bool = Fals
                                                      leaving_values, span_first[None])
         return total[1:], keys, values, positions, count
 
-    def ring_step(queries, ring_keys, ring_values, slot, entering_keys, running, firsts, fp16_from, count, keys,
-                  values, positions, sink_keys=None):
-        size = ring_keys.shape[2]
-        leaving_keys, leaving_values = mx.take(ring_keys, slot, axis=2), mx.take(ring_values, slot, axis=2)
-        after = mx.take(ring_keys, (slot + 1 + mx.arange(size - 1)) % size, axis=2)  # in position order
-        window_keys = mx.concatenate([after, entering_keys.astype(ring_keys.dtype)], axis=2)
-        return step(queries, window_keys, leaving_keys, leaving_values, running, firsts, fp16_from, count, keys,
-                    values, positions, sink_keys)
-
-    return mx.compile(ring_step if ring else step)
+    return mx.compile(step)
 
 
 class KeptTokens:
@@ -213,23 +201,37 @@ class KeptTokens:
         keys, values, first = leaving
         if not (stop - 1 == first and keys.shape[2] == 1 and self._steady(first, window_keys.shape[2], offset)):
             return False
-        self._step(_decode_step_fn(float(scale), int(band), self.threshold), first, offset, keys, values,
-                   (queries, window_keys, keys, values), sink_keys, fp16_from)
+        self.settled += 1
+        self._grow(keys, values)
+        sinks = () if sink_keys is None or not sink_keys.shape[2] else (sink_keys,)
+        self.shares, self.keys, self.values, self.positions, self.count = _decode_step_fn(
+            float(scale), int(band), self.threshold)(
+            queries, window_keys, keys, values, self.shares, small_array((first, offset - 1)),
+            small_array((fp16_from,)), self.count, self.keys, self.values, self.positions, *sinks)
+        self.share_start = first + 1
         return True
 
-    def decode_step_sliding(self, queries: mx.array, scale: float, sink_keys: Optional[mx.array],
+    def decode_step_sliding(self, runner: str, queries: mx.array, scale: float, sink_keys: Optional[mx.array],
                             ring: Tuple[mx.array, mx.array, int], entering_keys: mx.array, fp16_from: int,
                             offset: int, first: int, band: int) -> bool:
-        """`decode_step` before the window slides: `ring` = (keys, values, slot of the oldest token) is
-        the full window as a ring, whose oldest token, at position `first`, leaves as `entering_keys`
-        (the token at offset - 1) takes its slot, which a "decode_store" kernel does after this call.
-        False (nothing done) where the shares do not line up with that window."""
+        """`decode_step` before the window slides, in one kernel on `runner`'s back end
+        (`kernels.ops.kept_settle`): `ring` = (keys, values, slot of the oldest token) is the full
+        window as a ring, whose oldest token, at position `first`, leaves as `entering_keys` (the token
+        at offset - 1) takes its slot, which a "decode_store" kernel does after this call. False
+        (nothing done) where the shares do not line up with that window or the band is not the window."""
         ring_keys, ring_values, slot = ring
-        if not self._steady(first, ring_keys.shape[2], offset):
+        if band != ring_keys.shape[2] or not self._steady(first, ring_keys.shape[2], offset):
             return False
-        self._step(_decode_step_fn(float(scale), int(band), self.threshold, ring=True), first, offset,
-                   ring_keys[..., :1, :], ring_values[..., :1, :],
-                   (queries, ring_keys, ring_values, small_array((slot,)), entering_keys), sink_keys, fp16_from)
+        from .kernels import ops
+
+        self.settled += 1
+        self._grow(ring_keys, ring_values)
+        sinks = 0 if sink_keys is None else sink_keys.shape[2]
+        meta = small_array((slot, first, offset - 1, fp16_from, self.capacity, sinks, self.capacity + 1))
+        self.shares, self.keys, self.values, self.positions, self.count = ops.kept_settle(
+            ops.runner(runner), queries, ring_keys, ring_values, entering_keys, sink_keys if sinks else None,
+            self.shares, meta, scale, self.threshold, self.count, self.keys, self.values, self.positions)
+        self.share_start = first + 1
         return True
 
     def _steady(self, first: int, tokens: int, offset: int) -> bool:
@@ -237,15 +239,6 @@ class KeptTokens:
         token's) up to the step's query at offset - 1, which the step's window holds with it."""
         return self.share_start == first and tokens > 0 and self.shares.shape[0] == tokens \
             and first + tokens == offset - 1
-
-    def _step(self, fn, first: int, offset: int, like_keys, like_values, window_inputs: tuple, sink_keys, fp16_from):
-        self.settled += 1
-        self._grow(like_keys, like_values)
-        sinks = () if sink_keys is None or not sink_keys.shape[2] else (sink_keys,)
-        self.shares, self.keys, self.values, self.positions, self.count = fn(
-            *window_inputs, self.shares, small_array((first, offset - 1)), small_array((fp16_from,)), self.count,
-            self.keys, self.values, self.positions, *sinks)
-        self.share_start = first + 1
 
     def _grow(self, keys: mx.array, values: mx.array):
         """Slots for the budget of the tokens settled so far (and the spare one)."""

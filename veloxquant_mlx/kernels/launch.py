@@ -237,6 +237,39 @@ def merge_encode_plan(kv_rows: int, rep: int, dim: int, splits: int, key: tuple,
                 (dim, 1, 1), shapes, dtypes, meta={"meta": [splits]})
 
 
+def _bound(n: int) -> int:
+    """A power of two >= n (at least 32): few kernel variants as a count grows."""
+    return max(32, 1 << max(0, n - 1).bit_length())
+
+
+@lru_cache(maxsize=1024)
+def kept_splits_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, slots: int, *, center: bool,
+                     x_dtype: str, key_scale_heads: int = 0) -> Plan:
+    """`kept_splits` over `slots` kept-token slots (the spare one included)."""
+    if not is_power_of_two(dim) or dim > 1024 or dim < 32:
+        raise ValueError(f"kept_splits needs a power-of-two dim in [32, 1024], got {dim}")
+    kw, vw = _words(dim, key_bits), _words(dim, value_bits)
+    template = [("D", dim), ("REP", rep), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw),
+                ("RW", kw + vw + 1), ("HAS_CENTER", bool(center)), ("SB", _bound(slots)), ("TX", x_dtype)]
+    template += _key_scale_constants(key_scale_heads, True)
+    return Plan("kept_splits", template, (dim, kv_rows * rep, 1), (dim, 1, 1),
+                [(kv_rows, 2, rep, dim), (kv_rows, 2, rep, 2), (5,)], ["float32", "float32", "int32"])
+
+
+KEPT_SETTLE_THREADS = 128
+
+
+@lru_cache(maxsize=1024)
+def kept_settle_plan(heads: int, rep: int, dim: int, window: int, sinks: int, slots: int, *, x_dtype: str) -> Plan:
+    """`kept_settle` for `heads` kv heads, a `window`-token ring, `sinks` fp16 sinks and `slots` kept-token slots."""
+    threads = KEPT_SETTLE_THREADS
+    template = [("D", dim), ("H", heads), ("REP", rep), ("W", window), ("TOKB", _bound(sinks + window)),
+                ("NT", threads), ("TX", x_dtype)]
+    return Plan("kept_settle", template, (threads, 1, 1), (threads, 1, 1),
+                [(window,), (heads, slots, dim), (heads, slots, dim), (slots,), (1,)],
+                ["float32", x_dtype, x_dtype, "int32", "int32"])
+
+
 @lru_cache(maxsize=4096)
 def dequant_plan(kv_rows: int, dim: int, bits: int, tokens: int, capacity: int, *, out_dtype: str,
                  row_words: int, offset: int, norm_half: int, threads: int = 256) -> Plan:

@@ -351,3 +351,45 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
         key_mean if centered else _dummy(), value_mean if centered else _dummy(), *pa, *pb,
         _dummy() if key_scale is None else key_scale,
     ], shapes))
+
+
+# ---- tokens kept in fp16 past the window (`kept.py`) ---------------------------------------------
+
+def kept_splits(run: Runner, queries: mx.array, rows: mx.array, key_codec, value_codec, kept_keys: mx.array,
+                kept_values: mx.array, positions: mx.array, meta: mx.array, scale: float, key_mean=None,
+                value_mean=None, key_scale: Optional[mx.array] = None, slide: Optional[mx.array] = None):
+    """The two splits of `engine.kept_partials` in one kernel (`templates.KEPT_SPLITS`): (o (BH, 2, REP, D),
+    ml (BH, 2, REP, 2), slide meta with two more splits and [4] set where the token at row meta[0] is
+    kept). `kept_*` are the slots whole (spare included), `meta` int32 [stored rows, first coded
+    position, rows' capacity, slots]; `key_codec` the codes' (smoothed keys: the base's, `key_scale`)."""
+    kc, vc = constants(key_codec), constants(value_codec)
+    B, n_heads, _, dim = queries.shape
+    kv_rows = rows.shape[0] * rows.shape[1]
+    centered = key_mean is not None
+    plan = launch.kept_splits_plan(kv_rows, n_heads // (kv_rows // B), dim, key_codec.bits, value_codec.bits,
+                                   positions.shape[0], center=centered, x_dtype=launch.dtype_name(kept_keys.dtype),
+                                   key_scale_heads=0 if key_scale is None else key_scale.shape[0])
+    return tuple(run(plan, [
+        queries, rows, kc["centroids"], vc["centroids"], kc["signs"], vc["signs"], kept_keys, kept_values, positions,
+        meta, small_array((float(scale),), mx.float32), key_mean if centered else _dummy(),
+        value_mean if centered else _dummy(), _dummy() if key_scale is None else key_scale,
+        small_array((0, 0, 0, 0, 0)) if slide is None else slide,
+    ]))
+
+
+def kept_settle(run: Runner, queries: mx.array, ring_keys: mx.array, ring_values: mx.array, entering_keys: mx.array,
+                sink_keys: Optional[mx.array], running: mx.array, meta: mx.array, scale: float, threshold: float,
+                count: mx.array, kept_keys: mx.array, kept_values: mx.array, positions: mx.array):
+    """`KeptTokens.decode_step_sliding`'s bookkeeping in one kernel (`templates.KEPT_SETTLE`): (running
+    shares, kept keys, kept values, positions, count) after the step. `meta` int32 [ring slot, first
+    position, query position, first fp16 position, slots' capacity, sinks, slots]."""
+    _, heads, window, dim = ring_keys.shape
+    plan = launch.kept_settle_plan(heads, queries.shape[1] // heads, dim, window,
+                                   0 if sink_keys is None else sink_keys.shape[2], positions.shape[0],
+                                   x_dtype=launch.dtype_name(ring_keys.dtype))
+    shapes = [running.shape, kept_keys.shape, kept_values.shape, positions.shape, count.shape]
+    return tuple(run(plan, [
+        queries, ring_keys, ring_values, entering_keys.astype(ring_keys.dtype),
+        _dummy(ring_keys.dtype) if sink_keys is None else sink_keys.astype(ring_keys.dtype), running, meta,
+        small_array((float(scale), float(threshold)), mx.float32), count, kept_keys, kept_values, positions,
+    ], shapes))

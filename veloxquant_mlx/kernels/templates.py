@@ -1187,6 +1187,221 @@ MERGE_ENCODE = _merge_encode(slide=False)
 MERGE_ENCODE_SLIDE = _merge_encode(slide=True)
 
 
+# Tokens kept in fp16 past the window (`kept.py`), for a decode step that scored every stored
+# code: two splits per query row, in the value codec's domain, merged with the step's others.
+# Split 0 holds minus the kept tokens' code terms (those whose row is stored, below meta[0]),
+# split 1 the kept tokens in fp16 (keys centred with kmean, values centred with vmean and
+# rotated into the value domain, H S x / sqrt(D)). Block (row = bh * REP + r), thread d.
+# Template constants: D (a power of two, = threads), REP, KB, VB, KW, VW, RW (mse rows),
+# HAS_CENTER, KSC, KH (smoothed keys' scales), SB (>= the slots: shared score arrays), TX (kept
+# keys / values dtype). Inputs: q (BH*REP, D), rows (BH, CAP, RW) u32, kcent, vcent, ksigns,
+# vsigns f32, kk, kv (BH, C1, D) TX, kpos (C1) int32 (1 << 30: empty), meta int32 [stored,
+# first coded position, CAP, C1], qscale f32 [scale], kmean, vmean (BH, D) f32, kscale (KH, D)
+# f32, slide int32 [5] (merge_encode_slide's meta). Outputs: o (BH, 2, REP, D) f32, ml (BH, 2,
+# REP, 2) f32, slide_out int32 [5]: slide with two more splits and [4] = whether the kept tokens
+# include the one at row meta[0] (the token a fused step encodes: not attended to from its codes).
+# Grid: (D, BH*REP) threads in blocks of D.
+KEPT_SPLITS = r"""
+  const int d = vq_tid;
+  const int row = vq_by;
+  const int bh = row / REP;
+  const int r = row % REP;
+  constexpr int NW = D / 32;
+  constexpr uint32_t KMASK = (1u << KB) - 1u;
+  constexpr uint32_t VMASK = (1u << VB) - 1u;
+  constexpr int EMPTY_POS = 1 << 30;
+  const int stored = meta[0];
+  const int first_code = meta[1];
+  const int CAP = meta[2];
+  const int C1 = meta[3];
+  VQ_SHARED float vq_buf[D];
+  VQ_SHARED float vq_qr[D];
+  VQ_SHARED float vq_qp[D];
+  VQ_SHARED float vq_sc[SB];
+  VQ_SHARED float vq_sf[SB];
+  const float qv = VQ_F(q[(size_t)row * D + d]) * qscale[0];
+  vq_qp[d] = qv;
+  vq_buf[d] = qv * (KSC ? kscale[(size_t)(bh % KH) * D + d] : 1.0f) * ksigns[d];
+  VQ_SYNC();
+""" + _FWHT_BUF + r"""  vq_qr[d] = vq_buf[d] * (1.0f / VQ_SQRT((float)D));
+  VQ_SYNC();
+  // Scores: warp w takes slots w, w + NW, ... (every warp the same trips: the sums are collective).
+  for (int s0 = 0; s0 < C1; s0 += NW) {
+    const int s = s0 + (d >> 5);
+    const int pos = s < C1 ? kpos[s] : EMPTY_POS;
+    const bool held = pos < EMPTY_POS;
+    const int crow = pos - first_code;
+    const bool coded = held && crow >= 0 && crow < stored;
+    float pf = 0.0f;
+    float pc = 0.0f;
+    if (held) {
+      const VQ_GLOBAL TX* kp = kk + ((size_t)bh * C1 + s) * D;
+      for (int i = d & 31; i < D; i += 32) {
+        pf += vq_qp[i] * (VQ_F(kp[i]) - (HAS_CENTER ? kmean[(size_t)bh * D + i] : 0.0f));
+      }
+    }
+    if (coded) {
+      const VQ_GLOBAL uint32_t* w = rows + ((size_t)bh * CAP + crow) * RW;
+      for (int i = d & 31; i < D; i += 32) {
+        const int bit = i * KB;
+        const int wi = bit >> 5;
+        const int sh = bit & 31;
+        uint32_t c = w[wi] >> sh;
+        if (sh + KB > 32) c |= w[wi + 1] << (32 - sh);
+        pc += vq_qr[i] * kcent[c & KMASK];
+      }
+    }
+    pf = vq_warp_sum(pf);
+    pc = vq_warp_sum(pc);
+    if ((d & 31) == 0 && s < C1) {
+      vq_sf[s] = held ? pf : VQ_NEG_INF;
+      vq_sc[s] = coded ? pc * vq_half_bits(rows[((size_t)bh * CAP + crow) * RW + KW + VW]) : VQ_NEG_INF;
+    }
+  }
+  VQ_SYNC();
+  float mc = VQ_NEG_INF;
+  float mf = VQ_NEG_INF;
+  for (int s = 0; s < C1; ++s) {
+    mc = VQ_MAXF(mc, vq_sc[s]);
+    mf = VQ_MAXF(mf, vq_sf[s]);
+  }
+  float lc = 0.0f;
+  float lf = 0.0f;
+  float oc = 0.0f;
+  float of = 0.0f;
+  const float vm = HAS_CENTER ? vmean[(size_t)bh * D + d] : 0.0f;
+  for (int s = 0; s < C1; ++s) {
+    if (vq_sc[s] != VQ_NEG_INF) {
+      const size_t at = ((size_t)bh * CAP + (kpos[s] - first_code)) * RW;
+      const float e = VQ_EXP(vq_sc[s] - mc);
+      const int bit = d * VB;
+      const int wi = KW + (bit >> 5);
+      const int sh = bit & 31;
+      uint32_t c = rows[at + wi] >> sh;
+      if (sh + VB > 32) c |= rows[at + wi + 1] << (32 - sh);
+      lc += e;
+      oc += e * vq_half_bits(rows[at + KW + VW] >> 16) * vcent[c & VMASK];
+    }
+    if (vq_sf[s] != VQ_NEG_INF) {
+      const float e = VQ_EXP(vq_sf[s] - mf);
+      lf += e;
+      of += e * (VQ_F(kv[((size_t)bh * C1 + s) * D + d]) - vm);
+    }
+  }
+  VQ_SYNC();
+  vq_buf[d] = of * vsigns[d];
+  VQ_SYNC();
+""" + _FWHT_BUF + r"""  of = vq_buf[d] * (1.0f / VQ_SQRT((float)D));
+  const size_t ob = (size_t)bh * 2 * REP;
+  o[(ob + r) * D + d] = -oc;
+  o[(ob + REP + r) * D + d] = of;
+  if (d == 0) {
+    ml[(ob + r) * 2] = mc;
+    ml[(ob + r) * 2 + 1] = -lc;
+    ml[(ob + REP + r) * 2] = mf;
+    ml[(ob + REP + r) * 2 + 1] = lf;
+  }
+  if (row == 0 && d == 0) {
+    int encoded = 0;
+    for (int s = 0; s < C1; ++s) encoded |= (kpos[s] < EMPTY_POS && kpos[s] - first_code == stored) ? 1 : 0;
+    slide_out[0] = slide[0] + 2;
+    slide_out[1] = slide[1];
+    slide_out[2] = slide[2];
+    slide_out[3] = slide[3];
+    slide_out[4] = encoded;
+  }
+"""
+
+# A decode step's kept-token bookkeeping (`KeptTokens.decode_step_sliding`) before a fused step
+# slides the window ring: the query's window shares (each query head's softmax over its fp16
+# tokens, the sinks and its band, the band's part summed over the heads and divided by their
+# number), added to the running shares of the window's tokens; the oldest token (at ring slot
+# meta[0], position meta[1]) settled: kept in the next free slot if its share reaches par[1]
+# and a slot is free. The band is the window after the slide: ring slots meta[0] + 1, ... and
+# the entering token xk (the query's own). One block. Template constants: D, H (kv heads), REP,
+# W (the window), TOKB (>= sinks + W), NT, TX. Inputs: q (H*REP, D), ringk, ringv (H, W, D) TX,
+# xk (H, D) TX, sk (H, NSK, D) TX, run (W) f32 (shares of positions meta[1], ...), meta int32
+# [slot, first, query position, first fp16 position, slots' capacity, NSK, C1], par f32 [scale,
+# threshold], count int32 [1], kk, kv (H, C1, D) TX, kpos (C1) int32. Outputs: run_out (W) f32
+# (shares of positions meta[1] + 1, ...), kk_out, kv_out, kpos_out, count_out as the inputs.
+KEPT_SETTLE = r"""
+  const int t = vq_tid;
+  constexpr int HQ = H * REP;
+  constexpr int NW = NT / 32;
+  const int slot = meta[0];
+  const int first = meta[1];
+  const int qpos = meta[2];
+  const int fp16_from = meta[3];
+  const int cap = meta[4];
+  const int NSK = meta[5];
+  const int C1 = meta[6];
+  const int NTOK = NSK + W;
+  const float scale = par[0];
+  VQ_SHARED float vq_s[HQ * TOKB];
+  VQ_SHARED float vq_m[HQ];
+  VQ_SHARED float vq_l[HQ];
+  for (int p0 = 0; p0 < HQ * NTOK; p0 += NW) {  // every warp the same trips: the sums are collective
+    const int p = p0 + (t >> 5);
+    float part = 0.0f;
+    bool ok = false;
+    if (p < HQ * NTOK) {
+      const int hq = p / NTOK;
+      const int j = p % NTOK;
+      const int h = hq / REP;
+      if (j < NSK) {  // (sk may be a dummy in another address space: read apart from the window's keys)
+        ok = j <= qpos;
+        if (ok) {
+          for (int i = t & 31; i < D; i += 32) part += VQ_F(q[(size_t)hq * D + i]) * VQ_F(sk[((size_t)h * NSK + j) * D + i]);
+        }
+      } else {
+        const int b = j - NSK;
+        const int pos = qpos - W + 1 + b;
+        ok = pos >= fp16_from && pos >= first;
+        const VQ_GLOBAL TX* kp = (b == W - 1) ? xk + (size_t)h * D : ringk + ((size_t)h * W + (slot + 1 + b) % W) * D;
+        if (ok) {
+          for (int i = t & 31; i < D; i += 32) part += VQ_F(q[(size_t)hq * D + i]) * VQ_F(kp[i]);
+        }
+      }
+    }
+    part = vq_warp_sum(part);
+    if ((t & 31) == 0 && p < HQ * NTOK) vq_s[p] = ok ? part * scale : VQ_NEG_INF;
+  }
+  VQ_SYNC();
+  for (int hq = t; hq < HQ; hq += NT) {
+    float m = VQ_NEG_INF;
+    for (int j = 0; j < NTOK; ++j) m = VQ_MAXF(m, vq_s[hq * NTOK + j]);
+    float l = 0.0f;
+    for (int j = 0; j < NTOK; ++j) l += (vq_s[hq * NTOK + j] == VQ_NEG_INF) ? 0.0f : VQ_EXP(vq_s[hq * NTOK + j] - m);
+    vq_m[hq] = m;
+    vq_l[hq] = l;
+  }
+  VQ_SYNC();
+  for (int b = t; b < W; b += NT) {
+    float share = 0.0f;
+    for (int hq = 0; hq < HQ; ++hq) {
+      const float sc = vq_s[hq * NTOK + NSK + b];
+      if (sc != VQ_NEG_INF) share += VQ_EXP(sc - vq_m[hq]) / vq_l[hq];
+    }
+    run_out[b] = (b + 1 < W ? run[b + 1] : 0.0f) + share / (float)HQ;
+  }
+  const int filled = count[0];
+  const bool fits = run[0] >= par[1] && filled < cap;
+  for (int i = t; i < H * C1 * D; i += NT) {
+    const int s = (i / D) % C1;
+    if (fits && s == filled) {
+      const size_t from = ((size_t)(i / (C1 * D)) * W + slot) * D + i % D;
+      kk_out[i] = ringk[from];
+      kv_out[i] = ringv[from];
+    } else {
+      kk_out[i] = kk[i];
+      kv_out[i] = kv[i];
+    }
+  }
+  for (int s = t; s < C1; s += NT) kpos_out[s] = (fits && s == filled) ? first : kpos[s];
+  if (t == 0) count_out[0] = filled + (fits ? 1 : 0);
+"""
+
+
 # Template constants: D, BITS, W (= ceil(D*BITS/32)), NT (threads per block),
 # TO (output dtype), RW (words per row), OFF (the role's first code word), NORMH
 # (the role's norm, in halves from the row start). Inputs: rows (BH, CAP, RW)
@@ -1246,6 +1461,17 @@ KERNELS: Dict[str, dict] = {
         "inputs": ("o", "ml", "q", "kx", "vx", "ksigns", "vsigns", "kbnd", "vbnd", "kcent", "vcent", "meta",
                    "qscale", "kmean", "vmean", "pa_k", "pa_v", "pb_k", "pb_v", "kscale"),
         "outputs": ("out", "rec", "wk", "wv"),
+    },
+    "kept_splits": {
+        "body": KEPT_SPLITS,
+        "inputs": ("q", "rows", "kcent", "vcent", "ksigns", "vsigns", "kk", "kv", "kpos", "meta", "qscale", "kmean",
+                   "vmean", "kscale", "slide"),
+        "outputs": ("o", "ml", "slide_out"),
+    },
+    "kept_settle": {
+        "body": KEPT_SETTLE,
+        "inputs": ("q", "ringk", "ringv", "xk", "sk", "run", "meta", "par", "count", "kk", "kv", "kpos"),
+        "outputs": ("run_out", "kk_out", "kv_out", "kpos_out", "count_out"),
     },
     "merge": {
         "body": MERGE,
