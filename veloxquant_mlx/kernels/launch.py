@@ -257,15 +257,17 @@ def kept_splits_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits
 
 
 KEPT_SETTLE_THREADS = 128
+KEPT_SETTLE_BLOCKS = 16  # block 0 computes the shares; all of them copy the slots
 
 
 @lru_cache(maxsize=1024)
 def kept_settle_plan(heads: int, rep: int, dim: int, window: int, sinks: int, slots: int, *, x_dtype: str) -> Plan:
     """`kept_settle` for `heads` kv heads, a `window`-token ring, `sinks` fp16 sinks and `slots` kept-token slots."""
     threads = KEPT_SETTLE_THREADS
+    blocks = KEPT_SETTLE_BLOCKS
     template = [("D", dim), ("H", heads), ("REP", rep), ("W", window), ("TOKB", _bound(sinks + window)),
-                ("NT", threads), ("TX", x_dtype)]
-    return Plan("kept_settle", template, (threads, 1, 1), (threads, 1, 1),
+                ("NT", threads), ("NB", blocks), ("TX", x_dtype)]
+    return Plan("kept_settle", template, (blocks * threads, 1, 1), (threads, 1, 1),
                 [(window,), (heads, slots, dim), (heads, slots, dim), (slots,), (1,)],
                 ["float32", x_dtype, x_dtype, "int32", "int32"])
 

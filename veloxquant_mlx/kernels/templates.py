@@ -1219,6 +1219,8 @@ KEPT_SPLITS = r"""
   VQ_SHARED float vq_qp[D];
   VQ_SHARED float vq_sc[SB];
   VQ_SHARED float vq_sf[SB];
+  VQ_SHARED float vq_vn[SB];
+  VQ_SHARED int vq_at[SB];
   const float qv = VQ_F(q[(size_t)row * D + d]) * qscale[0];
   vq_qp[d] = qv;
   vq_buf[d] = qv * (KSC ? kscale[(size_t)(bh % KH) * D + d] : 1.0f) * ksigns[d];
@@ -1254,8 +1256,11 @@ KEPT_SPLITS = r"""
     pf = vq_warp_sum(pf);
     pc = vq_warp_sum(pc);
     if ((d & 31) == 0 && s < C1) {
+      const uint32_t norms = coded ? rows[((size_t)bh * CAP + crow) * RW + KW + VW] : 0u;
       vq_sf[s] = held ? pf : VQ_NEG_INF;
-      vq_sc[s] = coded ? pc * vq_half_bits(rows[((size_t)bh * CAP + crow) * RW + KW + VW]) : VQ_NEG_INF;
+      vq_sc[s] = coded ? pc * vq_half_bits(norms) : VQ_NEG_INF;
+      vq_vn[s] = vq_half_bits(norms >> 16);
+      vq_at[s] = coded ? crow : 0;
     }
   }
   VQ_SYNC();
@@ -1270,17 +1275,20 @@ KEPT_SPLITS = r"""
   float oc = 0.0f;
   float of = 0.0f;
   const float vm = HAS_CENTER ? vmean[(size_t)bh * D + d] : 0.0f;
+  const int vbit = d * VB;
+  const int vwi = KW + (vbit >> 5);
+  const int vsh = vbit & 31;
+  // Every slot's loads are independent of the others' (offsets and norms staged above): unrolled,
+  // several are in flight at once.
+  VQ_UNROLL4
   for (int s = 0; s < C1; ++s) {
     if (vq_sc[s] != VQ_NEG_INF) {
-      const size_t at = ((size_t)bh * CAP + (kpos[s] - first_code)) * RW;
+      const VQ_GLOBAL uint32_t* w = rows + ((size_t)bh * CAP + vq_at[s]) * RW + vwi;
+      uint32_t c = w[0] >> vsh;
+      if (vsh + VB > 32) c |= w[1] << (32 - vsh);
       const float e = VQ_EXP(vq_sc[s] - mc);
-      const int bit = d * VB;
-      const int wi = KW + (bit >> 5);
-      const int sh = bit & 31;
-      uint32_t c = rows[at + wi] >> sh;
-      if (sh + VB > 32) c |= rows[at + wi + 1] << (32 - sh);
       lc += e;
-      oc += e * vq_half_bits(rows[at + KW + VW] >> 16) * vcent[c & VMASK];
+      oc += e * vq_vn[s] * vcent[c & VMASK];
     }
     if (vq_sf[s] != VQ_NEG_INF) {
       const float e = VQ_EXP(vq_sf[s] - mf);
@@ -1318,14 +1326,16 @@ KEPT_SPLITS = r"""
 # number), added to the running shares of the window's tokens; the oldest token (at ring slot
 # meta[0], position meta[1]) settled: kept in the next free slot if its share reaches par[1]
 # and a slot is free. The band is the window after the slide: ring slots meta[0] + 1, ... and
-# the entering token xk (the query's own). One block. Template constants: D, H (kv heads), REP,
-# W (the window), TOKB (>= sinks + W), NT, TX. Inputs: q (H*REP, D), ringk, ringv (H, W, D) TX,
+# the entering token xk (the query's own). Block 0 computes the shares; the NB blocks copy the
+# slots (each decides the fill from the inputs). Template constants: D, H (kv heads), REP,
+# W (the window), TOKB (>= sinks + W), NT, NB, TX. Inputs: q (H*REP, D), ringk, ringv (H, W, D) TX,
 # xk (H, D) TX, sk (H, NSK, D) TX, run (W) f32 (shares of positions meta[1], ...), meta int32
 # [slot, first, query position, first fp16 position, slots' capacity, NSK, C1], par f32 [scale,
 # threshold], count int32 [1], kk, kv (H, C1, D) TX, kpos (C1) int32. Outputs: run_out (W) f32
 # (shares of positions meta[1] + 1, ...), kk_out, kv_out, kpos_out, count_out as the inputs.
 KEPT_SETTLE = r"""
   const int t = vq_tid;
+  const int blk = vq_bx;
   constexpr int HQ = H * REP;
   constexpr int NW = NT / 32;
   const int slot = meta[0];
@@ -1340,7 +1350,7 @@ KEPT_SETTLE = r"""
   VQ_SHARED float vq_s[HQ * TOKB];
   VQ_SHARED float vq_m[HQ];
   VQ_SHARED float vq_l[HQ];
-  for (int p0 = 0; p0 < HQ * NTOK; p0 += NW) {  // every warp the same trips: the sums are collective
+  for (int p0 = 0; blk == 0 && p0 < HQ * NTOK; p0 += NW) {  // every warp the same trips: the sums are collective
     const int p = p0 + (t >> 5);
     float part = 0.0f;
     bool ok = false;
@@ -1367,7 +1377,7 @@ KEPT_SETTLE = r"""
     if ((t & 31) == 0 && p < HQ * NTOK) vq_s[p] = ok ? part * scale : VQ_NEG_INF;
   }
   VQ_SYNC();
-  for (int hq = t; hq < HQ; hq += NT) {
+  for (int hq = t; blk == 0 && hq < HQ; hq += NT) {
     float m = VQ_NEG_INF;
     for (int j = 0; j < NTOK; ++j) m = VQ_MAXF(m, vq_s[hq * NTOK + j]);
     float l = 0.0f;
@@ -1376,7 +1386,7 @@ KEPT_SETTLE = r"""
     vq_l[hq] = l;
   }
   VQ_SYNC();
-  for (int b = t; b < W; b += NT) {
+  for (int b = t; blk == 0 && b < W; b += NT) {
     float share = 0.0f;
     for (int hq = 0; hq < HQ; ++hq) {
       const float sc = vq_s[hq * NTOK + NSK + b];
@@ -1386,7 +1396,7 @@ KEPT_SETTLE = r"""
   }
   const int filled = count[0];
   const bool fits = run[0] >= par[1] && filled < cap;
-  for (int i = t; i < H * C1 * D; i += NT) {
+  for (int i = blk * NT + t; i < H * C1 * D; i += NB * NT) {
     const int s = (i / D) % C1;
     if (fits && s == filled) {
       const size_t from = ((size_t)(i / (C1 * D)) * W + slot) * D + i % D;
@@ -1397,8 +1407,8 @@ KEPT_SETTLE = r"""
       kv_out[i] = kv[i];
     }
   }
-  for (int s = t; s < C1; s += NT) kpos_out[s] = (fits && s == filled) ? first : kpos[s];
-  if (t == 0) count_out[0] = filled + (fits ? 1 : 0);
+  for (int s = blk * NT + t; s < C1; s += NB * NT) kpos_out[s] = (fits && s == filled) ? first : kpos[s];
+  if (blk == 0 && t == 0) count_out[0] = filled + (fits ? 1 : 0);
 """
 
 
