@@ -11,7 +11,7 @@ from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, 
 from veloxquant_mlx import engine
 from veloxquant_mlx.batch import BatchCompressedKVCache
 from veloxquant_mlx.cache import CacheInputError
-from veloxquant_mlx.kept import EMPTY, MIN_TOKENS
+from veloxquant_mlx.kept import EMPTY, MIN_TOKENS, KeptTokens
 from veloxquant_mlx.rotating import CompressedRotatingKVCache
 
 SINKS, WINDOW, HEADS, QUERY_HEADS, DIM, N = 4, 8, 2, 4, 64, 160
@@ -281,3 +281,7 @@ def test_what_keep_attended_refuses():
         CompressedRotatingKVCache(config(), max_size=64)
     # not part of the codecs: the same codebooks and artifacts with or without it
     assert config(1.5).codec_key() == config(1.5).replace(options={"renorm": True}).codec_key()
+    # a whole number for the threshold, as a spec gives "keep_attended=2", is a threshold like 2.0
+    assert KeptTokens.for_config(config(2)).threshold == 2.0
+    with pytest.raises(TypeError, match="keep_attended"):
+        config("2")

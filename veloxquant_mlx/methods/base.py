@@ -168,7 +168,8 @@ class Method:
                 hint = (f"; {field_name} is a KVCacheConfig field (--{field_name.replace('_', '-')}), "
                         "not a method option" if field_name in _config_fields() else "")
                 raise ValueError(f"{cls.name} has no option {key!r} (options: {known}){hint}")
-            if not isinstance(value, accepted[key]) or (accepted[key] is float and isinstance(value, bool)):
+            numeric = accepted[key] is float and isinstance(value, int)  # a spec's "2" for a float option
+            if not (isinstance(value, accepted[key]) or numeric) or (accepted[key] is float and isinstance(value, bool)):
                 raise TypeError(
                     f"{cls.name} option {key!r} must be {accepted[key].__name__}, got {value!r}"
                 )
