@@ -618,9 +618,10 @@ class CompressedKVCache(_BaseCache):
         L = queries.shape[2]
         band = self.config.residual_length
         if self.incoming is not None:  # a "decode_store" kernel slides the window after this
-            if self.kept.decode_step_sliding(
-                    self.settings.backend, queries, scale, self.sink_keys, (self._window_keys, self._window_values, self.window_start),
-                    self.incoming[0], self._fp16_from(self.offset - 1), self.offset, self.sinks + self.encoded, band):
+            ring = (self._window_keys, self._window_values, self.window_start)
+            if self.kept.decode_step_sliding(self.settings.backend, queries, scale, self.sink_keys, ring,
+                                             self.incoming[0], self._fp16_from(self.offset - 1), self.offset,
+                                             self.sinks + self.encoded, band):
                 return
             self._enter_window()  # the shares do not line up (a cache just loaded or trimmed): slide op by op
         if L == 1 and self.just_encoded is not None and self.window and self.kept.decode_step(

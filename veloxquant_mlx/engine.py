@@ -399,16 +399,16 @@ def _kept_splits_fn(key_codec, value_codec, fields, kv_heads: int, scale: float,
 
 def kept_partials(key_codec, value_codec, fields, kv_heads: int, scale: float, queries: mx.array, key_bufs,
                   value_bufs, keys: mx.array, values: mx.array, slot_bias: mx.array, rows: mx.array,
-                  key_mean: Optional[mx.array], value_mean: Optional[mx.array], stored: Optional[mx.array] = None):
+                  key_mean: Optional[mx.array], value_mean: Optional[mx.array]):
     """Two splits over the kept tokens (`History.kept_slots`: keys, values, slot bias, code rows) for
     one decode query per head, in the codecs' value domain (values centred where the cache centres
     them): (o (BH, 2, REP, Dv), ml (BH, 2, REP, 2)).
 
     The first holds minus their codes' terms, scored as the partials scored them (a difference of
     sums of positive terms in fp32: a relative error of the order of the kept codes' share of the
-    codes' mass times fp32's epsilon), the second the tokens in fp16. `stored` (1,): only rows below
-    it have codes (a fused step stores the token it settles after this). `fields`: a `RowLayout`
-    (`key_bufs` [the store's rows]) or the (key, value) field names of `capacity_fields`."""
+    codes' mass times fp32's epsilon), the second the tokens in fp16. `fields`: a `RowLayout`
+    (`key_bufs` [the store's rows]) or the (key, value) field names of `capacity_fields`. (The kernel
+    back ends: `kernels.ops.kept_splits`, one kernel.)"""
     B, n_heads, _, dim = queries.shape
     rep = n_heads // kv_heads
     if isinstance(fields, RowLayout):
@@ -417,8 +417,7 @@ def kept_partials(key_codec, value_codec, fields, kv_heads: int, scale: float, q
         key_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[0], key_bufs)}
         value_fields = {n: mx.take(b, rows, axis=2) for n, b in zip(fields[1], value_bufs)}
     q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim)
-    code_bias = slot_bias if stored is None else mx.where(rows < stored, slot_bias, -mx.inf)
-    codes = key_codec.score(key_codec.to_domain(q), key_fields) + code_bias  # (B, H, REP, slots)
+    codes = key_codec.score(key_codec.to_domain(q), key_fields) + slot_bias  # (B, H, REP, slots)
     keys = keys.astype(mx.float32) - key_mean if key_mean is not None else keys.astype(mx.float32)
     fp16 = q @ keys.swapaxes(-1, -2) + slot_bias
     values = values.astype(mx.float32)
