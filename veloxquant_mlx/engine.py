@@ -83,12 +83,13 @@ class History:
         keys, values, _ = kept.held()
         return keys, values, kept.slot_bias(), kept.code_rows(first_code)
 
-    @property
-    def kept_whole(self) -> Tuple[mx.array, mx.array, mx.array, int]:
-        """(keys, values, positions, first code's position) of the kept slots as held, the spare one
-        (EMPTY, never read) included: what the kernels take (`kernels.ops.kept_splits`)."""
+    def kept_kernel_inputs(self) -> List[mx.array]:
+        """[keys, values, positions, meta] of the kept slots as held, the spare one (EMPTY, never read)
+        included, and meta = [stored rows, first code's position, rows' capacity, slots]: what
+        `kernels.ops.kept_splits` takes."""
         kept, first_code = self._kept
-        return kept.keys, kept.values, kept.positions, first_code
+        meta = small_array((self.count, first_code, self.store.rows.shape[2], kept.positions.shape[0]))
+        return [kept.keys, kept.values, kept.positions, meta]
 
     def kept_code_bias(self) -> mx.array:
         """(store capacity,) -inf added to the scores of the kept tokens' codes, 0 to the others."""

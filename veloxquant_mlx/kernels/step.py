@@ -120,8 +120,7 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
         # whether that token was kept (set in the step)]
         extra += (small_array((splits, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot, 0)),)
     if h.kept:
-        keys, values, positions, first_code = h.kept_whole
-        extra += ([keys, values, positions, small_array((h.count, first_code, rows.shape[2], positions.shape[0]))],)
+        extra += (h.kept_kernel_inputs(),)
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
     return fn(queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
