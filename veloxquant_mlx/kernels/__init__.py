@@ -204,9 +204,8 @@ def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
     o, ml, _ = ops.mse_partials(run, queries, h.key_codec, h.value_codec, h.store.rows, h.count, scale,
                                 chunk=chunk or h.settings.split_tokens, mma=step.uses_tensor_cores(h.settings.backend, h, queries))
     if h.kept:
-        o_kept, ml_kept, _ = ops.kept_splits(run, queries, h.store.rows, h.key_codec, h.value_codec,
-                                             *h.kept_kernel_inputs(), scale, h.key_mean, h.value_mean)
-        o, ml = mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1)
+        o, ml, _ = ops.kept_splits(run, o, ml, queries, h.store.rows, h.key_codec, h.value_codec,
+                                   *h.kept_kernel_inputs(), scale, h.key_mean, h.value_mean)
     return ops.merge(run, o, ml, h.value_codec, queries.shape, queries.dtype, plain=plain, value_mean=h.value_mean)
 
 

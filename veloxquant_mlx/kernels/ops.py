@@ -355,13 +355,16 @@ def merge_encode(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, keys
 
 # ---- tokens kept in fp16 past the window (`kept.py`) ---------------------------------------------
 
-def kept_splits(run: Runner, queries: mx.array, rows: mx.array, key_codec, value_codec, kept_keys: mx.array,
-                kept_values: mx.array, positions: mx.array, meta: mx.array, scale: float, key_mean=None,
-                value_mean=None, key_scale: Optional[mx.array] = None, slide: Optional[mx.array] = None):
-    """The two splits of `engine.kept_partials` in one kernel (`templates.KEPT_SPLITS`): (o (BH, 2, REP, D),
-    ml (BH, 2, REP, 2), slide meta with two more splits and [4] set where the token at row meta[0] is
-    kept). `kept_*` are the slots whole (spare included), `meta` int32 [stored rows, first coded
-    position, rows' capacity, slots]; `key_codec` the codes' (smoothed keys: the base's, `key_scale`)."""
+def kept_splits(run: Runner, o: mx.array, ml: mx.array, queries: mx.array, rows: mx.array, key_codec, value_codec,
+                kept_keys: mx.array, kept_values: mx.array, positions: mx.array, meta: mx.array, scale: float,
+                key_mean=None, value_mean=None, key_scale: Optional[mx.array] = None,
+                slide: Optional[mx.array] = None):
+    """The splits `o` (BH, S, REP, D), `ml` (BH, S, REP, 2) of a decode step that scored every stored
+    code with the two of `engine.kept_partials` after them, made in one kernel (`templates.KEPT_SPLITS`),
+    as `engine.kept_splits` makes them with MLX ops: (o, ml, slide meta with two more splits and [4]
+    set where the token at row meta[0] is kept, or None without `slide`). `kept_*` are the slots whole
+    (spare included), `meta` int32 [stored rows, first coded position, rows' capacity, slots];
+    `key_codec` the codes' (smoothed keys: the base's, `key_scale`)."""
     kc, vc = constants(key_codec), constants(value_codec)
     B, n_heads, _, dim = queries.shape
     kv_rows = rows.shape[0] * rows.shape[1]
@@ -369,12 +372,14 @@ def kept_splits(run: Runner, queries: mx.array, rows: mx.array, key_codec, value
     plan = launch.kept_splits_plan(kv_rows, n_heads // (kv_rows // B), dim, key_codec.bits, value_codec.bits,
                                    positions.shape[0], center=centered, x_dtype=launch.dtype_name(kept_keys.dtype),
                                    key_scale_heads=0 if key_scale is None else key_scale.shape[0])
-    return tuple(run(plan, [
+    o_kept, ml_kept, kept_slide = run(plan, [
         queries, rows, kc["centroids"], vc["centroids"], kc["signs"], vc["signs"], kept_keys, kept_values, positions,
         meta, small_array((float(scale),), mx.float32), key_mean if centered else _dummy(),
         value_mean if centered else _dummy(), _dummy() if key_scale is None else key_scale,
         small_array((0, 0, 0, 0, 0)) if slide is None else slide,
-    ]))
+    ])
+    return (mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1),
+            None if slide is None else kept_slide)
 
 
 def kept_settle(run: Runner, queries: mx.array, ring_keys: mx.array, ring_values: mx.array, entering_keys: mx.array,

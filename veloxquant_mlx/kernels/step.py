@@ -68,11 +68,8 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta, key_scale)
         if not kept:
             return o, ml, slide
-        o_kept, ml_kept, kept_slide = ops.kept_splits(run, queries, rows, key_codec, value_codec, *kept_inputs, scale,
-                                                      key_mean if centered else None, value_mean if centered else None,
-                                                      key_scale, slide)
-        o, ml = mx.concatenate([o, o_kept], axis=1), mx.concatenate([ml, ml_kept], axis=1)
-        return o, ml, None if slide is None else kept_slide
+        return ops.kept_splits(run, o, ml, queries, rows, key_codec, value_codec, *kept_inputs, scale,
+                               key_mean if centered else None, value_mean if centered else None, key_scale, slide)
 
     def attend(queries, rows, meta, key_mean, value_mean, key_scale, fp16, kept_inputs=()):
         o, ml, _ = partials(queries, rows, meta, key_mean, value_mean, key_scale, kept_inputs)
