@@ -46,6 +46,16 @@ def test_measured_bits_count_the_fp16_window(head64):
     assert a == pytest.approx(3.25, abs=0.01)
 
 
+def test_measured_bits_count_the_kept_slots(head64):
+    """A `keep_attended` cache allocates its slots as tokens settle, in attention calls: measured like a
+    prefill, its bits count them (8 a layer at 2K tokens, and the spare one)."""
+    windowed = KVCacheConfig.preset("vq4", residual_length=16)
+    kept = windowed.replace(options={**windowed.options, "keep_attended": 2.5})
+    a = measured_bits(windowed, head64, [2048])[2048]
+    b = measured_bits(kept, head64, [2048])[2048]
+    assert b - a == pytest.approx(9 * 16 / 2048, abs=0.005)
+
+
 def test_flags_take_presets_on_every_command():
     for command in (["generate"], ["chat"], ["serve"], ["cache-prompt", "--prompt-file", "x", "--out", "y.safetensors"],
                     ["precompute", "--out", "d"], ["demo"], ["calibrate", "--text", "t.txt", "--out", "d"]):

@@ -72,8 +72,9 @@ def measured_bits(config: KVCacheConfig, model, contexts, chunk: int = 512, seed
     """Bits per coordinate of `config`'s caches for `model` at each of `contexts` (token counts), from the bytes
     the held tokens take (`used_nbytes`: the store's spare capacity, which grows in steps, left out).
 
-    The caches are filled with random keys and values of the model's shapes, `chunk` tokens at a time as a
-    prefill would: byte counts depend on the token count, never on the values."""
+    The caches are filled with random keys and values of the model's shapes, `chunk` tokens at a time, each
+    chunk attended to by as many random queries as a prefill would: a `keep_attended` cache allocates its
+    slots as its tokens settle, in attention calls. Byte counts depend on the token count, never on the values."""
     import mlx.core as mx
 
     from .evaluation.kvlayout import kv_layout
@@ -87,10 +88,12 @@ def measured_bits(config: KVCacheConfig, model, contexts, chunk: int = 512, seed
         while held < target:
             step = min(chunk, target - held)
             for cache, (heads, key_dim, value_dim) in zip(caches, layout.layers):
-                key, k1, k2 = mx.random.split(key, 3)
+                key, k1, k2, k3 = mx.random.split(key, 4)
                 keys = mx.random.normal((1, heads, step, key_dim), key=k1).astype(mx.float16)
                 values = mx.random.normal((1, heads, step, value_dim), key=k2).astype(mx.float16)
-                mx.eval(cache.update_and_fetch(keys, values))
+                queries = mx.random.normal((1, heads, step, key_dim), key=k3).astype(mx.float16)
+                cache.update_and_fetch(keys, values)
+                mx.eval(cache.attend(queries, key_dim ** -0.5, mask="causal"))
             held += step
         used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
         bits[target] = layout.bits_per_coordinate(used, target)
