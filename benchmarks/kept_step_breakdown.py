@@ -12,8 +12,9 @@ next step). Rows, each with fresh caches: `vq4`, `vq4` with a 24-token window, t
 `keep_attended=3.33` (on a GPU: the fused step slides the window, the settling one compiled graph
 before it, `KeptTokens.decode_step_sliding`), then the same with (a) the window slid op by op and
 the step on the "decode" paths (`KeptTokens.decode_step`, `mse_kernel_step`), (b) the settling
-stubbed out (nothing settles after the prefill; the fused step still reads the kept slots). The
-stubbed row gives wrong attention: it measures cost only. First, a check that the fused step and
+stubbed out (nothing settles after the prefill; the fused step still reads the kept slots), (c) the
+`kept_splits` kernel replaced by two empty splits (`--first 6`). The stubbed rows give wrong
+attention: they measure cost only. First, a check that the fused step and
 (a) agree (`agreement`: outputs and kept positions over 64 decode steps of one layer).
 """
 
@@ -32,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from veloxquant_mlx import CompressedKVCache, KVCacheConfig  # noqa: E402
 from veloxquant_mlx import cache as cache_module  # noqa: E402
 from veloxquant_mlx import kept as kept_module  # noqa: E402
+from veloxquant_mlx.kernels import ops as kernel_ops  # noqa: E402
+from veloxquant_mlx.kernels import step as kernel_step  # noqa: E402
 
 HEADS, QUERY_HEADS, DIM, STEPS, WARM = 8, 32, 128, 40, 8
 VQ4 = KVCacheConfig.preset("vq4")
@@ -136,6 +139,22 @@ def rows(layers: int, context: int, first: int = 5) -> list:
         kept_module.KeptTokens.decode_step_sliding = lambda self, *args: True
         out.append(timed("(b) kept, fused step, no settling (the prefill's kept slots)", layers, context, KEEP))
         kept_module.KeptTokens.decode_step_sliding = sliding
+    if first >= 6:
+        splits = kernel_ops.kept_splits
+
+        def empty_splits(run, o, ml, *args):  # two splits of nothing (l = 0), made by two MLX ops
+            extra = mx.zeros((o.shape[0], 2, *o.shape[2:]), o.dtype)
+            return (mx.concatenate([o, extra], axis=1), mx.concatenate([ml, mx.zeros((*extra.shape[:3], 2))], axis=1),
+                    args[-1])
+
+        kernel_ops.kept_splits = empty_splits
+        kernel_step._step_fn.cache_clear()  # the compiled steps traced the kernel: trace them again
+        try:
+            out.append(timed("(c) kept, fused step, the kept_splits kernel replaced by two empty splits", layers,
+                             context, KEEP))
+        finally:
+            kernel_ops.kept_splits = splits
+            kernel_step._step_fn.cache_clear()
     return out
 
 
@@ -162,7 +181,7 @@ def main():
     parser.add_argument("--render", type=Path)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--context", type=int, default=4096)
-    parser.add_argument("--first", type=int, default=5, help="run the first N rows only (2: vq4 and keep_attended)")
+    parser.add_argument("--first", type=int, default=6, help="run the first N rows only (2: vq4 and keep_attended; 6: every row)")
     args = parser.parse_args()
     if args.render:
         return render(args.render)
