@@ -17,6 +17,8 @@ from .methods import available_methods, get_method, register_method
 from .models import load_model
 from .settings import EngineSettings
 from . import kernels  # noqa: E402,F401  (registers the kernels' attention paths with the engine)
+from . import kernel_cases  # noqa: E402,F401  (registers the kernels' first-use checks, which fill caches)
+from . import presets  # noqa: E402,F401  (registers the preset names `KVCacheConfig.preset` resolves)
 
 __version__ = "0.1.0"
 

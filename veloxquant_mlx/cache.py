@@ -50,8 +50,9 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import engine
-from .artifacts import CodecSet, checksums, metadata_digest, verify_checksums
 from .attention import Segment
+from .checksums import checksums, metadata_digest, verify_checksums
+from .codec_set import CodecSet
 from .config import KVCacheConfig
 from .kept import KeptTokens, window_shares
 from .methods.base import at_positions
@@ -415,6 +416,12 @@ class CompressedKVCache(_BaseCache):
 
     def history(self):
         return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
+
+    def attention_history(self) -> engine.History:
+        """The read-only view the engine's and kernels' attention paths read, with every pending
+        token stored first (`flush`)."""
+        self.flush()
+        return self._history()
 
     def _history(self, pending=None, slide: bool = False) -> engine.History:
         """The read-only view attention paths get; with `slide`, `pending` is the token that

@@ -8,7 +8,9 @@ import functools
 import json
 import os
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
+
+from .method_registry import get_method
 
 # Keyword spellings of published code, accepted as their KVCacheConfig names: TurboQuant
 # examples (algorithm, bit_width_inlier), KIVI's (k_bits, v_bits, kivi_group_size) and
@@ -22,6 +24,16 @@ ALIASES = {
     "kivi_group_size": "group_size",
     "kv_group_size": "group_size",
 }
+
+
+# Resolves a preset's name to its config: `presets.py` registers it (`register_presets`), so that
+# this ground module never imports the layer that holds the table.
+_PRESETS: Optional[Callable[..., "KVCacheConfig"]] = None
+
+
+def register_presets(resolver: Callable[..., "KVCacheConfig"]) -> None:
+    global _PRESETS
+    _PRESETS = resolver
 
 
 # Options the cache applies, not the codecs (`kept.py`): no part of what an artifact dir holds.
@@ -90,16 +102,14 @@ class KVCacheConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
-        from .methods import get_method
-
         get_method(self.method).validate(self)
 
     @classmethod
     def preset(cls, name: str, **changes) -> "KVCacheConfig":
         """A named configuration (`vq4`, `vq3`, `vq2`: see `veloxquant_mlx/presets.py`) with `changes` on top."""
-        from .presets import preset_config
-
-        return preset_config(name, **changes)
+        if _PRESETS is None:
+            raise RuntimeError("no presets are registered: import veloxquant_mlx (presets.py registers them)")
+        return _PRESETS(name, **changes)
 
     def replace(self, **changes) -> "KVCacheConfig":
         """A copy with `changes`. A new `bits` (or `bit_width_inlier`) also sets `value_bits`
@@ -127,8 +137,6 @@ class KVCacheConfig:
         all an artifact dir holds: sinks, the fp16 window and centering act in the cache, the
         group size only in codecs without constant arrays (KIVI's, QJL's values), and options a
         method lists in `encode_options` (e.g. `renorm`) at encode time."""
-        from .methods import get_method
-
         method = get_method(self.method)
         options = {k: v for k, v in self.options.items() if k not in method.encode_options | CACHE_OPTIONS}
         return {"method": self.method, "bits": self.bits, "value_bits": self.value_bits,
@@ -137,8 +145,6 @@ class KVCacheConfig:
     def describe(self) -> str:
         """A short label naming every setting that changes the codes (the defaults' group
         size and seed left out), so that two configs that encode differently never read the same."""
-        from .methods import get_method
-
         method = get_method(self.method)
         text = f"{self.method} {method.widths_label(self)}"
         if self.sink_tokens:

@@ -32,7 +32,7 @@ def run_demo(args) -> None:
 
     from .cli import config_for_model, config_from_args
     from .evaluation.data import load_text, tokenize_prefix
-    from .evaluation.kvlayout import kv_layout
+    from .kvlayout import kv_layout
     from .evaluation.perplexity import evaluate_perplexity, make_windows
     from .evaluation.specs import VELOXQUANT, MethodSpec, parse_method_spec
     from .integration import KVCacheBuilder

@@ -25,12 +25,9 @@ from .batch import BatchCompressedKVCache
 from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
 from .config import KVCacheConfig, follow_bits
+from .errors import UnsupportedModelError
 from .methods import get_method
 from .rotating import CompressedRotatingKVCache
-
-
-class UnsupportedModelError(ValueError):
-    pass
 
 
 _original_sdpa = mlx_base.scaled_dot_product_attention

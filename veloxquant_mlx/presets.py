@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from .config import KVCacheConfig
+from .config import KVCacheConfig, register_presets
 
 # Every preset: 4 fp16 sink tokens, a short fp16 window of the newest tokens, centred keys and values,
 # TurboQuant-MSE's `renorm` for keys (norms rescaled so the decoded key keeps the true norm) and
@@ -50,6 +50,9 @@ def preset_config(name: str, **changes) -> KVCacheConfig:
     return KVCacheConfig(**fields)
 
 
+register_presets(preset_config)
+
+
 def qk_norm_hint(name, config: KVCacheConfig, model) -> "str | None":
     """A line for a user who picked preset `name` for a model whose attention normalises its keys (Gemma 3,
     Qwen3, ...) without smoothed keys, which such models need (docs/calibrated.md). The presets do not add them
@@ -77,7 +80,7 @@ def measured_bits(config: KVCacheConfig, model, contexts, chunk: int = 512, seed
     slots as its tokens settle, in attention calls. Byte counts depend on the token count, never on the values."""
     import mlx.core as mx
 
-    from .evaluation.kvlayout import kv_layout
+    from .kvlayout import kv_layout
     from .integration import KVCacheBuilder
 
     layout = kv_layout(model)

@@ -31,7 +31,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
-from .artifacts import CodecSet
+from .codec_set import CodecSet
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 from .methods import get_method

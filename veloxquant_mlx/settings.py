@@ -24,7 +24,7 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -112,16 +112,30 @@ class EngineSettings:
         return cls(backend=backend, **explicit)
 
 
+# Whether the C++ CPU kernels (veloxquant_mlx._native) load: `kernels/native.py` registers its
+# probe (`register_native_probe`), so that this ground module never imports the kernels.
+_NATIVE_PROBE: Optional[Callable[[], bool]] = None
+
+
+def register_native_probe(probe: Callable[[], bool]) -> None:
+    global _NATIVE_PROBE
+    _NATIVE_PROBE = probe
+
+
+def _native_available() -> bool:
+    if _NATIVE_PROBE is None:
+        raise RuntimeError("no CPU kernel probe is registered: import veloxquant_mlx (kernels/native.py registers it)")
+    return _NATIVE_PROBE()
+
+
 @functools.lru_cache(maxsize=32)
 def detect_backend(forced: str, metal_kernels: bool, device) -> str:
     """The fastest back end for `device`: `forced` is VELOXQUANT_KERNELS (or "")."""
-    from .kernels import native
-
     if forced in ("portable", "off", "generic", "0", "none"):
         return "portable"
     if forced == "emulator":
         return "emulator"
-    if forced == "native" and not native.available():
+    if forced == "native" and not _native_available():
         raise RuntimeError("VELOXQUANT_KERNELS=native, but veloxquant_mlx._native was not built "
                            "(scripts/build_native.sh)")
     try:
@@ -129,7 +143,7 @@ def detect_backend(forced: str, metal_kernels: bool, device) -> str:
     except Exception:  # pragma: no cover
         on_gpu = False
     if not on_gpu:
-        if native.available():
+        if _native_available():
             return "native"
         warnings.warn("veloxquant_mlx: the C++ CPU kernels (veloxquant_mlx._native) are not built, so "
                       "turboquant_mse and KIVI decode on the CPU through the portable MLX-ops path (slower). "

@@ -22,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .kvlayout import KVLayout, cache_arrays, cache_bytes, cache_tokens
+from ..kvlayout import KVLayout, cache_arrays, cache_bytes, cache_tokens
 from .results import error_text, finite
 from .specs import MethodSpec
 from .watchdog import STOPPED_BY_GUARD, MemoryGuard, MemoryGuardTriggered, release_memory

@@ -59,7 +59,7 @@ def _saver(out_dir, results):
 
 def run_ppl(args) -> None:
     from .data import load_text, tokenize_prefix
-    from .kvlayout import kv_layout
+    from ..kvlayout import kv_layout
     from .perplexity import evaluate_perplexity, make_windows
     from .results import model_record, new_results
     from .specs import calibrated_for
@@ -95,7 +95,7 @@ def run_ppl(args) -> None:
 
 def run_needle(args) -> None:
     from .data import load_text, tokenize_prefix
-    from .kvlayout import kv_layout
+    from ..kvlayout import kv_layout
     from .needle import evaluate_needle, make_cases, parse_depths, parse_lengths
     from .results import model_record, new_results
     from .specs import calibrated_for
@@ -188,7 +188,7 @@ def _first_use_check() -> float:
 
 def run_benchmark_command(args) -> None:
     from .benchmark import run_benchmark
-    from .kvlayout import kv_layout
+    from ..kvlayout import kv_layout
     from .needle import parse_lengths
     from .results import model_record, new_results
     from .specs import calibrated_for

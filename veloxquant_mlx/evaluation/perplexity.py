@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from .kvlayout import KVLayout, cache_bytes, cache_tokens
+from ..kvlayout import KVLayout, cache_bytes, cache_tokens
 from .results import error_text, finite
 from .specs import MethodSpec, with_fp16_first
 from .watchdog import STOPPED_BY_GUARD, MemoryGuard, MemoryGuardTriggered, release_memory

@@ -24,26 +24,21 @@ from __future__ import annotations
 
 import threading
 import warnings
+from typing import Callable, Optional
 
 CHECKED_BACKENDS = ("cuda", "metal")
 # The formats' own kernels are checked at first use on Metal, where no session has run them (no Mac);
 # on CUDA the self-test checks every format's kernels on each device session (docs/engine.md), and
 # the first-use check's extra compiles were not measured there.
 FORMAT_CHECKED_BACKENDS = ("metal",)
+# (name, job) of a back end's first-use check: `kernel_cases.py` registers them
+# (`register_first_use_jobs`), since they fill whole caches, a layer above the kernels.
+_FIRST_USE_JOBS: Optional[Callable[[str], list]] = None
+# On a GPU, MLX runs float32 matmuls and SDPA at TF32 precision unless MLX_ENABLE_TF32=0.
+TF32_TOLERANCE = 2e-3
 _VERDICTS = {}
 _LOCK = threading.RLock()
 _RUNNING = set()
-
-
-def _cases():
-    from .selftest import Case
-
-    return [
-        Case("check_decode", 128, 3, 4, 4, tokens=300, dtype="float16", seed=21),
-        Case("check_window_center", 64, 4, 3, 2, tokens=200, seed=22,
-             options={"residual_length": 8, "sink_tokens": 2, "center": True}),
-        Case("check_prefill", 128, 3, 4, 4, tokens=300, queries=8, dtype="float16", seed=23),
-    ]
 
 
 _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_partial + merge (fp16 partial)",
@@ -53,24 +48,6 @@ _KERNELS = {"check_decode": "mse_partial + merge", "check_window_center": "mse_p
 
 
 DEQUANT_TOLERANCE = 1e-5  # the dequant kernel against the codecs' decode, relative (float32, same maths)
-
-
-def _dequant_record(backend: str) -> dict:
-    """The formats' dequant kernel (`dequant.py`) against the codecs' MLX decode: a row format
-    (turboquant_rvq) and a field format with per-block fields (kivi)."""
-    import mlx.core as mx
-
-    from ..cache import CompressedKVCache
-    from ..config import KVCacheConfig
-    from ..settings import EngineSettings
-
-    worst = 0.0
-    for config in (KVCacheConfig(method="turboquant_rvq", bits=3), KVCacheConfig(method="kivi", bits=3, group_size=32)):
-        cache = CompressedKVCache(config, settings=EngineSettings.resolve(backend="portable"))
-        k = mx.random.normal((1, 2, 96, 128), key=mx.random.key(5))
-        cache.update_and_fetch(k, mx.sin(k))
-        worst = max(worst, dequant_error(backend, cache.store, cache.key_codec, cache.value_codec, cache.encoded))
-    return {"vs_codec_decode": worst, "status": "ok" if worst <= DEQUANT_TOLERANCE else "FAIL"}
 
 
 # ---- what the first-use checks and the self-test compare (kernels against the MLX-ops maths) ----
@@ -119,7 +96,6 @@ def partial_tolerance(backend: str) -> float:
     import os
 
     from . import partial
-    from .selftest import TF32_TOLERANCE
 
     if backend in ("cuda", "metal") and os.environ.get("MLX_ENABLE_TF32", "1") != "0":
         return max(partial.CHECK_TOLERANCE, TF32_TOLERANCE)  # a dense query map is an MLX matmul there
@@ -151,6 +127,11 @@ def encode_ok(agreement) -> bool:
     return same and equal >= encode.CHECK_MIN_EQUAL and half_error <= encode.CHECK_HALF_ERROR
 
 
+def register_first_use_jobs(jobs: Callable[[str], list]) -> None:
+    global _FIRST_USE_JOBS
+    _FIRST_USE_JOBS = jobs
+
+
 def usable(backend: str) -> bool:
     if backend not in CHECKED_BACKENDS:
         return True
@@ -173,13 +154,10 @@ def _decided(key, decide) -> bool:
 
 
 def _run(backend: str) -> bool:
-    from . import encode, partial, selftest
-
-    jobs = [("encode", lambda: selftest.run_encode(backend, 128, 3, 128, 4, "norm", tokens=8)),
-            ("format_encode", lambda: encode.check_record(backend, encode.CHECK_FORMATS[:1])),
-            ("dequant", lambda: _dequant_record(backend)), ("partial", lambda: partial.check_record(backend)),
-            ("fused", lambda: selftest.run_fused(backend))]
-    jobs += [(case.name, lambda case=case: selftest.run_case(case, backend)) for case in _cases()]
+    if _FIRST_USE_JOBS is None:
+        raise RuntimeError("no first-use kernel checks are registered: import veloxquant_mlx "
+                           "(kernel_cases.py registers them)")
+    jobs = _FIRST_USE_JOBS(backend)
     failures = _failures(jobs)
     if failures:
         from .. import engine

@@ -16,6 +16,7 @@ import warnings
 
 import mlx.core as mx
 
+from ..settings import register_native_probe
 from ..storage import FieldStore
 from . import ops, portable
 
@@ -43,6 +44,9 @@ def module():
 
 def available() -> bool:
     return module() is not None
+
+
+register_native_probe(lambda: available())  # looked up when called, so that tests can replace `available`
 
 
 @functools.lru_cache(maxsize=1)

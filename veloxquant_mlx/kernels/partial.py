@@ -507,29 +507,3 @@ CHECK_METHODS = (
     {"method": "turboquant_rvq", "bits": 2},  # a row store
     {"method": "qjl", "bits": 3, "sink_tokens": 2, "residual_length": 8},  # a non-orthogonal key domain, fp16 partial
 )
-
-
-def check_record(backend: str) -> dict:
-    """The partial kernel of `backend` against the engine's MLX-ops decode (`compiled_decode`
-    uncompiled, on the CPU) on three formats, GQA 3, with chunks of one tile: the first-use check and the
-    self-test run it."""
-    from ..cache import CompressedKVCache
-    from ..config import KVCacheConfig
-    from ..settings import EngineSettings
-
-    worst = 0.0
-    for i, options in enumerate(CHECK_METHODS):
-        cache = CompressedKVCache(KVCacheConfig(**options), settings=EngineSettings.resolve(backend="portable"))
-        keys = mx.random.normal((1, 2, 300, 128), key=mx.random.key(40 + i)) + 0.25
-        cache.update_and_fetch(keys, mx.cos(keys))
-        cache.flush()
-        queries = mx.random.normal((1, 6, 1, 128), key=mx.random.key(50 + i))
-        h = cache._history()
-        with mx.stream(mx.cpu):  # full float32 (MLX's GPU matmuls run at TF32 by default)
-            ref = engine.compiled_decode(h, queries, 128 ** -0.5, compiled=False)
-            mx.eval(ref)
-        h.settings = h.settings.replace(backend=backend)
-        out = decode(h, queries, 128 ** -0.5, chunk=THREADS)
-        worst = max(worst, float(mx.max(mx.abs(out - ref))) / max(float(mx.max(mx.abs(ref))), 1e-30))
-    return {"case": "format_partial", "backend": backend, "vs_compiled_decode": worst,
-            "status": "ok" if worst <= CHECK_TOLERANCE else "FAIL"}

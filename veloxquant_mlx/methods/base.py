@@ -17,11 +17,12 @@ tokens.
 
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Dict, Optional
+from typing import ClassVar, Dict, Optional
 
 import mlx.core as mx
 
 from ..formats import Format
+from ..method_registry import available_methods, get_method, register_method  # noqa: F401  (re-exported)
 
 Fields = Dict[str, mx.array]
 Params = Dict[str, mx.array]
@@ -248,29 +249,3 @@ def _config_fields():
     from ..config import KVCacheConfig
 
     return {f.name for f in dataclasses.fields(KVCacheConfig)}
-
-
-_REGISTRY: Dict[str, type] = {}
-
-
-def register_method(name: str) -> Callable[[type], type]:
-    def register(cls):
-        if name in _REGISTRY:
-            raise ValueError(f"method {name!r} is already registered")
-        cls.name = name
-        _REGISTRY[name] = cls
-        return cls
-
-    return register
-
-
-def get_method(name: str) -> type:
-    try:
-        return _REGISTRY[name]
-    except KeyError:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ValueError(f"unknown KV cache method {name!r}; known methods: {known}") from None
-
-
-def available_methods() -> Dict[str, type]:
-    return dict(sorted(_REGISTRY.items()))

@@ -41,6 +41,7 @@ from typing import List, Optional
 
 import mlx.core as mx
 
+from ..errors import UnsupportedModelError
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
 from .base import POSITIONS, Codec, Method, register_method
@@ -305,8 +306,6 @@ def learn_codebook(keys: mx.array, positions: mx.array, inv_freq: mx.array, trad
 # ---- the model's RoPE ---------------------------------------------------------------------------
 
 def _unsupported(message: str):
-    from ..integration import UnsupportedModelError
-
     return UnsupportedModelError(message)
 
 
