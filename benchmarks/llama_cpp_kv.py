@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from veloxquant_mlx.evaluation.data import load_text, tokenize_prefix
+from veloxquant_mlx.texts import load_text, tokenize_prefix
 from veloxquant_mlx.models import gemma3_gguf_path, smollm2_gguf_path
 
 # ggml block layouts: (bytes per block, values per block)

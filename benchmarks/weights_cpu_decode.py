@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mlx_lm.models.cache import make_prompt_cache  # noqa: E402
 
 from veloxquant_mlx.evaluation.benchmark import decode  # noqa: E402
-from veloxquant_mlx.evaluation.data import load_text, sample_text_path, tokenize_prefix  # noqa: E402
+from veloxquant_mlx.texts import load_text, sample_text_path, tokenize_prefix  # noqa: E402
 from veloxquant_mlx.models import load_model  # noqa: E402
 from veloxquant_mlx.weights import quantize_model  # noqa: E402
 

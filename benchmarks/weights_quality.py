@@ -27,7 +27,7 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 
-from veloxquant_mlx.evaluation.data import load_text, tokenize_prefix
+from veloxquant_mlx.texts import load_text, tokenize_prefix
 from veloxquant_mlx.models import load_model
 from veloxquant_mlx.weights import GroupAffineLinear, QuantizedLinear, RotatingRMSNorm, StructuredRotation, quantize_model
 from veloxquant_mlx.weights import model as weights_model

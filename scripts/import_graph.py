@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS = {
     # 1. ground
     "config": 1, "settings": 1, "packing": 1, "rotations": 1, "codebooks": 1, "formats": 1,
-    "attention": 1, "errors": 1, "method_registry": 1, "checksums": 1,
+    "attention": 1, "errors": 1, "method_registry": 1, "checksums": 1, "texts": 1,
     # 2. methods
     "methods": 2,
     # 3. storage and engine with kernels
@@ -27,7 +27,7 @@ LAYERS = {
     # 4. cache, batch and rotating
     "cache": 4, "batch": 4, "rotating": 4, "kernel_cases": 4,
     # 5. integration, artifacts, calibration, presets
-    "integration": 5, "artifacts": 5, "calibration": 5, "presets": 5, "prompt_cache": 5, "kvlayout": 5,
+    "integration": 5, "attention_hook": 5, "artifacts": 5, "calibration": 5, "presets": 5, "prompt_cache": 5, "kvlayout": 5,
     # 6. models and weights
     "models": 6, "gguf": 6, "weights": 6,
     # 7. faces

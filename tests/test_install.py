@@ -12,7 +12,7 @@ import pytest
 
 import veloxquant_mlx
 from veloxquant_mlx.cli import main
-from veloxquant_mlx.evaluation.data import load_text, sample_text_path
+from veloxquant_mlx.texts import load_text, sample_text_path
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -47,7 +47,7 @@ def test_demo_checks_its_text_before_loading_the_model(monkeypatch, tmp_path, ca
     monkeypatch.setattr(models, "load_model", no_model)
     assert main(["demo", "--text", str(tmp_path / "missing.txt")]) == 2
     assert "missing.txt" in capsys.readouterr().err
-    monkeypatch.setattr("veloxquant_mlx.evaluation.data.SAMPLE_TEXT", tmp_path / "gone.txt")
+    monkeypatch.setattr("veloxquant_mlx.texts.SAMPLE_TEXT", tmp_path / "gone.txt")
     assert main(["demo"]) == 2
     assert "packaged sample text" in capsys.readouterr().err
 

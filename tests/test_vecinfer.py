@@ -289,7 +289,7 @@ def test_coherent_generation_on_smollm2(tmp_path):
 
     from veloxquant_mlx.calibration import calibration_tokens
     from veloxquant_mlx.models import load_model
-    from veloxquant_mlx.evaluation.data import SAMPLE_TEXT
+    from veloxquant_mlx.texts import SAMPLE_TEXT
 
     model, tokenizer = load_model("smollm2")
     config = KVCacheConfig(method="vecinfer", bits=2)

@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 import mlx.core as mx
 
+from .attention_hook import attention_cache, base_caches
 from .checksums import checksums, metadata_digest, tensor_checksum, verify_checksums  # noqa: F401  (re-exported)
 from .codec_set import (  # noqa: F401  (re-exported: where callers have always imported them)
     ARTIFACT_ARRAYS, ARTIFACT_FORMAT, ARTIFACT_JSON, ArtifactError, CodecSet, load_artifact_dir, load_artifacts,
@@ -23,9 +24,6 @@ from .codec_set import (  # noqa: F401  (re-exported: where callers have always 
 def layer_shapes(model) -> List[Tuple[int, int, int]]:
     """(kv_heads, key_dim, value_dim) of each attention layer (sliding-window ones included), read
     off a one-token forward; None for a layer without attention."""
-    from .calibration import attention_cache
-    from .integration import base_caches
-
     caches = base_caches(model)
     model(mx.array([[0]]), cache=caches)
     shapes = []

@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence
 import mlx.core as mx
 
 from .artifacts import precompute
+from .attention_hook import (  # noqa: F401  (attention_cache re-exported)
+    _original_sdpa, attention_cache, base_caches, scaled_dot_product_attention)
 from .methods import get_method
 from .methods.outliers import OUTLIER_PREFIX, top_channels
 
@@ -34,16 +36,14 @@ CALIBRATION_TOKENS = 512
 @contextlib.contextmanager
 def _recording(records: Dict[int, list]):
     """Route every loaded mlx-lm model module's attention through a recorder (keyed by cache)."""
-    from . import integration
-
     originals = {}
 
     def recorder(queries, keys, values, cache, scale, mask, sinks=None):
         if cache is not None and id(cache) in records:
             records[id(cache)].append((queries, keys, values))
-        return integration._original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
-    hooks = (integration._original_sdpa, integration.scaled_dot_product_attention)
+    hooks = (_original_sdpa, scaled_dot_product_attention)
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) in hooks:
             originals[module] = module.scaled_dot_product_attention
@@ -67,22 +67,12 @@ def calibration_tokens(tokenizer, text: str, sequences: int = CALIBRATION_SEQUEN
     return [mx.array(ids[i * length : (i + 1) * length]) for i in range(count)]
 
 
-def attention_cache(cache) -> bool:
-    """Whether a model's own cache belongs to an attention layer that VeloxQuant compresses
-    (`integration.compressed_caches`: mlx-lm's KVCache, or RotatingKVCache for a sliding window)."""
-    from mlx_lm.models.cache import KVCache, RotatingKVCache
-
-    return type(cache) in (KVCache, RotatingKVCache)
-
-
 def capture(model, sequences: Sequence[mx.array], progress: bool = True) -> List[Optional[Dict[str, mx.array]]]:
     """Per layer: float32 "queries" (Hq, N, D), "keys" (H, N, D), "values" (H, N, Dv) over all
     sequences (N = their total length) and each token's "positions" (N,) in its sequence; None
     for layers without attention. A sliding-window layer (mlx-lm's RotatingKVCache) is captured
     whole: one forward's attention call gets every key of the sequence, as a full layer's does."""
     from tqdm import tqdm
-
-    from .integration import base_caches
 
     per_layer: List[List[tuple]] = []
     kinds: List[bool] = []
@@ -257,36 +247,3 @@ def ensure_calibrated(config, model, tokenizer=None, progress: bool = True):
             if not (out / ARTIFACT_JSON).exists():  # another process kept its own first: use that
                 raise
     return resolved
-
-
-def run_calibrate(args) -> None:
-    from .cli import config_from_args
-    from .models import load_model
-
-    config = config_from_args(args)
-    if config.artifact_dir == AUTO:  # a first-use config: calibrated here into --out instead
-        config = config.replace(artifact_dir=None)
-    if config.artifact_dir is not None:
-        raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")
-    model, tokenizer = load_model(args.model)
-    text = Path(args.text).read_text()
-    sequences = calibration_tokens(tokenizer, text, args.sequences, args.tokens, args.skip_tokens)
-    record = calibrate(model, config, sequences, args.out, source=str(args.text), progress=not args.no_progress)
-    print(f"calibrated {config.describe()} for {args.model} on {record['tokens']} tokens "
-          f"({record['sequences']} sequences) in {record['seconds']:.1f} s; wrote {args.out}")
-    if args.verbose:
-        print(json.dumps(record, indent=2))
-
-
-def register_cli(sub, add_cache_arguments, default_model: str) -> None:
-    cal = sub.add_parser("calibrate", help="learn a calibrated method's per-layer params from real text")
-    cal.add_argument("--model", default=default_model)
-    cal.add_argument("--text", required=True, help="text file to calibrate on")
-    cal.add_argument("--out", required=True, help="artifact directory to write")
-    cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
-    cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
-    cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")
-    cal.add_argument("--no-progress", action="store_true")
-    cal.add_argument("--verbose", action="store_true", help="print the calibration record")
-    add_cache_arguments(cal)
-    cal.set_defaults(func=run_calibrate)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "turboquant_mse") -> None:
@@ -371,10 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_arguments(demo)
     demo.set_defaults(func=run_demo)
 
-    from . import calibration, gguf, planning
+    from . import gguf, planning
     from .evaluation import register_cli as register_evaluation
 
-    calibration.register_cli(sub, add_cache_arguments, DEFAULT_MODEL)
+    add_calibrate_command(sub, DEFAULT_MODEL)
     planning.register_cli(sub, DEFAULT_MODEL)
     from .weights.cli import register_cli as register_weights
 
@@ -382,6 +384,41 @@ def build_parser() -> argparse.ArgumentParser:
     register_evaluation(sub)
     register_weights(sub)
     return parser
+
+
+def run_calibrate(args) -> None:
+    from .calibration import AUTO, calibrate, calibration_tokens
+    from .models import load_model
+
+    config = config_from_args(args)
+    if config.artifact_dir == AUTO:  # a first-use config: calibrated here into --out instead
+        config = config.replace(artifact_dir=None)
+    if config.artifact_dir is not None:
+        raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")
+    model, tokenizer = load_model(args.model)
+    text = Path(args.text).read_text()
+    sequences = calibration_tokens(tokenizer, text, args.sequences, args.tokens, args.skip_tokens)
+    record = calibrate(model, config, sequences, args.out, source=str(args.text), progress=not args.no_progress)
+    print(f"calibrated {config.describe()} for {args.model} on {record['tokens']} tokens "
+          f"({record['sequences']} sequences) in {record['seconds']:.1f} s; wrote {args.out}")
+    if args.verbose:
+        print(json.dumps(record, indent=2))
+
+
+def add_calibrate_command(sub, default_model: str) -> None:
+    from .calibration import CALIBRATION_SEQUENCES, CALIBRATION_TOKENS
+
+    cal = sub.add_parser("calibrate", help="learn a calibrated method's per-layer params from real text")
+    cal.add_argument("--model", default=default_model)
+    cal.add_argument("--text", required=True, help="text file to calibrate on")
+    cal.add_argument("--out", required=True, help="artifact directory to write")
+    cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
+    cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
+    cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")
+    cal.add_argument("--no-progress", action="store_true")
+    cal.add_argument("--verbose", action="store_true", help="print the calibration record")
+    add_cache_arguments(cal)
+    cal.set_defaults(func=run_calibrate)
 
 
 # What a user's input can raise (bad values, files missing, unreadable or in the way): reported

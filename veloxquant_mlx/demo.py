@@ -14,7 +14,7 @@ from pathlib import Path
 
 def demo_text_path(text=None) -> Path:
     """The text the demo scores: `--text FILE` or the packaged sample; checked before the model loads."""
-    from .evaluation.data import sample_text_path
+    from .texts import sample_text_path
 
     if text is None:
         return sample_text_path()
@@ -31,7 +31,7 @@ def run_demo(args) -> None:
     from mlx_lm import stream_generate
 
     from .cli import config_for_model, config_from_args
-    from .evaluation.data import load_text, tokenize_prefix
+    from .texts import load_text, tokenize_prefix
     from .kvlayout import kv_layout
     from .evaluation.perplexity import evaluate_perplexity, make_windows
     from .evaluation.specs import VELOXQUANT, MethodSpec, parse_method_spec

@@ -1,75 +1,27 @@
-"""Plugging compressed caches into mlx-lm.
-
-mlx-lm models call `update_and_fetch` on their cache, then the shared
-`mlx_lm.models.base.scaled_dot_product_attention`. We route that function to
-`CompressedKVCache.attend` when the cache is ours and leave every other cache
-untouched. Model modules import the function by name, so the hook is installed
-in each loaded `mlx_lm.models.*` module; a model whose module does not use the
-shared function is refused with a clear error instead of crashing inside.
+"""Plugging compressed caches into mlx-lm: one cache per attention layer (`KVCacheBuilder`,
+`compressed_caches`), patching a model, and prompt cache files. The attention hook that routes
+mlx-lm's shared attention to these caches is `attention_hook.py`.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from typing import List, Optional
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
+from .attention_hook import (  # noqa: F401  (re-exported)
+    _original_sdpa, base_caches, install_attention_hook, scaled_dot_product_attention)
 from .settings import EngineSettings
-from .batch import BatchCompressedKVCache
 from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
 from .config import KVCacheConfig, follow_bits
 from .errors import UnsupportedModelError
 from .methods import get_method
 from .rotating import CompressedRotatingKVCache
-
-
-_original_sdpa = mlx_base.scaled_dot_product_attention
-
-
-def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)):
-        if sinks is not None:
-            raise UnsupportedModelError(
-                "this model uses learned attention sinks, which VeloxQuant caches do not support"
-            )
-        return cache.attend(queries, scale=scale, mask=mask)
-    return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-# mlx-lm's load_prompt_cache finds cache classes by name in its own module: known from import on.
-mlx_cache.CompressedKVCache = CompressedKVCache
-mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
-
-
-def install_attention_hook(model=None) -> None:
-    """Route mlx-lm's shared attention to compressed caches (idempotent)."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) is _original_sdpa:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
-    # mlx-lm's load_prompt_cache finds cache classes by name in its own module.
-    mlx_cache.CompressedKVCache = CompressedKVCache
-    mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
-    if model is not None:
-        module = sys.modules.get(type(model).__module__)
-        if getattr(module, "scaled_dot_product_attention", None) is not scaled_dot_product_attention:
-            raise UnsupportedModelError(
-                f"{type(model).__module__} computes attention without mlx-lm's shared "
-                "scaled_dot_product_attention, so a compressed cache cannot attach to it"
-            )
-
-
-def base_caches(model) -> list:
-    """The caches the model would make for itself (ignoring any VeloxQuant patch)."""
-    if hasattr(type(model), "make_cache"):
-        return type(model).make_cache(model)
-    return [mlx_cache.KVCache() for _ in model.layers]
 
 
 def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None,

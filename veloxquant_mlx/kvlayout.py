@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
-from .integration import base_caches
+from .attention_hook import base_caches
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,7 @@ def held_tokens(model, context: int, chunk: int = MEASURE_CHUNK) -> list:
     context for a full layer; for a sliding-window one (mlx-lm's RotatingKVCache), its max_size - 1
     earlier tokens plus the last chunk, as it holds them right after a prefill chunk, in the steps
     its store grows by (`rotating.py`: the window, where it is shorter than a full layer's step)."""
-    from .calibration import attention_cache
-    from .integration import base_caches
+    from .attention_hook import attention_cache, base_caches
 
     last = context - (context - 1) // chunk * chunk
     held = []

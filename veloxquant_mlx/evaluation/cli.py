@@ -58,7 +58,7 @@ def _saver(out_dir, results):
 
 
 def run_ppl(args) -> None:
-    from .data import load_text, tokenize_prefix
+    from ..texts import load_text, tokenize_prefix
     from ..kvlayout import kv_layout
     from .perplexity import evaluate_perplexity, make_windows
     from .results import model_record, new_results
@@ -94,7 +94,7 @@ def run_ppl(args) -> None:
 
 
 def run_needle(args) -> None:
-    from .data import load_text, tokenize_prefix
+    from ..texts import load_text, tokenize_prefix
     from ..kvlayout import kv_layout
     from .needle import evaluate_needle, make_cases, parse_depths, parse_lengths
     from .results import model_record, new_results

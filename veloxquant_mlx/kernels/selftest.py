@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import mlx.core as mx
@@ -209,7 +207,7 @@ def run_all(backend: str, cases: Optional[List[Case]] = None, encode: bool = Tru
         jobs += [(_encode_name(*c), lambda c=c: run_encode(backend, *c)) for c in ENCODE_CASES]
     jobs += [(case.name, lambda case=case: run_case(case, backend)) for case in cases or CASES]
     if backend in ("cuda", "metal", "emulator") and cases is None:
-        from . import encode, partial
+        from . import encode
 
         jobs.append(("format_encode", lambda: encode.check_record(backend)))
         jobs.append(("format_partial", lambda: partial_record(backend)))

@@ -102,7 +102,7 @@ CALIBRATION_ROW = 256  # tokens per calibration sequence
 def calibration_tokens(tokenizer, n_tokens: int, text_path: Optional[str] = None) -> mx.array:
     """(n_tokens / CALIBRATION_ROW, CALIBRATION_ROW) token ids: the first tokens of `text_path`,
     by default the text shipped in the package (veloxquant_mlx/data/python-reference.txt)."""
-    from ..evaluation.data import load_text, sample_text_path, tokenize_prefix
+    from ..texts import load_text, sample_text_path, tokenize_prefix
 
     if n_tokens < CALIBRATION_ROW or n_tokens % CALIBRATION_ROW:
         raise ValueError(f"calibration tokens must be a positive multiple of {CALIBRATION_ROW}, got {n_tokens}")

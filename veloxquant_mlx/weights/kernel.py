@@ -28,9 +28,10 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 
 from ..kernels import launch, native, templates
-from .linear import MAX_KERNEL_ROWS as MAX_ROWS  # batch rows the kernel takes; larger ones: tiled matmul
+from . import first_use
 
 KERNEL_NAME = "lut_matmul"
+MAX_ROWS = 8  # batch rows the kernel takes; larger ones: tiled matmul
 THREADS = 128
 # Output rows per warp of the layers' launches (None: `plan`'s choice, one row with one-word
 # chunks). A benchmark setting, read when a layer plans a new input shape.
@@ -203,7 +204,7 @@ def compiled(function: Callable) -> Callable:
     return mx.compile(function) if COMPILE_ROUTES else function
 
 
-# The LUT matmul's first-use check: weights/selftest.py's small cases (a ragged
+# The LUT matmul's first-use check: first_use.py's small cases (a ragged
 # and an odd dimension, grouped scales) in the input's dtype, against the tiled matmul (MLX ops, on
 # the CPU).
 CHECK_CASES = ("3bit-odd-dim-m3", "2bit-groups-m8", "3bit-ragged-m5")
@@ -223,9 +224,7 @@ def usable(dialect: str, dtype: str) -> bool:
     if key not in _VERDICTS:
         from dataclasses import replace
 
-        from . import first_use, selftest
-
-        cases = [(replace(case, dtype=dtype),) for case in selftest.CASES if case.name in CHECK_CASES]
+        cases = [(replace(case, dtype=dtype),) for case in first_use.CASES if case.name in CHECK_CASES]
         _VERDICTS[key] = first_use.run(dialect, cases, _check_case, lambda case: case[0].name, KERNEL_NAME,
                                        "weights/kernel.py", "weight layers decode their codes in tiles and "
                                        "multiply with MLX ops instead.")
@@ -233,15 +232,13 @@ def usable(dialect: str, dtype: str) -> bool:
 
 
 def _check_case(dialect: str, case) -> dict:
-    from . import selftest
-
-    layer, _, x_rot = selftest.case_arrays(case)
+    layer, _, x_rot = first_use.case_arrays(case)
     got = lut_matmul(x_rot, layer, dialect).astype(mx.float32)
     with mx.stream(mx.cpu):  # in full float32: MLX's GPU matmuls run at TF32 by default
         ref = layer.tiled_matmul(x_rot).astype(mx.float32)
         mx.eval(ref)
     error = float(mx.max(mx.abs(got - ref)) / mx.max(mx.abs(ref)))
-    tolerance = selftest.TOLERANCES[case.dtype]
+    tolerance = first_use.TOLERANCES[case.dtype]
     return {"vs_ops": error, "tolerance": tolerance, "ok": error <= tolerance}
 
 

@@ -25,6 +25,7 @@ import mlx.nn as nn
 
 from ..codebooks import lloyd_max
 from ..packing import pack, packed_words, unpack
+from . import first_use, kernel, rotating_matmul, rotation_kernel
 from .rotation import StructuredRotation
 
 SUPPORTED_BITS = (2, 3, 4)
@@ -39,8 +40,8 @@ def tile_elements() -> int:
     if env:
         return int(env)
     return CPU_TILE_ELEMENTS if mx.default_device() == mx.cpu else GPU_TILE_ELEMENTS
-# Batch rows up to which a call goes to a LUT kernel (`kernel.MAX_ROWS`).
-MAX_KERNEL_ROWS = 8
+# Batch rows up to which a call goes to a LUT kernel.
+MAX_KERNEL_ROWS = kernel.MAX_ROWS
 # Rows quantised at once (bounds the working set of quantize_weight).
 QUANTIZE_CHUNK_ELEMENTS = 1 << 18
 
@@ -260,7 +261,6 @@ class QuantizedLinear(nn.Module):
         else the tiled one. Decode-sized routes are kept, so that a
         call costs a dict lookup and the ops themselves: a decode step calls every layer once
         and its Python path is host time the GPU may wait on."""
-        from . import kernel, rotating_matmul, rotation_kernel
 
         rows = x.size // x.shape[-1]
         decode = rows <= MAX_KERNEL_ROWS
@@ -320,3 +320,6 @@ class QuantizedLinear(nn.Module):
     def _extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bits={self.bits}, "
                 f"group_size={self.group_size}, bias={'bias' in self}")
+
+
+first_use.register_layer(QuantizedLinear)

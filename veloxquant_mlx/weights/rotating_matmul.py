@@ -364,7 +364,7 @@ def check_case(dialect: str, dim: int, out_features: int, bits: int, group_size:
     the decoded rotated weight): max |out - ref| / max |ref|."""
     import numpy as np
 
-    from .linear import QuantizedLinear
+    QuantizedLinear = first_use.layer_class()
 
     rng = np.random.default_rng([seed, dim, out_features, bits])
     weight = mx.array(rng.standard_normal((out_features, dim)).astype(np.float32))
@@ -395,7 +395,7 @@ def check_group_case(dialect: str, dim: int, out_features: Tuple[int, ...], bits
     """The sibling launch against each layer's two-step forward: the largest max |out - ref| / max |ref|."""
     import numpy as np
 
-    from .linear import QuantizedLinear
+    QuantizedLinear = first_use.layer_class()
 
     rng = np.random.default_rng([seed, dim, bits, *out_features])
     layers = [QuantizedLinear.from_weight(mx.array(rng.standard_normal((n, dim)).astype(np.float32)), bits,

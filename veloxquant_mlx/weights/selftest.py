@@ -54,32 +54,7 @@ from .linear import QuantizedLinear
 from .rotation import StructuredRotation
 from .shared import RotatingRMSNorm
 from . import kernel, rotating_matmul, rotation_kernel
-
-TOLERANCES = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 2e-2}
-
-
-@dataclass
-class Case:
-    name: str
-    out_features: int
-    in_features: int
-    bits: int
-    rows: int
-    group_size: Optional[int] = None
-    dtype: str = "float32"
-    seed: int = 0
-
-
-CASES = [
-    Case("4bit-llama-qproj-m1", 4096, 4096, 4, 1),
-    Case("3bit-odd-dim-m3", 300, 576, 3, 3),
-    Case("2bit-groups-m8", 256, 1536, 2, 8, group_size=64),
-    Case("3bit-ragged-m5", 37, 176, 3, 5),
-    Case("4bit-fp16-m2", 512, 4864, 4, 2, dtype="float16"),
-    Case("3bit-groups128-fp16-m4", 1024, 1024, 3, 4, group_size=128, dtype="float16"),
-]
-EMULATOR_CASES = ["3bit-odd-dim-m3", "2bit-groups-m8", "3bit-ragged-m5"]
-
+from .first_use import CASES, EMULATOR_CASES, TOLERANCES, Case, case_arrays  # noqa: F401  (shared with the first-use check)
 
 @dataclass
 class RotationCase:
@@ -288,16 +263,6 @@ def _numpy_reference(layer: QuantizedLinear, x_rot: np.ndarray) -> np.ndarray:
     groups = scales.shape[1]
     w = (w.reshape(len(w), groups, -1) * scales[..., None]).reshape(len(w), -1)
     return x_rot.astype(np.float64) @ w.T
-
-
-def case_arrays(case: Case):
-    """(layer, input, rotated input) of a case: what the self-test and the LUT matmul's first-use
-    check (`kernel.usable`) run."""
-    rng = np.random.default_rng(case.seed)
-    weight = mx.array(rng.standard_normal((case.out_features, case.in_features)).astype(np.float32))
-    layer = QuantizedLinear.from_weight(weight, case.bits, seed=case.seed, group_size=case.group_size)
-    x = mx.array(rng.standard_normal((case.rows, case.in_features)).astype(np.float32))
-    return layer, x, layer.rotation.apply(x).astype(getattr(mx, case.dtype))
 
 
 def run_case(case: Case, backend: str) -> dict:
