@@ -80,7 +80,7 @@ def test_demo_keeps_the_preset_and_protects_without_one(monkeypatch):
     for argv, expected in ((["demo", "--kv", "vq3"], KVCacheConfig.preset("vq3")),
                            (["demo", "--bits", "3"], None)):
         args = build_parser().parse_args(argv)
-        monkeypatch.setattr("veloxquant_mlx.cli.config_from_args",
+        monkeypatch.setattr("veloxquant_mlx.cli_shared.config_from_args",
                             lambda a, _real=config_from_args: seen.append(_real(a)) or seen[-1])
         with pytest.raises(Stop):
             demo.run_demo(args)

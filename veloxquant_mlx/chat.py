@@ -82,7 +82,7 @@ class ChatSession:
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
     def stats(self) -> str:
-        from .cli import memory_report
+        from .cli_shared import memory_report
 
         text = f"[cache: {memory_report(self.caches)}; prefilled {self.last_prefilled} new tokens"
         if self.last is not None:

@@ -4,105 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
-import time
 from pathlib import Path
 
-
-def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "turboquant_mse") -> None:
-    """The cache flags. Unset ones come from `--kv PRESET` if given, else from the defaults shown."""
-    from .config import KVCacheConfig
-    from .presets import KV_PRESETS, describe_presets
-
-    base = KVCacheConfig(method=default_method)
-    group = parser.add_argument_group(
-        "KV cache", "Flags left unset take the --kv preset's value, or else the default shown."
-    )
-    group.add_argument("--kv", choices=sorted(KV_PRESETS), default=None, metavar="PRESET",
-                       help=f"a recommended configuration: {describe_presets()} "
-                            "(default: none; the flags below)")
-    group.add_argument("--method", default=None,
-                       help=f"compression method, see `veloxquant methods` (default: {default_method})")
-    group.add_argument("--bits", type=int, default=None, help=f"key bits per coordinate (default: {base.bits})")
-    group.add_argument("--value-bits", type=int, default=None, help="value bits per coordinate (default: --bits)")
-    group.add_argument("--group-size", type=int, default=None,
-                       help=f"group size of grouped methods (kivi, qjl values) (default: {base.group_size})")
-    group.add_argument("--residual-length", type=int, default=None,
-                       help=f"most recent tokens kept in fp16 (default: {base.residual_length})")
-    group.add_argument("--sink-tokens", type=int, default=None,
-                       help=f"first tokens kept in fp16 (default: {base.sink_tokens})")
-    group.add_argument("--center", action=argparse.BooleanOptionalAction, default=None,
-                       help="subtract each head's mean key/value before encoding (default: off)")
-    group.add_argument("--kv-seed", type=int, default=None, help=f"seed of rotations and sketches (default: {base.seed})")
-    group.add_argument("--artifact-dir", default=None,
-                       help="precomputed codebooks/rotations from `veloxquant precompute` (default: none)")
-    group.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                       help="method option, repeatable, e.g. renorm=true (default: none)")
-
-
-_CACHE_FLAGS = {"method": "method", "bits": "bits", "value_bits": "value_bits", "group_size": "group_size",
-                "residual_length": "residual_length", "sink_tokens": "sink_tokens", "center": "center",
-                "kv_seed": "seed", "artifact_dir": "artifact_dir"}
-
-
-def config_from_args(args, default_method: str = "turboquant_mse"):
-    from .config import KVCacheConfig, parse_option_value
-    from .presets import preset_config
-
-    from .methods import get_method
-
-    kv = getattr(args, "kv", None)
-    method = get_method(getattr(args, "method", None) or (preset_config(kv).method if kv else default_method))
-    declared = {**method.generic_options, **method.options}
-    options = {}
-    for item in args.option:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--option expects KEY=VALUE, got {item!r}")
-        options[key] = parse_option_value(value, declared.get(key))
-    fields = {field: getattr(args, flag) for flag, field in _CACHE_FLAGS.items() if getattr(args, flag, None) is not None}
-    if options:
-        fields["options"] = options
-    if kv:
-        return preset_config(kv, **fields)
-    fields.setdefault("method", default_method)
-    return KVCacheConfig(**fields)
-
-
-def config_for_model(args, config, model, tokenizer):
-    """`config` resolved for the loaded `model`: a first-use calibration where it asks for one, and a hint on
-    stderr where a `--kv` preset leaves out smoothed keys on a QK-norm model (`presets.qk_norm_hint`)."""
-    from .calibration import ensure_calibrated
-    from .presets import qk_norm_hint
-
-    hint = qk_norm_hint(getattr(args, "kv", None), config, model)
-    if hint:
-        print(hint, file=sys.stderr, flush=True)
-    return ensure_calibrated(config, model, tokenizer)
-
-
-def fp16_bytes(caches) -> int:
-    """What mlx-lm's fp16 KVCache would hold for the same tokens (2 bytes per element)."""
-    total = 0
-    for cache in caches:
-        inner = getattr(cache, "inner", cache)  # a rotating cache: mlx-lm's holds its last size() tokens
-        if getattr(inner, "key_codec", None) is not None:
-            total += 2 * inner.batch * inner.kv_heads * cache.size() * (inner.key_dim + inner.value_dim)
-    return total
-
-
-def memory_report(caches) -> str:
-    """The cache's memory in words: bytes the tokens use, bytes allocated, and fp16's bytes.
-
-    The store grows in 256-token steps, so on a short prompt most allocated bytes are spare
-    capacity: comparing those with fp16 would understate the compression."""
-    used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
-    allocated = sum(c.nbytes for c in caches)
-    fp16 = fp16_bytes(caches)
-    tokens = max((getattr(c, "offset", 0) for c in caches), default=0)
-    return (f"{tokens} tokens, {used / 1e6:.3f} MB used ({allocated / 1e6:.3f} MB allocated) vs "
-            f"{fp16 / 1e6:.3f} MB fp16: {fp16 / max(used, 1):.2f}x smaller")
+from .cli_shared import (  # noqa: F401  (re-exported: where callers have always imported them)
+    _CACHE_FLAGS, USER_ERRORS, add_cache_arguments, config_for_model, config_from_args, failed_methods, fp16_bytes,
+    memory_report, run_command)
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 100, system_prompt: bool = True):
@@ -419,39 +326,6 @@ def add_calibrate_command(sub, default_model: str) -> None:
     cal.add_argument("--verbose", action="store_true", help="print the calibration record")
     add_cache_arguments(cal)
     cal.set_defaults(func=run_calibrate)
-
-
-# What a user's input can raise (bad values, files missing, unreadable or in the way): reported
-# in one line, exit 2. VELOXQUANT_TRACEBACK=1 shows the traceback instead.
-USER_ERRORS = (ValueError, TypeError, OSError)
-
-
-def failed_methods(outcome) -> list:
-    """Labels of the records of an eval/benchmark run whose method raised an error."""
-    if not isinstance(outcome, dict):
-        return []
-    return [str(r.get("label") or r.get("method")) for r in outcome.get("records") or []
-            if isinstance(r, dict) and r.get("status") == "error"]
-
-
-def run_command(args) -> int:
-    """Run a parsed command: 0 on success, 1 when a requested method failed, 2 on a user error."""
-    start = time.perf_counter()
-    try:
-        outcome = args.func(args)
-    except USER_ERRORS as error:
-        if os.environ.get("VELOXQUANT_TRACEBACK"):
-            raise
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    if getattr(args, "verbose", False):
-        print(f"done in {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    failed = failed_methods(outcome)
-    if failed:
-        print(f"error: {len(failed)} requested method(s) failed: {', '.join(dict.fromkeys(failed))}",
-              file=sys.stderr)
-        return 1
-    return 0
 
 
 def main(argv=None) -> int:

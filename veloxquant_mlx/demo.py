@@ -30,7 +30,7 @@ DEMO_PROTECTIONS = {"sink_tokens": 4, "residual_length": 64, "center": True}
 def run_demo(args) -> None:
     from mlx_lm import stream_generate
 
-    from .cli import config_for_model, config_from_args
+    from .cli_shared import config_for_model, config_from_args
     from .texts import load_text, tokenize_prefix
     from .kvlayout import kv_layout
     from .evaluation.perplexity import evaluate_perplexity, make_windows

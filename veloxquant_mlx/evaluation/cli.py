@@ -32,7 +32,7 @@ def _load(args):
 
 def _finish(out_dir, results, draw: bool) -> dict:
     from .figures import draw_figures
-    from .results import save_results
+    from .report import save_results
 
     if draw:
         try:
@@ -48,7 +48,7 @@ def _finish(out_dir, results, draw: bool) -> dict:
 
 
 def _saver(out_dir, results):
-    from .results import save_results
+    from .report import save_results
 
     def on_update(records):
         results["records"] = records
@@ -341,6 +341,6 @@ def main(argv=None) -> int:
     """Standalone entry point (`python -m veloxquant_mlx.evaluation ...`)."""
     parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
     register_cli(parser.add_subparsers(dest="command", required=True))
-    from ..cli import run_command
+    from ..cli_shared import run_command
 
     return run_command(parser.parse_args(argv))

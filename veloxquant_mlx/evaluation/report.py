@@ -1,13 +1,16 @@
-"""Markdown from results.json, and README sections rewritten from it, so that no
-number in the README is typed by hand."""
+"""Markdown from results.json (results.md beside it, `save_results`), and README sections rewritten
+from it, so that no number in the README is typed by hand."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
+
+from .results import RESULTS_JSON, RESULTS_MD, _jsonable, load_results
 
 MIB = 2**20
 
@@ -195,6 +198,18 @@ def render_markdown(results: Dict, results_dir=None, link_dir=None) -> str:
     return "\n\n".join(parts)
 
 
+def save_results(out_dir, results: Dict[str, Any]) -> Path:
+    """Write results.json (atomically) and results.md; safe to call after every record."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS_JSON
+    staging = path.with_suffix(".json.tmp")
+    staging.write_text(json.dumps(_jsonable(results), indent=2, allow_nan=False) + "\n")
+    staging.replace(path)
+    (out_dir / RESULTS_MD).write_text(render_markdown(results, out_dir, out_dir) + "\n")
+    return path
+
+
 def markers(name: str):
     return f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->"
 
@@ -217,8 +232,6 @@ def update_readme(readme, name: str, content: str) -> None:
 def report(results_dirs: List[str], readme: Optional[str] = None, name: Optional[str] = None) -> str:
     """Markdown for one or more results folders; with `readme`, also written between the
     `<!-- results:NAME:start/end -->` markers there (NAME defaults to the command, e.g. ppl)."""
-    from .results import load_results
-
     link_dir = Path(readme).resolve().parent if readme else Path.cwd()
     sections, commands = [], []
     for directory in results_dirs:

@@ -96,20 +96,6 @@ def new_results(command: str, args, model_info: Optional[Dict[str, Any]] = None)
     }
 
 
-def save_results(out_dir, results: Dict[str, Any]) -> Path:
-    """Write results.json (atomically) and results.md; safe to call after every record."""
-    from .report import render_markdown
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / RESULTS_JSON
-    staging = path.with_suffix(".json.tmp")
-    staging.write_text(json.dumps(_jsonable(results), indent=2, allow_nan=False) + "\n")
-    staging.replace(path)
-    (out_dir / RESULTS_MD).write_text(render_markdown(results, out_dir, out_dir) + "\n")
-    return path
-
-
 def load_results(path) -> Dict[str, Any]:
     path = Path(path)
     if path.is_dir():

@@ -23,7 +23,7 @@ import numpy as np
 
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
-from .base import Codec
+from .codec import Codec
 
 OUTLIER_PREFIX = "outliers."
 INT8_MAX = 127

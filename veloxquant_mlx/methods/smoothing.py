@@ -34,7 +34,7 @@ from __future__ import annotations
 import mlx.core as mx
 
 from ..formats import Format
-from .base import Codec
+from .codec import Codec
 from .outliers import calibration_needed, per_head
 
 SMOOTH_PREFIX = "smooth."

@@ -11,23 +11,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-CONFIG_NAME = "weights.json"
-RESERVOIR_NAME = "reservoir.vqw"
-FORMAT = "veloxquant-weights"
-
-
-def is_quantized_dir(path) -> bool:
-    try:
-        return (Path(path).expanduser() / CONFIG_NAME).is_file()
-    except (TypeError, OSError):
-        return False
-
-
-def read_config(path) -> dict:
-    config = json.loads((Path(path).expanduser() / CONFIG_NAME).read_text())
-    if config.get("format") != FORMAT:
-        raise ValueError(f"{path}/{CONFIG_NAME} is not a {FORMAT} config")
-    return config
+from .folder import CONFIG_NAME, FORMAT, RESERVOIR_NAME, is_quantized_dir, read_config  # noqa: F401  (re-exported)
 
 
 def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterable[str] = (),
@@ -83,9 +67,6 @@ def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterab
 def load_quantized_dir(path, dequantize: Optional[bool] = None):
     """(model, tokenizer): the base model named in `weights.json` with the reservoir grafted on."""
     from ..models import load_model
-    from .reservoir import graft_reservoir
 
-    config = read_config(path)
-    model, tokenizer = load_model(config["base_model"], dequantize=dequantize)
-    graft_reservoir(model, Path(path).expanduser() / config["reservoir"])
-    return model, tokenizer
+    read_config(path)  # a folder without a weights config is an error here, not a base model
+    return load_model(path, dequantize=dequantize)
