@@ -320,7 +320,7 @@ def test_corrupted_states_are_refused():
 def test_state_checksums_only_while_saving(monkeypatch):
     """mlx-lm evaluates `state` after every prefill chunk: it must not read the tensors on the
     host (checksums), which only a file needs."""
-    import veloxquant_mlx.cache as cache_module
+    import veloxquant_mlx.cache.persistence as cache_module
 
     cache = CompressedKVCache(config_for("turboquant_mse", 4))
     cache.update_and_fetch(*random_kv(50))

@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .cache import CompressedKVCache
+from .cache import CompressedKVCache, register_batch
 
 
 class BatchCompressedKVCache(_BaseCache):
@@ -158,3 +158,6 @@ class BatchHistory:
 
     def __repr__(self):
         return f"BatchHistory({self.role}, {len(self.batch.rows)} sequences)"
+
+
+register_batch(BatchCompressedKVCache)

@@ -1,0 +1,244 @@
+"""Saving and restoring a compressed cache layer (`state`), with every check a saved file must pass.
+
+A saved layer is [header JSON, arrays]. The header holds the format version, the full config, the
+model identity and layer index (when the cache was made for a model), the checksums of the codecs'
+constant arrays, one CRC32 per tensor, and a digest of itself: a flipped, truncated, swapped or
+edited file is refused with the layer and tensor named.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import json
+import warnings
+
+import mlx.core as mx
+
+from ..checksums import checksums, metadata_digest, verify_checksums
+from ..codec_set import CodecSet
+from ..config import KVCacheConfig
+from .errors import CacheFormatError
+
+FORMAT_VERSION = 2  # 2: checksums, layer index, model identity (see `state`)
+_DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
+
+# (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
+_LOADING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_loading", default=None)
+_SAVING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_saving", default=False)
+
+
+class CacheState:
+    """`state` and `from_state` of a `CompressedKVCache` (its mixin)."""
+
+    @property
+    def state(self):
+        if self.store is not None:
+            self.flush()  # before counting: a token waiting for its attention call is held
+        header = {
+            "format": FORMAT_VERSION,
+            "config": json.loads(self.config.to_json()),
+            "offset": self.offset,
+            "encoded": self.encoded,
+            "layer": self.layer,
+            "model": self.model_identity,
+            "artifact": self.codecs.source,
+        }
+        arrays = {}
+        if self.key_codec is not None:
+            header.update(
+                shape=[self.batch, self.kv_heads, self.key_dim, self.value_dim],
+                window_dtype=str(self.window_dtype),
+                tokens_per_row=self.tokens_per_row,
+                codecs={"keys": self.codecs.checksum("keys", self.key_dim),
+                        "values": self.codecs.checksum("values", self.value_dim)},
+            )
+            for group in ("keys", "values"):
+                if self.encoded:
+                    arrays[group] = self.store.fields(group, 0, self.encoded)
+            for name in _DENSE_STATE:
+                if getattr(self, name) is not None and getattr(self, name).shape[2]:
+                    arrays[name] = getattr(self, name)
+            if self.kept is not None:
+                header["kept"], kept_arrays = self.kept.state()
+                arrays.update(kept_arrays)
+        if _SAVING.get():
+            # Only for a file: mlx-lm evaluates `state` after every prefill chunk, and the CRC
+            # reads every tensor on the host.
+            header["tensors"] = checksums(_flat(arrays))
+        header["digest"] = metadata_digest(header)
+        return [json.dumps(header), arrays]
+
+    @state.setter
+    def state(self, state):
+        header, arrays = _read_state(state)
+        where = "cache layer" if header.get("layer") is None else f"cache layer {header['layer']}"
+        try:
+            written_with = KVCacheConfig(**header["config"])
+        except Exception as error:
+            raise CacheFormatError(f"{where}: unusable config in the header ({error})") from None
+        caller = _LOADING.get()
+        if caller is not None:
+            # The caller's config decides; the header only has to agree with it.
+            config, codecs = caller
+            if not written_with.same_encoding(config):
+                raise CacheFormatError(f"{where} was written with {written_with.describe()}, "
+                                       f"not {config.describe()}")
+        else:
+            # No config given: the codecs come from where the file says they did (the seed or
+            # its artifact dir), and must match the checksums it recorded.
+            config = written_with.replace(artifact_dir=header.get("artifact") or None)
+            try:
+                codecs = CodecSet.for_config(config)
+            except ValueError as error:
+                raise CacheFormatError(f"{where} was written with codecs from {config.artifact_dir}: {error}") from None
+        if "tensors" in header:
+            verify_checksums(_flat(arrays), header["tensors"], where, CacheFormatError)
+        elif arrays:
+            _warn_unchecked()
+        if codecs.per_layer:  # calibrated per layer: this layer's codecs
+            if not isinstance(header.get("layer"), int):
+                raise CacheFormatError(f"{where}: per-layer codecs, but the header names no layer")
+            codecs = codecs.layer(header["layer"])
+        self.__init__(config, codecs)
+        self.layer, self.model_identity = header.get("layer"), header.get("model")
+        if "shape" not in header:
+            if header.get("offset") != 0:
+                raise CacheFormatError(f"{where}: offset {header.get('offset')} without any stored token")
+            return
+        try:
+            self.batch, self.kv_heads, self.key_dim, self.value_dim = (int(n) for n in header["shape"])
+            dtype = {str(d): d for d in (mx.float16, mx.bfloat16, mx.float32)}[header["window_dtype"]]
+            self.offset, encoded = int(header["offset"]), int(header["encoded"])
+            expected_codecs = dict(header["codecs"])
+        except Exception as error:
+            raise CacheFormatError(f"{where}: unusable header ({error!r})") from None
+        self._setup(mx.zeros((self.batch, self.kv_heads, 0, self.key_dim), dtype=dtype),
+                    mx.zeros((self.batch, self.kv_heads, 0, self.value_dim), dtype=dtype))
+        for role, dim in (("keys", self.key_dim), ("values", self.value_dim)):
+            if expected_codecs.get(role) != codecs.checksum(role, dim):
+                source = f"artifact dir {codecs.source}" if codecs.source else f"seed {config.seed}"
+                raise CacheFormatError(
+                    f"{where}: the {role} codebooks/rotations differ from those it was written with "
+                    f"(written from {header.get('artifact') or 'the seed'}; these come from {source})")
+        if header.get("tokens_per_row") != self.tokens_per_row:
+            raise CacheFormatError(f"corrupted {where}: tokens per row {header.get('tokens_per_row')} "
+                                   f"!= the format's {self.tokens_per_row}")
+        for name in _DENSE_STATE:
+            if name in arrays:
+                setattr(self, name, arrays[name])
+        saved = {group: dict(arrays.get(group) or {}) for group in ("keys", "values")}
+        problems = self._check_fields(saved, encoded)
+        if self.kept is not None:
+            if not isinstance(header.get("kept"), dict):
+                raise CacheFormatError(f"{where}: keep_attended, but the header holds no kept tokens")
+            problems += self.kept.load(header["kept"], arrays, (self.batch, self.kv_heads, self.key_dim,
+                                                               self.value_dim), dtype, self.offset)
+        if not problems:
+            self.store.load(saved["keys"], saved["values"], encoded)
+        self._check_restored(problems, where)
+
+    def _check_fields(self, saved, encoded: int):
+        """What does not fit the codecs' formats in saved fields of `encoded` tokens."""
+        problems = []
+        for group, codec in (("keys", self.key_codec), ("values", self.value_codec)):
+            fields = saved[group]
+            expected = {f.name: f for f in codec.format.fields}
+            if encoded and set(fields) != set(expected):
+                problems.append(f"{group} fields {sorted(fields)} != {sorted(expected)}")
+                continue
+            for name, buf in fields.items():
+                f = expected.get(name)
+                if f is None:
+                    problems.append(f"{group} has no field {name!r}")
+                    continue
+                rows = -(-encoded // f.tokens_per_row)
+                width = f.words if f.kind == "packed" else f.width
+                if buf.shape != (self.batch, self.kv_heads, rows, width):
+                    problems.append(f"{group}.{name} has shape {buf.shape}, expected "
+                                    f"{(self.batch, self.kv_heads, rows, width)}")
+        return problems
+
+    def _check_restored(self, problems, where="cache layer"):
+        if self.config.center and self.encoded and self.key_mean is None:
+            problems.append("centered codes without their means")
+        for name in _DENSE_STATE:
+            arr = getattr(self, name)
+            dim = self.key_dim if "key" in name else self.value_dim
+            if arr is None:
+                continue
+            if arr.ndim != 4 or arr.shape[:2] != (self.batch, self.kv_heads) or arr.shape[3] != dim:
+                problems.append(f"{name} has shape {arr.shape}")
+            elif name.endswith("mean") and arr.shape[2] != 1:
+                problems.append(f"{name} has shape {arr.shape}")
+            elif not name.endswith("mean") and arr.dtype != self.window_dtype:
+                problems.append(f"{name} has dtype {arr.dtype}, expected {self.window_dtype}")
+        if not problems and self.sinks + self.encoded + self.window != self.offset:
+            problems.append(
+                f"sinks {self.sinks} + codes {self.encoded} + window {self.window} != offset {self.offset}"
+            )
+        if problems:
+            raise CacheFormatError(f"corrupted {where}: " + "; ".join(problems))
+
+    @classmethod
+    def from_state(cls, state):
+        cache = cls.__new__(cls)
+        cache.state = state
+        return cache
+
+
+@contextlib.contextmanager
+def saving():
+    """Within it, `state` headers carry every tensor's checksum (`integration.save_prompt_cache`)."""
+    token = _SAVING.set(True)
+    try:
+        yield
+    finally:
+        _SAVING.reset(token)
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_unchecked():
+    """Once per process, not once per layer of a file."""
+    warnings.warn("veloxquant_mlx: a prompt cache saved without tensor checksums (by mlx-lm's save_prompt_cache, "
+                  "not veloxquant_mlx.save_prompt_cache) was loaded, so corruption of its codes cannot be detected",
+                  RuntimeWarning, stacklevel=4)
+
+
+def _flat(arrays) -> dict:
+    """{"keys.codes": array, "window_keys": array, ...} of a saved layer's (nested) arrays."""
+    flat = {}
+    for name, value in (arrays or {}).items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{k}": v for k, v in value.items()})
+        else:
+            flat[name] = value
+    return flat
+
+
+def _read_state(state):
+    """(header, arrays) of a saved layer, its header's digest verified."""
+    try:
+        if isinstance(state, (list, tuple)) and len(state) == 1:
+            state = [state[0], {}]  # an empty cache: mlx-lm's save drops its empty arrays
+        header_text, arrays = state
+        header = json.loads(header_text)
+        version = header["format"]
+    except Exception as error:
+        raise CacheFormatError(f"not a VeloxQuant cache layer (unreadable header: {error!r})") from None
+    if version != FORMAT_VERSION:
+        raise CacheFormatError(f"cache format {version!r} is not supported (expected {FORMAT_VERSION}); "
+                               "save the cache again with this version")
+    if header.get("digest") != metadata_digest(header):
+        layer = header.get("layer")
+        raise CacheFormatError(f"cache layer{'' if layer is None else f' {layer}'}: the header fails its digest "
+                               "(corrupted or edited)")
+    if arrays is None:
+        arrays = {}
+    if not isinstance(arrays, dict) or not all(isinstance(v, (dict, mx.array)) for v in arrays.values()):
+        raise CacheFormatError("corrupted cache layer: its arrays are not a mapping of tensors")
+    for value in arrays.values():
+        if isinstance(value, dict) and not all(isinstance(v, mx.array) for v in value.values()):
+            raise CacheFormatError("corrupted cache layer: its fields are not tensors")
+    return header, arrays

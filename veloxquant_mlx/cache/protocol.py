@@ -1,0 +1,247 @@
+"""The mlx-lm cache protocol of a compressed cache: `update_and_fetch` (what a model calls each
+forward), size, trim, the mask, batching (`merge`) and its bytes."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import mlx.core as mx
+from mlx_lm.models.cache import create_attention_mask
+
+from ..methods.base import at_positions
+from .errors import FP16_MAX, CacheInputError
+
+# The batch cache class `merge` builds: `batch.py` registers it (`register_batch`), since it holds
+# compressed caches itself.
+_BATCH: Optional[type] = None
+
+
+def register_batch(cls: type) -> None:
+    global _BATCH
+    _BATCH = cls
+
+
+class CompressedHistory:
+    """Returned by `update_and_fetch` in place of fp16 keys/values.
+
+    mlx-lm passes it on to `scaled_dot_product_attention`, which VeloxQuant
+    routes to `CompressedKVCache.attend`. It holds no data.
+    """
+
+    def __init__(self, cache, role: str):
+        self.cache, self.role = cache, role
+
+    @property
+    def shape(self):
+        c = self.cache
+        dim = c.key_dim if self.role == "keys" else c.value_dim
+        return (c.batch, c.kv_heads, c.offset, dim)
+
+    def __repr__(self):
+        return f"CompressedHistory({self.role}, shape={self.shape}, {self.cache.config.describe()})"
+
+
+class MlxCacheProtocol:
+    """What mlx-lm calls on a cache (a mixin of `CompressedKVCache`)."""
+
+    def _check_update(self, keys, values):
+        """Refuse what would crash deep inside or corrupt the cache for good (see README, "Trust")."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError(f"keys and values must be mx.array, got {type(keys).__name__} and {type(values).__name__}")
+        if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
+            raise CacheInputError(f"keys and values must be (batch, kv_heads, tokens, head_dim) with the same first "
+                                  f"three sizes, got {tuple(keys.shape)} and {tuple(values.shape)}")
+        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
+            raise CacheInputError(f"keys and values must be floating point, got {keys.dtype} and {values.dtype}")
+        if self.key_codec is not None:
+            got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
+            held = (self.batch, self.kv_heads, self.key_dim, self.value_dim)
+            if got != held:
+                raise CacheInputError(
+                    f"this cache holds (batch, kv_heads, key dim, value dim) = {held} since its first update; got "
+                    f"{got}: a cache serves one layer of one model; make a new one")
+        check = self.settings.check_inputs
+        if keys.shape[2] and (check == "always" or (check == "prefill" and keys.shape[2] > 1)
+                              or (check == "first" and self.offset == 0)):
+            # Norms, not elements: the codes keep fp16 norms and scales. `<=` is False for NaN too,
+            # so one reduction and one sync cover NaN, Inf and overflow.
+            limit = FP16_MAX * FP16_MAX
+            healthy = (mx.all(mx.sum(mx.square(keys.astype(mx.float32)), axis=-1) <= limit)
+                       & mx.all(mx.sum(mx.square(values.astype(mx.float32)), axis=-1) <= limit))
+            if not healthy.item():
+                raise CacheInputError(
+                    f"keys or values hold NaN, Inf or a vector whose norm exceeds fp16's range ({FP16_MAX:g}), "
+                    "which the fp16 window, the means and the codes' fp16 norms and scales cannot hold; the cache "
+                    "is unchanged. (EngineSettings(check_inputs='off') or "
+                    "VELOXQUANT_CHECK_INPUTS=off skips this check)")
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self._check_update(keys, values)
+        if self.key_codec is None:
+            self._setup(keys, values)
+        keys = keys.astype(self.window_dtype)
+        values = values.astype(self.window_dtype)
+        if self.kept is not None:  # tokens that left the window with no attention call since: settled now
+            self.kept.settle(self.sinks + self.encoded, self.just_encoded)
+        self.offset += keys.shape[2]
+        self.just_encoded = None
+        if self._immediate and keys.shape[2]:
+            # No sinks, no window, one token per block: every token is encoded at once
+            # (what the general path below does in that case, with less per-step work).
+            if keys.shape[2] == 1 and self._route("defer", None, None) is not None:
+                # The attention call that follows encodes and stores it (a "decode_store"
+                # path); anything else that reads the codes stores it first.
+                self.store.defer(keys, values)
+            else:
+                self.store.append(keys, values)
+            return self.history()
+
+        # Positions below count the codes, so a token still waiting for its attention call
+        # (an update with no attention between, as in tests or a prefill after decode) is stored first.
+        self.flush()
+        to_sinks = min(self.config.sink_tokens - self.sinks, keys.shape[2])
+        if to_sinks > 0:
+            # Copies: a view would keep the whole chunk alive (and out of `nbytes`).
+            self.sink_keys = _concat(self.sink_keys, mx.contiguous(keys[..., :to_sinks, :]))
+            self.sink_values = _concat(self.sink_values, mx.contiguous(values[..., :to_sinks, :]))
+            keys, values = keys[..., to_sinks:, :], values[..., to_sinks:, :]
+        if keys.shape[2] == 0:
+            return self.history()
+
+        held = self.window
+        flush = ((held + keys.shape[2] - self.config.residual_length) // self.block) * self.block
+        if 0 < flush <= held and self.block == 1 and self.config.residual_length > 0:
+            if flush == 1 and self._route("slide", None, None) is not None:
+                # The attention call that follows slides the window in its kernels: they encode
+                # and store its oldest token and put this one in its slot (a "decode_store" path).
+                self.incoming = (keys, values)
+                return self.history()
+            # A decode step with a full window: the oldest token leaves and the window stays one
+            # contiguous array (a view of a longer one would be copied by every kernel reading it).
+            self._slide_window(keys, values, flush)
+            return self.history()
+        if keys.shape[2] == 1 and self.block > 1:
+            self._tail_append(keys, values, flush)
+            return self.history()
+        self.window_keys = _concat(self.window_keys, keys)
+        self.window_values = _concat(self.window_values, values)
+        if flush > 0:
+            if self.config.residual_length or self.block > 1:
+                self.just_encoded = (
+                    self.window_keys[..., :flush, :],
+                    self.window_values[..., :flush, :],
+                    self.sinks + self.encoded,
+                )
+            store = self._store_for(flush)
+            if flush == self.window:  # all of it (the usual decode step without a window): no slicing
+                store(self.window_keys, self.window_values)
+                self.window_keys = self.window_values = None
+            else:
+                store(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
+                kept_keys, kept_values = self.window_keys[..., flush:, :], self.window_values[..., flush:, :]
+                if flush > kept_keys.shape[2]:
+                    # A view would keep the whole flushed span alive (and out of `nbytes`): copy the rest.
+                    kept_keys, kept_values = mx.contiguous(kept_keys), mx.contiguous(kept_values)
+                self.window_keys, self.window_values = kept_keys, kept_values
+        return self.history()
+
+    def history(self):
+        return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
+
+    def size(self):
+        return self.offset
+
+    def empty(self):
+        return self.offset == 0
+
+    def is_trimmable(self):
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last `n` tokens.
+
+        Without an fp16 window this equals never having seen them. With one, tokens
+        that already left the window stay encoded (their fp16 originals are gone), so
+        the window refills from new tokens only. If the trim cuts into a multi-token
+        block of codes (KIVI key groups), the block's surviving tokens move back to
+        the window in decoded form, which leaves attention unchanged."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise CacheInputError(f"trim takes a number of tokens >= 0, got {n!r}")
+        if self.store is None:
+            return 0
+        self.flush()
+        n = min(n, self.offset)
+        if self.kept is not None:
+            self.kept.settle(self.sinks + self.encoded, self.just_encoded)
+        self.just_encoded = None
+        left = n
+        window = self.window
+        cut = min(left, window)
+        if cut:
+            self.window_keys = self.window_keys[..., : window - cut, :]
+            self.window_values = self.window_values[..., : window - cut, :]
+            left -= cut
+        if left and self.encoded:
+            cut = min(left, self.encoded)
+            left -= cut
+            kept = self.encoded - cut
+            whole = (kept // self.block) * self.block
+            if whole < kept:
+                self.window_keys = self._restore("keys", whole, kept)
+                self.window_values = self._restore("values", whole, kept)
+            self.store.truncate(whole)
+        if left:
+            sinks = self.sinks
+            self.sink_keys = self.sink_keys[..., : sinks - left, :]
+            self.sink_values = self.sink_values[..., : sinks - left, :]
+        self.offset -= n
+        if self.kept is not None:  # shares the trimmed queries gave the window's tokens stay counted
+            self.kept.truncate(self.sinks + self.encoded, self.offset)
+        return n
+
+    def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
+        """Decode the first tokens of a block back into fp16 (their originals are gone)."""
+        codec, mean = (self.key_codec, self.key_mean) if role == "keys" else (self.value_codec, self.value_mean)
+        rows = at_positions(codec, self.store.fields(role, block_start, block_start + self.block),
+                            self.sinks + block_start)
+        decoded = codec.reconstruct(rows)[..., : stop - block_start, :]
+        if mean is not None:
+            decoded = decoded + mean
+        return decoded.astype(self.window_dtype)
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    # ---- batching (mlx-lm's BatchGenerator: batch_generate, mlx_lm.server) ---
+    @classmethod
+    def merge(cls, caches):
+        """A `batch.BatchCompressedKVCache` of copies of `caches` (each of batch 1)."""
+        if _BATCH is None:
+            raise RuntimeError("no batch cache class is registered: import veloxquant_mlx (batch.py registers it)")
+        return _BATCH.merge(caches)
+
+    def _dense_nbytes(self, used: bool = False) -> int:
+        """Bytes of the arrays beside the store (sinks, window, means), a waiting token stored first;
+        `used`: of a fixed-capacity window buffer, only its filled part."""
+        if self.store is not None:
+            self.flush()
+        window = (self._window_keys, self._window_values)
+        if used:
+            window = tuple(self._held(a) for a in window if a is not None)
+        arrays = (self.sink_keys, self.sink_values, *window, self.key_mean, self.value_mean)
+        kept = 0 if self.kept is None else self.kept.nbytes
+        return sum(a.nbytes for a in arrays if a is not None) + kept
+
+    @property
+    def nbytes(self) -> int:
+        return self._dense_nbytes() + (0 if self.store is None else self.store.nbytes)
+
+    @property
+    def used_nbytes(self) -> int:
+        """`nbytes` without the unused capacity of the store and of the window buffer: the bytes
+        the tokens held take."""
+        return self._dense_nbytes(used=True) + (0 if self.store is None else self.store.used_nbytes)
+
+
+def _concat(a: Optional[mx.array], b: mx.array) -> mx.array:
+    return b if a is None else mx.concatenate([a, b], axis=2)
