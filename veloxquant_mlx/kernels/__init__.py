@@ -325,7 +325,8 @@ def _kernel_encoder(layout, key_codec, value_codec, settings):
 # ---- explicit back ends (tests, self-test, benchmarks) ---------------------------------------------
 
 def _history(cache, using: Optional[str]):
-    h = cache._history()
+    """The cache's `engine.History` (every pending token stored first), on back end `using`."""
+    h = cache.attention_history()
     if using is not None:
         h.settings = h.settings.replace(backend=using)
     return h
@@ -336,7 +337,6 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
     """Decode attention of `cache` through the mse path of back end `using` (default: the
     cache's): "cuda", "metal", "emulator" (kernels op by op, or the compiled step),
     "native", "portable"; None where no mse path takes the call."""
-    cache.flush()
     h = _history(cache, using)
     if not (_decode_call(queries, mask) and _mse(h)):
         return None
@@ -355,7 +355,6 @@ def decode_attention(cache, queries: mx.array, scale: float, mask=None, *, using
 def prefill_attention(cache, queries: mx.array, scale: float, mask=None, *,
                       using: Optional[str] = None) -> Optional[mx.array]:
     """The kernel prefill of back end `using` (a GPU one, or "emulator" for tests), or None."""
-    cache.flush()
     h = _history(cache, using)
     if h.settings.backend == "emulator":  # the dequant kernel in C++, MLX's SDPA on the CPU
         ok = _mse(h) and engine.sdpa_prefill_applies(h, queries, mask)

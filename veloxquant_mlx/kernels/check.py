@@ -1,9 +1,9 @@
 """First-use check of a GPU kernel back end: never a silent fallback.
 
 The first time a process asks whether the kernels of `backend` may run (`usable`), they
-are compiled and run on small cases of the self-test (`selftest.py`: encode, decode,
-decode with sinks/window/centering, prefill) and compared with the portable path and a
-float64 reference. The verdict is cached for the process. If a kernel fails, a warning
+are compiled and run on small cases that fill whole caches (`kernel_cases.py`, which
+registers them: encode, decode, decode with sinks/window/centering, prefill) and compared with
+the portable path and a float64 reference. The verdict is cached for the process. If a kernel fails, a warning
 names the case, the kernel and the error, and the paths of that back end stand aside
 for the engine's portable paths. `python -m veloxquant_mlx.kernels.selftest --backend
 metal` remains the full check.

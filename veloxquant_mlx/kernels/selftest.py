@@ -114,8 +114,7 @@ def run_ratequant(backend: str) -> Dict:
         model(mx.random.randint(0, 512, (1, 300), key=mx.random.key(70)), cache=caches)
     partial_error = 0.0
     for cache in caches:
-        cache.flush()
-        partial_error = max(partial_error, check.partial_error(cache._history(), rep=4, seed=5))
+        partial_error = max(partial_error, check.partial_error(cache.attention_history(), rep=4, seed=5))
     ok = (rows_equal >= encode.CHECK_MIN_EQUAL and decode_error <= check.DEQUANT_TOLERANCE
           and partial_error <= partial.CHECK_TOLERANCE)
     return {"case": "ratequant_kernels", "backend": backend, "rows_equal": rows_equal,
@@ -179,8 +178,7 @@ def run_format(backend: str, spec: str, model=None, tokens: int = 300) -> Dict:
         model(mx.argmax(logits[:, -1:], axis=-1), cache=caches)  # a decode step: the token's encode and store
         rows_equal, decode_error, partial_error = 1.0, 0.0, 0.0
         for layer, cache in enumerate(caches):
-            cache.flush()
-            h = cache._history()
+            h = cache.attention_history()
             kc, vc = h.key_codec, h.value_codec
             record["paths"] = sorted(set(record.get("paths", [])) | {cache.last_path})
             decode_error = max(decode_error, check.dequant_error(backend, h.store, kc, vc, h.count))
