@@ -63,7 +63,7 @@ class History:
         # window after the new token took that slot.
         self.window_slot = window_slot
         # Set when the window is held in a buffer of this many tokens, `window` of them filled
-        # (cache.py, `_tail_append`): `fp16_inputs(held=True)` hands over the whole buffer.
+        # (cache/window.py, `_tail_append`): `fp16_inputs(held=True)` hands over the whole buffer.
         self.window_capacity = window_capacity
         # Set when the history has fp16 tokens kept past the window (`kept.py`), their codes masked
         # out: `kept_slots` and `kept_code_bias` give them to paths registered with `takes_kept`;
@@ -125,7 +125,7 @@ class History:
     def recent(self) -> Optional[Tuple[mx.array, mx.array, int]]:
         """With a band: (keys (centered), values, first position) of the tokens this update
         encoded followed by the window, in fp16; queries of the chunk see each of them either
-        from its codes or from these, by `fp16_from` (cache.py)."""
+        from its codes or from these, by `fp16_from` (cache/window.py)."""
         return self._recent()
 
 
@@ -716,7 +716,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
         # "chunk": keys [sinks | codes before first | the recent span in fp16], in position order,
         # so the causal mask holds. "decode": keys [sinks | every code | the recent span in fp16];
         # each query sees a recent token from its codes before fp16_from(query) and from fp16
-        # after it (cache.py's rule), through an explicit mask.
+        # after it (cache/window.py's rule), through an explicit mask.
         rk, rv, first = recent
         rk, rv = into_domains(rk, rv)
         parts_k, parts_v = ([rk], [rv]) if keys is None else ([keys, rk], [values, rv])

@@ -7,7 +7,7 @@ queries see at least `max_size - 1` earlier ones. Its mask (`make_mask`) is writ
 the index space of what it holds, in time order: `[keep | held | new]`.
 
 `CompressedRotatingKVCache` keeps that contract exactly and stores the held tokens the
-way `CompressedKVCache` does (`cache.py`): it *is* one of those caches (the `inner`
+way `CompressedKVCache` does (`cache/`): it *is* one of those caches (the `inner`
 one, with the `keep` tokens as its fp16 sinks and the config's `residual_length` as its
 fp16 window) plus eviction. Evicting drops the oldest codes from the front of the
 store (`drop_front`), so the inner cache's positions are mlx-lm's index space and

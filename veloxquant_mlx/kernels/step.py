@@ -138,7 +138,7 @@ def fused(runner_name: str, h, queries: mx.array, keys: mx.array, values: mx.arr
 
     With an fp16 window the token encoded here is the one that just left the window, which
     the decode query sees from its codes: either the cache slid the window and deferred
-    that token (`cache.py`), or, with `h.window_slot` set, `keys` / `values` are the token
+    that token (`cache/window.py`), or, with `h.window_slot` set, `keys` / `values` are the token
     entering the window and the merge slides it (the window is a ring): the oldest token,
     at that slot, is encoded and stored and the new one takes its slot. (attention output,
     new rows, (window keys, window values)) then: the slide costs no launch of its own."""
