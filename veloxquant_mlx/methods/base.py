@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import ClassVar, Dict, Optional
 
-from ..method_registry import available_methods, get_method, register_method  # noqa: F401  (re-exported)
+from ..method_registry import _REGISTRY, available_methods, get_method, register_method  # noqa: F401  (re-exported)
 from .codec import POSITIONS, Codec, Fields, Params, at_positions, split_width_centroid  # noqa: F401  (re-exported)
 
 
