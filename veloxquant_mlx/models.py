@@ -125,14 +125,10 @@ def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None
     quantized matmuls are about 10x slower than float32 ones. A folder written by
     `veloxquant quantize-weights` loads its base model and grafts the weight reservoir.
     """
-    from .weights.folder import is_quantized_dir, read_config
-    from .weights.reservoir import graft_reservoir
+    from .weights.folder import is_quantized_dir, load_folder
 
     if is_quantized_dir(model):
-        config = read_config(model)
-        loaded, tokenizer = load_model(config["base_model"], dequantize=dequantize)
-        graft_reservoir(loaded, Path(model).expanduser() / config["reservoir"])
-        return loaded, tokenizer
+        return load_folder(model, load_model, dequantize)
     loaded, tokenizer = mlx_lm.load(model_source(model))
     if dequantize is None:
         dequantize = mx.default_device() == mx.cpu

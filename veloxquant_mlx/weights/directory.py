@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .folder import CONFIG_NAME, FORMAT, RESERVOIR_NAME, is_quantized_dir, read_config  # noqa: F401  (re-exported)
+from .folder import CONFIG_NAME, FORMAT, RESERVOIR_NAME, is_quantized_dir, load_folder, read_config  # noqa: F401
 
 
 def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterable[str] = (),
@@ -68,5 +68,4 @@ def load_quantized_dir(path, dequantize: Optional[bool] = None):
     """(model, tokenizer): the base model named in `weights.json` with the reservoir grafted on."""
     from ..models import load_model
 
-    read_config(path)  # a folder without a weights config is an error here, not a base model
-    return load_model(path, dequantize=dequantize)
+    return load_folder(path, load_model, dequantize)

@@ -23,3 +23,14 @@ def read_config(path) -> dict:
     if config.get("format") != FORMAT:
         raise ValueError(f"{path}/{CONFIG_NAME} is not a {FORMAT} config")
     return config
+
+
+def load_folder(path, load_base, dequantize=None):
+    """(model, tokenizer): `load_base(base model, dequantize=...)` (`models.load_model`) with the
+    reservoir of the folder at `path` grafted on."""
+    from .reservoir import graft_reservoir
+
+    config = read_config(path)
+    model, tokenizer = load_base(config["base_model"], dequantize=dequantize)
+    graft_reservoir(model, Path(path).expanduser() / config["reservoir"])
+    return model, tokenizer
