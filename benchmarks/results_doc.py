@@ -50,6 +50,9 @@ SECTIONS = [
       "gpu/twentyninth-selftest-and-tables/e2e-formats", "gpu/twentyninth-selftest-and-tables/e2e-calibrated",
       "gpu/run45-portable/e2e-4k-portable", "gpu/run51-prefill-sync/prefill-4k",
       "gpu/run51-prefill-sync/prefill-32k"]),
+    ("Kernel self-test (H200)", "`python -m veloxquant_mlx.kernels.selftest --backend cuda`: every case against the "
+     "portable path, the generic path and float64 attention.",
+     ["gpu/thirtyfirst-selftest/selftest.txt"]),
     ("Serving", "Made by `benchmarks/serve_throughput.py`.", ["serve-throughput-smollm2-cpu"]),
     ("Weights", "Made by `benchmarks/weights_quality.py` and `benchmarks/weights_gpu_model_decode.py`.",
      ["weights-quality-smollm2", "weights-quality-gaffine-smollm2", "gpu/weights-model-decode-blocks-third"]),
@@ -62,7 +65,8 @@ def markdown_of(path: Path, link_dir: Path) -> str:
     from veloxquant_mlx.evaluation.report import RENDERERS, render_markdown
 
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
+        return f"```\n{text.strip()}\n```" if path.suffix == ".txt" else text
     results_json = path / "results.json"
     if results_json.is_file():
         results = json.loads(results_json.read_text(encoding="utf-8"))
