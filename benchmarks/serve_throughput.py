@@ -23,7 +23,6 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-import openai
 
 from veloxquant_mlx.cli import build_parser, config_from_args
 from veloxquant_mlx.server import make_server, server_arguments
@@ -52,6 +51,8 @@ def start(model: str, config, max_tokens: int):
 
 
 def run_round(port: int, prompts, clients: int, requests: int, max_tokens: int):
+    import openai  # a test extra; imported here so that --help works without it
+
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
 
     def worker(index):

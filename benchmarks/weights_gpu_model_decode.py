@@ -24,14 +24,14 @@ Variants (`--variants`; default: all but shared-compiled), all from the same fp1
   per-layer-rotating-rpw2  per-layer-rotating with two output rows per warp in the plain LUT
                    kernel (down_proj; `kernel.ROWS_PER_WARP`);
   per-layer-rotating-compiled  per-layer-rotating with every kept route wrapped in mx.compile (the
-                   same as the default since the thirteenth session: `kernel.COMPILE_ROUTES`);
+                   same as the default: `kernel.COMPILE_ROUTES`);
   per-layer-rotating-rpw2-compiled  both;
   per-layer-rotating-uncompiled  per-layer-rotating with no route compiled (VELOXQUANT_WEIGHT_COMPILE=0);
   per-layer-rotating-unfused-mlp  per-layer-rotating with each MLP as its layers' calls, not one compiled
-                   call (`compiled_mlp.COMPILE_MLPS` off; on by default since the fourteenth session);
+                   call (`compiled_mlp.COMPILE_MLPS` off; on by default);
   per-layer-rotating-uncompiled-blocks  per-layer-rotating with each block's halves around its attention as
                    their modules' calls, not two compiled calls (`compiled_block.COMPILE_BLOCKS` off; on by
-                   default since the sixteenth session);
+                   default);
   shared           ours, `share_rotations=True`: q/k/v and gate/up read one rotated input, made by
                    their norm with MLX ops (mx.fast.rms_norm, then mx.hadamard_transform,
                    `weights/shared.py`); o_proj and down_proj rotate their own as per-layer does;
