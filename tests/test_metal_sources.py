@@ -1,7 +1,7 @@
 """The Metal source MLX would build for each kernel launch of the self-tests, type-checked by clang's
 C++ front end against a declaration of the Metal Shading Language (tests/data/metal_stdlib_shim.h).
 
-No session has had a Mac. A kernel that Apple's compiler rejects fails its first-use check there, and
+These kernels have not run on a Mac. A kernel that Apple's compiler rejects fails its first-use check there, and
 its work goes to the portable path with a warning: slow, though never wrong. This catches, without a
 Mac, what the shim models: names that are not MSL (a CUDA builtin in a snippet), types, template
 parameters shadowed by a kernel's own names, pointers that cross address spaces, which MSL never

@@ -295,8 +295,8 @@ def test_coherent_generation_on_smollm2(tmp_path):
     config = KVCacheConfig(method="vecinfer", bits=2)
     calibrate(model, config, calibration_tokens(tokenizer, SAMPLE_TEXT.read_text(), 1, 512), tmp_path, progress=False)
     # Three examples before the question: with one (12 tokens), 2-bit vecinfer's greedy answer depended on
-    # the CPU's float rounding even with the sinks below (an AMD EPYC with OpenBLAS answered "Germany.",
-    # thirty-third session); with three, 22 of the 26 tokens go to codes.
+    # the CPU's float rounding even with the sinks below (an AMD EPYC with OpenBLAS answered "Germany.");
+    # with three, 22 of the 26 tokens go to codes.
     prompt = tokenizer.encode("The capital of France is Paris. The capital of Spain is Madrid. The capital of Italy "
                               "is Rome. The capital of Germany is")
 

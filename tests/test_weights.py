@@ -221,7 +221,7 @@ def test_lut_kernel_matches_the_tiled_matmul_in_the_emulator(layout, rpw):
         plan = kernel.plan(rows, dim, 37, bits, layer.scales.shape[1], "float32", "float32", layout=layout, rpw=rpw)
         (got,) = launch.run_emulator(plan, [x, layer.codes, layer.scales, layer.codebook])
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
-    for d_in, rpw in ((4096, 1), (14336, 1)):  # the defaults (docs/weights.md, "GPU decode speed")
+    for d_in, rpw in ((4096, 1), (14336, 1)):  # the defaults (docs/methods.md, "GPU decode speed")
         default = dict(kernel.plan(1, d_in, 4096, 4, 1, "float16", "float16").template)
         assert (default["RPW"], default["CW"]) == (rpw, 1)
 

@@ -542,7 +542,7 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
     into the domains in front of it, then MLX's fused attention over the rows in use. A
     handful of launches per layer, where the split-by-split softmax of `compiled_decode`
     takes dozens. The decoded history is a transient of the layer's attention, freed once it
-    has run (docs/engine.md gives the step's measured peak)."""
+    has run (docs/kernels.md gives the step's measured peak)."""
     names, _, key_bufs, value_bufs = capacity_fields(h)
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
@@ -784,7 +784,7 @@ _LAUNCHED = threading.local()  # .layer: a scalar of this thread's last prefill 
 def bound_prefill_memory(out: mx.array, sync: str):
     """Keep a GPU prefill's decoded histories from piling up. Without a sync per layer the whole
     chunk's graph is evaluated at once and its transients made the peak exceed fp16's
-    (docs/engine.md, "Ninth session"). "pipelined" (the default): launch this layer, then wait for
+    (docs/kernels.md). "pipelined" (the default): launch this layer, then wait for
     the layer launched before, so the GPU has the next layer queued while the host builds the
     one after; "layer": evaluate this layer before the next is built (`settings.prefill_sync`)."""
     if sync == "layer":

@@ -11,10 +11,8 @@ query heads (1 is about what a token of uniform attention gets). The cache compu
 the queries and the fp16 tokens it holds, whichever path scores the codes, and settles each
 token once, as it leaves the window, when every query that sees it there has been scored:
 the choice never changes after a query has used it, and it does not depend on how a prompt
-was split into chunks. This is the `window_share_layer >= T` rule of
-`benchmarks/token_rate_oracle.py` (an H2O-like criterion, Zhang et al. 2023, arXiv
-2306.14048, restricted to what a cache can see), measured there and with this cache in
-docs/calibrated.md.
+was split into chunks. This is an H2O-like criterion (Zhang et al. 2023, arXiv 2306.14048), restricted to what a
+cache can see; docs/methods.md gives its measured quality and speed.
 
 `keep_most=F` bounds the kept tokens by F times the settled tokens (counted from
 `MIN_TOKENS`, so that early tokens get a budget): past it, tokens are coded whatever their

@@ -3,15 +3,15 @@ so that a user need not know the options.
 
 `vq4`, `vq3` and `vq2` are the configurations that measured best at 4, 3 and 2 effective bits per coordinate
 on SmolLM2 (`benchmarks/results/presets-sweep`, tuned on WikiText-2 from token 200000 on; reported on the
-text's first windows, `benchmarks/results/presets-eval`), with `unbiased_values` added after it gained at
-every budget on the tuning window (`benchmarks/results/kv-quality-sweep/norm-gain-seventeenth`). Each one's
+text's first windows, `benchmarks/results/presets-ppl-3-windows`), with `unbiased_values`, which gained at
+every budget on the tuning window (`benchmarks/results/unbiased-values-ppl`). Each one's
 `PRESET_BITS` is an upper bound on the caches' bytes per coordinate at every context of 2048 tokens or more
 (the fp16 sinks and window cost most at 2048 and less after), which `tests/test_presets.py` measures from the
 caches' bytes. None needs calibration.
 
 No preset is calibrated: CommVQ keys (llama family), the best at 3 and 2 bits when calibrated on WikiText-2,
 lost to `vq3` / `vq2` when calibrated on the text shipped in the package, as a first-use calibration would be
-(`benchmarks/results/calibrated-first-use-ppl`, docs/calibrated.md). `artifact_dir="auto"`
+(`benchmarks/results/calibrated-first-use-ppl`, docs/methods.md). `artifact_dir="auto"`
 (`calibration.ensure_calibrated`) is that first-use calibration, for any calibrated config.
 Change the table here; the CLI help and `describe_presets` list whatever it holds.
 """
@@ -55,7 +55,7 @@ register_presets(preset_config)
 
 def qk_norm_hint(name, config: KVCacheConfig, model) -> "str | None":
     """A line for a user who picked preset `name` for a model whose attention normalises its keys (Gemma 3,
-    Qwen3, ...) without smoothed keys, which such models need (docs/calibrated.md). The presets do not add them
+    Qwen3, ...) without smoothed keys, which such models need (docs/methods.md). The presets do not add them
     themselves: they need a calibration, and so a tokenizer, wherever a cache is built. None where it does not apply."""
     if name not in KV_PRESETS or "smooth_keys" in config.options:
         return None
@@ -63,7 +63,7 @@ def qk_norm_hint(name, config: KVCacheConfig, model) -> "str | None":
         return None
     return (f"[{name} on a model that normalises its keys (QK-norm): adding `--option smooth_keys=0.5 --artifact-dir "
             f"auto` (spec `{name}:smooth_keys=0.5,artifacts=auto`; calibrated once per model) cut the presets' error "
-            f"on such models (Gemma 3: docs/calibrated.md)]")
+            f"on such models (Gemma 3: docs/methods.md)]")
 
 
 def describe_presets() -> str:

@@ -230,7 +230,7 @@ def row_layout(key_codec, value_codec) -> Optional[RowLayout]:
     number of halves (polarquant, qjl, turboquant_prod), 16 bits per token more than one buffer
     per field (about 1.5% of a 4-bit cache of head dim 128). That buys one slice update and one
     kernel output per decode step instead of one per field, which a GPU's host pays for on every
-    layer (docs/engine.md, twenty-first session)."""
+    layer (docs/kernels.md)."""
     layout = RowLayout.of(key_codec.format, value_codec.format)
     bits = key_codec.format.bits_per_token + value_codec.format.bits_per_token
     if layout is not None and layout.words == -(-int(bits) // 32):

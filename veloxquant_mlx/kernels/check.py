@@ -27,8 +27,8 @@ import warnings
 from typing import Callable, Optional
 
 CHECKED_BACKENDS = ("cuda", "metal")
-# The formats' own kernels are checked at first use on Metal, where no session has run them (no Mac);
-# on CUDA the self-test checks every format's kernels on each device session (docs/engine.md), and
+# The formats' own kernels are checked at first use on Metal, where they have never run (no Mac);
+# on CUDA the self-test checks every format's kernels on each device (docs/kernels.md), and
 # the first-use check's extra compiles were not measured there.
 FORMAT_CHECKED_BACKENDS = ("metal",)
 # (name, job) of a back end's first-use check: `kernel_cases.py` registers them

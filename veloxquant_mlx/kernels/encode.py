@@ -3,7 +3,7 @@
 A decode step stores the token it adds. Encoding that token with the codec's MLX ops costs a
 few dozen small kernels per layer (rotation, reductions, codebook searches, packing, the
 row's concatenation), and on a GPU each is a launch: `turboquant_rvq`'s decode step ran 75
-kernels per layer that way (`docs/engine.md`, eleventh session). This kernel encodes keys
+kernels per layer that way (`docs/kernels.md`). This kernel encodes keys
 and values of N tokens in one launch, into their rows (`formats.RowLayout`, a `RowStore`: every
 per-token format is stored so).
 

@@ -20,7 +20,7 @@ shape and constant in it is fixed between steps:
   held, and are centred and joined inside the graph (`engine.fp16_tokens`);
 * the new row is stored outside the compiled graph (`store`), at a constant
   position: MLX's CUDA back end copies the whole buffer for a slice update at an
-  array-valued position (62 us per layer for K3/V4 rows at 32K, results/gpu/run10)
+  array-valued position
   and updates it in place at a constant one.
 
 One compiled function per layout (codecs, shapes, capacity) serves every layer.

@@ -357,7 +357,7 @@ class CommVQ(Method):
     status_note = ("llama family only, calibrated; on SmolLM2 the best measured at 2.25-3.25 bits (K2/V2: KL 0.27 "
                    "vs 1.35 for turboquant_mse:2; K2/V4: 0.09 vs 0.29 for turboquant_mse:3), kivi:3:group=32 "
                    "better at 4 bits; with vq3's sinks and window (K2/V3) it finds the needle less often than vq3 "
-                   "at 4K-8K tokens; no decode kernel: 0.04x fp16 decode on an H200 at 32K (docs/calibrated.md)")
+                   "at 4K-8K tokens; no decode kernel: 0.04x fp16 decode on an H200 at 32K (docs/methods.md)")
     summary = "keys before RoPE, RoPE-commuting residual codebooks learned by EM (calibrated) + fp16 norm"
     values_summary = "turboquant_mse at value_bits"
 

@@ -36,7 +36,7 @@ class CalibrationRequiredError(ValueError):
 def calibration_needed(what: str) -> CalibrationRequiredError:
     return CalibrationRequiredError(
         f"{what} needs calibration: `veloxquant calibrate ... --out DIR` with the same cache options, "
-        f"then artifact_dir=DIR (docs/calibrated.md)"
+        f"then artifact_dir=DIR (docs/methods.md)"
     )
 
 

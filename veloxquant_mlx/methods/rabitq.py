@@ -172,7 +172,7 @@ class RaBitQ(Method):
     values_summary = "TurboQuant_mse at value_bits (use vbits=4)"
     status = "experimental"
     status_note = ("worse than turboquant_mse at 1-2 key bits on SmolLM2 (unbiased but noisier scores); at 3 key "
-                   "bits slightly better by KL for 16 more bits, far behind kivi:3:group=32 at ~4 bits (docs/calibrated.md)")
+                   "bits slightly better by KL for 16 more bits, far behind kivi:3:group=32 at ~4 bits (docs/methods.md)")
 
     @classmethod
     def key_codec(cls, config, dim, params=None):

@@ -226,7 +226,7 @@ class RateQuant(Method):
     bases = ("mse", "kivi")
     calibrated = True
     status = "experimental"
-    status_note = "worse than uniform turboquant_mse/kivi at equal bits (docs/calibrated.md)"
+    status_note = "worse than uniform turboquant_mse/kivi at equal bits (docs/methods.md)"
     summary = "TurboQuant-MSE at calibrated widths per layer (fitted D(b), reverse water-filling)"
     values_summary = "same, value budget vbudget"
 

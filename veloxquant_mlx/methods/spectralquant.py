@@ -149,7 +149,7 @@ class SpectralQuant(Method):
     value_bits = range(1, 9)
     calibrated = True
     status = "experimental"
-    status_note = "worse than turboquant_mse (Hadamard basis) at equal bits (docs/calibrated.md)"
+    status_note = "worse than turboquant_mse (Hadamard basis) at equal bits (docs/methods.md)"
     summary = "per-head PCA basis (calibrated) + two widths by variance + Gaussian Lloyd-Max + fp16 norm"
     values_summary = "same at value_bits"
 

@@ -120,7 +120,7 @@ class TurboQuantMSE(Method):
     summary = "random rotation + Lloyd-Max codes + fp16 norm"
     status = "recommended"
     status_note = ("the best quality here at every bit width measured on SmolLM2; on Gemma 3 (QK-norm keys) plain "
-                   "it loses to kivi, and the presets need smooth_keys to beat it (docs/calibrated.md); CPU, CUDA "
+                   "it loses to kivi, and the presets need smooth_keys to beat it (docs/methods.md); CPU, CUDA "
                    "and Metal decode kernels")
     encode_options = frozenset({"renorm", "unbiased_values"})  # same codebooks and rotations with or without them
     values_summary = "same codec at value_bits"

@@ -327,7 +327,7 @@ class VecInfer(Method):
     calibrated = True
     status = "experimental"
     status_note = ("beats turboquant_mse at 1-2.25 bits with fewer bits, but kivi:2 (group 64) reaches its KL "
-                   "with 0.13 fewer bits (2.50 vs 2.62) on SmolLM2 (docs/calibrated.md)")
+                   "with 0.13 fewer bits (2.50 vs 2.62) on SmolLM2 (docs/methods.md)")
     summary = "smooth scaling + Hadamard + product VQ (k-means codebooks, calibrated); LUT scores"
     values_summary = "turboquant_mse at value_bits (values=mse) or Hadamard + product VQ (values=vq)"
 

@@ -1,6 +1,6 @@
 """Weight quantization: rotated, row-normalised Lloyd-Max codes (`QuantizedLinear`, `QuantizedEmbedding`),
 `quantize_model`, and the reservoir file that reloads a quantized model without redoing
-any of the work (`save_reservoir`, `load_reservoir`, `graft_reservoir`). See docs/weights.md."""
+any of the work (`save_reservoir`, `load_reservoir`, `graft_reservoir`). See docs/methods.md."""
 
 from .affine import GroupAffineLinear
 from .embedding import QuantizedEmbedding

@@ -34,7 +34,7 @@ def register_cli(subparsers) -> None:
                    help="text file for --calibration-tokens (default: the packaged sample text)")
     p.add_argument("--share-rotations", action="store_true",
                    help="one rotation and input scale per shared input (q/k/v, gate/up), folded into the norm before "
-                        "them: faster GPU decode, worse perplexity (docs/weights.md); default: one per layer")
+                        "them: faster GPU decode, worse perplexity (docs/methods.md); default: one per layer")
     p.add_argument("--format", default="rotated", choices=("rotated", "group_affine"),
                    help="rotated: rotated Lloyd-Max codes (default); group_affine: per-group affine codes with "
                         "quantized group scales and centres (data-free; keeps a Q4_1 source's grid at 4 bits)")

@@ -1,7 +1,7 @@
 """The two halves of each transformer block around its attention as compiled calls at decode shapes.
 
 A decode step's graph is built in Python while the GPU runs the previous step; ours is
-host-bound (docs/weights.md, "Each block's halves as compiled calls"). With the MLP compiled
+host-bound (docs/methods.md, "Each block's halves as compiled calls"). With the MLP compiled
 (`compiled_mlp.py`), a block still makes about fifteen Python-level calls around its
 attention: the norm, q/k/v, their reshapes and transposes, the output's transpose and
 reshape, o_proj, the residual adds and the MLP's norm. At decode shapes the block's class is

@@ -1,7 +1,7 @@
 """Each MLP of a quantized model as one compiled call at decode shapes.
 
 A decode step's graph is built in Python, layer by layer, while the GPU runs the previous
-step; where building takes longer than the GPU's work, the GPU waits (docs/weights.md,
+step; where building takes longer than the GPU's work, the GPU waits (docs/methods.md,
 "Sibling layers in one launch, and compiled routes"). A dense MLP (gate/up, the activation,
 down_proj) is three of our layer calls, their routes and the activation's ops. Under
 `mx.compile` the whole MLP is one call that replays its traced graph instead.

@@ -145,7 +145,7 @@ def plan(rows: int, in_features: int, out_features: int, bits: int, groups: int,
     ("vec": one 16-byte load where rows start 16-byte aligned, else the 32 codes of `bits` words).
     `rpw`: output rows per warp (None: 1 for "word", `rows_per_warp` for "vec"). Two rows per warp
     on down_proj alone measured faster (39.2 against 58.0 us, weights-lut-variants) but the
-    whole-model decode with it 0.59x affine against 0.69x with one row (docs/weights.md), so "word"
+    whole-model decode with it 0.59x affine against 0.69x with one row (docs/methods.md), so "word"
     keeps one row until that is repeated."""
     group_size = in_features // groups
     mt = min(rows, MAX_ROWS)
@@ -193,7 +193,7 @@ def lut_matmul(rotated: mx.array, layer, dialect: str) -> mx.array:
 # Wrap each kept decode route in mx.compile: a compiled call replays the traced graph instead of
 # building it again, which on a GPU skips MLX's per-call writing of the kernel's source text and
 # template arguments (host time limits decode there) and on the CPU fuses the rotation's ops;
-# both measured faster (docs/weights.md). VELOXQUANT_WEIGHT_COMPILE=0 turns it off. Read when a
+# both measured faster (docs/methods.md). VELOXQUANT_WEIGHT_COMPILE=0 turns it off. Read when a
 # layer makes its route for a new input shape.
 COMPILE_ROUTES = os.environ.get("VELOXQUANT_WEIGHT_COMPILE", "1") == "1"
 
@@ -208,8 +208,8 @@ def compiled(function: Callable) -> Callable:
 # and an odd dimension, grouped scales) in the input's dtype, against the tiled matmul (MLX ops, on
 # the CPU).
 CHECK_CASES = ("3bit-odd-dim-m3", "2bit-groups-m8", "3bit-ragged-m5")
-# Metal only, as the engine's per-format checks (`kernels/check.FORMAT_CHECKED_BACKENDS`): no session has run
-# a Metal kernel, and on CUDA the weights' self-test runs these cases on every device session.
+# Metal only, as the engine's per-format checks (`kernels/check.FORMAT_CHECKED_BACKENDS`): no Metal kernel
+# has run on a Mac, and on CUDA the weights' self-test runs these cases on every device.
 CHECKED_DIALECTS = ("metal",)
 _VERDICTS = {}  # (dialect, dtype) -> passed
 

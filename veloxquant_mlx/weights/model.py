@@ -88,7 +88,7 @@ def quantize_model(model: nn.Module, bits: int, seed: int = 0, skip: Iterable[st
     model runs once on them and each linear layer is quantized when its inputs arrive,
     on those inputs (embedding tables are coded without data).
 
-    `share_rotations` (off by default: it costs quality, docs/weights.md): where the block structure is recognised (`shared.BLOCKS`:
+    `share_rotations` (off by default: it costs quality, docs/methods.md): where the block structure is recognised (`shared.BLOCKS`:
     llama, qwen2, qwen3, gemma3), the layers reading one norm's output (q/k/v; gate/up)
     share one rotation and one input scale, folded into that norm (`shared.py`); a warning
     names the blocks where this is not done. `shared_alpha` is the column-scaling exponent of

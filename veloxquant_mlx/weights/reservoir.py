@@ -201,8 +201,8 @@ def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, nn.Module], dic
     every tensor's CRC-32.
 
     The bytes are copied into MLX buffers: MLX 0.32.4 has no zero-copy path from a file
-    mapping on the CPU (`mx.array`, `mx.asarray` and `mx.from_dlpack` of a NumPy view all copy,
-    measured in benchmarks/weights_reservoir.py), so processes do not share these pages.
+    mapping on the CPU (`mx.array`, `mx.asarray` and `mx.from_dlpack` of a NumPy view all copy),
+    so processes do not share these pages.
     """
     header, data_start = read_header(path)
     tensors = {}

@@ -49,7 +49,7 @@ BUFFER_FLOATS = 4096  # shared-memory rows of X per pass: G * P <= this (16 KB)
 
 # Opt-in (VELOXQUANT_WEIGHT_FUSED_ROTATION=1): route decode-sized calls of the GPU back ends through the
 # kernel instead of the MLX ops (a multiply and mx.hadamard_transform). Off by default because on the H200
-# it was not faster than the ops (docs/weights.md). Read when a layer makes its route for an input shape.
+# it was not faster than the ops (docs/methods.md). Read when a layer makes its route for an input shape.
 FUSED_ROTATION = os.environ.get("VELOXQUANT_WEIGHT_FUSED_ROTATION", "0") == "1"
 
 # Template constants: D (= MB * P), MB (Hadamard base m), P (2^k), NT (threads, min(P, 1024); P when MB > 1),

@@ -19,7 +19,7 @@ is undone inside the projections' matmuls, not after them.
 The shared c is computed from the layers together: c = (rms / mean rms)^alpha as for one
 layer (`linear.column_scales`), with the column RMS taken over the rows of all of them
 stacked. One c cannot fit layers whose column profiles differ (q/k against v, in
-SmolLM2), so this costs quality against per-layer scales: docs/weights.md has the numbers.
+SmolLM2), so this costs quality against per-layer scales: docs/methods.md has the numbers.
 
 Blocks are recognised by the mlx-lm module that defines them (the table below says
 which norm feeds which layers there); other models keep one rotation per layer.
