@@ -20,6 +20,10 @@ from . import kernels  # noqa: E402,F401  (registers the kernels' attention path
 
 __version__ = "0.1.0"
 
+from .blas import slow_blas_warning  # noqa: E402
+
+slow_blas_warning()
+
 __all__ = [
     "CacheFormatError",
     "CompressedKVCache",

@@ -280,13 +280,13 @@ def run_calibrate(args) -> None:
 
 def register_cli(sub, add_cache_arguments, default_model: str) -> None:
     cal = sub.add_parser("calibrate", help="learn a calibrated method's per-layer params from real text")
-    cal.add_argument("--model", default=default_model)
+    cal.add_argument("--model", default=default_model, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {default_model})")
     cal.add_argument("--text", required=True, help="text file to calibrate on")
     cal.add_argument("--out", required=True, help="artifact directory to write")
     cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
     cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
     cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")
-    cal.add_argument("--no-progress", action="store_true")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     cal.add_argument("--verbose", action="store_true", help="print the calibration record")
     add_cache_arguments(cal)
     cal.set_defaults(func=run_calibrate)

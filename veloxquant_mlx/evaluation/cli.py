@@ -256,7 +256,8 @@ def _common(parser, default_methods: str, default_out: str, model_default="smoll
     parser.add_argument("--out", default=default_out, help=f"results folder (default: {default_out})")
     parser.add_argument("--min-free-gb", type=float, default=2.0,
                         help="stop a configuration when free system memory falls below this (0: off)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random inputs (needle cases, benchmark tokens and models) (default: 0)")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -270,7 +271,8 @@ def _text_source(parser) -> None:
 
 def register_eval_cli(subparsers) -> None:
     evaluate = subparsers.add_parser("eval", help="quality of compressed caches: perplexity, needle in a haystack")
-    sub = evaluate.add_subparsers(dest="eval_command", required=True)
+    sub = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVAL",
+                                  help="`veloxquant eval EVAL --help` shows its flags")
 
     ppl = sub.add_parser("ppl", help="perplexity, KL and top-1 agreement vs fp16, and KV bytes per method")
     _common(ppl, DEFAULT_PPL_METHODS, "results/ppl")
@@ -340,7 +342,8 @@ def register_cli(subparsers) -> None:
 def main(argv=None) -> int:
     """Standalone entry point (`python -m veloxquant_mlx.evaluation ...`)."""
     parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
-    register_cli(parser.add_subparsers(dest="command", required=True))
+    register_cli(parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       help="`COMMAND --help` shows its flags"))
     from ..cli import run_command
 
     return run_command(parser.parse_args(argv))
