@@ -95,3 +95,24 @@ def test_preload_restarts_once_with_openblas_and_exits(tmp_path):
     assert off.returncode == 0, off.stderr
     assert off.stdout.splitlines() == ["warned 0 True loaded False marker None", PRODUCT]
     assert "reference BLAS" not in off.stderr
+
+
+def test_benchmark_shape_says_up_front_that_it_is_sized_for_a_gpu(monkeypatch, capsys):
+    import mlx.core as mx
+
+    from veloxquant_mlx.evaluation import shapes
+
+    if mx.default_device() != mx.cpu:
+        pytest.skip("the notice is for the CPU")
+    assert shapes.cpu_shape_notice("tiny", "float32", 1024, 3) is None
+    parameters = shapes.shape_parameters("llama-3.1-8b")
+    assert 7.9e9 < parameters < 8.1e9
+    monkeypatch.setattr(shapes.os, "sysconf", lambda name: 1 << 20 if name == "SC_PHYS_PAGES" else 1 << 20)  # 1 TB
+    notice = shapes.cpu_shape_notice("llama-3.1-8b", "float32", 1024, 4)
+    assert "sized for a GPU" in notice and f"{4 * parameters / 1e9:.1f} GB of float32" in notice
+    assert f"{2 * parameters * 1024 * 4 / 1e15:.0f} PFLOP" in notice
+    monkeypatch.setattr(shapes.os, "sysconf", lambda name: 1 << 12 if name == "SC_PAGE_SIZE" else 1 << 20)  # 4 GB
+    # through the command: one line on stderr, exit 2, before any weight is built
+    assert main(["benchmark", "--shape", "llama-3.1-8b", "--methods", "fp16", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "sized for a GPU" in err and "4.3 GB of memory" in err

@@ -200,6 +200,13 @@ def run_benchmark_command(args) -> None:
         raise ValueError("give --model or --shape, not both")
     if not args.shape and not args.model:
         args.model = "smollm2"
+    if args.shape:
+        from .shapes import cpu_shape_notice
+
+        notice = cpu_shape_notice(args.shape, args.dtype, sum(contexts) + len(contexts) * args.decode_tokens,
+                                  len(specs) * (args.warmup + args.repeats))
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
     model, source, dtype_name, weights, tokenizer = _benchmark_model(args)
     compiled_blocks = 0
     if args.compile_blocks:
