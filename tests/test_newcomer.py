@@ -116,3 +116,96 @@ def test_benchmark_shape_says_up_front_that_it_is_sized_for_a_gpu(monkeypatch, c
     assert main(["benchmark", "--shape", "llama-3.1-8b", "--methods", "fp16", "--out", "unused"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "sized for a GPU" in err and "4.3 GB of memory" in err
+
+
+def _tiny_chat():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from test_serving import _Tokenizer
+
+    from conftest import config_for, tiny_llama
+    from veloxquant_mlx.chat import ChatSession
+
+    return ChatSession(tiny_llama(), TokenizerWrapper(_Tokenizer()), config_for("turboquant_mse", 4), model_name="tiny")
+
+
+def test_chat_reports_an_unknown_command_instead_of_sending_it():
+    import io
+
+    from veloxquant_mlx.chat import run_chat
+
+    session = _tiny_chat()
+    out = io.StringIO()
+    turns = run_chat(session, max_tokens=3, sampler=None, stdin=io.StringIO("/sve x\n/usr/bin is a path\n"), stdout=out)
+    assert "error: unknown command /sve" in out.getvalue()
+    assert turns == 1 and [m["content"] for m in session.messages if m["role"] == "user"] == ["/usr/bin is a path"]
+
+
+def test_ctrl_c_stops_the_chat_reply_and_the_chat_goes_on():
+    import io
+    import signal
+
+    from veloxquant_mlx.chat import run_chat
+
+    class Terminal(io.StringIO):
+        """Presses Ctrl-C once the first reply has shown two pieces of text."""
+
+        def __init__(self):
+            super().__init__()
+            self.pieces, self.pressed = 0, False
+
+        def write(self, text):
+            if text and not text.startswith((">>", "[", "chat with", "\n")) and not self.pressed:
+                self.pieces += 1
+                if self.pieces == 2:
+                    self.pressed = True
+                    signal.raise_signal(signal.SIGINT)
+            return super().write(text)
+
+    session = _tiny_chat()
+    out = Terminal()
+    before = signal.getsignal(signal.SIGINT)
+    turns = run_chat(session, max_tokens=40, sampler=None, stdin=io.StringIO("tell me\nand then\n"), stdout=out)
+    assert signal.getsignal(signal.SIGINT) is before  # the chat's handler is gone after each reply
+    text = out.getvalue()
+    assert turns == 2 and text.count("stopped by Ctrl-C") == 1, text
+    first = session.messages[1]
+    assert first["role"] == "assistant" and 0 < len(first["content"]) and session.messages[2]["content"] == "and then"
+    # the stopped reply's tokens are all in the cache and in step with the session's token list
+    assert session.cache_tokens == len(session.cached_tokens)
+    assert {c.offset for c in session.caches} == {session.cache_tokens}
+
+
+def test_ctrl_c_ends_a_command_with_130_and_no_traceback(monkeypatch, capsys):
+    from veloxquant_mlx import models
+
+    def pressed(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "load_model", pressed)
+    assert main(["generate", "--prompt", "hi"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err.strip() == "interrupted" and "Traceback" not in captured.err
+
+
+@pytest.mark.model
+def test_sigint_ends_generate_cleanly_in_a_process():
+    """A real Ctrl-C to `veloxquant generate` mid-reply (the CLI's own OpenBLAS restart included): exit 130,
+    no traceback, and the process ends (OpenBLAS's threads do not hold the exit)."""
+    import signal
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    env.pop("LD_PRELOAD", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "veloxquant_mlx.cli", "generate", "--max-tokens", "100000", "--kv", "vq4",
+         "--ignore-chat-template", "--prompt", "Once upon a time"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.read(1), process.stderr.read()  # the reply has started
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        _, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 130, err
+    assert "Traceback" not in err and err.rstrip().endswith("interrupted")

@@ -429,10 +429,16 @@ def failed_methods(outcome) -> list:
 
 
 def run_command(args) -> int:
-    """Run a parsed command: 0 on success, 1 when a requested method failed, 2 on a user error."""
+    """Run a parsed command: 0 on success, 1 when a requested method failed, 2 on a user error, 130 when
+    interrupted (Ctrl-C)."""
     start = time.perf_counter()
     try:
         outcome = args.func(args)
+    except KeyboardInterrupt:
+        if os.environ.get("VELOXQUANT_TRACEBACK"):
+            raise
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C ended
     except USER_ERRORS as error:
         if os.environ.get("VELOXQUANT_TRACEBACK"):
             raise
