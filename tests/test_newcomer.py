@@ -209,3 +209,97 @@ def test_sigint_ends_generate_cleanly_in_a_process():
         process.kill()
     assert process.returncode == 130, err
     assert "Traceback" not in err and err.rstrip().endswith("interrupted")
+
+
+def _bits_and_smaller(line):
+    """(bits per coordinate, times smaller) from a `memory_report` line."""
+    import re
+
+    found = re.search(r"([\d.]+) bits/coord; fp16 [\d.]+ MB: ([\d.]+)x smaller", line)
+    return float(found.group(1)), float(found.group(2))
+
+
+def _filled(model, spec, tokens):
+    import mlx.core as mx
+
+    from veloxquant_mlx.evaluation.specs import parse_method_spec
+
+    caches = parse_method_spec(spec).make_caches(model)
+    model(mx.arange(tokens)[None] % 500, cache=caches)
+    return caches
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_fp16_is_16_bits_and_1x_and_quantized_bits_follow_their_layout(dtype):
+    import mlx.core as mx
+
+    from conftest import tiny_llama
+    from veloxquant_mlx.footprint import footprint
+
+    model = tiny_llama()
+    model.set_dtype(getattr(mx, dtype))  # on the CPU mlx-lm's cache holds float32: still 16 bits
+    for tokens in (1, 100, 256, 300):
+        fp16 = footprint(_filled(model, "fp16", tokens))
+        assert (fp16.bits, fp16.smaller, fp16.tokens) == (16.0, 1.0, tokens)
+        assert fp16.allocated >= fp16.held  # 256-token steps
+        q4 = footprint(_filled(model, "mlx-q4:group=32", tokens))
+        assert q4.bits == pytest.approx(4 + 2 * 16 / 32)  # codes and a scale and a bias per 32
+        assert q4.smaller == pytest.approx(16 / q4.bits)
+
+
+def test_every_command_reports_the_same_bits_and_smaller(tmp_path):
+    """eval ppl (and the demo, which prints its records), benchmark, needle's records, generate/chat/cache-prompt's
+    memory line: for the same caches at the same tokens, the same bits per coordinate and "x smaller"."""
+    import io
+    import json
+
+    import mlx.core as mx
+
+    from conftest import tiny_llama
+    from veloxquant_mlx.chat import run_chat
+    from veloxquant_mlx.cli import memory_report
+    from veloxquant_mlx.evaluation.perplexity import evaluate_perplexity
+    from veloxquant_mlx.evaluation.results import kv_fields
+    from veloxquant_mlx.evaluation.specs import parse_method_spec
+    from veloxquant_mlx.footprint import footprint
+
+    model = tiny_llama()
+
+    def by_hand(spec, tokens):
+        return _bits_and_smaller(memory_report(_filled(model, spec, tokens)))
+
+    # eval ppl and the demo
+    windows = mx.arange(200)[None] % 500
+    records = evaluate_perplexity(model, windows, [parse_method_spec(s) for s in ("fp16", "vq4")], chunk=64,
+                                  progress=False)
+    for record in records:
+        assert record["kv_tokens"] == 200
+        expected = by_hand(record["spec"], 200)
+        assert (round(record["bits_per_coord"], 2), round(record["compression_vs_fp16"], 2)) == expected
+    assert (records[0]["bits_per_coord"], records[0]["compression_vs_fp16"]) == (16.0, 1.0)
+    assert records[1]["kv_bytes"] * records[1]["compression_vs_fp16"] == pytest.approx(records[1]["fp16_kv_bytes"])
+    # benchmark, one command through the CLI (two sequences of a batch count both)
+    out = tmp_path / "bench"
+    assert main(["benchmark", "--shape", "tiny", "--contexts", "96", "--decode-tokens", "3", "--repeats", "1",
+                 "--warmup", "0", "--batch", "2", "--methods", "fp16,vq4", "--min-free-gb", "0", "--no-figures",
+                 "--no-progress", "--out", str(out)]) == 0
+    bench = json.loads((out / "results.json").read_text())["records"]
+    shape_model = __import__("veloxquant_mlx.evaluation.shapes", fromlist=["x"]).build_shape_model("tiny")
+    for record in bench:
+        caches = parse_method_spec(record["spec"]).make_caches(shape_model)
+        shape_model(mx.zeros((2, record["kv_tokens"]), dtype=mx.int32), cache=caches)
+        expected = _bits_and_smaller(memory_report(caches))
+        assert (round(record["bits_per_coord"], 2), round(record["compression_vs_fp16"], 2)) == expected
+    assert {r["label"]: r["bits_per_coord"] for r in bench}["fp16"] == 16.0
+    # needle's records are `kv_fields` of the caches, as every record is
+    caches = _filled(model, "vq4", 150)
+    assert _bits_and_smaller(memory_report(caches)) == (round(kv_fields(footprint(caches))["bits_per_coord"], 2),
+                                                        round(kv_fields(footprint(caches))["compression_vs_fp16"], 2))
+    # chat's line after a turn
+    session = _tiny_chat()
+    text = io.StringIO()
+    run_chat(session, max_tokens=4, sampler=None, stdin=io.StringIO("hello there\n"), stdout=text)
+    stats = next(line for line in text.getvalue().splitlines() if line.startswith("[cache: "))
+    assert _bits_and_smaller(stats) == _bits_and_smaller(memory_report(session.caches))
+    held, allocated = footprint(session.caches).held, footprint(session.caches).allocated
+    assert f"{held / 1e6:.3f} MB held ({allocated / 1e6:.3f} MB allocated)" in stats

@@ -80,27 +80,13 @@ def config_for_model(args, config, model, tokenizer):
     return ensure_calibrated(config, model, tokenizer)
 
 
-def fp16_bytes(caches) -> int:
-    """What mlx-lm's fp16 KVCache would hold for the same tokens (2 bytes per element)."""
-    total = 0
-    for cache in caches:
-        inner = getattr(cache, "inner", cache)  # a rotating cache: mlx-lm's holds its last size() tokens
-        if getattr(inner, "key_codec", None) is not None:
-            total += 2 * inner.batch * inner.kv_heads * cache.size() * (inner.key_dim + inner.value_dim)
-    return total
-
-
 def memory_report(caches) -> str:
-    """The cache's memory in words: bytes the tokens use, bytes allocated, and fp16's bytes.
+    """The caches' size in words, as every command counts it (`footprint`): bytes the tokens hold, bytes
+    allocated (the store grows in 256-token steps, as mlx-lm's fp16 cache does), bits per coordinate, and
+    how many times smaller than an fp16 cache of the same tokens."""
+    from .footprint import footprint
 
-    The store grows in 256-token steps, so on a short prompt most allocated bytes are spare
-    capacity: comparing those with fp16 would understate the compression."""
-    used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
-    allocated = sum(c.nbytes for c in caches)
-    fp16 = fp16_bytes(caches)
-    tokens = max((getattr(c, "offset", 0) for c in caches), default=0)
-    return (f"{tokens} tokens, {used / 1e6:.3f} MB used ({allocated / 1e6:.3f} MB allocated) vs "
-            f"{fp16 / 1e6:.3f} MB fp16: {fp16 / max(used, 1):.2f}x smaller")
+    return footprint(caches).describe()
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 100, system_prompt: bool = True):
@@ -271,8 +257,9 @@ def run_methods(args) -> None:
             (name, key, value, per_coord, "yes" if method.calibrated else "no", method.status,
              method.summary, method.values_summary)
         )
-    print(f"bits at b={args.bits}, head dim {args.head_dim} (fp16 shown at 16 bits; bits/coord as stored, "
-          "a token's key and value in one row of whole 32-bit words where the formats are per token):")
+    print(f"bits at b={args.bits}, head dim {args.head_dim} (fp16 shown at 16 bits; bits/coord of the codes as "
+          "stored, a token's key and value in one row of whole 32-bit words where the formats are per token; "
+          "a cache's fp16 sinks and window come on top, as the commands that measure caches count them):")
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())

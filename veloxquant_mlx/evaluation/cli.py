@@ -86,7 +86,7 @@ def run_ppl(args) -> None:
     }
     start = time.perf_counter()
     results["records"] = evaluate_perplexity(
-        model, windows, specs, layout, chunk=args.chunk, guard=MemoryGuard(args.min_free_gb),
+        model, windows, specs, chunk=args.chunk, guard=MemoryGuard(args.min_free_gb),
         progress=not args.no_progress, on_update=_saver(args.out, results),
     )
     results["duration_s"] = round(time.perf_counter() - start, 2)
@@ -117,7 +117,7 @@ def run_needle(args) -> None:
     }
     start = time.perf_counter()
     results["records"] = evaluate_needle(
-        model, tokenizer, specs, cases, layout, lengths, depths, max_tokens=args.max_tokens,
+        model, tokenizer, specs, cases, lengths, depths, max_tokens=args.max_tokens,
         chunk=args.chunk, guard=MemoryGuard(args.min_free_gb), progress=not args.no_progress,
         on_update=_saver(args.out, results),
     )
@@ -235,7 +235,7 @@ def run_benchmark_command(args) -> None:
     results["settings"]["kernel_check_s"] = _first_use_check()
     start = time.perf_counter()
     results["records"] = run_benchmark(
-        model, specs, contexts, layout, vocab_size=vocab_size, decode_tokens=args.decode_tokens,
+        model, specs, contexts, vocab_size=vocab_size, decode_tokens=args.decode_tokens,
         repeats=args.repeats, warmup=args.warmup, chunk=args.chunk, max_seconds=args.max_seconds,
         guard=MemoryGuard(args.min_free_gb), progress=not args.no_progress,
         on_update=_saver(args.out, results), seed=args.seed, batch=args.batch,
