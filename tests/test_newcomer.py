@@ -15,36 +15,36 @@ from veloxquant_mlx.cli import build_parser, main
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _walk(parser, path):
-    """(command path, action) for every action of `parser` and its subcommands' parsers."""
+def _helps(parser, path):
+    """(where, help text) for every action of `parser` and every subcommand, walking into their parsers."""
     for action in parser._actions:
-        yield path, action
+        if not isinstance(action, argparse._HelpAction):
+            yield f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}", action.help
         if isinstance(action, argparse._SubParsersAction):
             helps = {choice.dest: choice.help for choice in action._choices_actions}
             for name, sub in action.choices.items():
-                yield path + [name], helps.get(name)
-                yield from _walk(sub, path + [name])
+                yield " ".join(path + [name]) + " (the command)", helps.get(name)
+                yield from _helps(sub, path + [name])
 
 
 def test_every_command_flag_and_positional_has_help():
-    missing, seen = [], 0
-    for path, action in _walk(build_parser(), ["veloxquant"]):
-        seen += 1
-        if action is None:
-            missing.append(" ".join(path) + " (the command itself)")
-        elif isinstance(action, argparse.Action) and not (action.help or "").strip():
-            missing.append(f"{' '.join(path)} {'/'.join(action.option_strings) or action.dest}")
-    assert seen > 100  # the walk reached the subcommands' flags
+    helps = list(_helps(build_parser(), ["veloxquant"]))
+    assert len(helps) > 100 and any(where.startswith("veloxquant eval ppl --methods") for where, _ in helps)
+    missing = [where for where, text in helps if not (text or "").strip()]
     assert not missing, f"no help text: {missing}"
 
 
 def test_version(capsys):
+    import re
+
+    from veloxquant_mlx.cli import package_version
+
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
     assert stop.value.code == 0
     out = capsys.readouterr().out
-    assert out.startswith("veloxquant-mlx ") and "mlx " in out and "mlx-lm " in out
-    assert __version__ in out or "0." in out.split()[1]
+    assert re.fullmatch(r"veloxquant-mlx \d+\.\d+\.\d+\S* \(mlx \S+, mlx-lm \S+\)\n", out), out
+    assert out.split()[1] == package_version() and package_version().split(".")[0] == __version__.split(".")[0]
 
 
 def _python(tmp_path, code, env_changes, timeout=180):
