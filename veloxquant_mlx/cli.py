@@ -369,23 +369,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=run_serve)
 
     methods = sub.add_parser("methods", help="list compression methods")
-    methods.add_argument("--bits", type=int, default=4, help="bits per coordinate to show each method at (default: 4)")
-    methods.add_argument("--head-dim", type=int, default=128, help="head dimension to size the codes for (default: 128)")
+    methods.add_argument("--bits", type=int, default=4,
+                         help="bits per coordinate to show each method at (default: 4)")
+    methods.add_argument("--head-dim", type=int, default=128,
+                         help="head dimension to size the codes for (default: 128)")
     methods.add_argument("--group-size", type=int, default=64,
                          help="group size of grouped methods, capped at --head-dim (default: 64)")
     methods.set_defaults(func=run_methods)
 
     pre = sub.add_parser("precompute", help="write codebooks and rotations for a model")
-    pre.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
+    pre.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     pre.add_argument("--out", required=True, help="artifact directory to write")
     add_cache_arguments(pre)
     pre.set_defaults(func=run_precompute)
 
     demo = sub.add_parser("demo", help="the main job: compress SmolLM2's cache, report memory and quality")
-    demo.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
+    demo.add_argument("--model", default=DEFAULT_MODEL,
+                      help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     demo.add_argument("--text", default=None, help="text file to score (default: the packaged sample, Python Language Reference text, PSF License)")
     demo.add_argument("--ctx", type=int, default=2048,
-                      help="tokens of text in the scored window, an even number; its second half is scored (default: 2048)")
+                      help="tokens of text in the scored window, an even number; its second half is scored "
+                           "(default: 2048)")
     add_cache_arguments(demo)
     demo.set_defaults(func=run_demo)
 

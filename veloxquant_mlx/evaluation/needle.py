@@ -151,7 +151,8 @@ def is_correct(text: str, code: str) -> bool:
     return code in re.findall(r"\d+", text)
 
 
-def run_case(model, tokenizer, spec: MethodSpec, case: NeedleCase, max_tokens: int, chunk: int, guard: MemoryGuard) -> Dict:
+def run_case(model, tokenizer, spec: MethodSpec, case: NeedleCase, max_tokens: int, chunk: int,
+             guard: MemoryGuard) -> Dict:
     result = {"length": case.length, "depth": case.depth, "trial": case.trial,
               "prompt_tokens": len(case.prompt), "passcode": case.code}
     caches = None
@@ -199,7 +200,8 @@ def summarize(spec: MethodSpec, cells: List[Dict], lengths: List[int], depths: L
     return record
 
 
-def evaluate_needle(model, tokenizer, specs: List[MethodSpec], cases: List[NeedleCase], lengths, depths, max_tokens: int = 12, chunk: int = 2048,
+def evaluate_needle(model, tokenizer, specs: List[MethodSpec], cases: List[NeedleCase], lengths, depths,
+                    max_tokens: int = 12, chunk: int = 2048,
                     guard: Optional[MemoryGuard] = None, progress: bool = True,
                     on_update: Optional[Callable[[List[Dict]], None]] = None) -> List[Dict]:
     """One record per spec with its accuracy grid. Cases run shortest first; after a
