@@ -303,3 +303,12 @@ def test_every_command_reports_the_same_bits_and_smaller(tmp_path):
     assert _bits_and_smaller(stats) == _bits_and_smaller(memory_report(session.caches))
     held, allocated = footprint(session.caches).held, footprint(session.caches).allocated
     assert f"{held / 1e6:.3f} MB held ({allocated / 1e6:.3f} MB allocated)" in stats
+
+
+def test_without_openblas_the_command_prints_one_line_with_the_fix(monkeypatch, capsys):
+    monkeypatch.setattr(blas, "applies", lambda: True)
+    monkeypatch.setattr(blas, "find_openblas", lambda: None)
+    monkeypatch.setattr(blas.os, "execve", lambda *args: pytest.fail("restarted without an OpenBLAS"))
+    assert blas.preload_openblas() is False
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`{blas.INSTALL}`" in err and blas.NO_PRELOAD in err

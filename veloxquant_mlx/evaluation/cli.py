@@ -347,7 +347,12 @@ def register_cli(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    """Standalone entry point (`python -m veloxquant_mlx.evaluation ...`)."""
+    """Standalone entry point (`python -m veloxquant_mlx.evaluation ...`); with `argv` None, restarts with
+    OpenBLAS preloaded as the `veloxquant` command does (`blas.preload_openblas`)."""
+    if argv is None:
+        from ..blas import preload_openblas
+
+        preload_openblas()
     parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
     register_cli(parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
                                        help="`COMMAND --help` shows its flags"))
