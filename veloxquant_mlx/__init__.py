@@ -22,6 +22,10 @@ from . import presets  # noqa: E402,F401  (registers the preset names `KVCacheCo
 
 __version__ = "0.1.0"
 
+from .blas import slow_blas_warning  # noqa: E402
+
+slow_blas_warning()
+
 __all__ = [
     "CacheFormatError",
     "CompressedKVCache",

@@ -10,9 +10,13 @@ mlx-lm's prompt-cache format; the conversation rides along in its metadata.
 from __future__ import annotations
 
 import json
+import re
+import signal
 import sys
+import threading
 import time
-from typing import Iterator, List, Optional, TextIO
+from contextlib import contextmanager
+from typing import Callable, Iterator, List, Optional, TextIO
 
 import mlx.core as mx
 from mlx_lm import stream_generate
@@ -21,7 +25,11 @@ from mlx_lm.models.cache import trim_prompt_cache
 from .config import KVCacheConfig
 from .integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
 
-HELP = "commands: /save FILE, /load FILE, /reset, /help, /quit (or end of input)"
+HELP = ("commands: /save FILE, /load FILE, /reset, /help, /quit (or end of input); "
+        "Ctrl-C stops a reply, or at the prompt ends the chat")
+COMMANDS = ("/save", "/load", "/reset", "/help", "/quit", "/exit", "/q")
+# A line whose first word is a slash and letters is a command; anything else (a path, say) is a message.
+COMMAND_WORD = re.compile(r"/[A-Za-z]+")
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:
@@ -60,8 +68,10 @@ class ChatSession:
     def cache_tokens(self) -> int:
         return self.caches[0].offset if self.caches else 0
 
-    def turn(self, user_text: str, max_tokens: int = 256, sampler=None) -> Iterator[str]:
-        """Stream the reply to `user_text`, prefilling only what the cache does not hold."""
+    def turn(self, user_text: str, max_tokens: int = 256, sampler=None,
+             stop: Optional[Callable[[], bool]] = None) -> Iterator[str]:
+        """Stream the reply to `user_text`, prefilling only what the cache does not hold. `stop()` true
+        after a token ends the reply there; the conversation keeps the part shown."""
         self.messages.append({"role": "user", "content": user_text})
         tokens = self._render()
         keep = common_prefix(self.cached_tokens, tokens)
@@ -70,14 +80,18 @@ class ChatSession:
         trim_prompt_cache(self.caches, self.cache_tokens - keep)
         self.last_prefilled = len(tokens) - keep
         reply, generated = [], []
-        for response in stream_generate(self.model, self.tokenizer, tokens[keep:], max_tokens=max_tokens,
-                                        sampler=sampler, prompt_cache=self.caches):
+        responses = stream_generate(self.model, self.tokenizer, tokens[keep:], max_tokens=max_tokens,
+                                    sampler=sampler, prompt_cache=self.caches)
+        for response in responses:
             generated.append(response.token)
             reply.append(response.text)
             self.last = response
             yield response.text
-        # generate_step feeds a sampled token to the model only to sample the next one,
-        # so the cache holds the prompt and every reply token but the last.
+            if stop is not None and stop():
+                break
+        responses.close()
+        # generate_step feeds a sampled token to the model only to sample the next one, so the cache
+        # holds the prompt and every reply token but the last (all of them when stopped early).
         self.cached_tokens = (tokens + generated)[: self.cache_tokens]
         self.messages.append({"role": "assistant", "content": "".join(reply)})
 
@@ -108,23 +122,61 @@ class ChatSession:
         self.last = None
 
 
+class ReplyInterrupt:
+    """While active, Ctrl-C (SIGINT) asks the reply to stop after its current token instead of raising
+    KeyboardInterrupt wherever Python happens to be, which could leave the cache's layers out of step.
+    A second Ctrl-C before the reply stops raises KeyboardInterrupt as usual."""
+
+    def __init__(self):
+        self.requested = False
+
+    def __call__(self) -> bool:
+        return self.requested
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    @contextmanager
+    def active(self):
+        self.requested = False
+        if threading.current_thread() is not threading.main_thread():
+            yield self  # signal handlers can only be set from the main thread
+            return
+        previous = signal.signal(signal.SIGINT, self._handle)
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+
 def run_chat(session: ChatSession, max_tokens: int, sampler, stdin: Optional[TextIO] = None,
              stdout: Optional[TextIO] = None) -> int:
-    """The read-reply loop; reads lines from `stdin` (a terminal or a script). Returns the turns run."""
+    """The read-reply loop; reads lines from `stdin` (a terminal or a script). Returns the turns run.
+    Ctrl-C during a reply stops it and returns to the prompt; at the prompt it ends the chat."""
     stdin, stdout = stdin or sys.stdin, stdout or sys.stdout
     interactive = stdin.isatty()
     print(f"chat with {session.model_name} ({session.config.describe()}); {HELP}", file=stdout)
+    interrupt = ReplyInterrupt()
     turns = 0
     while True:
         if interactive:
             print(">> ", end="", flush=True, file=stdout)
-        line = stdin.readline()
+        try:
+            line = stdin.readline()
+        except KeyboardInterrupt:
+            print(file=stdout)
+            break
         if not line:
             break
         line = line.rstrip("\n")
         if not line.strip():
             continue
         command, _, argument = line.strip().partition(" ")
+        if COMMAND_WORD.fullmatch(command) and command not in COMMANDS:
+            print(f"error: unknown command {command}; {HELP}", file=stdout)
+            continue
         if command in ("/quit", "/exit", "/q"):
             break
         if command == "/help":
@@ -150,10 +202,12 @@ def run_chat(session: ChatSession, max_tokens: int, sampler, stdin: Optional[Tex
         if not interactive:
             print(f">> {line}", file=stdout)
         start = time.perf_counter()
-        for text in session.turn(line, max_tokens=max_tokens, sampler=sampler):
-            print(text, end="", flush=True, file=stdout)
-        mx.eval([c.state for c in session.caches])
+        with interrupt.active():
+            for text in session.turn(line, max_tokens=max_tokens, sampler=sampler, stop=interrupt):
+                print(text, end="", flush=True, file=stdout)
+            mx.eval([c.state for c in session.caches])
         print(file=stdout)
-        print(session.stats() + f" ({time.perf_counter() - start:.1f} s)", file=stdout, flush=True)
+        stopped = ", stopped by Ctrl-C" if interrupt.requested else ""
+        print(session.stats() + f" ({time.perf_counter() - start:.1f} s{stopped})", file=stdout, flush=True)
         turns += 1
     return turns

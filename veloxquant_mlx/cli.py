@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from .cli_shared import (  # noqa: F401  (re-exported: where callers have always imported them)
-    _CACHE_FLAGS, USER_ERRORS, add_cache_arguments, config_for_model, config_from_args, failed_methods, fp16_bytes,
+    _CACHE_FLAGS, USER_ERRORS, add_cache_arguments, config_for_model, config_from_args, failed_methods,
     memory_report, run_command)
 
 
@@ -180,8 +180,9 @@ def run_methods(args) -> None:
             (name, key, value, per_coord, "yes" if method.calibrated else "no", method.status,
              method.summary, method.values_summary)
         )
-    print(f"bits at b={args.bits}, head dim {args.head_dim} (fp16 shown at 16 bits; bits/coord as stored, "
-          "a token's key and value in one row of whole 32-bit words where the formats are per token):")
+    print(f"bits at b={args.bits}, head dim {args.head_dim} (fp16 shown at 16 bits; bits/coord of the codes as "
+          "stored, a token's key and value in one row of whole 32-bit words where the formats are per token; "
+          "a cache's fp16 sinks and window come on top, as the commands that measure caches count them):")
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     for i, row in enumerate(rows):
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -217,11 +218,40 @@ def _chat_help() -> str:
     return HELP[0].upper() + HELP[1:] + "."
 
 
+def package_version() -> str:
+    """This package's installed version (`importlib.metadata`), or its `__version__` when run from a checkout."""
+    from importlib import metadata
+
+    from . import __version__
+
+    for name in metadata.packages_distributions().get(__package__, []):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return __version__
+
+
+def version_text() -> str:
+    from importlib import metadata
+
+    def installed(name):
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return f"veloxquant-mlx {package_version()} (mlx {installed('mlx')}, mlx-lm {installed('mlx-lm')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .models import DEFAULT_MODEL
 
     parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=version_text(),
+                        help="show the versions of veloxquant-mlx, mlx and mlx-lm, and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                help="`veloxquant COMMAND --help` shows its flags")
 
     gen = sub.add_parser("generate", help="generate text with a compressed KV cache")
     add_model_arguments(gen)
@@ -262,21 +292,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=run_serve)
 
     methods = sub.add_parser("methods", help="list compression methods")
-    methods.add_argument("--bits", type=int, default=4)
-    methods.add_argument("--head-dim", type=int, default=128)
-    methods.add_argument("--group-size", type=int, default=64)
+    methods.add_argument("--bits", type=int, default=4,
+                         help="bits per coordinate to show each method at (default: 4)")
+    methods.add_argument("--head-dim", type=int, default=128,
+                         help="head dimension to size the codes for (default: 128)")
+    methods.add_argument("--group-size", type=int, default=64,
+                         help="group size of grouped methods, capped at --head-dim (default: 64)")
     methods.set_defaults(func=run_methods)
 
     pre = sub.add_parser("precompute", help="write codebooks and rotations for a model")
-    pre.add_argument("--model", default=DEFAULT_MODEL)
+    pre.add_argument("--model", default=DEFAULT_MODEL,
+                     help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     pre.add_argument("--out", required=True, help="artifact directory to write")
     add_cache_arguments(pre)
     pre.set_defaults(func=run_precompute)
 
     demo = sub.add_parser("demo", help="the main job: compress SmolLM2's cache, report memory and quality")
-    demo.add_argument("--model", default=DEFAULT_MODEL)
+    demo.add_argument("--model", default=DEFAULT_MODEL,
+                      help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     demo.add_argument("--text", default=None, help="text file to score (default: the packaged sample, Python Language Reference text, PSF License)")
-    demo.add_argument("--ctx", type=int, default=2048)
+    demo.add_argument("--ctx", type=int, default=2048,
+                      help="tokens of text in the scored window, an even number; its second half is scored "
+                           "(default: 2048)")
     add_cache_arguments(demo)
     demo.set_defaults(func=run_demo)
 
@@ -316,19 +353,26 @@ def add_calibrate_command(sub, default_model: str) -> None:
     from .calibration import CALIBRATION_SEQUENCES, CALIBRATION_TOKENS
 
     cal = sub.add_parser("calibrate", help="learn a calibrated method's per-layer params from real text")
-    cal.add_argument("--model", default=default_model)
+    cal.add_argument("--model", default=default_model,
+                     help=f"local folder, .gguf file, hub id or 'smollm2' (default: {default_model})")
     cal.add_argument("--text", required=True, help="text file to calibrate on")
     cal.add_argument("--out", required=True, help="artifact directory to write")
     cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
     cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
     cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")
-    cal.add_argument("--no-progress", action="store_true")
+    cal.add_argument("--no-progress", action="store_true", help="no progress bar")
     cal.add_argument("--verbose", action="store_true", help="print the calibration record")
     add_cache_arguments(cal)
     cal.set_defaults(func=run_calibrate)
 
 
 def main(argv=None) -> int:
+    """The `veloxquant` command; `argv` None means this process's own command line, which may restart
+    itself once with OpenBLAS preloaded (`blas.preload_openblas`)."""
+    if argv is None:
+        from .blas import preload_openblas
+
+        preload_openblas()
     return run_command(build_parser().parse_args(argv))
 
 

@@ -82,27 +82,13 @@ def config_for_model(args, config, model, tokenizer):
     return ensure_calibrated(config, model, tokenizer)
 
 
-def fp16_bytes(caches) -> int:
-    """What mlx-lm's fp16 KVCache would hold for the same tokens (2 bytes per element)."""
-    total = 0
-    for cache in caches:
-        inner = getattr(cache, "inner", cache)  # a rotating cache: mlx-lm's holds its last size() tokens
-        if getattr(inner, "key_codec", None) is not None:
-            total += 2 * inner.batch * inner.kv_heads * cache.size() * (inner.key_dim + inner.value_dim)
-    return total
-
-
 def memory_report(caches) -> str:
-    """The cache's memory in words: bytes the tokens use, bytes allocated, and fp16's bytes.
+    """The caches' size in words, as every command counts it (`footprint`): bytes the tokens hold, bytes
+    allocated (the store grows in 256-token steps, as mlx-lm's fp16 cache does), bits per coordinate, and
+    how many times smaller than an fp16 cache of the same tokens."""
+    from .footprint import footprint
 
-    The store grows in 256-token steps, so on a short prompt most allocated bytes are spare
-    capacity: comparing those with fp16 would understate the compression."""
-    used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
-    allocated = sum(c.nbytes for c in caches)
-    fp16 = fp16_bytes(caches)
-    tokens = max((getattr(c, "offset", 0) for c in caches), default=0)
-    return (f"{tokens} tokens, {used / 1e6:.3f} MB used ({allocated / 1e6:.3f} MB allocated) vs "
-            f"{fp16 / 1e6:.3f} MB fp16: {fp16 / max(used, 1):.2f}x smaller")
+    return footprint(caches).describe()
 
 
 # What a user's input can raise (bad values, files missing, unreadable or in the way): reported
@@ -119,10 +105,16 @@ def failed_methods(outcome) -> list:
 
 
 def run_command(args) -> int:
-    """Run a parsed command: 0 on success, 1 when a requested method failed, 2 on a user error."""
+    """Run a parsed command: 0 on success, 1 when a requested method failed, 2 on a user error, 130 when
+    interrupted (Ctrl-C)."""
     start = time.perf_counter()
     try:
         outcome = args.func(args)
+    except KeyboardInterrupt:
+        if os.environ.get("VELOXQUANT_TRACEBACK"):
+            raise
+        print("\ninterrupted", file=sys.stderr, flush=True)
+        return 130  # 128 + SIGINT, as a shell reports a command that Ctrl-C ended
     except USER_ERRORS as error:
         if os.environ.get("VELOXQUANT_TRACEBACK"):
             raise

@@ -3,7 +3,7 @@
 Everything printed is measured in this run: perplexity, KL divergence and top-1
 agreement against mlx-lm's own fp16 cache on real text (the package's own sample,
 Python Language Reference text under the PSF License, unless `--text FILE` names
-another), and the bytes of the caches' live buffers.
+another), and the caches' bytes and bits per coordinate as `footprint` defines them.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_demo(args) -> None:
         config.describe(), config.describe(), VELOXQUANT, config.method, config.bits, config.value_bits,
         group_size=config.group_size, config=config,
     )
-    fp16, ours_record = evaluate_perplexity(model, windows, [parse_method_spec("fp16"), ours], layout)
+    fp16, ours_record = evaluate_perplexity(model, windows, [parse_method_spec("fp16"), ours])
     if ours_record["status"] != "ok":
         raise ValueError(f"{config.describe()} failed: {ours_record['error']}")
 
@@ -71,7 +71,7 @@ def run_demo(args) -> None:
     )
     print(f"text: {text_path}, {args.ctx} tokens, second half scored, 512-token chunks")
     print()
-    header = f"{'cache':58s} {'perplexity':>10s} {'KL mean':>9s} {'KL p99':>8s} {'top-1':>7s} {'KV bytes':>12s} {'bits/coord':>10s}"
+    header = f"{'cache':58s} {'perplexity':>10s} {'KL mean':>9s} {'KL p99':>8s} {'top-1':>7s} {'KV bytes held':>13s} {'bits/coord':>10s}"
     print(header)
     print("-" * len(header))
     for label, record in (("fp16 (mlx-lm KVCache)", fp16), (config.describe(), ours_record)):
@@ -80,22 +80,23 @@ def run_demo(args) -> None:
         agree = record.get("top1_agreement") or 1.0
         print(
             f"{label:58s} {record['perplexity']:10.3f} {kl_mean:9.4f} {kl_p99:8.4f} {agree:7.1%} "
-            f"{record['kv_bytes']:12,d} {record['bits_per_coord']:10.2f}"
+            f"{record['kv_bytes']:13,d} {record['bits_per_coord']:10.2f}"
         )
     fp16_bytes = ours_record["fp16_kv_bytes"]
     ours_bytes = ours_record["kv_bytes"]
     change = 100 * (ours_record["perplexity"] / fp16["perplexity"] - 1)
     print()
     print(
-        f"memory: {ours_bytes / 1e6:.2f} MB of live cache buffers vs {fp16_bytes / 1e6:.2f} MB for an fp16 cache "
-        f"of the same {ours_record['kv_tokens']} tokens: {fp16_bytes / ours_bytes:.2f}x smaller, "
-        f"{100 * (1 - ours_bytes / fp16_bytes):.1f}% saved"
+        f"memory: {ours_bytes / 1e6:.2f} MB held vs {fp16_bytes / 1e6:.2f} MB for an fp16 cache of the same "
+        f"{ours_record['kv_tokens']} tokens: {ours_record['compression_vs_fp16']:.2f}x smaller, "
+        f"{100 * (1 - ours_bytes / fp16_bytes):.1f}% saved ({ours_record['kv_allocated_bytes'] / 1e6:.2f} MB "
+        "allocated, the spare capacity of 256-token steps included)"
     )
     print(f"quality: perplexity {change:+.2f}% vs fp16, mean KL {ours_record['kl_mean']:.4f} nats")
     if fp16.get("kv_dtype") and fp16["kv_dtype"] != "float16":
         print(
-            f"(mlx-lm's KVCache holds {fp16['kv_dtype']} here because the model runs in float32 on the CPU: "
-            f"{fp16['kv_bytes']:,d} bytes; the fp16 figure above is 2 bytes per element)"
+            f"(mlx-lm's KVCache holds {fp16['kv_dtype']} here, as the model runs in float32 on the CPU: "
+            f"{fp16['kv_allocated_bytes']:,d} bytes allocated; bits and bytes above count 2 bytes per element)"
         )
 
     prompt = tokenizer.apply_chat_template(

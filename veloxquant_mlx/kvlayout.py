@@ -1,9 +1,9 @@
-"""How many KV coordinates a model stores per token, and what caches actually hold."""
+"""How many KV coordinates a model stores per token (a cache's size in bytes and bits: `footprint`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import mlx.core as mx
 
@@ -19,14 +19,6 @@ class KVLayout:
     @property
     def coordinates_per_token(self) -> int:
         return sum(heads * (dk + dv) for heads, dk, dv in self.layers)
-
-    def fp16_bytes(self, tokens: int) -> int:
-        """What an fp16 cache would hold for `tokens` tokens: 2 bytes per element."""
-        return 2 * tokens * self.coordinates_per_token
-
-    def bits_per_coordinate(self, nbytes: int, tokens: int) -> Optional[float]:
-        coordinates = tokens * self.coordinates_per_token
-        return nbytes * 8 / coordinates if coordinates else None
 
     def describe(self) -> Dict[str, Any]:
         heads = sorted({h for h, _, _ in self.layers})
@@ -54,15 +46,6 @@ def kv_layout(model) -> KVLayout:
     if not layers:
         raise ValueError(f"{type(model).__module__} keeps no key/value cache to measure")
     return KVLayout(layers)
-
-
-def cache_bytes(caches) -> int:
-    """Bytes of the caches' live buffers (unused preallocated capacity included)."""
-    return int(sum(getattr(c, "nbytes", 0) or 0 for c in caches))
-
-
-def cache_tokens(caches) -> int:
-    return max((int(getattr(c, "offset", 0)) for c in caches), default=0)
 
 
 def cache_arrays(caches) -> list:

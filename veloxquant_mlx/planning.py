@@ -166,7 +166,7 @@ def run_plan(args) -> None:
 
 def register_cli(sub, default_model: str) -> None:
     p = sub.add_parser("plan", help="turn a KV memory budget into a ratequant allocation")
-    p.add_argument("--model", default=default_model)
+    p.add_argument("--model", default=default_model, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {default_model})")
     p.add_argument("--memory-gb", type=float, required=True, help="KV cache budget of one sequence, GB (1e9 bytes)")
     p.add_argument("--context", type=int, required=True, help="tokens the cache must hold")
     p.add_argument("--text", required=True, help="text to probe (and to measure with --measure)")
@@ -176,5 +176,5 @@ def register_cli(sub, default_model: str) -> None:
     p.add_argument("--objective", choices=("absolute", "relative"), default="relative",
                    help="ratequant's water-filling objective (relative measured better on SmolLM2)")
     p.add_argument("--skip-tokens", type=int, default=0, help="probe from this many tokens into the text")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_plan)

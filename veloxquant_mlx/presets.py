@@ -68,12 +68,12 @@ def qk_norm_hint(name, config: KVCacheConfig, model) -> "str | None":
 
 def describe_presets() -> str:
     return "; ".join(f"{name} = {preset_config(name).describe()} (<= {PRESET_BITS[name]:g} bits/coord from "
-                     f"{MIN_CONTEXT} tokens)" for name in KV_PRESETS)
+                     f"{MIN_CONTEXT} tokens at head dim >= 64)" for name in KV_PRESETS)
 
 
 def measured_bits(config: KVCacheConfig, model, contexts, chunk: int = 512, seed: int = 0) -> Dict[int, float]:
-    """Bits per coordinate of `config`'s caches for `model` at each of `contexts` (token counts), from the bytes
-    the held tokens take (`used_nbytes`: the store's spare capacity, which grows in steps, left out).
+    """Bits per coordinate of `config`'s caches for `model` at each of `contexts` (token counts), as every command
+    counts them (`footprint`: the bytes the held tokens take, the store's spare capacity left out).
 
     The caches are filled with random keys and values of the model's shapes, `chunk` tokens at a time, each
     chunk attended to by as many random queries as a prefill would: a `keep_attended` cache allocates its
@@ -81,6 +81,7 @@ def measured_bits(config: KVCacheConfig, model, contexts, chunk: int = 512, seed
     import mlx.core as mx
 
     from .kvlayout import kv_layout
+    from .footprint import footprint
     from .integration import KVCacheBuilder
 
     layout = kv_layout(model)
@@ -98,6 +99,5 @@ def measured_bits(config: KVCacheConfig, model, contexts, chunk: int = 512, seed
                 cache.update_and_fetch(keys, values)
                 mx.eval(cache.attend(queries, key_dim ** -0.5, mask="causal"))
             held += step
-        used = sum(getattr(c, "used_nbytes", c.nbytes) for c in caches)
-        bits[target] = layout.bits_per_coordinate(used, target)
+        bits[target] = footprint(caches).bits
     return bits

@@ -22,8 +22,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
-from ..kvlayout import KVLayout, cache_arrays, cache_bytes, cache_tokens
-from .results import error_text, finite
+from ..footprint import footprint
+from ..kvlayout import cache_arrays
+from .results import error_text, finite, kv_fields
 from .specs import MethodSpec
 from .watchdog import STOPPED_BY_GUARD, MemoryGuard, MemoryGuardTriggered, release_memory
 
@@ -111,8 +112,7 @@ def timed_run(model, spec: MethodSpec, tokens: mx.array, decode_tokens: int, chu
             "prefill_paths": prefill_paths,
             "decode_paths": attention_paths(caches),
             "peak_memory_bytes": mx.get_peak_memory(),
-            "kv_bytes": cache_bytes(caches),
-            "kv_tokens": cache_tokens(caches),
+            "kv": footprint(caches),
         }
     finally:
         del caches
@@ -133,10 +133,10 @@ class ConfigRuns:
     on every method, not on whichever ran during it). `max_seconds` bounds the
     configuration's own run time."""
 
-    def __init__(self, model, spec: MethodSpec, context: int, layout: KVLayout, *, vocab_size: int,
+    def __init__(self, model, spec: MethodSpec, context: int, *, vocab_size: int,
                  decode_tokens: int, chunk: int, max_seconds: float, guard: MemoryGuard, seed: int, clock_zero: float,
                  batch: int = 1):
-        self.model, self.spec, self.context, self.layout = model, spec, context, layout
+        self.model, self.spec, self.context = model, spec, context
         self.decode_tokens, self.chunk, self.max_seconds, self.guard = decode_tokens, chunk, max_seconds, guard
         self.clock_zero = clock_zero
         self.batch = batch
@@ -192,9 +192,8 @@ class ConfigRuns:
         def median(key):
             return statistics.median(r[key] for r in runs)
 
-        context, decode_tokens, layout = self.context, self.decode_tokens, self.layout
+        context, decode_tokens = self.context, self.decode_tokens
         prefill_s, decode_s = median("prefill_s"), median("decode_s")
-        kv_bytes, kv_tokens = runs[-1]["kv_bytes"], runs[-1]["kv_tokens"]
         batch = self.batch
         record.update(
             prefill_seconds=finite(prefill_s),
@@ -204,17 +203,14 @@ class ConfigRuns:
             prefill_paths=runs[-1]["prefill_paths"],
             decode_paths=runs[-1]["decode_paths"],
             peak_memory_bytes=int(median("peak_memory_bytes")),
-            kv_bytes=kv_bytes,
-            kv_tokens=kv_tokens,
-            # kv_bytes hold every sequence of the batch; kv_tokens count one sequence
-            fp16_kv_bytes=layout.fp16_bytes(batch * kv_tokens),
-            bits_per_coord=finite(layout.bits_per_coordinate(kv_bytes, batch * kv_tokens)),
-            runs=[{k: _rounded(v) for k, v in r.items()} for r in runs],
+            # the bytes and coordinates of every sequence of the batch; kv_tokens count one sequence
+            **kv_fields(runs[-1]["kv"]),
+            runs=[{k: _rounded(v) for k, v in r.items() if k != "kv"} for r in runs],
         )
         return record
 
 
-def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], layout: KVLayout, *,
+def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], *,
                   vocab_size: int, decode_tokens: int = 32, repeats: int = 3, warmup: int = 1, chunk: int = 2048,
                   max_seconds: float = 300.0, guard: Optional[MemoryGuard] = None,
                   progress: bool = True, on_update: Optional[Callable[[List[Dict]], None]] = None,
@@ -231,7 +227,7 @@ def run_benchmark(model, specs: List[MethodSpec], contexts: List[int], layout: K
     bar = tqdm(total=len(specs) * len(contexts) * (warmup + max(1, repeats)), desc="benchmark", unit="run",
                disable=not progress)
     for context in sorted(contexts):
-        configs = [ConfigRuns(model, spec, context, layout, vocab_size=vocab_size, decode_tokens=decode_tokens,
+        configs = [ConfigRuns(model, spec, context, vocab_size=vocab_size, decode_tokens=decode_tokens,
                               chunk=chunk, max_seconds=max_seconds, guard=guard, seed=seed, clock_zero=clock_zero,
                               batch=batch)
                    for spec in specs if spec.label not in stopped]

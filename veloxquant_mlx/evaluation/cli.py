@@ -86,7 +86,7 @@ def run_ppl(args) -> None:
     }
     start = time.perf_counter()
     results["records"] = evaluate_perplexity(
-        model, windows, specs, layout, chunk=args.chunk, guard=MemoryGuard(args.min_free_gb),
+        model, windows, specs, chunk=args.chunk, guard=MemoryGuard(args.min_free_gb),
         progress=not args.no_progress, on_update=_saver(args.out, results),
     )
     results["duration_s"] = round(time.perf_counter() - start, 2)
@@ -117,7 +117,7 @@ def run_needle(args) -> None:
     }
     start = time.perf_counter()
     results["records"] = evaluate_needle(
-        model, tokenizer, specs, cases, layout, lengths, depths, max_tokens=args.max_tokens,
+        model, tokenizer, specs, cases, lengths, depths, max_tokens=args.max_tokens,
         chunk=args.chunk, guard=MemoryGuard(args.min_free_gb), progress=not args.no_progress,
         on_update=_saver(args.out, results),
     )
@@ -200,6 +200,13 @@ def run_benchmark_command(args) -> None:
         raise ValueError("give --model or --shape, not both")
     if not args.shape and not args.model:
         args.model = "smollm2"
+    if args.shape:
+        from .shapes import cpu_shape_notice
+
+        notice = cpu_shape_notice(args.shape, args.dtype, sum(contexts) + len(contexts) * args.decode_tokens,
+                                  len(specs) * (args.warmup + args.repeats))
+        if notice:
+            print(notice, file=sys.stderr, flush=True)
     model, source, dtype_name, weights, tokenizer = _benchmark_model(args)
     compiled_blocks = 0
     if args.compile_blocks:
@@ -228,7 +235,7 @@ def run_benchmark_command(args) -> None:
     results["settings"]["kernel_check_s"] = _first_use_check()
     start = time.perf_counter()
     results["records"] = run_benchmark(
-        model, specs, contexts, layout, vocab_size=vocab_size, decode_tokens=args.decode_tokens,
+        model, specs, contexts, vocab_size=vocab_size, decode_tokens=args.decode_tokens,
         repeats=args.repeats, warmup=args.warmup, chunk=args.chunk, max_seconds=args.max_seconds,
         guard=MemoryGuard(args.min_free_gb), progress=not args.no_progress,
         on_update=_saver(args.out, results), seed=args.seed, batch=args.batch,
@@ -256,7 +263,8 @@ def _common(parser, default_methods: str, default_out: str, model_default="smoll
     parser.add_argument("--out", default=default_out, help=f"results folder (default: {default_out})")
     parser.add_argument("--min-free-gb", type=float, default=2.0,
                         help="stop a configuration when free system memory falls below this (0: off)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random inputs (needle cases, benchmark tokens and models) (default: 0)")
     parser.add_argument("--no-figures", action="store_true", help="skip the PNG figures")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -270,7 +278,8 @@ def _text_source(parser) -> None:
 
 def register_eval_cli(subparsers) -> None:
     evaluate = subparsers.add_parser("eval", help="quality of compressed caches: perplexity, needle in a haystack")
-    sub = evaluate.add_subparsers(dest="eval_command", required=True)
+    sub = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVAL",
+                                  help="`veloxquant eval EVAL --help` shows its flags")
 
     ppl = sub.add_parser("ppl", help="perplexity, KL and top-1 agreement vs fp16, and KV bytes per method")
     _common(ppl, DEFAULT_PPL_METHODS, "results/ppl")
@@ -338,9 +347,15 @@ def register_cli(subparsers) -> None:
 
 
 def main(argv=None) -> int:
-    """Standalone entry point (`python -m veloxquant_mlx.evaluation ...`)."""
+    """Standalone entry point (`python -m veloxquant_mlx.evaluation ...`); with `argv` None, restarts with
+    OpenBLAS preloaded as the `veloxquant` command does (`blas.preload_openblas`)."""
+    if argv is None:
+        from ..blas import preload_openblas
+
+        preload_openblas()
     parser = argparse.ArgumentParser(prog="veloxquant", description=__doc__)
-    register_cli(parser.add_subparsers(dest="command", required=True))
+    register_cli(parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                       help="`COMMAND --help` shows its flags"))
     from ..cli_shared import run_command
 
     return run_command(parser.parse_args(argv))

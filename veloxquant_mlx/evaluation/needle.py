@@ -17,8 +17,8 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..kvlayout import KVLayout, cache_bytes, cache_tokens
-from .results import error_text
+from ..footprint import footprint
+from .results import error_text, kv_fields
 from .specs import MethodSpec
 from .watchdog import STOPPED_BY_GUARD, MemoryGuard, MemoryGuardTriggered, release_memory
 
@@ -151,8 +151,8 @@ def is_correct(text: str, code: str) -> bool:
     return code in re.findall(r"\d+", text)
 
 
-def run_case(model, tokenizer, spec: MethodSpec, case: NeedleCase, layout: KVLayout,
-             max_tokens: int, chunk: int, guard: MemoryGuard) -> Dict:
+def run_case(model, tokenizer, spec: MethodSpec, case: NeedleCase, max_tokens: int, chunk: int,
+             guard: MemoryGuard) -> Dict:
     result = {"length": case.length, "depth": case.depth, "trial": case.trial,
               "prompt_tokens": len(case.prompt), "passcode": case.code}
     caches = None
@@ -161,12 +161,7 @@ def run_case(model, tokenizer, spec: MethodSpec, case: NeedleCase, layout: KVLay
         caches = spec.make_caches(model)
         text = answer(model, tokenizer, caches, case.prompt, max_tokens, chunk,
                       on_step=lambda: guard.check(f"{spec.label}, {case.length} tokens"))
-        tokens = cache_tokens(caches)
-        kv_bytes = cache_bytes(caches)
-        result.update(
-            status="ok", answer=text, correct=is_correct(text, case.code), kv_bytes=kv_bytes,
-            kv_tokens=tokens, bits_per_coord=layout.bits_per_coordinate(kv_bytes, tokens),
-        )
+        result.update(status="ok", answer=text, correct=is_correct(text, case.code), **kv_fields(footprint(caches)))
     except MemoryGuardTriggered as error:
         result.update(status=STOPPED_BY_GUARD, error=str(error), correct=None)
     except Exception as error:
@@ -200,13 +195,13 @@ def summarize(spec: MethodSpec, cells: List[Dict], lengths: List[int], depths: L
     kv = [c for c in scored if c.get("kv_bytes")]
     if kv:
         longest = max(kv, key=lambda c: c["kv_tokens"])
-        record.update(kv_bytes=longest["kv_bytes"], kv_tokens=longest["kv_tokens"],
-                      bits_per_coord=longest["bits_per_coord"])
+        record.update({key: longest[key] for key in ("kv_bytes", "kv_allocated_bytes", "kv_tokens", "fp16_kv_bytes",
+                                                     "bits_per_coord", "compression_vs_fp16")})
     return record
 
 
-def evaluate_needle(model, tokenizer, specs: List[MethodSpec], cases: List[NeedleCase], layout: KVLayout,
-                    lengths, depths, max_tokens: int = 12, chunk: int = 2048,
+def evaluate_needle(model, tokenizer, specs: List[MethodSpec], cases: List[NeedleCase], lengths, depths,
+                    max_tokens: int = 12, chunk: int = 2048,
                     guard: Optional[MemoryGuard] = None, progress: bool = True,
                     on_update: Optional[Callable[[List[Dict]], None]] = None) -> List[Dict]:
     """One record per spec with its accuracy grid. Cases run shortest first; after a
@@ -227,7 +222,7 @@ def evaluate_needle(model, tokenizer, specs: List[MethodSpec], cases: List[Needl
                               "status": "skipped", "correct": None,
                               "error": f"skipped after the memory guard stopped {stopped_at} tokens"})
             else:
-                cell = run_case(model, tokenizer, spec, case, layout, max_tokens, chunk, guard)
+                cell = run_case(model, tokenizer, spec, case, max_tokens, chunk, guard)
                 if cell["status"] == STOPPED_BY_GUARD:
                     stopped_at = case.length
                 cells.append(cell)

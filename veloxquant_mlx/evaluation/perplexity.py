@@ -17,8 +17,8 @@ from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 
-from ..kvlayout import KVLayout, cache_bytes, cache_tokens
-from .results import error_text, finite
+from ..footprint import Footprint, footprint
+from .results import error_text, finite, kv_fields
 from .specs import MethodSpec, with_fp16_first
 from .watchdog import STOPPED_BY_GUARD, MemoryGuard, MemoryGuardTriggered, release_memory
 
@@ -29,8 +29,7 @@ class WindowScore:
     kl: mx.array  # (scored,) KL(fp16 || method)
     agree: mx.array  # (scored,) bool, same argmax as fp16
     logprobs: Optional[mx.array]  # (scored, vocab), kept for the fp16 reference only
-    kv_bytes: int
-    tokens: int
+    kv: Footprint
     kv_dtype: Optional[str] = None
 
 
@@ -84,8 +83,7 @@ def score_window(
         kl=mx.concatenate(kl),
         agree=mx.concatenate(agree),
         logprobs=mx.concatenate(kept) if keep_logprobs else None,
-        kv_bytes=cache_bytes(caches),
-        tokens=cache_tokens(caches),
+        kv=footprint(caches),
         kv_dtype=kv_dtype,
     )
 
@@ -109,8 +107,7 @@ class MethodTally:
     nll: List[mx.array] = field(default_factory=list)
     kl: List[mx.array] = field(default_factory=list)
     agree: List[mx.array] = field(default_factory=list)
-    kv_bytes: Optional[int] = None
-    tokens: int = 0
+    kv: Optional[Footprint] = None
     kv_dtype: Optional[str] = None
     seconds: float = 0.0
     has_reference: bool = True
@@ -119,7 +116,7 @@ class MethodTally:
     def running(self) -> bool:
         return self.status == "ok"
 
-    def record(self, layout: KVLayout) -> Dict:
+    def record(self) -> Dict:
         record = {**self.spec.describe(), "status": self.status, "error": self.error}
         record["windows_completed"] = len(self.nll)
         record["seconds"] = round(self.seconds, 3)
@@ -140,12 +137,8 @@ class MethodTally:
             kl_mean=finite(mx.mean(kl).item()) if self.has_reference else None,
             kl_p99=finite(quantile(kl, 0.99)) if self.has_reference else None,
             top1_agreement=finite(mx.mean(agree.astype(mx.float32)).item()) if self.has_reference else None,
-            kv_bytes=self.kv_bytes,
-            kv_tokens=self.tokens,
             kv_dtype=self.kv_dtype,
-            fp16_kv_bytes=layout.fp16_bytes(self.tokens),
-            bits_per_coord=finite(layout.bits_per_coordinate(self.kv_bytes, self.tokens)),
-            compression_vs_fp16=finite(layout.fp16_bytes(self.tokens) / self.kv_bytes) if self.kv_bytes else None,
+            **kv_fields(self.kv),
         )
         return record
 
@@ -163,7 +156,6 @@ def evaluate_perplexity(
     model,
     windows: mx.array,
     specs: List[MethodSpec],
-    layout: KVLayout,
     chunk: int = 512,
     guard: Optional[MemoryGuard] = None,
     progress: bool = True,
@@ -211,7 +203,7 @@ def evaluate_perplexity(
                 tally.nll.append(score.nll)
                 tally.kl.append(score.kl)
                 tally.agree.append(score.agree)
-                tally.kv_bytes, tally.tokens, tally.kv_dtype = score.kv_bytes, score.tokens, score.kv_dtype
+                tally.kv, tally.kv_dtype = score.kv, score.kv_dtype
                 if is_reference:
                     reference = score.logprobs
                 del score
@@ -221,8 +213,8 @@ def evaluate_perplexity(
             if not tally.running:
                 release_memory()
             if on_update is not None:
-                on_update([t.record(layout) for t in tallies])
+                on_update([t.record() for t in tallies])
         del reference
         release_memory()
     bar.close()
-    return [t.record(layout) for t in tallies]
+    return [t.record() for t in tallies]

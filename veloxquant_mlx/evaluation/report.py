@@ -82,8 +82,8 @@ def _ppl(results: Dict) -> str:
         f"Perplexity on `{s.get('text_source', '?')}`: {s.get('windows')} window(s) of {s.get('ctx')} tokens, "
         f"fed in chunks of {s.get('chunk')}, second half of each window scored "
         f"({s.get('scored_tokens', '?')} tokens). KL and top-1 are against the fp16 run; "
-        "bits/coord and MiB are the caches' live buffers at the end of a window; "
-        "compression is against fp16 (2 bytes per element)."
+        "bits/coord and MiB are the bytes the caches' tokens hold at the end of a window (spare capacity left "
+        "out, floating-point elements at 2 bytes: fp16 = 16.00); vs fp16 is fp16's bytes over these."
     )
     table = _table(["method", "bits/coord", "KV MiB", "vs fp16", "PPL", "ΔPPL", "KL mean", "KL p99",
                     "top-1", "status"], rows)

@@ -12,6 +12,8 @@ from typing import Any, Dict, Optional
 
 import mlx.core as mx
 
+from ..footprint import Footprint
+
 SCHEMA_VERSION = 1
 RESULTS_JSON = "results.json"
 RESULTS_MD = "results.md"
@@ -133,3 +135,9 @@ def model_record(model, name: str, layout=None, **extra) -> Dict[str, Any]:
         record.update(layout.describe())
     record.update(extra)
     return record
+
+
+def kv_fields(kv: Footprint) -> Dict[str, Any]:
+    """A record's cache size fields, as `footprint` defines them (every command's records alike)."""
+    return dict(kv_bytes=kv.held, kv_allocated_bytes=kv.allocated, kv_tokens=kv.tokens, fp16_kv_bytes=kv.fp16_bytes,
+                bits_per_coord=finite(kv.bits), compression_vs_fp16=finite(kv.smaller))

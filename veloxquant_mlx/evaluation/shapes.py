@@ -5,6 +5,7 @@ benchmarks."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, Optional
 
 import mlx.core as mx
@@ -114,6 +115,35 @@ def shape_config(name: str) -> Dict[str, Any]:
     if name not in SHAPES:
         raise ValueError(f"unknown shape {name!r}; known shapes: {', '.join(SHAPES)}")
     return dict(SHAPES[name])
+
+
+def shape_parameters(name: str) -> int:
+    """The named architecture's parameter count, from its shapes (the random weights are never computed)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(shape_config(name))
+    return sum(p.size for _, p in tree_flatten(model_class(args_class.from_dict(shape_config(name))).parameters()))
+
+
+def cpu_shape_notice(name: str, dtype: Optional[str], tokens: int, runs: int) -> Optional[str]:
+    """One line for `benchmark --shape NAME` on the CPU with a model of a billion parameters or more: it is
+    sized for a GPU. `tokens` are the prefill tokens of one configuration, `runs` the configurations times
+    their runs. None on a GPU or for a small shape; a ValueError where the weights exceed the memory."""
+    if mx.default_device() != mx.cpu:
+        return None
+    parameters = shape_parameters(name)
+    if parameters < 1e9:
+        return None
+    dtype_name, mx_dtype = resolve_dtype(dtype)
+    weight_bytes = parameters * mx_dtype.size
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    size = f"a random {parameters / 1e9:.1f}B-parameter model, {weight_bytes / 1e9:.1f} GB of {dtype_name} weights"
+    if weight_bytes > memory:
+        raise ValueError(f"--shape {name} is {size}; this machine has {memory / 1e9:.1f} GB of memory. "
+                         "It is sized for a GPU; --shape tiny runs the same code paths in seconds")
+    flops = 2 * parameters * tokens * runs
+    return (f"note: --shape {name} is sized for a GPU: {size}, and its prefills take {flops / 1e15:.0f} PFLOP "
+            f"(2 x parameters x tokens), hours on this CPU; --shape tiny runs the same code paths in seconds")
 
 
 def materialize(model: nn.Module) -> None:

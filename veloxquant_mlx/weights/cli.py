@@ -21,9 +21,9 @@ def register_cli(subparsers) -> None:
 
     p = subparsers.add_parser("quantize-weights", help="quantize linear layers to rotated Lloyd-Max codes")
     p.add_argument("--model", default=DEFAULT_MODEL, help="local path, .gguf file, hub id or 'smollm2'")
-    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4))
+    p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4), help="code bits per weight (default: 4)")
     p.add_argument("--out", required=True, help="folder to write (weights.json + reservoir.vqw)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the rotations (default: 0)")
     p.add_argument("--group-size", type=int, default=None, help="per-group scales (default: one per row)")
     p.add_argument("--column-alpha", type=float, default=0.5, help="column scaling exponent (0: off)")
     p.add_argument("--embeddings", action="store_true",
