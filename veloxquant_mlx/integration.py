@@ -23,7 +23,7 @@ from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, 
 from .settings import EngineSettings
 from .batch import BatchCompressedKVCache
 from .calibration import AUTO, ensure_calibrated
-from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
+from .cache import _LOADING, CacheFormatError, CompressedHistory, CompressedKVCache, saving
 from .config import KVCacheConfig, follow_bits
 from .methods import get_method
 from .rotating import CompressedRotatingKVCache
@@ -42,7 +42,11 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
             raise UnsupportedModelError(
                 "this model uses learned attention sinks, which VeloxQuant caches do not support"
             )
-        return cache.attend(queries, scale=scale, mask=mask)
+        if isinstance(keys, mx.array):  # the model attends over arrays of its own, not this cache's
+            return _original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
+        # Keys fetched from another layer's cache (IQuest-Loop's second loop attends over the first's).
+        owner = keys.cache if isinstance(keys, CompressedHistory) else cache
+        return owner.attend(queries, scale=scale, mask=mask)
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -68,6 +72,18 @@ def install_attention_hook(model=None) -> None:
             )
 
 
+def check_latent_attention(model) -> None:
+    """Refuse absorbed multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-4-MoE-Lite, ...): its cache holds
+    one latent per token (and a RoPE part), not per-head keys and values, and attends through `MultiLinear`."""
+    from mlx_lm.models.mla import MultiLinear
+
+    if any(isinstance(module, MultiLinear) for module in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__module__} caches an MLA latent (multi-head latent attention), which VeloxQuant "
+            "caches do not support: the MLA latent cache has no compressed format yet"
+        )
+
+
 def base_caches(model) -> list:
     """The caches the model would make for itself (ignoring any VeloxQuant patch)."""
     if hasattr(type(model), "make_cache"):
@@ -85,6 +101,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `max_kv_size` tokens (and the first 4) in a rotating cache. `tokenizer`: for a config with
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     install_attention_hook(model)
+    check_latent_attention(model)
     get_method(config.method).check_model(model)
     config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
