@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import re
@@ -42,7 +43,7 @@ HELPERS = {"__init__", "activations", "base", "bitlinear_layers", "cache", "gate
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB, FFN, EXPERTS, WINDOW = 2, 4, 2, 64, 512, 128, 4, 128
 
-MAX_PARAMETERS = 20_000_000
+MAX_PARAMETERS = 40_000_000
 
 # Fields set whatever the file's default is (by name); the hidden size follows the heads and head dim.
 SIZES = {
@@ -57,13 +58,79 @@ SIZES = {
     "rms_norm_eps": 1e-5, "layer_norm_eps": 1e-5, "norm_eps": 1e-5, "layer_norm_epsilon": 1e-5,
     "rope_theta": 10000.0, "tie_word_embeddings": True,
     "kv_lora_rank": 64, "q_lora_rank": 64, "first_k_dense_replace": 0,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
 }
 HIDDEN_NAMES = ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim")
 HEAD_DIM_NAMES = ("head_dim", "head_size", "kv_channels", "attention_head_dim")
 WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window_size")
 
-# Fields derivation cannot guess, per file (merged over the derived config).
-OVERRIDES: Dict[str, Dict[str, Any]] = {}
+# Fields derivation cannot guess, per file (merged over the derived config; a dict into a derived dict).
+_SLIDING_FULL = ["sliding_attention", "full_attention"]
+_ROPE = {"rope_theta": 10000.0, "rope_type": "default"}
+_LLAMA4_ROPE = {**_ROPE, "llama_4_scaling_beta": 0.1, "original_max_position_embeddings": 4096}
+OVERRIDES: Dict[str, Dict[str, Any]] = {
+    "Klear": {"mlp_only_layers": [], "decoder_sparse_step": 1},
+    "afm7": {"hidden_dim": HEADS * HEAD_DIM, "num_kv_reuse_layers": 1, "num_layers": 3},
+    "afmoe": {"layer_types": _SLIDING_FULL, "num_hidden_layers": 2},
+    "dbrx": {"ffn_config": {"ffn_hidden_size": FFN, "moe_num_experts": EXPERTS, "moe_top_k": 2},
+             "attn_config": {"kv_n_heads": KV_HEADS, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "deepseek_v2": {"rope_scaling": {"factor": 1.0, "mscale_all_dim": 0, "original_max_position_embeddings": 4096,
+                                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0}},
+    "minicpm3": {"rope_scaling": {"original_max_position_embeddings": 4096, "short_factor": 1.0,
+                                  "long_factor": 1.0}, "dim_model_base": 256, "scale_depth": 1.4,
+                 "scale_emb": 12.0, "qk_nope_head_dim": 64, "qk_rope_head_dim": 32},
+    "exaone_moe": {"layer_types": _SLIDING_FULL, "is_moe_layer": [False, True], "num_hidden_layers": 2},
+    "gear": {"layer_types": _SLIDING_FULL, "num_hidden_layers": 2},
+    "muse_spark": {"text_config": {"rope_parameters": _ROPE, "layer_types": _SLIDING_FULL,
+                                   "layer_rope_theta": [10000.0, 10000.0], "num_hidden_layers": 2}},
+    "hunyuan": {"rope_scaling": {"alpha": 1.0, "factor": 1.0, "type": "dynamic"}},
+    "jamba": {"layers_block_type": ["mamba", "attention"], "num_hidden_layers": 2},
+    "kimi_linear": {"linear_attn_config": {"kda_layers": [1], "num_heads": HEADS, "head_dim": HEAD_DIM,
+                                           "short_conv_kernel_size": 4}},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2},
+    "llama4_text": {"no_rope_layers": [1, 0], "num_hidden_layers": 2},
+    "mellum": {"layer_types": _SLIDING_FULL, "num_hidden_layers": 2,
+               "rope_parameters": {"sliding_attention": _ROPE, "full_attention": _ROPE}},
+    "minimax": {"rotary_dim": HEAD_DIM},
+    "ministral3": {"rope_parameters": _LLAMA4_ROPE},
+    "mistral4": {"rope_parameters": _LLAMA4_ROPE},
+    "olmo3": {"layer_types": _SLIDING_FULL, "num_hidden_layers": 2},
+    "olmo_hybrid": {"layer_types": ["linear_attention", "full_attention"], "num_hidden_layers": 2},
+    "openelm": {"num_query_heads": [HEADS, HEADS], "num_kv_heads": [KV_HEADS, KV_HEADS],
+                "ffn_multipliers": [2.0, 2.0]},
+    "phi": {"partial_rotary_factor": 0.5},
+    "plamo": {"n_shared_head": 2},
+    "gemma4_text": {"num_kv_shared_layers": 2, "vocab_size_per_layer_input": VOCAB},
+    "gemma4": {"text_config": {"num_kv_shared_layers": 2, "vocab_size_per_layer_input": VOCAB}},
+    "gemma3n": {"text_config": {"layer_types": _SLIDING_FULL * 2, "num_hidden_layers": 4,
+                                "activation_sparsity_pattern": [0.0] * 4, "num_kv_shared_layers": 2,
+                                "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 64,
+                                "rope_local_base_freq": 10000.0, "final_logit_softcapping": 30.0,
+                                "altup_num_inputs": 4, "altup_coef_clip": 120.0, "altup_correct_scale": True,
+                                "altup_active_idx": 0, "laurel_rank": 64}},
+    "baichuan_m1": {"sliding_window_layers": [0], "conv_window": 2, "tie_word_embeddings": False},
+    "exaone4": {"sliding_window_pattern": "LG", "rope_scaling": None, "num_hidden_layers": 2,
+                "sliding_window": WINDOW},
+    "glm_moe_dsa": {"rope_parameters": _ROPE, "topk_method": "noaux_tc"},
+    "mimo_v2_flash": {"hybrid_layer_pattern": [1, 0], "moe_layer_freq": [0, 1], "num_hidden_layers": 2,
+                      "topk_method": "noaux_tc"},
+    "granitemoehybrid": {"layer_types": ["mamba", "attention"], "num_hidden_layers": 2, "mamba_n_heads": 4,
+                         "mamba_d_head": 32, "mamba_proj_bias": False, "mamba_d_state": 16, "mamba_d_conv": 4,
+                         "mamba_n_groups": 1, "mamba_conv_bias": True,
+                         "shared_intermediate_size": FFN},
+    "mamba2": {"intermediate_size": HEADS * HEAD_DIM, "state_size": 16, "conv_kernel": 4, "n_groups": 1,
+               "time_step_rank": "auto", "time_step_limit": (0.001, 100.0)},
+    "nemotron_h": {"hybrid_override_pattern": "M*", "num_hidden_layers": 2, "mamba_num_heads": 4,
+                   "mamba_head_dim": 32, "ssm_state_size": 16, "n_groups": 1, "conv_kernel": 4,
+                   "time_step_limit": (0.001, 100.0)},
+    "kimi_k3": {"text_config": {"linear_attn_config": {"kda_layers": [1], "num_heads": HEADS,
+                                                       "head_dim": HEAD_DIM, "short_conv_kernel_size": 4},
+                                "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64}},
+    "lfm2": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2, "block_dim": HEADS * HEAD_DIM,
+             "block_ff_dim": FFN, "block_auto_adjust_ff_dim": False, "conv_L_cache": 3},
+    "llama4": {"text_config": {"num_experts_per_tok": 1, "no_rope_layers": [1, 1, 1, 0], "num_hidden_layers": 4}},
+}
 
 
 @dataclass
@@ -102,9 +169,13 @@ def _default(f: dataclasses.Field):
 
 def _filler(name: str, annotation) -> Any:
     """A value for a required field that `SIZES` does not name, from its name and type."""
-    text = str(annotation)
-    if "Optional" in text or "None" in text:
+    text = str(annotation).replace("typing.", "")
+    if text.startswith("Optional") or text.endswith("None]") or "NoneType" in text:
         return None
+    if text.startswith(("Dict", "dict", "<class 'dict'>")):
+        return {}
+    if text.startswith(("List", "list", "<class 'list'>", "Tuple", "tuple")):
+        return []
     if "head_dim" in name:
         return HEAD_DIM
     if "window" in name and "int" in text:
@@ -117,10 +188,6 @@ def _filler(name: str, annotation) -> Any:
         return 1e-5 if "eps" in name else 1.0
     if "str" in text:
         return "silu" if "act" in name else name
-    if "List" in text or "list" in text:
-        return []
-    if "Dict" in text or "dict" in text:
-        return {}
     return None
 
 
@@ -135,7 +202,7 @@ def _mix_layer_kinds(config: Dict[str, Any], fields: Dict[str, dataclasses.Field
     layers = config.get(count_key, LAYERS) if count_key else LAYERS
     for key, f in fields.items():
         default = _default(f)
-        if "pattern" in key and isinstance(default, int) and not isinstance(default, bool) and default > 1:
+        if ("pattern" in key or key.endswith("_interval")) and isinstance(default, int) and not isinstance(default, bool) and default > 1:
             config[key], layers = 2, max(layers, 4)
         elif (isinstance(default, (list, tuple)) and isinstance(default_count, int) and len(default) == default_count
               and key not in config):
@@ -217,6 +284,41 @@ def derive_config(name: str) -> Dict[str, Any]:
     return config
 
 
+def _one_plus_weight(cls) -> bool:
+    try:
+        source = inspect.getsource(cls.__call__)
+    except (OSError, TypeError):
+        return False
+    return bool(re.search(r"1(\.0)? \+ self\.weight", source))
+
+
+def unit_norm_scale(model) -> int:
+    """Zero the weights of norms that scale by (1 + weight) (the Gemma families), so that at random init
+    they scale by 1 as every other family's norms do; returns how many. At their init of ones they scale
+    queries and keys by 2 after the QK norms, making attention scores 4 times sharper than in any other
+    random model here (and the KL of any quantizer many times larger: docs/models.md)."""
+    count = 0
+    for module in model.modules():
+        if isinstance(getattr(module, "weight", None), mx.array) and _one_plus_weight(type(module)):
+            module.weight = mx.zeros_like(module.weight)
+            count += 1
+    return count
+
+
+def fold_unit_attention_scale(model) -> int:
+    """An attention with scale 1 and a QK norm (Gemma 4) leaves the 1/sqrt(head dim) to its trained q-norm
+    weights; at random init (ones) its scores would be sqrt(head dim) times sharper than any other family's.
+    Fold the usual scale into the q-norm weights; returns how many attentions."""
+    count = 0
+    for module in model.modules():
+        norm = getattr(module, "q_norm", None)
+        if getattr(module, "scale", None) == 1.0 and isinstance(getattr(norm, "weight", None), mx.array):
+            head_dim = getattr(module, "head_dim", norm.weight.shape[-1])
+            norm.weight = norm.weight * head_dim**-0.5
+            count += 1
+    return count
+
+
 def build_model(name: str, seed: int = 0):
     module = importlib.import_module(f"mlx_lm.models.{name}")
     config = derive_config(name)
@@ -225,6 +327,8 @@ def build_model(name: str, seed: int = 0):
     size = sum(v.size for _, v in tree_flatten(model.parameters()))
     if size > MAX_PARAMETERS:
         raise ValueError(f"the derived model has {size / 1e6:.0f}M parameters (a size field kept its default)")
+    unit_norm_scale(model)
+    fold_unit_attention_scale(model)
     mx.eval(model.parameters())
     return model, config
 
