@@ -101,6 +101,10 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
                 "ffn_multipliers": [2.0, 2.0]},
     "phi": {"partial_rotary_factor": 0.5},
     "plamo": {"n_shared_head": 2},
+    "granite": {"attention_multiplier": 1 / HEAD_DIM, "logits_scaling": 8.0, "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22},
+    "granitemoe": {"attention_multiplier": 1 / HEAD_DIM, "logits_scaling": 8.0, "embedding_multiplier": 12.0,
+                   "residual_multiplier": 0.22},
     "gemma4_text": {"num_kv_shared_layers": 2, "vocab_size_per_layer_input": VOCAB},
     "gemma4": {"text_config": {"num_kv_shared_layers": 2, "vocab_size_per_layer_input": VOCAB}},
     "gemma3n": {"text_config": {"layer_types": _SLIDING_FULL * 2, "num_hidden_layers": 4,
@@ -289,11 +293,11 @@ def _one_plus_weight(cls) -> bool:
         source = inspect.getsource(cls.__call__)
     except (OSError, TypeError):
         return False
-    return bool(re.search(r"1(\.0)? \+ self\.weight", source))
+    return bool(re.search(r"1(\.0)? \+ self\.weight|self\.weight \+ 1\b", source))
 
 
 def unit_norm_scale(model) -> int:
-    """Zero the weights of norms that scale by (1 + weight) (the Gemma families), so that at random init
+    """Zero the weights of norms that scale by (1 + weight) (the Gemma families, Nemotron), so that at random init
     they scale by 1 as every other family's norms do; returns how many. At their init of ones they scale
     queries and keys by 2 after the QK norms, making attention scores 4 times sharper than in any other
     random model here (and the KL of any quantizer many times larger: docs/models.md)."""
