@@ -1,0 +1,65 @@
+"""The architecture matrix (docs/models.md) against its committed table: every file listed as supported still
+runs with KL under the committed threshold, and every refused one is still refused cleanly (or supported).
+
+The committed table (`benchmarks/results/models-matrix/matrix.json`, written by `veloxquant models`) was
+measured with a 300-token prefill and 20 decode steps; here each file runs a 140-token prefill (past the
+matrix's 128-token sliding windows, so rotating caches wrap) and 4 decode steps, to stay cheap. One model is
+built per file; files are grouped by the caches mlx-lm makes for them."""
+
+import json
+import os
+from collections import defaultdict
+
+import pytest
+
+from veloxquant_mlx.evaluation import models_matrix as matrix
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TABLE = os.path.join(ROOT, "benchmarks", "results", "models-matrix", "matrix.json")
+PREFILL, DECODE = 140, 4
+
+with open(TABLE) as handle:
+    COMMITTED = json.load(handle)
+RECORDS = {r["file"]: r for r in COMMITTED["records"]}
+GROUPS = defaultdict(list)
+for _record in COMMITTED["records"]:
+    if _record["status"] in (matrix.SUPPORTED, matrix.REFUSED):
+        GROUPS[_record["group"]].append(_record["file"])
+
+
+def same_mlx_lm() -> bool:
+    return matrix.mlx_lm_version() == COMMITTED["settings"]["mlx_lm"]
+
+
+@pytest.mark.parametrize("group", sorted(GROUPS))
+def test_no_supported_or_refused_file_regresses(group):
+    if not same_mlx_lm():
+        pytest.skip(f"the table is of mlx-lm {COMMITTED['settings']['mlx_lm']}, not {matrix.mlx_lm_version()}")
+    failures = []
+    for name in GROUPS[group]:
+        record = matrix.apply_thresholds(matrix.check_file(name, PREFILL, DECODE), COMMITTED["thresholds"])
+        expected = RECORDS[name]["status"]
+        if record.status == expected or (expected == matrix.REFUSED and record.status == matrix.SUPPORTED):
+            continue
+        failures.append(f"{name}: {expected} -> {record.status} ({record.reason}; KL {record.kl})")
+    assert not failures, "\n".join(failures)
+
+
+def test_table_lists_every_model_file_and_docs_match_it():
+    if same_mlx_lm():
+        assert sorted(RECORDS) == matrix.model_files()
+    with open(os.path.join(ROOT, "docs", "models.md")) as handle:
+        assert handle.read() == matrix.markdown(COMMITTED), "docs/models.md is not the generator's (veloxquant models)"
+
+
+def test_thresholds_are_k_times_the_llama_family():
+    llama = RECORDS[matrix.CALIBRATION_FILE]
+    assert llama["status"] == matrix.SUPPORTED
+    for spec, threshold in COMMITTED["thresholds"].items():
+        assert threshold == pytest.approx(COMMITTED["settings"]["k"] * llama["kl"][spec])
+
+
+def test_a_kl_over_the_threshold_is_a_bug():
+    record = matrix.Record(file="x", kl={"vq4": 0.5}, spec_status={"vq4": matrix.SUPPORTED})
+    record = matrix.apply_thresholds(record, {"vq4": 0.1})
+    assert record.status == matrix.BUG and "over the threshold" in record.reason
