@@ -48,7 +48,7 @@ MAX_PARAMETERS = 40_000_000
 # Fields set whatever the file's default is (by name); the hidden size follows the heads and head dim.
 SIZES = {
     "num_hidden_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS, "num_layers": LAYERS,
-    "vocab_size": VOCAB, "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS,
+    "vocab_size": VOCAB, "num_vocab": VOCAB, "num_attention_heads": HEADS, "n_head": HEADS, "n_heads": HEADS,
     "num_heads": HEADS, "num_key_value_heads": KV_HEADS, "n_kv_heads": KV_HEADS, "num_kv_heads": KV_HEADS,
     "multi_query_group_num": KV_HEADS, "intermediate_size": FFN, "ffn_dim": FFN, "n_inner": FFN,
     "moe_intermediate_size": FFN, "shared_expert_intermediate_size": FFN, "expert_intermediate_size": FFN,
@@ -238,6 +238,19 @@ def _inner_module(name: str) -> Optional[str]:
     return None
 
 
+def wrapped_file(name: str) -> Optional[str]:
+    """The file whose language model a wrapper file (a nested text config) runs: it shares that architecture."""
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{name}")
+    except (Exception, SystemExit):  # olmo exits on import without its package
+        return None
+    nested = [f.name for f in dataclasses.fields(module.ModelArgs) if f.name in NESTED_NAMES]
+    if not nested or any(dataclasses.is_dataclass(getattr(module, n, None))
+                         for n in ("TextConfig", "TextArgs", "TextModelArgs")):
+        return None
+    return _inner_module(name)
+
+
 def derive_fields(cls, name: str, module) -> Dict[str, Any]:
     """A tiny config for the dataclass `cls` of file `name`, from its fields and defaults."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -256,7 +269,8 @@ def derive_fields(cls, name: str, module) -> Dict[str, Any]:
             if inner is not None:
                 config[key] = derive_fields(inner, name, module)
             elif _inner_module(name):
-                config[key] = derive_config(_inner_module(name))
+                inner_config = derive_config(_inner_module(name))
+                config[key] = inner_config.get(key, inner_config)  # a wrapper of a wrapper (Qwen3.5-MoE)
         elif default is dataclasses.MISSING:
             config[key] = _filler(key, hints.get(key, f.type))
     head_dim = next((_default(fields[k]) for k in HEAD_DIM_NAMES if k in fields
