@@ -99,6 +99,16 @@ def check_latent_attention(model) -> None:
         )
 
 
+def check_learned_sinks(model) -> None:
+    """Refuse, when the caches are made rather than at the first attention, a model with learned attention
+    sinks (GPT-OSS: one logit per head that joins the softmax denominator)."""
+    if any(isinstance(getattr(module, "sinks", None), mx.array) or getattr(module, "has_sinks", False) is True
+           for module in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__module__}: this model uses learned attention sinks, which VeloxQuant caches do not support"
+        )
+
+
 def base_caches(model) -> list:
     """The caches the model would make for itself (ignoring any VeloxQuant patch)."""
     if hasattr(type(model), "make_cache"):
@@ -117,6 +127,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     install_attention_hook(model)
     check_latent_attention(model)
+    check_learned_sinks(model)
     get_method(config.method).check_model(model)
     config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
