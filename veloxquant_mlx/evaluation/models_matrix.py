@@ -352,10 +352,16 @@ def build_model(name: str, seed: int = 0):
     return model, config
 
 
-def run_caches(model, caches, tokens: mx.array, prefill: int) -> mx.array:
-    """The logits of each decode step after prefilling `tokens[:prefill]`, float32, (steps, vocab)."""
+def run_caches(model, caches, tokens: mx.array, prefill: int, chunk: int = 0) -> mx.array:
+    """The logits of each token after prefilling `tokens[:prefill]`, float32, (steps, vocab): the next `chunk`
+    tokens in one call (each attends over the compressed prefill), then the rest one at a time."""
     mx.eval(model(tokens[None, :prefill], cache=caches))
     out = []
+    if chunk:
+        logits = model(tokens[None, prefill:prefill + chunk], cache=caches)[0].astype(mx.float32)
+        mx.eval(logits)
+        out.extend(logits)
+        prefill += chunk
     for t in range(prefill, tokens.shape[0]):
         logits = model(tokens[None, t:t + 1], cache=caches)[0, -1].astype(mx.float32)
         mx.eval(logits)
@@ -383,9 +389,11 @@ def short_error(error: BaseException) -> str:
     return text[:200]
 
 
-def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, seed: int = 0, stage=None) -> Record:
+def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, seed: int = 0, stage=None,
+               chunk: int = 0) -> Record:
     """One file's record: KL, largest logit difference and bytes ratio per spec; `apply_thresholds` gives the
-    statuses of the KLs. `stage(text)` is told what runs next (a worker's parent names a crash with it)."""
+    statuses of the KLs. `chunk`: the first `chunk` of the `decode` tokens in one call (`run_caches`).
+    `stage(text)` is told what runs next (a worker's parent names a crash with it)."""
     stage = stage or (lambda text: None)
     start = time.perf_counter()
     record = Record(file=name)
@@ -397,7 +405,7 @@ def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, see
         tokens = mx.random.randint(0, vocab, (prefill + decode,), key=mx.random.key(seed + 1))
         reference_caches = mlx_cache.make_prompt_cache(model)
         record.caches = cache_kinds(reference_caches)
-        reference = run_caches(model, reference_caches, tokens, prefill)
+        reference = run_caches(model, reference_caches, tokens, prefill, chunk)
         reference_bytes = cache_bytes(reference_caches)
         record.group = group_of(record, config)
         record.head_dim = next((config[k] for k in HEAD_DIM_NAMES if isinstance(config.get(k), int)), None)
@@ -415,7 +423,7 @@ def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, see
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 caches = parse_method_spec(spec).make_caches(model)
-                logits = run_caches(model, caches, tokens, prefill)
+                logits = run_caches(model, caches, tokens, prefill, chunk)
             if logits.shape != reference.shape:
                 raise ValueError(f"logits of shape {logits.shape}, mlx-lm's {reference.shape}")
             if not bool(mx.all(mx.isfinite(logits)).item()):
