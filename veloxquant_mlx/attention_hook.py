@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import sys
 
+import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
 from .batch import BatchCompressedKVCache
-from .cache import CompressedKVCache
+from .cache import CompressedHistory, CompressedKVCache
 from .errors import UnsupportedModelError
 from .rotating import CompressedRotatingKVCache
 
@@ -29,13 +30,27 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
             raise UnsupportedModelError(
                 "this model uses learned attention sinks, which VeloxQuant caches do not support"
             )
-        return cache.attend(queries, scale=scale, mask=mask)
+        if isinstance(keys, mx.array):  # the model attends over arrays of its own, not this cache's
+            return _original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
+        # Keys fetched from another layer's cache (IQuest-Loop's second loop attends over the first's).
+        owner = keys.cache if isinstance(keys, CompressedHistory) else cache
+        return owner.attend(queries, scale=scale, mask=mask)
+    if isinstance(keys, CompressedHistory):  # a KV-shared layer (Gemma 4) attends over an earlier layer's cache
+        return scaled_dot_product_attention(queries, keys, values, keys.cache, scale, mask, sinks)
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: known from import on.
 mlx_cache.CompressedKVCache = CompressedKVCache
 mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
+
+
+# Model files that compute on the fetched keys/values before attention, which a compressed cache cannot give.
+KEY_TRANSFORMING_MODELS = {
+    "mlx_lm.models.plamo": "repeats the cached keys and values with mx.tile before attention",
+    "mlx_lm.models.afm7": "reads the last layer's cached keys and values (keys_and_values) for its KV-reuse layers",
+    "mlx_lm.models.gemma3n": "reads earlier layers' cached keys and values (keys_and_values) for its KV-shared layers",
+}
 
 
 def install_attention_hook(model=None) -> None:
@@ -47,12 +62,39 @@ def install_attention_hook(model=None) -> None:
     mlx_cache.CompressedKVCache = CompressedKVCache
     mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
     if model is not None:
-        module = sys.modules.get(type(model).__module__)
-        if getattr(module, "scaled_dot_product_attention", None) is not scaled_dot_product_attention:
+        # A wrapper (a vision-language file) attends in the modules of its language model's layers.
+        names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}
+        for name in sorted(names & set(KEY_TRANSFORMING_MODELS)):
+            raise UnsupportedModelError(f"{name} {KEY_TRANSFORMING_MODELS[name]}, which a compressed cache "
+                                        "cannot give")
+        if not any(getattr(sys.modules.get(name), "scaled_dot_product_attention", None)
+                   is scaled_dot_product_attention for name in names):
             raise UnsupportedModelError(
                 f"{type(model).__module__} computes attention without mlx-lm's shared "
                 "scaled_dot_product_attention, so a compressed cache cannot attach to it"
             )
+
+
+def check_latent_attention(model) -> None:
+    """Refuse absorbed multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-4-MoE-Lite, ...): its cache holds
+    one latent per token (and a RoPE part), not per-head keys and values, and attends through `MultiLinear`."""
+    from mlx_lm.models.mla import MultiLinear
+
+    if any(isinstance(module, MultiLinear) for module in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__module__} caches an MLA latent (multi-head latent attention), which VeloxQuant "
+            "caches do not support: the MLA latent cache has no compressed format yet"
+        )
+
+
+def check_learned_sinks(model) -> None:
+    """Refuse, when the caches are made rather than at the first attention, a model with learned attention
+    sinks (GPT-OSS: one logit per head that joins the softmax denominator)."""
+    if any(isinstance(getattr(module, "sinks", None), mx.array) or getattr(module, "has_sinks", False) is True
+           for module in model.modules()):
+        raise UnsupportedModelError(
+            f"{type(model).__module__}: this model uses learned attention sinks, which VeloxQuant caches do not support"
+        )
 
 
 def base_caches(model) -> list:

@@ -335,7 +335,7 @@ def merge_partials(o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int,
         acc = acc * ec + po * ep
         total = total * ec + pl * ep
     out = acc / mx.maximum(total, 1e-30)
-    return out.reshape(out_shape).astype(out_dtype)
+    return out.reshape(*out_shape[:-1], -1).astype(out_dtype)  # the values' dim (DeepSeek-V2: keys 192, values 128)
 
 
 def fp16_tokens(parts: int, arrays: List[mx.array], key_mean: Optional[mx.array]):

@@ -14,7 +14,8 @@ import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
 from .attention_hook import (  # noqa: F401  (re-exported)
-    _original_sdpa, base_caches, install_attention_hook, scaled_dot_product_attention)
+    KEY_TRANSFORMING_MODELS, _original_sdpa, base_caches, check_latent_attention, check_learned_sinks,
+    install_attention_hook, scaled_dot_product_attention)
 from .settings import EngineSettings
 from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
@@ -34,6 +35,8 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `max_kv_size` tokens (and the first 4) in a rotating cache. `tokenizer`: for a config with
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     install_attention_hook(model)
+    check_latent_attention(model)
+    check_learned_sinks(model)
     get_method(config.method).check_model(model)
     config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)

@@ -37,6 +37,14 @@ class CompressedHistory:
         dim = c.key_dim if self.role == "keys" else c.value_dim
         return (c.batch, c.kv_heads, c.offset, dim)
 
+    @property
+    def dtype(self):
+        return self.cache.window_dtype
+
+    def astype(self, dtype) -> "CompressedHistory":
+        """Itself: attention over it runs in float32 whatever the cast (Phi and StableLM cast keys first)."""
+        return self
+
     def __repr__(self):
         return f"CompressedHistory({self.role}, shape={self.shape}, {self.cache.config.describe()})"
 

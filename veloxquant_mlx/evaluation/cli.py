@@ -344,6 +344,9 @@ def register_cli(subparsers) -> None:
     register_eval_cli(subparsers)
     register_benchmark_cli(subparsers)
     register_report_cli(subparsers)
+    from .models_matrix import register_cli as register_models
+
+    register_models(subparsers)
 
 
 def main(argv=None) -> int:
