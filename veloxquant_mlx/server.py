@@ -37,6 +37,7 @@ import os
 import select
 import signal
 import socket
+import sys
 import threading
 import time
 import weakref
@@ -102,11 +103,13 @@ class _TrackedQueue:
 
     def __init__(self, queue, max_tokens: int):
         self.queue, self.max_tokens = queue, max_tokens
-        self.tokens, self.done = 0, False
+        self.tokens, self.done, self.context = 0, False, None
 
     def put(self, item, *args, **kwargs):
         if isinstance(item, mlx_server.Response):
             self.tokens += 1
+        elif isinstance(item, mlx_server.GenerationContext):
+            self.context = item
         elif item is None or isinstance(item, Exception):
             self.done = True
         self.queue.put(item, *args, **kwargs)
@@ -440,9 +443,14 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def serve(cli_args: argparse.Namespace, kv_config: KVCacheConfig, ready: Optional[callable] = None):
+def serve(cli_args: argparse.Namespace, kv_config: KVCacheConfig, ready: Optional[callable] = None,
+          exit_when_done: bool = True):
     """Serve until SIGINT or SIGTERM, then stop the generation thread (in-flight requests get
-    an error) and return, so the process exits with status 0."""
+    an error) and, with `exit_when_done`, end the process with status 0.
+
+    The process ends through `os._exit` once everything is stopped and flushed: after another
+    thread has run MLX's compiled kernels (the generation thread does), MLX may abort during
+    the interpreter's own exit ("terminate called without an active exception")."""
     logging.basicConfig(level=getattr(logging, cli_args.log_level.upper()),
                         format="%(asctime)s - %(levelname)s - %(message)s")
     httpd, response_generator = make_server(cli_args, kv_config)
@@ -452,7 +460,8 @@ def serve(cli_args: argparse.Namespace, kv_config: KVCacheConfig, ready: Optiona
     if not cli_args.api_key and host not in ("127.0.0.1", "localhost", "::1"):
         logging.warning(f"listening on {host} without --api-key: anyone who can reach it can use it")
     main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:
+    if main_thread:  # SIGINT too: a shell starts background jobs with SIGINT ignored
+        signal.signal(signal.SIGINT, _interrupt)
         signal.signal(signal.SIGTERM, _interrupt)
     if ready is not None:
         ready(host, port)
@@ -466,6 +475,11 @@ def serve(cli_args: argparse.Namespace, kv_config: KVCacheConfig, ready: Optiona
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
         httpd.server_close()
         response_generator.stop_and_join()
+        if exit_when_done:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser):
