@@ -306,6 +306,11 @@ class VeloxAPIHandler(mlx_server.APIHandler):
             return self._refuse_unauthorized()
         super().do_GET()
 
+    def refuse_method(self):
+        self.refuse(405, f"method {self.command} is not allowed", ("Allow", "GET, POST, OPTIONS"))
+
+    do_PUT = do_DELETE = do_PATCH = do_HEAD = refuse_method
+
     def do_POST(self):
         if not self.authorized():
             return self._refuse_unauthorized()
