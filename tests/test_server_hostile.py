@@ -207,6 +207,40 @@ def test_a_failure_inside_the_generation_loop_is_that_requests_500(server, monke
     assert greedy_tokens(port) == before
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failure_while_decoding_is_that_requests_500(server, monkeypatch, stream):
+    """A failure after the request has started (headers buffered, or a stream under way)."""
+    from mlx_lm import server as mlx_server
+
+    port, _ = server
+    before = greedy_tokens(port)
+    format_top_logprobs = mlx_server._format_top_logprobs
+
+    def failing(logprobs, top_n, tokenizer):
+        if top_n == 7:
+            raise RuntimeError("injected decode failure")
+        return format_top_logprobs(logprobs, top_n, tokenizer)
+
+    monkeypatch.setattr(mlx_server, "_format_top_logprobs", failing)
+    status, _, reply = send(port, "POST", CHAT, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 7, "stream": stream})
+    if stream:  # the 200 went out with the headers: the stream ends with the error
+        assert status == 200 and b"injected decode failure" in reply and b"[DONE]" not in reply
+    else:
+        assert status == 500 and "injected decode failure" in reply["error"]["message"]
+    assert send(port, "GET", "/health")[0] == 200
+    assert greedy_tokens(port) == before
+
+
+def test_the_api_key_may_come_from_the_environment(monkeypatch):
+    args = build_parser().parse_args(["serve"])
+    monkeypatch.setenv("VELOXQUANT_API_KEY", "from-env")
+    assert server_arguments(args, None).api_key == "from-env"
+    args = build_parser().parse_args(["serve", "--api-key", "flag"])
+    assert server_arguments(args, None).api_key == "flag"
+    monkeypatch.delenv("VELOXQUANT_API_KEY")
+    assert server_arguments(build_parser().parse_args(["serve"]), None).api_key is None
+
+
 def _fuzz_value(rng: random.Random):
     choices = [lambda: rng.randint(-2**70, 2**70), lambda: rng.randint(-3, 3), lambda: rng.random() * 10 - 5,
                lambda: rng.choice(["", "x", "\x00", "é" * 50, "NaN", "1e309", "-1"]), lambda: rng.choice([True, False]),
