@@ -28,6 +28,7 @@ what it loads, a few answers, and what it lets through:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import hmac
 import io
@@ -134,6 +135,7 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
                 if self.model_provider.model is None:  # the model did not load: nothing to serve
                     self._generation_failed = True
                     return
+                time.sleep(0.05)  # a failure that repeats without requests does not spin a core
 
     def _fail_in_flight(self, error: Exception):
         for queue in list(self._in_flight):
@@ -179,8 +181,8 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
             vocab = getattr(getattr(model, "args", None), "vocab_size", None) or len(tokenizer)
             self._limits = RequestLimits(
                 max_tokens=context_limit(model) or DEFAULT_MAX_TOKENS_LIMIT, vocab_size=vocab,
-                has_vision=provider.processor is not None, allow_fetch=self.cli_args.allow_fetch)
-        return self._limits
+                has_vision=provider.processor is not None)
+        return dataclasses.replace(self._limits, allow_fetch=self.cli_args.allow_fetch)
 
 
 def context_limit(model) -> Optional[int]:
@@ -214,9 +216,15 @@ class _StatusOfErrors:
     def __init__(self, generator, handler):
         self._generator, self._handler = generator, handler
 
-    def generate(self, *args, **kwargs):
+    def generate(self, request, generation_args, progress_callback=None):
+        def progress(processed, total):  # between prefill chunks
+            if client_gone(self._handler.connection):
+                raise ClientGone()
+            if progress_callback is not None:
+                progress_callback(processed, total)
+
         try:
-            ctx, responses = self._generator.generate(*args, **kwargs)
+            ctx, responses = self._generator.generate(request, generation_args, progress_callback=progress)
         except Exception as error:
             self._handler.error_status = getattr(error, "status", 500)
             raise
@@ -410,7 +418,7 @@ class VeloxAPIHandler(mlx_server.APIHandler):
             {"id": name, "object": "model", "created": created, "owned_by": "veloxquant"}]}).encode())
 
     def log_message(self, format, *args):
-        logging.debug(f"{self.address_string()} {format % args}")
+        logging.info(f"{self.address_string()} {format % args}")
 
 
 def server_arguments(args, kv_config: Optional[KVCacheConfig]) -> argparse.Namespace:
