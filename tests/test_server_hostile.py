@@ -436,10 +436,24 @@ def test_sigint_stops_the_server_with_status_0(model_dir):
                 port = int(match.group(1))
         answered = greedy_tokens(port, max_tokens=3)
         assert len(answered) == 3
+        # A stream still decoding when the signal comes is aborted, not waited for.
+        streaming = http.client.HTTPConnection("127.0.0.1", port, timeout=HANG_GUARD_SECONDS)
+        streaming.request("POST", CHAT, json.dumps({**GOOD_CHAT, "max_tokens": CONTEXT - 100, "stream": True}),
+                          {"Content-Type": "application/json"})
+        reply = streaming.getresponse()
+        assert reply.status == 200
+        while not (line := reply.fp.readline()).startswith(b"data: "):  # keepalives come first
+            assert line, "the stream ended before its first token"
         process.send_signal(signal.SIGINT)
         _, rest = process.communicate(timeout=HANG_GUARD_SECONDS)
+        try:
+            tail = reply.read()
+        except (http.client.IncompleteRead, ConnectionError):
+            tail = b""
+        streaming.close()
     finally:
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0, rest
     assert "terminate called" not in rest and "Traceback" not in rest, rest
+    assert b"[DONE]" not in tail
