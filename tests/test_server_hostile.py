@@ -260,7 +260,8 @@ TOKEN_FIELDS = ("max_tokens", "max_completion_tokens", "repetition_context_size"
 
 def fuzz_request(rng: random.Random, port: int) -> tuple[bytes, bytes, bool]:
     """(head, body, whether the server owes an answer) of one random, mostly malformed request."""
-    path = rng.choice([CHAT, "/v1/completions", "/chat/completions", "/v1/models", "/health", "/x", "/v1/" + "a" * 300])
+    path = rng.choice([CHAT] * 5 + ["/v1/completions"] * 3 + ["/chat/completions", "/v1/models", "/health", "/x",
+                                                              "/v1/" + "a" * 300])
     if path in (CHAT, "/chat/completions"):
         body = {"messages": [{"role": "user", "content": rng.choice(["hi", "tell me", "x " * 20])}], "max_tokens": 2}
     else:
@@ -276,7 +277,7 @@ def fuzz_request(rng: random.Random, port: int) -> tuple[bytes, bytes, bool]:
         data = bytes(rng.randrange(256) for _ in range(rng.randint(0, 64)))
     elif kind < 0.25:
         data = data[: rng.randint(0, len(data))]
-    method = rng.choice(["POST"] * 8 + ["GET", "PUT", "DELETE", "OPTIONS", "PATCH"])
+    method = rng.choice(["POST"] * 16 + ["GET", "PUT", "DELETE", "OPTIONS", "PATCH", "HEAD"])
     headers = {"Host": f"127.0.0.1:{port}", "Content-Type": rng.choice(["application/json"] * 6 + [
         "text/plain", "application/json; charset=utf-8", "multipart/form-data", "", "application/x-www-form-urlencoded"])}
     length, owed = str(len(data)), True
