@@ -195,7 +195,10 @@ class ClientGone(ConnectionError):
 
 
 def client_gone(connection: socket.socket) -> bool:
-    """Whether the peer has closed `connection` (a zero-byte peek on a readable socket)."""
+    """Whether the peer has closed `connection` (a zero-byte peek on a readable socket).
+
+    A client that only shuts down its sending side looks the same, so it counts as gone:
+    HTTP clients keep the connection open until they have read the reply."""
     try:
         poller = select.poll()
         poller.register(connection, select.POLLIN | select.POLLHUP | select.POLLERR)
