@@ -107,6 +107,21 @@ def smollm2():
     return load_model("smollm2")
 
 
+@pytest.fixture
+def cli_shares_smollm2(smollm2, monkeypatch):
+    """Commands run in-process (`cli.main`) get the default model from the `smollm2` fixture instead of
+    loading it again (seconds each). Only for commands that leave the model as they found it: a
+    dtype, a dequantize argument or another model loads as usual."""
+    from veloxquant_mlx import models
+
+    load = models.load_model
+
+    def shared(model=models.DEFAULT_MODEL, dequantize=None):
+        return smollm2 if str(model) == models.DEFAULT_MODEL and dequantize is None else load(model, dequantize)
+
+    monkeypatch.setattr(models, "load_model", shared)
+
+
 @pytest.fixture(scope="session")
 def chat_reference(smollm2):
     """SmolLM2's chat prompt asking for the capital of France, the fp16 model's first 16 greedy tokens

@@ -368,7 +368,7 @@ def test_rate_codec_at_a_whole_width_is_turboquant_mse():
 
 
 @pytest.mark.model
-def test_calibrate_command_on_smollm2(tmp_path, capsys):
+def test_calibrate_command_on_smollm2(tmp_path, capsys, cli_shares_smollm2):
     from veloxquant_mlx.cli import main
 
     text = tmp_path / "text.txt"

@@ -278,7 +278,7 @@ def test_watchdog_stops_configurations(tmp_path):
 
 
 @pytest.mark.model
-def test_ppl_smollm2(tmp_path, text_file):
+def test_ppl_smollm2(tmp_path, text_file, cli_shares_smollm2):
     out = tmp_path / "ppl"
     run_cli("eval", "ppl", "--text", text_file, "--ctx", "256", "--windows", "1", "--chunk", "64",
             "--methods", "fp16,mlx-q8,turboquant_mse:4", "--out", out)
@@ -300,7 +300,7 @@ def test_ppl_smollm2(tmp_path, text_file):
 
 
 @pytest.mark.model
-def test_needle_smollm2(tmp_path, text_file):
+def test_needle_smollm2(tmp_path, text_file, cli_shares_smollm2):
     out = tmp_path / "needle"
     run_cli("eval", "needle", "--text", text_file, "--lengths", "200", "--depths", "0.5",
             "--max-tokens", "6", "--methods", "fp16,turboquant_mse:4", "--out", out)
