@@ -1,9 +1,18 @@
+import os
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import gemma3_text, llama
 
 from veloxquant_mlx import KVCacheConfig, available_methods
+
+
+# The WikiText-2 test split: $VELOXQUANT_WIKITEXT, else ../shared/data next to the clone. A clone without
+# it (CI, users) skips the tests that need it.
+WIKITEXT = Path(os.environ.get("VELOXQUANT_WIKITEXT")
+                or Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.txt")
 
 
 def random_model(module, seed=0, **args):

@@ -2,18 +2,16 @@
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
+from conftest import WIKITEXT
 
 from veloxquant_mlx import available_methods
 from veloxquant_mlx.evaluation.cli import main
 from veloxquant_mlx.evaluation.report import render_markdown, replace_section
 from veloxquant_mlx.evaluation.specs import MethodSpecError, parse_method_list, parse_method_spec
 from veloxquant_mlx.evaluation.watchdog import MemoryGuard, MemoryGuardTriggered, available_memory_bytes
-
-WIKITEXT = Path(os.environ.get("VELOXQUANT_WIKITEXT", "/work/shared/data/wikitext2-test.txt"))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 import json
 import math
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from tokenizers import pre_tokenizers
 
-from conftest import tiny_llama
+from conftest import WIKITEXT, tiny_llama
 from veloxquant_mlx.gguf import LAYER_NAMES, TOP_LEVEL_NAMES, convert_gguf, read_gguf
 from veloxquant_mlx.models import (
     default_model_dir,
@@ -20,7 +19,6 @@ from veloxquant_mlx.models import (
     smollm2_gguf_path,
 )
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.txt"
 
 
 def write_tiny_gguf(path, model, architecture="llama"):

@@ -1,13 +1,11 @@
 """Every method at 4 bits on the real SmolLM2-135M-Instruct model (marked `model`)."""
 
-from pathlib import Path
-
 import mlx.core as mx
 import pytest
 from mlx_lm import generate
 from mlx_lm.models.cache import make_prompt_cache
 
-from conftest import ALL_METHODS, agreement_with_reference, config_for, forced_logprobs
+from conftest import ALL_METHODS, WIKITEXT, agreement_with_reference, config_for, forced_logprobs
 from veloxquant_mlx import (
     KVCacheBuilder,
     load_prompt_cache,
@@ -18,7 +16,6 @@ from veloxquant_mlx import (
 
 pytestmark = pytest.mark.model
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.txt"
 PROMPT_TOKENS, SCORED, CHUNK = 1536, 512, 512
 
 # Mean KL(fp16 || method) of next-token distributions over the last 512 positions of a
