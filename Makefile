@@ -3,7 +3,7 @@ VENV ?= .venv
 OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
 RUN := $(if $(wildcard $(OPENBLAS)),LD_PRELOAD=$(OPENBLAS) ,)
 
-.PHONY: setup demo test benchmark
+.PHONY: setup demo test test-all benchmark
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py scripts/setup.sh $(wildcard csrc/*)
@@ -13,5 +13,9 @@ $(VENV)/.installed: pyproject.toml setup.py scripts/setup.sh $(wildcard csrc/*)
 demo: setup
 	$(RUN)$(VENV)/bin/veloxquant demo $(ARGS)
 
+# `make test` leaves out the tests marked `slow` (the long end-to-end sweeps); `make test-all` runs every test.
 test: setup
+	$(RUN)$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
+
+test-all: setup
 	$(RUN)$(VENV)/bin/python -m pytest -q $(ARGS)

@@ -1,9 +1,18 @@
+import os
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.models import gemma3_text, llama
 
 from veloxquant_mlx import KVCacheConfig, available_methods
+
+
+# The WikiText-2 test split: $VELOXQUANT_WIKITEXT, else ../shared/data next to the clone. A clone without
+# it (CI, users) skips the tests that need it.
+WIKITEXT = Path(os.environ.get("VELOXQUANT_WIKITEXT")
+                or Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.txt")
 
 
 def random_model(module, seed=0, **args):
@@ -105,6 +114,32 @@ def smollm2():
     from veloxquant_mlx.models import load_model
 
     return load_model("smollm2")
+
+
+@pytest.fixture
+def cli_shares_smollm2(smollm2, monkeypatch):
+    """Commands run in-process (`cli.main`) get the default model from the `smollm2` fixture instead of
+    loading it again (seconds each). Only for commands that leave the model as they found it: a
+    dtype, a dequantize argument or another model loads as usual."""
+    from veloxquant_mlx import models
+
+    load = models.load_model
+
+    def shared(model=models.DEFAULT_MODEL, dequantize=None):
+        return smollm2 if str(model) == models.DEFAULT_MODEL and dequantize is None else load(model, dequantize)
+
+    monkeypatch.setattr(models, "load_model", shared)
+
+
+@pytest.fixture(scope="session")
+def chat_reference(smollm2):
+    """SmolLM2's chat prompt asking for the capital of France, the fp16 model's first 16 greedy tokens
+    of its answer and their log-probabilities (greedy_reference)."""
+    model, tokenizer = smollm2
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True
+    )
+    return (prompt, *greedy_reference(model, prompt, 16))
 
 
 def assert_engine_paths_agree(model, config, tokens, settings=None):
@@ -283,3 +318,43 @@ def llama_of_8b_form(seed=0):
     return random_model(llama, seed, model_type="llama", hidden_size=64, num_hidden_layers=2,
                         intermediate_size=28 * 8, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
                         vocab_size=96, rope_traditional=False)
+
+
+def greedy_reference(model, prompt, n):
+    """`n` greedy tokens after the token ids `prompt`, decoded step by step with mlx-lm's own caches,
+    and the log-probabilities each came from, (n, vocab): the fp16 reference of a test that compares
+    a compressed cache's predictions with it in the same run."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    logits, tokens, rows = model(mx.array([prompt]), cache=cache)[0, -1], [], []
+    for _ in range(n):
+        rows.append(logits.astype(mx.float32))
+        tokens.append(int(mx.argmax(logits)))
+        logits = model(mx.array([[tokens[-1]]]), cache=cache)[0, -1]
+    logits = mx.stack(rows)
+    return tokens, logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def forced_logprobs(model, prompt, tokens, cache=None):
+    """Next-token log-probabilities after `prompt` (one prefill) and after each of `tokens[:-1]`, fed
+    one decode step at a time through `cache` (mlx-lm's by default): (len(tokens), vocab)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model) if cache is None else cache
+    logits = [model(mx.array([prompt]), cache=cache)[0, -1]]
+    for token in tokens[:-1]:
+        logits.append(model(mx.array([[token]]), cache=cache)[0, -1])
+        mx.eval(logits[-1])
+    logits = mx.stack(logits).astype(mx.float32)
+    return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+
+def agreement_with_reference(reference, tokens, logprobs):
+    """How a compressed cache's teacher-forced predictions `logprobs` (forced_logprobs on the reference
+    `tokens`) follow the reference's own `reference` log-probabilities: (the number of positions whose
+    argmax is the reference's greedy token, the mean KL(reference || compressed) per position). Teacher
+    forcing keeps one near-tie from derailing the rest, as free-running greedy text would."""
+    agree = sum(int(a) == b for a, b in zip(mx.argmax(logprobs, axis=-1).tolist(), tokens))
+    kl = mx.mean(mx.sum(mx.exp(reference) * (reference - logprobs), axis=-1)).item()
+    return agree, kl

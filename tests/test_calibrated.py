@@ -368,7 +368,7 @@ def test_rate_codec_at_a_whole_width_is_turboquant_mse():
 
 
 @pytest.mark.model
-def test_calibrate_command_on_smollm2(tmp_path, capsys):
+def test_calibrate_command_on_smollm2(tmp_path, capsys, cli_shares_smollm2):
     from veloxquant_mlx.cli import main
 
     text = tmp_path / "text.txt"
@@ -605,7 +605,10 @@ def test_outliers_encode_snippet_stores_what_encode_does(base, count):
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("name", ["spectral", "mse+outliers", "vecinfer"])
+# each nvcc run costs seconds: `make test` compiles the outliers option's kernels (vecinfer's encode kernel
+# compiles in tests/test_vecinfer.py), `make test-all` all three
+@pytest.mark.parametrize("name", [pytest.param("spectral", marks=pytest.mark.slow), "mse+outliers",
+                                  pytest.param("vecinfer", marks=pytest.mark.slow)])
 def test_calibrated_partial_kernels_compile_with_nvcc(name, tmp_path):
     """spectralquant's, vecinfer's and the outliers option's partial kernel for the 8B shape (head dim
     128, 8 kv heads, GQA 4) compiles for sm_90 without spills, in the shared memory it counts, and so

@@ -26,7 +26,7 @@ def test_bad_method_is_a_clear_error(capsys):
 
 
 @pytest.mark.model
-def test_precompute_writes_artifacts(tmp_path):
+def test_precompute_writes_artifacts(tmp_path, cli_shares_smollm2):
     out = tmp_path / "art"
     assert main(["precompute", "--out", str(out), "--method", "turboquant_mse", "--bits", "3"]) == 0
     meta = json.loads((out / "artifacts.json").read_text())
@@ -35,7 +35,7 @@ def test_precompute_writes_artifacts(tmp_path):
 
 
 @pytest.mark.model
-def test_generate_reports_speed_and_kv_memory(capsys):
+def test_generate_reports_speed_and_kv_memory(capsys, cli_shares_smollm2):
     code = main(["generate", "--prompt", "What is the capital of France?", "--max-tokens", "12",
                  "--method", "turboquant_mse", "--bits", "4", "--sink-tokens", "4", "--center"])
     out = capsys.readouterr().out

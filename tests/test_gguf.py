@@ -1,6 +1,5 @@
 import json
 import math
-from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -11,7 +10,7 @@ import pytest
 from mlx.utils import tree_flatten
 from tokenizers import pre_tokenizers
 
-from conftest import tiny_llama
+from conftest import WIKITEXT, tiny_llama
 from veloxquant_mlx.gguf import LAYER_NAMES, TOP_LEVEL_NAMES, convert_gguf, read_gguf
 from veloxquant_mlx.models import (
     default_model_dir,
@@ -20,7 +19,6 @@ from veloxquant_mlx.models import (
     smollm2_gguf_path,
 )
 
-WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext2-test.txt"
 
 
 def write_tiny_gguf(path, model, architecture="llama"):
@@ -196,14 +194,25 @@ def test_fp32_perplexity_needs_the_traditional_rope(smollm2_dir, smollm2_fp32):
 
 
 @pytest.mark.model
-def test_greedy_chat_answer_is_coherent(smollm2_fp32):
+def test_chat_answer_scores_the_right_capital_first(smollm2_fp32):
+    """Through its chat template the converted model finds the right answer likely (mean NLL per token
+    under 0.75 nats) and each wrong capital at least 0.5 nats per token less likely: logits, not
+    generated words, which depend on the BLAS library's rounding."""
     model, tokenizer = smollm2_fp32
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True,
     )
-    answer = mlx_lm.generate(model, tokenizer, prompt, max_tokens=20)
-    assert "Paris" in answer
+
+    def answer_nll(city):
+        ids = tokenizer.encode(f"The capital of France is {city}.", add_special_tokens=False)
+        logits = model(mx.array([prompt + ids]))[0, len(prompt) - 1 : -1].astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return -mx.take_along_axis(logprobs, mx.array(ids)[:, None], axis=-1).mean().item()
+
+    right = answer_nll("Paris")
+    wrong = {city: answer_nll(city) for city in ("Berlin", "London", "Madrid", "Rome")}
+    assert right < 0.75 and min(wrong.values()) > right + 0.5, (right, wrong)
 
 
 @pytest.mark.model

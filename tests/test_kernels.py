@@ -137,27 +137,46 @@ def test_plans_fit_and_split_sensibly():
         launch.partial_plan(1, 1, 80, 3, 3, 10, 16, rotate_query=False, q_dtype="float16")  # dim % 32
 
 
+def _nvcc_picks():
+    """The translation units compiled with nvcc, by name: the first plans of _plans() (no mse_partial),
+    the 8B shape's partial, merges and tensor-core partial."""
+    picks = {f"plan{i}-{p.kernel}": p for i, p in enumerate([p for p in _plans() if p.kernel != "mse_partial"][:3])}
+    picks["partial-8b"] = launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16")
+    picks["merge-unrotate"] = launch.merge_plan(8, 4, 128, 64, unrotate=True, plain=True, value_mean=True,
+                                                out_dtype="float16")
+    picks["merge-tokens"] = launch.merge_plan(8, 4, 128, 64, unrotate=False, plain=False, value_mean=True,
+                                              out_dtype="float16", tokens=128, x_dtype="float16")
+    picks["merge-unmap"] = launch.merge_plan(8, 4, 128, 64, unrotate=False, plain=False, value_mean=True,
+                                             out_dtype="float16", tokens=128, x_dtype="float16", unmap=8)
+    picks["mma"] = launch.mma_partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16")
+    return picks
+
+
+# Each nvcc run costs seconds: `make test` compiles the tensor-core partial (its register bound) and the
+# fullest merge, `make test-all` every unit.
+NVCC_IN_MAKE_TEST = ("merge-unmap", "mma")
+NVCC_UNITS = ["plan0-mse_encode", "plan1-mse_partial_mma", "plan2-mse_dequant", "partial-8b", "merge-unrotate",
+              "merge-tokens", "merge-unmap", "mma"]
+
+
+def test_nvcc_units_are_the_named_ones():
+    assert list(_nvcc_picks()) == NVCC_UNITS
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-def test_cuda_sources_compile_with_nvcc(tmp_path):
+@pytest.mark.parametrize("unit", [u if u in NVCC_IN_MAKE_TEST else pytest.param(u, marks=pytest.mark.slow)
+                                  for u in NVCC_UNITS])
+def test_cuda_sources_compile_with_nvcc(unit, tmp_path):
     """The generated translation units compile for sm_90 without spills (a stand-in
     for MLX's own NVRTC build on the GPU machine)."""
-    picks = [p for p in _plans() if p.kernel != "mse_partial"][:3]
-    picks.append(launch.partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16"))
-    picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=True, plain=True, value_mean=True, out_dtype="float16"))
-    picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=False, plain=False, value_mean=True,
-                                   out_dtype="float16", tokens=128, x_dtype="float16"))
-    picks.append(launch.merge_plan(8, 4, 128, 64, unrotate=False, plain=False, value_mean=True,
-                                   out_dtype="float16", tokens=128, x_dtype="float16", unmap=8))
-    mma = launch.mma_partial_plan(8, 4, 128, 3, 4, 32768, 32768, rotate_query=True, q_dtype="float16")
-    picks.append(mma)
-    for i, plan in enumerate(picks):
-        ins, outs = _dtypes(plan)
-        src = tmp_path / f"k{i}.cu"
-        src.write_text(templates.render_cuda(plan.kernel, plan.template, ins, outs, name=f"k{i}", mlx_header=False))
-        report = compile_cuda_without_spills(src, tmp_path / f"k{i}.o")
-        if plan is mma:  # the tensor-core partial's occupancy is register-bound: 4 blocks per SM need <= 128
-            registers = int(re.search(r"Used (\d+) registers", report).group(1))
-            assert registers <= 128, report[-2000:]
+    plan = _nvcc_picks()[unit]
+    ins, outs = _dtypes(plan)
+    src = tmp_path / "k.cu"
+    src.write_text(templates.render_cuda(plan.kernel, plan.template, ins, outs, name="k0", mlx_header=False))
+    report = compile_cuda_without_spills(src, tmp_path / "k.o")
+    if unit == "mma":  # the tensor-core partial's occupancy is register-bound: 4 blocks per SM need <= 128
+        registers = int(re.search(r"Used (\d+) registers", report).group(1))
+        assert registers <= 128, report[-2000:]
 
 
 # ---- the kernel text, run in the C++ emulator -----------------------------------------
@@ -677,12 +696,14 @@ def test_format_step_attends_to_fp16_tokens_in_the_merge_kernel(options, merged_
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 @pytest.mark.parametrize("options, dim, rep", [
-    ({"method": "polarquant", "bits": 4, "options": {"levels": 0}}, 128, 4),
-    ({"method": "kivi", "bits": 2, "group_size": 32}, 128, 4),
-    ({"method": "qjl", "bits": 3}, 128, 4),
-    ({"method": "rabitq", "bits": 3, "value_bits": 4}, 128, 4),
-    ({"method": "kivi", "bits": 4, "group_size": 64}, 256, 4),  # fits only without its key fold and staged scalars
-], ids=["polarquant", "kivi", "qjl", "rabitq", "kivi-dim256"])
+    pytest.param({"method": "polarquant", "bits": 4, "options": {"levels": 0}}, 128, 4, marks=pytest.mark.slow,
+                 id="polarquant"),
+    pytest.param({"method": "kivi", "bits": 2, "group_size": 32}, 128, 4, marks=pytest.mark.slow, id="kivi"),
+    pytest.param({"method": "qjl", "bits": 3}, 128, 4, marks=pytest.mark.slow, id="qjl"),
+    pytest.param({"method": "rabitq", "bits": 3, "value_bits": 4}, 128, 4, marks=pytest.mark.slow, id="rabitq"),
+    # fits only without its key fold and staged scalars: the tightest, compiled by `make test` too
+    pytest.param({"method": "kivi", "bits": 4, "group_size": 64}, 256, 4, id="kivi-dim256"),
+])
 def test_format_partial_kernels_compile_with_nvcc(options, dim, rep, tmp_path):
     """The formats' partial kernel, rendered from each codec's snippets for the 8B shape (dim 128,
     GQA 4) and Gemma 3's head dim, compiles for sm_90 without spills and within the static shared
@@ -857,8 +878,10 @@ def test_format_encoder_takes_only_codecs_with_snippets():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
-@pytest.mark.parametrize("method, options", encode.CHECK_FORMATS + (("rabitq", {"bits": 3, "value_bits": 4}),),
-                         ids=lambda v: v if isinstance(v, str) else None)
+@pytest.mark.parametrize("method, options", [
+    # each nvcc run costs seconds: `make test` compiles one format's encode kernel, `make test-all` every one
+    pytest.param(m, o, marks=() if i == len(encode.CHECK_FORMATS) else pytest.mark.slow, id=f"{m}-options{i}")
+    for i, (m, o) in enumerate(encode.CHECK_FORMATS + (("rabitq", {"bits": 3, "value_bits": 4}),))])
 def test_format_encode_kernel_compiles_with_nvcc(method, options, tmp_path):
     from veloxquant_mlx.methods import get_method
     from veloxquant_mlx.storage import row_layout

@@ -190,7 +190,7 @@ def test_prompt_cache_file_answers_without_prefilling_the_document(tmp_path):
 
 
 @pytest.mark.model
-def test_chat_command_runs_a_script_on_the_default_model(tmp_path, monkeypatch, capsys):
+def test_chat_command_runs_a_script_on_the_default_model(tmp_path, monkeypatch, capsys, cli_shares_smollm2):
     script = f"My name is Ana.\n/save {tmp_path / 'chat.safetensors'}\nWhat is my name?\n"
     monkeypatch.setattr("sys.stdin", io.StringIO(script))
     assert main(["chat", "--max-tokens", "8", "--kv", "vq4"]) == 0
@@ -199,7 +199,7 @@ def test_chat_command_runs_a_script_on_the_default_model(tmp_path, monkeypatch, 
 
 
 @pytest.mark.model
-def test_cache_prompt_then_generate_from_the_file(tmp_path, capsys):
+def test_cache_prompt_then_generate_from_the_file(tmp_path, capsys, cli_shares_smollm2):
     document = tmp_path / "doc.txt"
     document.write_text("The lighthouse on Gull Rock was kept by Ada Moss for forty years. " * 6)
     out = tmp_path / "doc.safetensors"

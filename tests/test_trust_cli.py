@@ -60,7 +60,7 @@ def test_exit_code_says_when_a_method_failed(capsys):
 
 
 @pytest.mark.model
-def test_eval_with_a_failing_method_exits_non_zero(tmp_path, capsys):
+def test_eval_with_a_failing_method_exits_non_zero(tmp_path, capsys, cli_shares_smollm2):
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"The lighthouse keeper counted {n} ships before dawn." for n in range(40)))
     code = main(["eval", "ppl", "--text", str(text), "--ctx", "32", "--windows", "1",

@@ -193,26 +193,30 @@ def test_a_failed_first_use_check_warns_and_keeps_two_launches(emulated_gpu, mon
 
 
 @pytest.mark.skipif(__import__("shutil").which("nvcc") is None, reason="nvcc not installed")
-def test_cuda_source_compiles_with_nvcc_without_spills(tmp_path):
-    """The translation units MLX would build for the 8B shape's 4096-wide layers compile for sm_90, no spills."""
+@pytest.mark.parametrize("outs, bits", [
+    pytest.param((4096,), 4, marks=pytest.mark.slow), ((14336,), 3),
+    # the sibling launches of q/k/v and gate/up
+    ((4096, 1024, 1024), 4), pytest.param((14336, 14336), 4, marks=pytest.mark.slow),
+], ids=["rotating4096", "rotating14336", "siblings-qkv", "siblings-gate-up"])
+def test_cuda_source_compiles_with_nvcc_without_spills(outs, bits, tmp_path):
+    """The translation units MLX would build for the 8B shape's 4096-wide layers compile for sm_90, no spills
+    (each nvcc run costs seconds: `make test` compiles one single and one sibling launch, `make test-all` all)."""
     from veloxquant_mlx.kernels import templates
 
-    ins = {"x": "float16", "w": "float16", "codes": "uint32", "scales": "float16", "lut": "float32"}
-    for out, bits in ((4096, 4), (14336, 3)):
-        plan = rotating_matmul.plan(4096, out, bits, 1, "float16", "float16")
-        src = tmp_path / f"rotating{out}.cu"
-        src.write_text(templates.render_cuda(rotating_matmul.KERNEL_NAME, plan.template, ins, {"out": "float16"},
-                                             mlx_header=False))
-        compile_cuda_without_spills(src, tmp_path / f"rotating{out}.o")
-    for outs in ((4096, 1024, 1024), (14336, 14336)):  # the sibling launches of q/k/v and gate/up
-        plan = rotating_matmul.group_plan(4096, outs, 4, 1, "float16", "float16")
-        n = len(outs)
+    if len(outs) == 1:
+        plan = rotating_matmul.plan(4096, outs[0], bits, 1, "float16", "float16")
+        kernel_name = rotating_matmul.KERNEL_NAME
+        ins = {"x": "float16", "w": "float16", "codes": "uint32", "scales": "float16", "lut": "float32"}
+        out_dtypes = {"out": "float16"}
+    else:
+        plan = rotating_matmul.group_plan(4096, outs, bits, 1, "float16", "float16")
+        kernel_name, n = plan.kernel, len(outs)
         ins = {"x": "float16", **{f"w{i}": "float16" for i in range(n)}, **{f"codes{i}": "uint32" for i in range(n)},
                **{f"scales{i}": "float16" for i in range(n)}, "lut": "float32"}
-        src = tmp_path / f"siblings{n}.cu"
-        src.write_text(templates.render_cuda(plan.kernel, plan.template, ins, {f"out{i}": "float16" for i in range(n)},
-                                             mlx_header=False))
-        compile_cuda_without_spills(src, tmp_path / f"siblings{n}.o")
+        out_dtypes = {f"out{i}": "float16" for i in range(n)}
+    src = tmp_path / "rotating.cu"
+    src.write_text(templates.render_cuda(kernel_name, plan.template, ins, out_dtypes, mlx_header=False))
+    compile_cuda_without_spills(src, tmp_path / "rotating.o")
 
 
 @needs_cxx
