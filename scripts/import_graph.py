@@ -19,13 +19,13 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS = {
     # 1. ground
     "config": 1, "settings": 1, "packing": 1, "rotations": 1, "codebooks": 1, "formats": 1,
-    "attention": 1, "errors": 1,
+    "attention": 1, "errors": 1, "attention_hook": 1,
     # 2. methods
     "methods": 2,
     # 3. storage and engine with kernels
     "storage": 3, "engine": 3, "kept": 3, "kernels": 3, "history": 3,
     # 4. cache, batch and rotating
-    "cache": 4, "batch": 4, "rotating": 4,
+    "cache": 4, "batch": 4, "rotating": 4, "cache_integrity": 4,
     # 5. integration, artifacts, calibration, presets
     "integration": 5, "artifacts": 5, "calibration": 5, "presets": 5, "prompt_cache": 5,
     # 6. models and weights

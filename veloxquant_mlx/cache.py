@@ -37,28 +37,27 @@ settings (`settings.EngineSettings`) resolved once when the cache is made.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import copy
-import functools
 import json
 import math
-import warnings
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import engine
-from .artifacts import CodecSet, checksums, metadata_digest, verify_checksums
+from .artifacts import CodecSet, metadata_digest
 from .attention import Segment
+from .attention_hook import install_attention_hook
+from .cache_integrity import seal, verify_sealed
 from .config import KVCacheConfig
 from .kept import KeptTokens, window_shares
 from .methods.base import at_positions
 from .settings import EngineSettings
 from .storage import RowStore, grow, store_for
 
-FORMAT_VERSION = 2  # 2: checksums, layer index, model identity (see `state`)
+FORMAT_VERSION = 3  # 2: checksums, layer index, model identity; 3: checksums in `state` (cache_integrity)
 _DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
 
 
@@ -797,7 +796,7 @@ class CompressedKVCache(_BaseCache):
     # ---- save / load --------------------------------------------------------
     # A saved layer is [header JSON, arrays]. The header holds the format version, the full
     # config, the model identity and layer index (when the cache was made for a model), the
-    # checksums of the codecs' constant arrays, one CRC32 per tensor, and a digest of itself:
+    # checksums of the codecs' constant arrays, every tensor's checksums (`cache_integrity`), and a digest of itself:
     # a flipped, truncated, swapped or edited file is refused with the layer and tensor named.
     @property
     def state(self):
@@ -830,10 +829,7 @@ class CompressedKVCache(_BaseCache):
             if self.kept is not None:
                 header["kept"], kept_arrays = self.kept.state()
                 arrays.update(kept_arrays)
-        if _SAVING.get():
-            # Only for a file: mlx-lm evaluates `state` after every prefill chunk, and the CRC
-            # reads every tensor on the host.
-            header["tensors"] = checksums(_flat(arrays))
+        seal(header, arrays)  # checksums in `state` itself: mlx-lm's save_prompt_cache is checked too
         header["digest"] = metadata_digest(header)
         return [json.dumps(header), arrays]
 
@@ -860,10 +856,7 @@ class CompressedKVCache(_BaseCache):
                 codecs = CodecSet.for_config(config)
             except ValueError as error:
                 raise CacheFormatError(f"{where} was written with codecs from {config.artifact_dir}: {error}") from None
-        if "tensors" in header:
-            verify_checksums(_flat(arrays), header["tensors"], where, CacheFormatError)
-        elif arrays:
-            _warn_unchecked()
+        arrays = verify_sealed(header, arrays, where, CacheFormatError)
         if codecs.per_layer:  # calibrated per layer: this layer's codecs
             if not isinstance(header.get("layer"), int):
                 raise CacheFormatError(f"{where}: per-layer codecs, but the header names no layer")
@@ -952,30 +945,12 @@ class CompressedKVCache(_BaseCache):
     def from_state(cls, state):
         cache = cls.__new__(cls)
         cache.state = state
+        install_attention_hook()  # mlx-lm's load_prompt_cache, then its generate, in a fresh process
         return cache
 
 
 # (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
 _LOADING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_loading", default=None)
-_SAVING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_saving", default=False)
-
-
-@contextlib.contextmanager
-def saving():
-    """Within it, `state` headers carry every tensor's checksum (`integration.save_prompt_cache`)."""
-    token = _SAVING.set(True)
-    try:
-        yield
-    finally:
-        _SAVING.reset(token)
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_unchecked():
-    """Once per process, not once per layer of a file."""
-    warnings.warn("veloxquant_mlx: a prompt cache saved without tensor checksums (by mlx-lm's save_prompt_cache, "
-                  "not veloxquant_mlx.save_prompt_cache) was loaded, so corruption of its codes cannot be detected",
-                  RuntimeWarning, stacklevel=4)
 
 
 def _finite_mean(x: mx.array) -> mx.array:
@@ -987,17 +962,6 @@ def _finite_mean(x: mx.array) -> mx.array:
     kept = mx.sum(mx.where(finite, x, 0.0), axis=2, keepdims=True) / mx.maximum(
         mx.sum(finite, axis=2, keepdims=True), 1)
     return mx.where(mx.all(finite), mx.mean(x, axis=2, keepdims=True), kept).astype(x.dtype)
-
-
-def _flat(arrays) -> dict:
-    """{"keys.codes": array, "window_keys": array, ...} of a saved layer's (nested) arrays."""
-    flat = {}
-    for name, value in (arrays or {}).items():
-        if isinstance(value, dict):
-            flat.update({f"{name}.{k}": v for k, v in value.items()})
-        else:
-            flat[name] = value
-    return flat
 
 
 def _read_state(state):

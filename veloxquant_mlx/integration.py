@@ -1,71 +1,36 @@
 """Plugging compressed caches into mlx-lm.
 
-mlx-lm models call `update_and_fetch` on their cache, then the shared
-`mlx_lm.models.base.scaled_dot_product_attention`. We route that function to
-`CompressedKVCache.attend` when the cache is ours and leave every other cache
-untouched. Model modules import the function by name, so the hook is installed
-in each loaded `mlx_lm.models.*` module; a model whose module does not use the
-shared function is refused with a clear error instead of crashing inside.
+The attention hook (`attention_hook`) routes mlx-lm's shared attention to the caches' own
+`attend`; a model whose module does not use the shared function is refused with a clear error
+instead of crashing inside.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 import warnings
 from typing import List, Optional
 
 import mlx.core as mx
-import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
+from .attention_hook import (UnsupportedModelError, _original_sdpa, attend_through,  # noqa: F401 (re-exported)
+                             install_attention_hook, scaled_dot_product_attention)
 from .settings import EngineSettings
 from .batch import BatchCompressedKVCache
 from .calibration import AUTO, ensure_calibrated
-from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
+from .cache import _LOADING, CacheFormatError, CompressedKVCache
+from .cache_integrity import collecting_headers, saving_file, sealed_digest
 from .config import KVCacheConfig, follow_bits
 from .methods import get_method
 from .rotating import CompressedRotatingKVCache
 
 
-class UnsupportedModelError(ValueError):
-    pass
-
-
-_original_sdpa = mlx_base.scaled_dot_product_attention
-
-
-def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)):
-        if sinks is not None:
-            raise UnsupportedModelError(
-                "this model uses learned attention sinks, which VeloxQuant caches do not support"
-            )
-        return cache.attend(queries, scale=scale, mask=mask)
-    return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: known from import on.
 mlx_cache.CompressedKVCache = CompressedKVCache
 mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
-
-
-def install_attention_hook(model=None) -> None:
-    """Route mlx-lm's shared attention to compressed caches (idempotent)."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) is _original_sdpa:
-            module.scaled_dot_product_attention = scaled_dot_product_attention
-    # mlx-lm's load_prompt_cache finds cache classes by name in its own module.
-    mlx_cache.CompressedKVCache = CompressedKVCache
-    mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
-    if model is not None:
-        module = sys.modules.get(type(model).__module__)
-        if getattr(module, "scaled_dot_product_attention", None) is not scaled_dot_product_attention:
-            raise UnsupportedModelError(
-                f"{type(model).__module__} computes attention without mlx-lm's shared "
-                "scaled_dot_product_attention, so a compressed cache cannot attach to it"
-            )
+attend_through(CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)
 
 
 def base_caches(model) -> list:
@@ -244,14 +209,14 @@ def make_prompt_cache(model, config: KVCacheConfig) -> List[CompressedKVCache]:
     return KVCacheBuilder(config).for_model(model).build()
 
 
-INDEX_KEY = "veloxquant_index"  # file metadata: one digest per layer, in order (no dot: mlx-lm nests dotted keys)
+INDEX_KEY = "veloxquant_index"  # file metadata: each layer's digest in order, and the metadata's (no dot: mlx-lm nests dotted keys)
 
 
 def _layer_digest(cache) -> str:
-    """A digest of one layer's saved state: its header's for our caches, a checksum of the
-    arrays for any other (mlx-lm's own caches of layers we leave uncompressed)."""
+    """A digest of one layer's saved state: its header's and checksums for our caches, a checksum
+    of the arrays for any other (mlx-lm's own caches of layers we leave uncompressed)."""
     if isinstance(cache, CompressedKVCache):
-        return json.loads(cache.state[0])["digest"]
+        return sealed_digest(cache.state)
     from mlx.utils import tree_flatten
 
     arrays = {k: v for k, v in tree_flatten(cache.state) if isinstance(v, mx.array)}
@@ -259,19 +224,23 @@ def _layer_digest(cache) -> str:
 
 
 def _saved_digest(cache) -> str:
-    """`_layer_digest` as the file records it (headers with tensor checksums)."""
-    with saving():
+    """`_layer_digest` as the file records it (headers that say the file has an index)."""
+    with saving_file():
         return _layer_digest(cache)
 
 
 def save_prompt_cache(path, caches: list, metadata: Optional[dict] = None) -> None:
     """mlx-lm's `save_prompt_cache`; each compressed layer records its config, checksums and
-    index, and the file an index of every layer's digest (so swapped layers are refused)."""
+    index, and the file an index of every layer's digest (so swapped layers are refused) and a
+    digest of `metadata` (string values; keys without dots, which mlx-lm would nest)."""
     metadata = dict(metadata or {})
     if INDEX_KEY in metadata:
         raise ValueError(f"metadata key {INDEX_KEY!r} is reserved")
-    with saving():
-        metadata[INDEX_KEY] = json.dumps([_layer_digest(c) for c in caches])
+    if any("." in str(key) or not isinstance(value, str) for key, value in metadata.items()):
+        raise ValueError("prompt-cache metadata takes string values under keys without dots")
+    with saving_file():
+        index = {"layers": [_layer_digest(c) for c in caches], "metadata": metadata_digest(metadata)}
+        metadata[INDEX_KEY] = json.dumps(index)
         mlx_cache.save_prompt_cache(str(path), caches, metadata)
 
 
@@ -298,7 +267,8 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
             raise CacheFormatError(f"cannot load {path} with {config.describe()}: {error}") from None
     token = _LOADING.set(None if config is None else (config, codecs))
     try:
-        caches, metadata = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
+        with collecting_headers() as headers:
+            caches, metadata = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
     except CacheFormatError as error:
         raise CacheFormatError(f"{path}: {error}") from None
     except Exception as error:
@@ -306,17 +276,10 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
     finally:
         _LOADING.reset(token)
     metadata = dict(metadata or {})
-    index = metadata.pop(INDEX_KEY, None)
-    if index is not None:
-        try:
-            index = json.loads(index)
-        except ValueError:
-            raise CacheFormatError(f"{path}: its layer index is unreadable (corrupted)") from None
-        if not isinstance(index, list) or len(index) != len(caches):
-            raise CacheFormatError(f"{path}: its layer index does not list its {len(caches)} layers (corrupted)")
+    index = _verified_index(path, metadata, len(caches), headers)
     identity = None if model is None else model_identity(model)
     for i, cache in enumerate(caches):
-        if index is not None and _saved_digest(cache) != index[i]:
+        if index is not None and _saved_digest(cache) != index["layers"][i]:
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
                                    "(layers swapped, or the file corrupted)")
         compressed = cache.inner if isinstance(cache, CompressedRotatingKVCache) else cache
@@ -337,3 +300,23 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
     if model is not None and len(caches) != len(model.layers):
         raise CacheFormatError(f"{path} holds {len(caches)} layers; the model has {len(model.layers)}")
     return (caches, metadata) if return_metadata else caches
+
+
+def _verified_index(path, metadata: dict, layers: int, headers: List[dict]) -> Optional[dict]:
+    """The layer index of a file the library wrote (popped from `metadata`, whose digest it
+    checks); None for a file mlx-lm's own save wrote, whose layer headers say so."""
+    index = metadata.pop(INDEX_KEY, None)
+    if index is None:
+        if any(header.get("indexed") for header in headers):
+            raise CacheFormatError(f"{path}: its layer index is missing (corrupted metadata)")
+        return None
+    try:
+        index = json.loads(index)
+        listed, digest = index["layers"], index["metadata"]
+    except (ValueError, TypeError, KeyError):
+        raise CacheFormatError(f"{path}: its layer index is unreadable (corrupted)") from None
+    if not isinstance(listed, list) or len(listed) != layers:
+        raise CacheFormatError(f"{path}: its layer index does not list its {layers} layers (corrupted)")
+    if digest != metadata_digest(metadata):
+        raise CacheFormatError(f"{path}: its metadata fails its digest (corrupted or edited)")
+    return index
