@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 LAYERS = {
     # 1. ground
     "config": 1, "settings": 1, "packing": 1, "rotations": 1, "codebooks": 1, "formats": 1,
-    "attention": 1, "errors": 1, "attention_hook": 1,
+    "attention": 1, "errors": 1, "attention_hook": 1, "outputs": 1,
     # 2. methods
     "methods": 2,
     # 3. storage and engine with kernels

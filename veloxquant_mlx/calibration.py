@@ -262,16 +262,19 @@ def ensure_calibrated(config, model, tokenizer=None, progress: bool = True):
 def run_calibrate(args) -> None:
     from .cli import config_from_args
     from .models import load_model
+    from .outputs import check_out_dir, replacing_dir
 
     config = config_from_args(args)
     if config.artifact_dir == AUTO:  # a first-use config: calibrated here into --out instead
         config = config.replace(artifact_dir=None)
     if config.artifact_dir is not None:
         raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")
-    model, tokenizer = load_model(args.model)
+    out = check_out_dir(args.out, args.force)  # before the model and the long calibration
     text = Path(args.text).read_text()
+    model, tokenizer = load_model(args.model)
     sequences = calibration_tokens(tokenizer, text, args.sequences, args.tokens, args.skip_tokens)
-    record = calibrate(model, config, sequences, args.out, source=str(args.text), progress=not args.no_progress)
+    with replacing_dir(out, args.force) as temp:
+        record = calibrate(model, config, sequences, temp, source=str(args.text), progress=not args.no_progress)
     print(f"calibrated {config.describe()} for {args.model} on {record['tokens']} tokens "
           f"({record['sequences']} sequences) in {record['seconds']:.1f} s; wrote {args.out}")
     if args.verbose:
@@ -283,6 +286,7 @@ def register_cli(sub, add_cache_arguments, default_model: str) -> None:
     cal.add_argument("--model", default=default_model)
     cal.add_argument("--text", required=True, help="text file to calibrate on")
     cal.add_argument("--out", required=True, help="artifact directory to write")
+    cal.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder (default: refuse)")
     cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
     cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
     cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")

@@ -14,7 +14,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 
-from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
+from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest, model_fingerprint
 from .attention_hook import (UnsupportedModelError, _original_sdpa, attend_through,  # noqa: F401 (re-exported)
                              install_attention_hook, scaled_dot_product_attention)
 from .settings import EngineSettings
@@ -55,7 +55,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
-    identity = model_identity(model)
+    identity = cache_identity(model)
     for i, cache in enumerate(base_caches(model)):
         if type(cache) is mlx_cache.KVCache and max_kv_size is not None:
             cache = mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4)
@@ -277,7 +277,7 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
         _LOADING.reset(token)
     metadata = dict(metadata or {})
     index = _verified_index(path, metadata, len(caches), headers)
-    identity = None if model is None else model_identity(model)
+    identity = None if model is None else cache_identity(model)
     for i, cache in enumerate(caches):
         if index is not None and _saved_digest(cache) != index["layers"][i]:
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
@@ -293,10 +293,8 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
             raise CacheFormatError(f"{path} layer {i} holds the cache of layer {compressed.layer} (layers swapped)")
         if (identity is not None and compressed.model_identity is not None
                 and compressed.model_identity != identity):
-            raise CacheFormatError(f"{path} was saved from the caches of another model "
-                                   f"({compressed.model_identity['model_type']}, "
-                                   f"{compressed.model_identity['num_layers']} layers), not this "
-                                   f"{identity['model_type']} of {identity['num_layers']} layers")
+            raise CacheFormatError(f"{path} was saved from the caches of another model: "
+                                   f"{identity_difference(compressed.model_identity, identity)}")
     if model is not None and len(caches) != len(model.layers):
         raise CacheFormatError(f"{path} holds {len(caches)} layers; the model has {len(model.layers)}")
     return (caches, metadata) if return_metadata else caches
