@@ -78,7 +78,7 @@ def for_mlx_lm_caches(caches) -> list:
         if cache.offset:
             keys, values = cache.dequantized()
             dtype = cache.window_dtype
-            plain.state = (keys.astype(dtype), values.astype(dtype))
+            plain.state = (keys.astype(dtype), values.astype(dtype), cache.offset)
         out.append(plain)
     return out
 

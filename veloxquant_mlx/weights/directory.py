@@ -48,6 +48,8 @@ def reservoir_path(path, config: dict) -> Path:
     reservoir = (folder / name).resolve()
     if reservoir.parent != folder and folder not in reservoir.parents:
         raise ReservoirError(f"{path}/{CONFIG_NAME}: reservoir {name!r} leads out of the folder (to {reservoir})")
+    if not reservoir.is_file():
+        raise ReservoirError(f"{path}/{CONFIG_NAME}: its reservoir {name!r} is not in the folder")
     header, _ = read_header(reservoir)
     if header.get("meta") != config:
         stated, held = config.get("bits"), (header.get("meta") or {}).get("bits")
