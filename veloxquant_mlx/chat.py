@@ -96,7 +96,7 @@ class ChatSession:
         the path written. An existing file is replaced only with `force`."""
         metadata = {"model": self.model_name, "messages": json.dumps(self.messages),
                     "tokens": json.dumps(self.cached_tokens), "veloxquant_config": self.config.to_json()}
-        out = check_out_file(path, force, what="/save", suffix=".safetensors")
+        out = check_out_file(path, force, what="/save", suffix=".safetensors", append_suffix=True)
         with replacing_file(out, force) as temp:
             save_prompt_cache(temp, self.caches, metadata)
         return out

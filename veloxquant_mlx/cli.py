@@ -254,6 +254,9 @@ def run_serve(args) -> None:
     _check_max_kv_size(args, "the server batches its caches, and rotating compressed caches have no batch "
                              "merge yet")
     config = config_from_args(args)
+    from .models import model_source
+
+    model_source(args.model)  # a missing model is a one-line error here, not a traceback in the server's thread
     serve(server_arguments(args, config), config)
 
 
@@ -346,7 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     cache.add_argument("--prompt-file", required=True, help="the document; '-' reads stdin (required)")
     cache.add_argument("--out", required=True,
-                       help="the prompt-cache file to write; .safetensors is appended if missing (required)")
+                       help="the prompt-cache file to write, ending in .safetensors (required)")
     cache.add_argument("--force", action="store_true", help="replace an existing --out file (default: refuse)")
     cache.add_argument("--for-mlx-lm", action="store_true",
                        help="write mlx-lm's own KVCache classes holding the decoded keys and values, for "

@@ -29,12 +29,15 @@ def _check_parent(path: Path, what: str) -> None:
         raise OutputError(f"{what} {path} is a symbolic link (to {os.readlink(path)}); give the real path")
 
 
-def check_out_file(path, force: bool = False, what: str = "--out", suffix: Optional[str] = None) -> Path:
-    """The file to write for `path` (with `suffix` appended when it lacks it, as MLX's savers do),
-    refused when its folder is missing or read-only, when it is a link or a folder, or when it
-    exists and `force` is off."""
+def check_out_file(path, force: bool = False, what: str = "--out", suffix: Optional[str] = None,
+                   append_suffix: bool = False) -> Path:
+    """The file to write for `path`, refused when its folder is missing or read-only, when it is a
+    link or a folder, or when it exists and `force` is off. A `path` without `suffix` (MLX reads
+    files by their suffix) is refused, or with `append_suffix` gets it appended."""
     path = Path(path).expanduser()
     if suffix and path.suffix != suffix:
+        if not append_suffix:
+            raise OutputError(f"{what} {path}: the name must end in {suffix} (MLX reads files by their suffix)")
         path = path.with_name(path.name + suffix)
     _check_parent(path, what)
     if path.is_dir():
@@ -57,6 +60,16 @@ def check_out_dir(path, force: bool = False, what: str = "--out", not_into: Opti
             raise OutputError(f"{what} {path} would write into the model's own folder {theirs}; give another folder")
     if path.is_dir() and any(path.iterdir()) and not force:
         raise OutputError(f"{what} {path} is not empty; pass --force to replace what it holds")
+    return path
+
+
+def check_results_dir(path, what: str = "--out") -> Path:
+    """A results folder that runs add to (resumed, so no --force): its parent must exist, and it
+    must be neither a file nor a symbolic link."""
+    path = Path(path).expanduser()
+    _check_parent(path, what)
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{what} {path} is a file; give a folder for the results")
     return path
 
 
