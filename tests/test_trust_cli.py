@@ -147,3 +147,31 @@ def test_every_subcommand_refuses_bad_paths_in_one_line(tmp_path, capsys):
             break
     print(f"{len(cases)} bad-path runs over {len(subcommands - NO_PATHS)} subcommands, {len(failures)} failed")
     assert not failures, "\n".join(failures)
+
+
+def test_interrupted_writes_leave_nothing_behind(tmp_path):
+    """SIGTERM while an output is written: the temporary beside it is removed and the existing
+    file is untouched; a temporary left by a killed run (SIGKILL) is cleared by the next write."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from veloxquant_mlx.outputs import replacing_file
+
+    target = tmp_path / "doc.safetensors"
+    target.write_bytes(b"old")
+    script = (f"import os, signal\nfrom veloxquant_mlx.outputs import replacing_file\n"
+              f"with replacing_file({str(target)!r}, force=True) as temp:\n"
+              f"    temp.write_bytes(b'partial')\n    os.kill(os.getpid(), signal.SIGTERM)\n")
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": str(root)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 128 + signal.SIGTERM and "Traceback" not in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.safetensors"] and target.read_bytes() == b"old"
+    stale = tmp_path / ".doc.safetensors.999999999.partial.safetensors"  # no such process
+    stale.write_bytes(b"left by SIGKILL")
+    with replacing_file(target, force=True) as temp:
+        temp.write_bytes(b"new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.safetensors"] and target.read_bytes() == b"new"

@@ -438,3 +438,95 @@ def test_byte_flips_in_weight_folders(tmp_path):
 
     files = {tmp_path / name: (tmp_path / name).read_bytes() for name in ("weights.json", "reservoir.vqw")}
     _flip_sweep(files, load, ReservoirError, "weight folder (weights.json + reservoir)")
+
+
+def test_model_identity_covers_arguments_and_weights(tmp_path):
+    """Regression: a cache made with another rope_theta, or with the 4-bit copy of a model, loaded
+    into the float model (logits off by up to 3.6): the identity hashed the arguments only."""
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    from veloxquant_mlx import make_prompt_cache
+
+    def build(rope_theta=10000.0, quantized=False):
+        args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                               num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64,
+                               rope_theta=rope_theta)
+        mx.random.seed(0)
+        model = llama.Model(args)
+        if quantized:
+            nn.quantize(model, group_size=32, bits=4)
+        mx.eval(model.parameters())
+        return model
+
+    model = build()
+    config = config_for("turboquant_mse", 4)
+    caches = make_prompt_cache(model, config)
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=caches)
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, caches)
+    assert len(load_prompt_cache(path, config=config, model=build())) == 2  # the same model, rebuilt
+    with pytest.raises(CacheFormatError, match="other arguments"):
+        load_prompt_cache(path, config=config, model=build(rope_theta=500000.0))
+    with pytest.raises(CacheFormatError, match="other weights"):
+        load_prompt_cache(path, config=config, model=build(quantized=True))
+
+
+def _weight_folder(root):
+    from veloxquant_mlx.weights import quantize_model, save_reservoir
+
+    model = quantize_model(tiny_llama(layers=1, hidden=64, heads=2, kv_heads=1, vocab=64), 3, seed=1,
+                           group_size=16, progress=False)
+    root.mkdir(parents=True, exist_ok=True)
+    config = {"format": "veloxquant-weights", "base_model": "tiny", "reservoir": "reservoir.vqw", "bits": 3}
+    save_reservoir(model, root / "reservoir.vqw", meta=config)
+    (root / "weights.json").write_text(json.dumps(config))
+    return config
+
+
+def test_weight_folder_reservoir_stays_inside_and_matches(tmp_path):
+    """Regression: weights.json could name ../../q3/reservoir.vqw or an absolute path, and a q3
+    reservoir copied into a q4 folder loaded as 3-bit while the folder said 4."""
+    from veloxquant_mlx.weights import ReservoirError
+    from veloxquant_mlx.weights.directory import read_config, reservoir_path
+
+    config = _weight_folder(tmp_path / "q3")
+    assert reservoir_path(tmp_path / "q3", read_config(tmp_path / "q3")) == (tmp_path / "q3" / "reservoir.vqw").resolve()
+    folder = tmp_path / "q4"
+    folder.mkdir()
+    for name, match in [("../q3/reservoir.vqw", "not a file name inside"),
+                        (str(tmp_path / "q3" / "reservoir.vqw"), "not a file name inside"),
+                        ("link.vqw", "leads out of the folder")]:
+        (folder / "link.vqw").unlink(missing_ok=True)
+        (folder / "link.vqw").symlink_to(tmp_path / "q3" / "reservoir.vqw")
+        with pytest.raises(ReservoirError, match=match):
+            reservoir_path(folder, {**config, "reservoir": name})
+    (folder / "reservoir.vqw").write_bytes((tmp_path / "q3" / "reservoir.vqw").read_bytes())
+    with pytest.raises(ReservoirError, match=r"bits 4\) does not describe its reservoir \(bits 3"):
+        reservoir_path(folder, {**config, "bits": 4})
+
+
+def test_absurd_reservoir_header_is_a_reservoir_error(tmp_path):
+    """Regression: a header (with a valid SHA-256) of a 2^60-element shape raised a bare ValueError."""
+    import hashlib
+
+    from veloxquant_mlx.weights import ReservoirError, load_reservoir
+    from veloxquant_mlx.weights import reservoir as reservoir_module
+
+    _weight_folder(tmp_path)
+    path = tmp_path / "reservoir.vqw"
+    data = path.read_bytes()
+    header, start = reservoir_module.read_header(path)
+    prefix = reservoir_module._PREFIX
+    magic, version, length, _ = prefix.unpack(data[:prefix.size])
+    for edit in ("shape", "offset", "dtype"):
+        edited = json.loads(json.dumps(header))
+        tensor = next(iter(next(iter(edited["layers"].values()))["tensors"].values()))
+        tensor.update({"shape": [2**30, 2**30]} if edit == "shape" else {"offset": 2**62} if edit == "offset"
+                      else {"dtype": "complex64"})
+        text = json.dumps(edited, sort_keys=True).encode()
+        body = prefix.pack(magic, version, len(text), hashlib.sha256(text).digest()) + text
+        body += bytes(reservoir_module._align(len(body)) - len(body)) + data[start:]
+        path.write_bytes(body)
+        with pytest.raises(ReservoirError, match=f"tensor .*{edit if edit != 'offset' else 'outside'}"):
+            load_reservoir(path)
