@@ -108,6 +108,10 @@ def _bad_path_cases(t):
             (["quantize-weights", "--model", modeldir, "--out", out], f"--out {what}"),
         ]
     cases.append((["quantize-weights", "--model", modeldir, "--out", modeldir], "--out the model's folder"))
+    for what, out in outs.items():  # a results folder: the JSON goes inside it
+        cases.append((["models", "--out", out], f"--out {what}"))
+    for what, docs in {"in a missing folder": nodir + ".md", "a symlink": link, "a folder": full}.items():
+        cases.append((["models", "--docs", docs, "--out", str(t / "new")], f"--docs {what}"))
     return cases
 
 
