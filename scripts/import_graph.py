@@ -20,19 +20,19 @@ LAYERS = {
     # 1. ground
     "config": 1, "settings": 1, "packing": 1, "rotations": 1, "codebooks": 1, "formats": 1,
     "attention": 1, "errors": 1, "method_registry": 1, "checksums": 1, "texts": 1, "blas": 1,
-    "footprint": 1,
+    "footprint": 1, "outputs": 1,
     # 2. methods
     "methods": 2,
     # 3. storage and engine with kernels
     "storage": 3, "engine": 3, "kept": 3, "kernels": 3, "history": 3, "codec_set": 3,
     # 4. cache, batch and rotating
-    "cache": 4, "batch": 4, "rotating": 4, "kernel_cases": 4,
+    "cache": 4, "batch": 4, "rotating": 4, "kernel_cases": 4, "cache_integrity": 4,
     # 5. integration, artifacts, calibration, presets
     "integration": 5, "attention_hook": 5, "artifacts": 5, "calibration": 5, "presets": 5, "prompt_cache": 5, "kvlayout": 5,
     # 6. models and weights
     "models": 6, "gguf": 6, "weights": 6,
     # 7. faces
-    "cli": 7, "cli_shared": 7, "chat": 7, "server": 7, "demo": 7, "evaluation": 7, "planning": 7,
+    "cli": 7, "cli_shared": 7, "chat": 7, "server": 7, "server_requests": 7, "demo": 7, "evaluation": 7, "planning": 7,
     "selftest": 7, "weights.cli": 7, "weights.selftest": 7, "kernels.selftest": 7,
     "": 7,  # the package's __init__ re-exports the public API
 }

@@ -9,7 +9,6 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from conftest import ALL_METHODS, config_for
 from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, KVCacheConfig
-from veloxquant_mlx.cache import saving
 from veloxquant_mlx.integration import install_attention_hook
 from veloxquant_mlx.storage import stored_bits_per_token
 
@@ -301,35 +300,34 @@ def test_corrupted_states_are_refused():
     cache = CompressedKVCache(config_for("turboquant_mse", 4))
     k, v = random_kv(50)
     cache.update_and_fetch(k, v)
-    with saving():  # the state a file holds, with every tensor's checksum
-        header, arrays = cache.state
+    header, arrays = cache.state  # with every tensor's checksums, whichever API saves it
     with pytest.raises(CacheFormatError, match="header"):
         CompressedKVCache.from_state(["{not json", arrays])
     broken = {**arrays, "keys": {name: a[..., :10, :] for name, a in arrays["keys"].items()}}
-    with pytest.raises(CacheFormatError, match="corrupted"):
+    with pytest.raises(CacheFormatError, match="keys.codes.*the header says"):
         CompressedKVCache.from_state([header, broken])
     missing = {k: v for k, v in arrays.items() if k != "values"}
     with pytest.raises(CacheFormatError, match="values.codes.*missing"):
         CompressedKVCache.from_state([header, missing])
-    # Without checksums (mlx-lm's own save) the structure is still checked.
-    header, arrays = cache.state
-    with pytest.raises(CacheFormatError, match="corrupted"):
-        CompressedKVCache.from_state([header, {k: v for k, v in arrays.items() if k != "values"}])
+    unsealed = {k: v for k, v in arrays.items() if k != "checksums"}
+    with pytest.raises(CacheFormatError, match="checksums are missing"):
+        CompressedKVCache.from_state([header, unsealed])
+    codes = {**arrays["keys"]}
+    name = sorted(codes)[0]
+    codes[name] = codes[name] + 1
+    with pytest.raises(CacheFormatError, match=f"'keys.{name}' fails its checksum"):
+        CompressedKVCache.from_state([header, {**arrays, "keys": codes}])
 
 
-def test_state_checksums_only_while_saving(monkeypatch):
-    """mlx-lm evaluates `state` after every prefill chunk: it must not read the tensors on the
-    host (checksums), which only a file needs."""
-    import veloxquant_mlx.cache.persistence as cache_module
-
+def test_state_carries_its_checksums():
+    """mlx-lm's save_prompt_cache saves `state` as it is: it carries every tensor's description
+    (in the header, under its digest) and checksums (an MLX array, computed with the state)."""
     cache = CompressedKVCache(config_for("turboquant_mse", 4))
     cache.update_and_fetch(*random_kv(50))
-    calls = []
-    real = cache_module.checksums
-    monkeypatch.setattr(cache_module, "checksums", lambda arrays: calls.append(1) or real(arrays))
-    assert "tensors" not in json.loads(cache.state[0]) and not calls
-    with saving():
-        assert "tensors" in json.loads(cache.state[0]) and calls
+    header, arrays = cache.state
+    listed = json.loads(header)["tensors"]
+    assert isinstance(arrays["checksums"], mx.array) and arrays["checksums"].shape == (len(listed), 2)
+    assert {f"keys.{name}" for name in arrays["keys"]} <= set(listed)
 
 
 def test_truncated_and_foreign_files(tmp_path):

@@ -1,6 +1,7 @@
 """The compressed sliding-window cache against mlx-lm's RotatingKVCache (fp16 reference)."""
 
 import copy
+import json
 
 import mlx.core as mx
 import pytest
@@ -19,6 +20,7 @@ from veloxquant_mlx import (
     save_prompt_cache,
 )
 from veloxquant_mlx.artifacts import CodecSet
+from veloxquant_mlx.cache_integrity import header_digest
 
 HEADS, QUERY_HEADS, DIM, MAX_SIZE = 2, 4, 64, 64
 # Prefill chunks (some longer than the window), decode steps, and chunks after eviction began.
@@ -158,8 +160,12 @@ def test_saved_and_copied_caches_keep_the_window(tmp_path):
 
     header, inner_header, arrays = cache.state
     broken = header.replace(f'"offset": {cache.offset}', '"offset": 3')
-    with pytest.raises(CacheFormatError, match="corrupted rotating"):
+    with pytest.raises(CacheFormatError, match="fails its digest"):
         CompressedRotatingKVCache.from_state([broken, inner_header, arrays])
+    edited = json.loads(broken)
+    edited["digest"] = header_digest(edited)  # a deliberate, self-consistent edit
+    with pytest.raises(CacheFormatError, match="corrupted rotating"):
+        CompressedRotatingKVCache.from_state([json.dumps(edited), inner_header, arrays])
 
 
 def test_a_window_too_small_for_the_fp16_window_is_refused():

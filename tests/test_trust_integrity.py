@@ -5,6 +5,7 @@ import json
 import random
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 import numpy as np
 import pytest
 from conftest import ALL_METHODS, config_for, tiny_llama
@@ -306,3 +307,226 @@ def test_cache_from_artifact_reloads_with_its_codecs(small_model, tmp_path):
     assert _same(_outputs(load_prompt_cache(path, config=with_artifact)), reference)
     with pytest.raises(CacheFormatError, match="differ from those it was written with"):
         load_prompt_cache(path, config=config)  # the caller's seed-built codecs are not the file's
+
+
+# ---- single-byte flips, every format, whoever wrote it ------------------------------------------
+# Each flip must be refused with the library's own error, or load to exactly what the intact file
+# gives (a flip in padding, or in JSON whitespace); a silently different load fails the test.
+
+FLIPS = 120
+
+
+def _flip_sweep(files: dict, load, errors, label: str, flips: int = FLIPS):
+    """Flip one random byte (seeded) of one of `files` ({path: bytes}) per case, `load()` it, and
+    count refusals (`errors`) and loads identical to the intact files' (`load()` before any flip)."""
+    reference = load()
+    rng = random.Random(f"byteflip-{label}")
+    refused = identical = 0
+    wrong = []
+    for case in range(flips):
+        target = rng.choice(sorted(files, key=str))
+        data = bytearray(files[target])
+        position = rng.randrange(len(data))
+        data[position] ^= rng.randrange(1, 256)
+        target.write_bytes(bytes(data))
+        try:
+            loaded = load()
+        except errors:
+            refused += 1
+        else:
+            if loaded == reference:
+                identical += 1
+            else:
+                wrong.append(f"{target.name}@{position}")
+        finally:
+            target.write_bytes(files[target])
+    print(f"{label}: {flips} flips, {refused} refused, {identical} loaded identical, {len(wrong)} silently wrong")
+    assert not wrong, f"{label}: flips loaded silently wrong: {wrong}"
+    return refused, identical
+
+
+def _cache_outputs(caches):
+    return [o.tobytes() for o in _outputs(caches)] + [(c.offset, type(c).__name__) for c in caches]
+
+
+@pytest.fixture(scope="module")
+def flip_caches():
+    config = config_for("turboquant_mse", 4, sink_tokens=2, residual_length=8)
+    return config, _filled_caches(config)
+
+
+def test_byte_flips_in_library_prompt_cache_files(flip_caches, tmp_path):
+    config, caches = flip_caches
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, caches, {"model": "tiny", "note": "kept with the cache"})
+
+    def load():
+        loaded, metadata = load_prompt_cache(path, config=config, return_metadata=True)
+        return _cache_outputs(loaded), metadata
+
+    _flip_sweep({path: path.read_bytes()}, load, CacheFormatError, "library prompt-cache file")
+
+
+def test_byte_flips_in_files_written_by_mlx_lm(flip_caches, tmp_path):
+    """mlx-lm's save_prompt_cache writes the caches' `state` as it is: its checksums and digests
+    protect the file as they do the library's own (its metadata, written by mlx-lm, has none)."""
+    from mlx_lm.models.cache import save_prompt_cache as mlx_save
+
+    config, caches = flip_caches
+    path = tmp_path / "c.safetensors"
+    mlx_save(str(path), caches)
+
+    def load(**kwargs):
+        loaded, metadata = load_prompt_cache(path, return_metadata=True, **kwargs)
+        return _cache_outputs(loaded), metadata
+
+    files = {path: path.read_bytes()}
+    _flip_sweep(files, lambda: load(config=config), CacheFormatError, "mlx-lm-written file, with config")
+    _flip_sweep(files, load, CacheFormatError, "mlx-lm-written file, no config", flips=FLIPS // 4)
+
+
+def test_byte_flips_in_chat_saves(flip_caches, tmp_path):
+    from veloxquant_mlx.chat import ChatSession
+
+    config, caches = flip_caches
+    session = ChatSession.__new__(ChatSession)
+    session.model, session.config, session.model_name, session.caches = None, config, "tiny", caches
+    session.messages = [{"role": "user", "content": "Where is the lighthouse?"},
+                        {"role": "assistant", "content": "On the northern cape."}]
+    session.cached_tokens = list(range(caches[0].offset))
+    path = session.save(str(tmp_path / "chat"))
+    assert path == tmp_path / "chat.safetensors" and path.exists()
+    reader = ChatSession.__new__(ChatSession)
+    reader.model, reader.config, reader.model_name = None, config, "tiny"
+
+    def load():
+        reader.load(str(path))
+        return reader.messages, reader.cached_tokens, _cache_outputs(reader.caches)
+
+    _flip_sweep({path: path.read_bytes()}, load, (CacheFormatError, ValueError), "chat save")
+
+
+def test_byte_flips_in_artifact_dirs(small_model, tmp_path):
+    config = config_for("turboquant_mse", 3)
+    root = precompute(small_model, config, tmp_path / "art")
+    entries = [(e["role"], e["dim"]) for e in json.loads((root / "artifacts.json").read_text())["codecs"]]
+
+    def load():
+        params = _params(load_artifacts(config.replace(artifact_dir=str(root))), entries)
+        return {name: value.tobytes() for name, value in params.items()}
+
+    files = {root / name: (root / name).read_bytes() for name in ("artifacts.json", "codecs.safetensors")}
+    _flip_sweep(files, load, ArtifactError, "artifact folder")
+
+
+def test_byte_flips_in_weight_folders(tmp_path):
+    """A quantized-model folder: weights.json (its reservoir must hold the same description) and
+    the reservoir (header under SHA-256, every tensor under CRC-32)."""
+    from veloxquant_mlx.weights import ReservoirError, load_reservoir, quantize_model, save_reservoir
+    from veloxquant_mlx.weights.directory import read_config, reservoir_path
+
+    model = quantize_model(tiny_llama(layers=1, hidden=64, heads=2, kv_heads=1, vocab=64), 3, seed=1,
+                           group_size=16, progress=False)
+    config = {"format": "veloxquant-weights", "base_model": "tiny", "reservoir": "reservoir.vqw", "bits": 3}
+    save_reservoir(model, tmp_path / "reservoir.vqw", meta=config)
+    (tmp_path / "weights.json").write_text(json.dumps(config, indent=2))
+
+    def load():
+        layers, header = load_reservoir(reservoir_path(tmp_path, read_config(tmp_path)))
+        return header, {f"{name}.{key}": np.array(value).tobytes()
+                        for name, layer in layers.items() for key, value in tree_flatten(layer.parameters())}
+
+    files = {tmp_path / name: (tmp_path / name).read_bytes() for name in ("weights.json", "reservoir.vqw")}
+    _flip_sweep(files, load, ReservoirError, "weight folder (weights.json + reservoir)")
+
+
+def test_model_identity_covers_arguments_and_weights(tmp_path):
+    """Regression: a cache made with another rope_theta, or with the 4-bit copy of a model, loaded
+    into the float model (logits off by up to 3.6): the identity hashed the arguments only."""
+    import mlx.nn as nn
+    from mlx_lm.models import llama
+
+    from veloxquant_mlx import make_prompt_cache
+
+    def build(rope_theta=10000.0, quantized=False):
+        args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                               num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=64,
+                               rope_theta=rope_theta)
+        mx.random.seed(0)
+        model = llama.Model(args)
+        if quantized:
+            nn.quantize(model, group_size=32, bits=4)
+        mx.eval(model.parameters())
+        return model
+
+    model = build()
+    config = config_for("turboquant_mse", 4)
+    caches = make_prompt_cache(model, config)
+    model(mx.array([[1, 2, 3, 4, 5]]), cache=caches)
+    path = tmp_path / "c.safetensors"
+    save_prompt_cache(path, caches)
+    assert len(load_prompt_cache(path, config=config, model=build())) == 2  # the same model, rebuilt
+    with pytest.raises(CacheFormatError, match="other arguments"):
+        load_prompt_cache(path, config=config, model=build(rope_theta=500000.0))
+    with pytest.raises(CacheFormatError, match="other weights"):
+        load_prompt_cache(path, config=config, model=build(quantized=True))
+
+
+def _weight_folder(root):
+    from veloxquant_mlx.weights import quantize_model, save_reservoir
+
+    model = quantize_model(tiny_llama(layers=1, hidden=64, heads=2, kv_heads=1, vocab=64), 3, seed=1,
+                           group_size=16, progress=False)
+    root.mkdir(parents=True, exist_ok=True)
+    config = {"format": "veloxquant-weights", "base_model": "tiny", "reservoir": "reservoir.vqw", "bits": 3}
+    save_reservoir(model, root / "reservoir.vqw", meta=config)
+    (root / "weights.json").write_text(json.dumps(config))
+    return config
+
+
+def test_weight_folder_reservoir_stays_inside_and_matches(tmp_path):
+    """Regression: weights.json could name ../../q3/reservoir.vqw or an absolute path, and a q3
+    reservoir copied into a q4 folder loaded as 3-bit while the folder said 4."""
+    from veloxquant_mlx.weights import ReservoirError
+    from veloxquant_mlx.weights.directory import read_config, reservoir_path
+
+    config = _weight_folder(tmp_path / "q3")
+    assert reservoir_path(tmp_path / "q3", read_config(tmp_path / "q3")) == (tmp_path / "q3" / "reservoir.vqw").resolve()
+    folder = tmp_path / "q4"
+    folder.mkdir()
+    for name, match in [("../q3/reservoir.vqw", "not a file name inside"),
+                        (str(tmp_path / "q3" / "reservoir.vqw"), "not a file name inside"),
+                        ("link.vqw", "leads out of the folder")]:
+        (folder / "link.vqw").unlink(missing_ok=True)
+        (folder / "link.vqw").symlink_to(tmp_path / "q3" / "reservoir.vqw")
+        with pytest.raises(ReservoirError, match=match):
+            reservoir_path(folder, {**config, "reservoir": name})
+    (folder / "reservoir.vqw").write_bytes((tmp_path / "q3" / "reservoir.vqw").read_bytes())
+    with pytest.raises(ReservoirError, match=r"bits 4\) does not describe its reservoir \(bits 3"):
+        reservoir_path(folder, {**config, "bits": 4})
+
+
+def test_absurd_reservoir_header_is_a_reservoir_error(tmp_path):
+    """Regression: a header (with a valid SHA-256) of a 2^60-element shape raised a bare ValueError."""
+    import hashlib
+
+    from veloxquant_mlx.weights import ReservoirError, load_reservoir
+    from veloxquant_mlx.weights import reservoir as reservoir_module
+
+    _weight_folder(tmp_path)
+    path = tmp_path / "reservoir.vqw"
+    data = path.read_bytes()
+    header, start = reservoir_module.read_header(path)
+    prefix = reservoir_module._PREFIX
+    magic, version, length, _ = prefix.unpack(data[:prefix.size])
+    for edit in ("shape", "offset", "dtype"):
+        edited = json.loads(json.dumps(header))
+        tensor = next(iter(next(iter(edited["layers"].values()))["tensors"].values()))
+        tensor.update({"shape": [2**30, 2**30]} if edit == "shape" else {"offset": 2**62} if edit == "offset"
+                      else {"dtype": "complex64"})
+        text = json.dumps(edited, sort_keys=True).encode()
+        body = prefix.pack(magic, version, len(text), hashlib.sha256(text).digest()) + text
+        body += bytes(reservoir_module._align(len(body)) - len(body)) + data[start:]
+        path.write_bytes(body)
+        with pytest.raises(ReservoirError, match=f"tensor .*{edit if edit != 'offset' else 'outside'}"):
+            load_reservoir(path)

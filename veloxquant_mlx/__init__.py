@@ -3,6 +3,7 @@
 from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 from .rotating import CompressedRotatingKVCache
+from . import attention_hook  # noqa: E402,F401  (registers its installer with the cache: restored caches install the hook)
 from .integration import (
     KVCacheBuilder,
     SingleHeadCache,

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 import mlx.core as mx
+import numpy as np
 
 from .attention_hook import attention_cache, base_caches
 from .checksums import checksums, metadata_digest, tensor_checksum, verify_checksums  # noqa: F401  (re-exported)
@@ -45,6 +46,38 @@ def model_identity(model) -> dict:
         "num_layers": len(model.layers),
         "args_sha256": hashlib.sha256(described.encode()).hexdigest(),
     }
+
+
+def weights_digest(model, samples: int = 4, elements: int = 4096) -> str:
+    """SHA-256 of every parameter's name, dtype and shape (so the quantization, its bits and
+    group size) and of the first `elements` values of `samples` parameters spread over the
+    model: a 4-bit and a float copy of one model, or two fine-tunes of it, differ."""
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    digest = hashlib.sha256()
+    for name, value in params:
+        digest.update(f"{name}:{value.dtype}:{tuple(value.shape)};".encode())
+    picks = sorted({round(i * (len(params) - 1) / max(samples - 1, 1)) for i in range(samples)}) if params else []
+    for i in picks:
+        value = params[i][1].reshape(-1)[:elements]
+        digest.update(np.array(value.view(mx.uint8) if value.dtype == mx.bfloat16 else value).tobytes())
+    return digest.hexdigest()
+
+
+def cache_identity(model) -> dict:
+    """What a saved cache records of its model: `model_identity` and its `weights_digest`."""
+    return {**model_identity(model), "weights_sha256": weights_digest(model)}
+
+
+def identity_difference(saved: dict, current: dict) -> str:
+    """In words, how a saved cache's model identity differs from the loaded model's."""
+    if saved.get("model_type") != current.get("model_type") or saved.get("num_layers") != current.get("num_layers"):
+        return (f"a {saved.get('model_type')} of {saved.get('num_layers')} layers, not this "
+                f"{current.get('model_type')} of {current.get('num_layers')} layers")
+    if saved.get("args_sha256") != current.get("args_sha256"):
+        return "a model of other arguments (e.g. another rope_theta or head count)"
+    return "a model of other weights (another quantization, e.g. 4-bit against float, or another checkpoint)"
 
 
 def model_fingerprint(model) -> dict:

@@ -5,7 +5,9 @@ mlx-lm models call `update_and_fetch` on their cache, then the shared
 `CompressedKVCache.attend` when the cache is ours and leave every other cache
 untouched. Model modules import the function by name, so the hook is installed
 in each loaded `mlx_lm.models.*` module; a model whose module does not use the
-shared function is refused with a clear error instead of crashing inside.
+shared function is refused with a clear error instead of crashing inside. A restored cache installs
+the hook too (`cache.register_on_load`), so mlx-lm's `load_prompt_cache` followed by its `generate`
+works without building a cache or patching a model first.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
 from .batch import BatchCompressedKVCache
-from .cache import CompressedHistory, CompressedKVCache
+from .cache import CompressedHistory, CompressedKVCache, register_on_load
 from .errors import UnsupportedModelError
 from .rotating import CompressedRotatingKVCache
 
@@ -73,6 +75,9 @@ def install_attention_hook(model=None) -> None:
                 f"{type(model).__module__} computes attention without mlx-lm's shared "
                 "scaled_dot_product_attention, so a compressed cache cannot attach to it"
             )
+
+
+register_on_load(install_attention_hook)
 
 
 def check_latent_attention(model) -> None:

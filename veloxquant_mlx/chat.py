@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable, Iterator, List, Optional, TextIO
 
 import mlx.core as mx
@@ -24,12 +25,13 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from .config import KVCacheConfig
 from .integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
+from .outputs import check_out_file, replacing_file
 
-HELP = ("commands: /save FILE, /load FILE, /reset, /help, /quit (or end of input); "
+HELP = ("commands: /save FILE (/save! FILE replaces one), /load FILE, /reset, /help, /quit (or end of input); "
         "Ctrl-C stops a reply, or at the prompt ends the chat")
-COMMANDS = ("/save", "/load", "/reset", "/help", "/quit", "/exit", "/q")
-# A line whose first word is a slash and letters is a command; anything else (a path, say) is a message.
-COMMAND_WORD = re.compile(r"/[A-Za-z]+")
+COMMANDS = ("/save", "/save!", "/load", "/reset", "/help", "/quit", "/exit", "/q")
+# A line whose first word is a slash and letters (a "!" may follow) is a command; anything else (a path, say) is a message.
+COMMAND_WORD = re.compile(r"/[A-Za-z]+!?")
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:
@@ -103,13 +105,18 @@ class ChatSession:
             text += f"; {self.last.generation_tokens} tokens at {self.last.generation_tps:.1f} tok/s"
         return text + "]"
 
-    def save(self, path: str):
+    def save(self, path: str, force: bool = False) -> Path:
+        """Write the conversation and its cache to `path` (.safetensors appended if missing); returns
+        the path written. An existing file is replaced only with `force`."""
         metadata = {"model": self.model_name, "messages": json.dumps(self.messages),
                     "tokens": json.dumps(self.cached_tokens), "veloxquant_config": self.config.to_json()}
-        save_prompt_cache(path, self.caches, metadata)
+        out = check_out_file(path, force, what="/save", suffix=".safetensors", append_suffix=True)
+        with replacing_file(out, force) as temp:
+            save_prompt_cache(temp, self.caches, metadata)
+        return out
 
     def load(self, path: str):
-        caches, metadata = load_prompt_cache(path, self.config, return_metadata=True)
+        caches, metadata = load_prompt_cache(path, self.config, return_metadata=True, model=self.model)
         if "tokens" not in metadata or "messages" not in metadata:
             raise ValueError(f"{path} is a prompt cache but not a saved chat (no messages in its metadata)")
         if self.model_name and metadata.get("model") not in (None, "", self.model_name):
@@ -186,18 +193,22 @@ def run_chat(session: ChatSession, max_tokens: int, sampler, stdin: Optional[Tex
             session.reset()
             print("[conversation cleared]", file=stdout)
             continue
-        if command in ("/save", "/load"):
+        if command in ("/save", "/save!", "/load"):
             if not argument.strip():
                 print(f"error: {command} needs a file name", file=stdout)
                 continue
             try:
-                getattr(session, command[1:])(argument.strip())
+                if command == "/load":
+                    session.load(argument.strip())
+                    where = argument.strip()
+                else:
+                    where = session.save(argument.strip(), force=command == "/save!")
             except (ValueError, OSError) as error:
-                print(f"error: {error}", file=stdout)
+                hint = "; /save! FILE replaces it" if command == "/save" and "--force" in str(error) else ""
+                print(f"error: {str(error).replace('; pass --force to replace it', '')}{hint}", file=stdout)
                 continue
-            verb = "saved to" if command == "/save" else "loaded from"
-            print(f"[{session.cache_tokens} tokens, {len(session.messages)} messages {verb} {argument.strip()}]",
-                  file=stdout)
+            verb = "loaded from" if command == "/load" else "saved to"
+            print(f"[{session.cache_tokens} tokens, {len(session.messages)} messages {verb} {where}]", file=stdout)
             continue
         if not interactive:
             print(f">> {line}", file=stdout)

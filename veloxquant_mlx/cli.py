@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -67,6 +68,8 @@ def run_generate(args) -> None:
         raise ValueError("--max-kv-size needs N >= 5 (4 first tokens are kept) and no --prompt-cache-file")
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
+    if args.prompt_cache_file is not None and not os.path.isfile(args.prompt_cache_file):
+        raise FileNotFoundError(f"no prompt-cache file {args.prompt_cache_file}")  # before loading the model
     model, tokenizer = load_model(args.model)
     config = config_for_model(args, config, model, tokenizer)
     prompt = args.prompt.replace("\\n", "\n")
@@ -76,7 +79,7 @@ def run_generate(args) -> None:
         from .prompt_cache import load_document_cache, question_suffix
 
         caches, metadata = load_document_cache(args.prompt_cache_file, args.model,
-                                               config if _cache_flags_given(args) else None)
+                                               config if _cache_flags_given(args) else None, model=model)
         config = caches[0].config
         if use_template:
             prompt = question_suffix(tokenizer, prompt, args.system_prompt, template_kwargs)
@@ -130,10 +133,12 @@ def run_chat(args) -> None:
 def run_cache_prompt(args) -> None:
     from pathlib import Path
 
-    from .models import load_model
+    from .models import load_model, model_source
+    from .outputs import check_out_file, replacing_file
     from .prompt_cache import cache_prompt
 
     _check_max_kv_size(args, "a document cache keeps the whole document")
+    out = check_out_file(args.out, args.force, suffix=".safetensors")  # before the long prefill
     text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
     config = config_from_args(args)
     model, tokenizer = load_model(args.model)
@@ -142,10 +147,14 @@ def run_cache_prompt(args) -> None:
     def progress(done, total):
         print(f"\rprefilled {done}/{total} tokens", end="", file=sys.stderr, flush=True)
 
-    written = cache_prompt(model, tokenizer, text, config, args.out, args.model, args.prefill_step_size, progress)
+    for_mlx_lm = model_source(args.model) if args.for_mlx_lm else None
+    with replacing_file(out, args.force) as temp:
+        written = cache_prompt(model, tokenizer, text, config, temp, args.model, args.prefill_step_size, progress,
+                               for_mlx_lm=for_mlx_lm)
     print(file=sys.stderr)
-    size = Path(args.out).stat().st_size
-    print(f"wrote {args.out}: {written['tokens']} tokens in {written['seconds']:.1f} s, {size / 1e6:.3f} MB file; "
+    size = out.stat().st_size
+    kind = "mlx-lm KVCache file (decoded, uncompressed)" if for_mlx_lm else "file"
+    print(f"wrote {out}: {written['tokens']} tokens in {written['seconds']:.1f} s, {size / 1e6:.3f} MB {kind}; "
           f"cache {memory_report(written['caches'])} ({config.describe()})")
 
 
@@ -155,6 +164,9 @@ def run_serve(args) -> None:
     _check_max_kv_size(args, "the server batches its caches, and rotating compressed caches have no batch "
                              "merge yet")
     config = config_from_args(args)
+    from .models import model_source
+
+    model_source(args.model)  # a missing model is a one-line error here, not a traceback in the server's thread
     serve(server_arguments(args, config), config)
 
 
@@ -197,12 +209,15 @@ def run_methods(args) -> None:
 def run_precompute(args) -> None:
     from .artifacts import precompute
     from .models import load_model
+    from .outputs import check_out_dir, replacing_dir
 
     config = config_from_args(args)
     if config.artifact_dir is not None:
         raise SystemExit("precompute writes an artifact dir; pass it as --out, not --artifact-dir")
+    out = check_out_dir(args.out, args.force)
     model, _ = load_model(args.model)
-    out = precompute(model, config, args.out)
+    with replacing_dir(out, args.force) as temp:
+        precompute(model, config, temp)
     print(f"wrote {config.describe()} codebooks and rotations for {args.model} to {out}")
 
 
@@ -273,7 +288,13 @@ def build_parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache-prompt", help="write a compressed prompt-cache file for a long document")
     cache.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     cache.add_argument("--prompt-file", required=True, help="the document; '-' reads stdin (required)")
-    cache.add_argument("--out", required=True, help="the prompt-cache file to write, .safetensors (required)")
+    cache.add_argument("--out", required=True,
+                       help="the prompt-cache file to write, ending in .safetensors (required)")
+    cache.add_argument("--force", action="store_true", help="replace an existing --out file (default: refuse)")
+    cache.add_argument("--for-mlx-lm", action="store_true",
+                       help="write mlx-lm's own KVCache classes holding the decoded keys and values, for "
+                            "`python -m mlx_lm generate --prompt-cache-file`, which cannot read compressed caches: "
+                            "this gives up the compression (an fp16-sized file) (default: off)")
     cache.add_argument("--prefill-step-size", type=int, default=512, help="prefill chunk in tokens (default: 512)")
     cache.add_argument("--max-kv-size", type=int, default=None,
                        help="mlx-lm's rotating-cache size: refused, a document cache keeps every token (default: none)")
@@ -304,6 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     pre.add_argument("--model", default=DEFAULT_MODEL,
                      help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     pre.add_argument("--out", required=True, help="artifact directory to write")
+    pre.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder (default: refuse)")
     add_cache_arguments(pre)
     pre.set_defaults(func=run_precompute)
 
@@ -333,16 +355,19 @@ def build_parser() -> argparse.ArgumentParser:
 def run_calibrate(args) -> None:
     from .calibration import AUTO, calibrate, calibration_tokens
     from .models import load_model
+    from .outputs import check_out_dir, replacing_dir
 
     config = config_from_args(args)
     if config.artifact_dir == AUTO:  # a first-use config: calibrated here into --out instead
         config = config.replace(artifact_dir=None)
     if config.artifact_dir is not None:
         raise SystemExit("calibrate writes an artifact dir; pass it as --out, not --artifact-dir")
-    model, tokenizer = load_model(args.model)
+    out = check_out_dir(args.out, args.force)  # before the model and the long calibration
     text = Path(args.text).read_text()
+    model, tokenizer = load_model(args.model)
     sequences = calibration_tokens(tokenizer, text, args.sequences, args.tokens, args.skip_tokens)
-    record = calibrate(model, config, sequences, args.out, source=str(args.text), progress=not args.no_progress)
+    with replacing_dir(out, args.force) as temp:
+        record = calibrate(model, config, sequences, temp, source=str(args.text), progress=not args.no_progress)
     print(f"calibrated {config.describe()} for {args.model} on {record['tokens']} tokens "
           f"({record['sequences']} sequences) in {record['seconds']:.1f} s; wrote {args.out}")
     if args.verbose:
@@ -357,6 +382,7 @@ def add_calibrate_command(sub, default_model: str) -> None:
                      help=f"local folder, .gguf file, hub id or 'smollm2' (default: {default_model})")
     cal.add_argument("--text", required=True, help="text file to calibrate on")
     cal.add_argument("--out", required=True, help="artifact directory to write")
+    cal.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder (default: refuse)")
     cal.add_argument("--sequences", type=int, default=CALIBRATION_SEQUENCES, help="token sequences")
     cal.add_argument("--tokens", type=int, default=CALIBRATION_TOKENS, help="tokens per sequence")
     cal.add_argument("--skip-tokens", type=int, default=0, help="start this many tokens into the text")

@@ -497,7 +497,13 @@ def convert_gguf(gguf_path, out_dir, dequantize: bool = False) -> Path:
 
 def run_convert(args) -> int:
     """Entry point of `veloxquant convert-gguf`."""
-    out = convert_gguf(args.gguf_file, args.out_dir, dequantize=args.dequantize)
+    from .outputs import check_out_dir, replacing_dir
+
+    if not Path(args.gguf_file).is_file():
+        raise FileNotFoundError(f"no GGUF file {args.gguf_file}")
+    out = check_out_dir(args.out_dir, args.force, what="OUT_DIR")
+    with replacing_dir(out, args.force) as temp:
+        convert_gguf(args.gguf_file, temp, dequantize=args.dequantize)
     print(f"Wrote mlx-lm model folder {out}")
     return 0
 
@@ -512,6 +518,7 @@ def register_cli(subparsers):
     )
     parser.add_argument("gguf_file", metavar="FILE", help="the .gguf file")
     parser.add_argument("out_dir", metavar="OUT_DIR", help="folder to write")
+    parser.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR (default: refuse)")
     parser.add_argument(
         "--dequantize",
         action="store_true",

@@ -12,13 +12,14 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 
-from .artifacts import CodecSet, checksums, metadata_digest, model_fingerprint, model_identity
+from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest, model_fingerprint
 from .attention_hook import (  # noqa: F401  (re-exported)
     KEY_TRANSFORMING_MODELS, _original_sdpa, base_caches, check_latent_attention, check_learned_sinks,
     install_attention_hook, scaled_dot_product_attention)
 from .settings import EngineSettings
 from .calibration import AUTO, ensure_calibrated
-from .cache import _LOADING, CacheFormatError, CompressedKVCache, saving
+from .cache import _LOADING, CacheFormatError, CompressedKVCache
+from .cache_integrity import collecting_headers, saving_file, sealed_digest
 from .config import KVCacheConfig, follow_bits
 from .errors import UnsupportedModelError
 from .methods import get_method
@@ -42,7 +43,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
-    identity = model_identity(model)
+    identity = cache_identity(model)
     for i, cache in enumerate(base_caches(model)):
         if type(cache) is mlx_cache.KVCache and max_kv_size is not None:
             cache = mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4)
@@ -196,14 +197,14 @@ def make_prompt_cache(model, config: KVCacheConfig) -> List[CompressedKVCache]:
     return KVCacheBuilder(config).for_model(model).build()
 
 
-INDEX_KEY = "veloxquant_index"  # file metadata: one digest per layer, in order (no dot: mlx-lm nests dotted keys)
+INDEX_KEY = "veloxquant_index"  # file metadata: each layer's digest in order, and the metadata's (no dot: mlx-lm nests dotted keys)
 
 
 def _layer_digest(cache) -> str:
-    """A digest of one layer's saved state: its header's for our caches, a checksum of the
-    arrays for any other (mlx-lm's own caches of layers we leave uncompressed)."""
+    """A digest of one layer's saved state: its header's and checksums for our caches, a checksum
+    of the arrays for any other (mlx-lm's own caches of layers we leave uncompressed)."""
     if isinstance(cache, CompressedKVCache):
-        return json.loads(cache.state[0])["digest"]
+        return sealed_digest(cache.state)
     from mlx.utils import tree_flatten
 
     arrays = {k: v for k, v in tree_flatten(cache.state) if isinstance(v, mx.array)}
@@ -211,19 +212,23 @@ def _layer_digest(cache) -> str:
 
 
 def _saved_digest(cache) -> str:
-    """`_layer_digest` as the file records it (headers with tensor checksums)."""
-    with saving():
+    """`_layer_digest` as the file records it (headers that say the file has an index)."""
+    with saving_file():
         return _layer_digest(cache)
 
 
 def save_prompt_cache(path, caches: list, metadata: Optional[dict] = None) -> None:
     """mlx-lm's `save_prompt_cache`; each compressed layer records its config, checksums and
-    index, and the file an index of every layer's digest (so swapped layers are refused)."""
+    index, and the file an index of every layer's digest (so swapped layers are refused) and a
+    digest of `metadata` (string values; keys without dots, which mlx-lm would nest)."""
     metadata = dict(metadata or {})
     if INDEX_KEY in metadata:
         raise ValueError(f"metadata key {INDEX_KEY!r} is reserved")
-    with saving():
-        metadata[INDEX_KEY] = json.dumps([_layer_digest(c) for c in caches])
+    if any("." in str(key) or not isinstance(value, str) for key, value in metadata.items()):
+        raise ValueError("prompt-cache metadata takes string values under keys without dots")
+    with saving_file():
+        index = {"layers": [_layer_digest(c) for c in caches], "metadata": metadata_digest(metadata)}
+        metadata[INDEX_KEY] = json.dumps(index)
         mlx_cache.save_prompt_cache(str(path), caches, metadata)
 
 
@@ -250,7 +255,8 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
             raise CacheFormatError(f"cannot load {path} with {config.describe()}: {error}") from None
     token = _LOADING.set(None if config is None else (config, codecs))
     try:
-        caches, metadata = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
+        with collecting_headers() as headers:
+            caches, metadata = mlx_cache.load_prompt_cache(str(path), return_metadata=True)
     except CacheFormatError as error:
         raise CacheFormatError(f"{path}: {error}") from None
     except Exception as error:
@@ -258,17 +264,10 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
     finally:
         _LOADING.reset(token)
     metadata = dict(metadata or {})
-    index = metadata.pop(INDEX_KEY, None)
-    if index is not None:
-        try:
-            index = json.loads(index)
-        except ValueError:
-            raise CacheFormatError(f"{path}: its layer index is unreadable (corrupted)") from None
-        if not isinstance(index, list) or len(index) != len(caches):
-            raise CacheFormatError(f"{path}: its layer index does not list its {len(caches)} layers (corrupted)")
-    identity = None if model is None else model_identity(model)
+    index = _verified_index(path, metadata, len(caches), headers)
+    identity = None if model is None else cache_identity(model)
     for i, cache in enumerate(caches):
-        if index is not None and _saved_digest(cache) != index[i]:
+        if index is not None and _saved_digest(cache) != index["layers"][i]:
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
                                    "(layers swapped, or the file corrupted)")
         compressed = cache.inner if isinstance(cache, CompressedRotatingKVCache) else cache
@@ -282,10 +281,28 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
             raise CacheFormatError(f"{path} layer {i} holds the cache of layer {compressed.layer} (layers swapped)")
         if (identity is not None and compressed.model_identity is not None
                 and compressed.model_identity != identity):
-            raise CacheFormatError(f"{path} was saved from the caches of another model "
-                                   f"({compressed.model_identity['model_type']}, "
-                                   f"{compressed.model_identity['num_layers']} layers), not this "
-                                   f"{identity['model_type']} of {identity['num_layers']} layers")
+            raise CacheFormatError(f"{path} was saved from the caches of another model: "
+                                   f"{identity_difference(compressed.model_identity, identity)}")
     if model is not None and len(caches) != len(model.layers):
         raise CacheFormatError(f"{path} holds {len(caches)} layers; the model has {len(model.layers)}")
     return (caches, metadata) if return_metadata else caches
+
+
+def _verified_index(path, metadata: dict, layers: int, headers: List[dict]) -> Optional[dict]:
+    """The layer index of a file the library wrote (popped from `metadata`, whose digest it
+    checks); None for a file mlx-lm's own save wrote, whose layer headers say so."""
+    index = metadata.pop(INDEX_KEY, None)
+    if index is None:
+        if any(header.get("indexed") for header in headers):
+            raise CacheFormatError(f"{path}: its layer index is missing (corrupted metadata)")
+        return None
+    try:
+        index = json.loads(index)
+        listed, digest = index["layers"], index["metadata"]
+    except (ValueError, TypeError, KeyError):
+        raise CacheFormatError(f"{path}: its layer index is unreadable (corrupted)") from None
+    if not isinstance(listed, list) or len(listed) != layers:
+        raise CacheFormatError(f"{path}: its layer index does not list its {layers} layers (corrupted)")
+    if digest != metadata_digest(metadata):
+        raise CacheFormatError(f"{path}: its metadata fails its digest (corrupted or edited)")
+    return index

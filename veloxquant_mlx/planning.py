@@ -135,11 +135,14 @@ def measure(model, config, tokens: mx.array, chunk: int = MEASURE_CHUNK) -> int:
 
 def run_plan(args) -> None:
     from .models import load_model
+    from .outputs import check_out_dir, replacing_dir
 
-    model, tokenizer = load_model(args.model)
+    out = check_out_dir(args.out, args.force)  # before the model and the long probe
     text = Path(args.text).read_text()
-    record = plan(model, tokenizer, text, args.memory_gb, args.context, args.out, kbudget=args.kbudget,
-                  progress=not args.no_progress, skip=args.skip_tokens, objective=args.objective)
+    model, tokenizer = load_model(args.model)
+    with replacing_dir(out, args.force) as temp:
+        record = plan(model, tokenizer, text, args.memory_gb, args.context, temp, kbudget=args.kbudget,
+                      progress=not args.no_progress, skip=args.skip_tokens, objective=args.objective)
     config = record["config"].replace(artifact_dir=str(args.out))
     print(f"budget {args.memory_gb} GB at {args.context} tokens: {record['kbudget']:.4f} key / "
           f"{record['vbudget']:.4f} value code bits per coordinate (fp16 would take {record['fp16_bytes'] / 1e9:.4f} GB)")
@@ -171,6 +174,7 @@ def register_cli(sub, default_model: str) -> None:
     p.add_argument("--context", type=int, required=True, help="tokens the cache must hold")
     p.add_argument("--text", required=True, help="text to probe (and to measure with --measure)")
     p.add_argument("--out", required=True, help="artifact directory to write for the allocation")
+    p.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder (default: refuse)")
     p.add_argument("--kbudget", type=float, default=None, help="fix the keys' code bits; values get the rest")
     p.add_argument("--measure", action="store_true", help="run --context tokens and report the cache's bytes")
     p.add_argument("--objective", choices=("absolute", "relative"), default="relative",

@@ -13,9 +13,12 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
+import mlx_lm.models.cache as mlx_cache
 
+from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 from .integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
+from .rotating import CompressedRotatingKVCache
 
 QUERY_MARK = "<query>"
 
@@ -39,17 +42,45 @@ def prefill(model, caches, tokens: List[int], step: int = 512,
 
 
 def cache_prompt(model, tokenizer, text: str, config: KVCacheConfig, out, model_name: str,
-                 step: int = 512, progress=None) -> dict:
-    """Write the compressed cache of `text` to `out`; returns what was written."""
+                 step: int = 512, progress=None, for_mlx_lm: Optional[str] = None) -> dict:
+    """Write the compressed cache of `text` to `out`; returns what was written. `for_mlx_lm`
+    (the model path mlx-lm's CLI is to load): write `for_mlx_lm_caches` of it instead, in
+    mlx-lm's own format and metadata."""
     tokens = document_tokens(tokenizer, text)
     caches = KVCacheBuilder(config).for_model(model, tokenizer).build()
     start = time.perf_counter()
     prefill(model, caches, tokens, step, progress)
     seconds = time.perf_counter() - start
-    metadata = {"model": model_name, "veloxquant_config": config.to_json(), "tokens": str(len(tokens)),
-                "chat_template": str(tokenizer.chat_template is not None)}
-    save_prompt_cache(out, caches, metadata)
+    if for_mlx_lm is not None:
+        mlx_cache.save_prompt_cache(str(out), for_mlx_lm_caches(caches),
+                                    {"model": for_mlx_lm, "tokenizer_config": "{}"})
+    else:
+        metadata = {"model": model_name, "veloxquant_config": config.to_json(), "tokens": str(len(tokens)),
+                    "chat_template": str(tokenizer.chat_template is not None)}
+        save_prompt_cache(out, caches, metadata)
     return {"tokens": len(tokens), "seconds": seconds, "caches": caches}
+
+
+def for_mlx_lm_caches(caches) -> list:
+    """mlx-lm's own `KVCache`s holding the keys and values the compressed `caches` decode to,
+    for tools that never import this library (`python -m mlx_lm generate --prompt-cache-file`).
+    This gives up the compression: the file and the memory are those of an fp16 cache, only
+    the values are the compressed ones."""
+    out = []
+    for cache in caches:
+        if isinstance(cache, CompressedRotatingKVCache):
+            raise ValueError("a sliding-window layer's compressed cache has no mlx-lm KVCache equivalent; "
+                             "write the compressed file instead")
+        if not isinstance(cache, CompressedKVCache):
+            out.append(cache)  # a layer left to mlx-lm's own cache
+            continue
+        plain = mlx_cache.KVCache()
+        if cache.offset:
+            keys, values = cache.dequantized()
+            dtype = cache.window_dtype
+            plain.state = (keys.astype(dtype), values.astype(dtype), cache.offset)
+        out.append(plain)
+    return out
 
 
 def question_suffix(tokenizer, question: str, system_prompt: Optional[str] = None,
@@ -66,9 +97,15 @@ def question_suffix(tokenizer, question: str, system_prompt: Optional[str] = Non
 
 
 def load_document_cache(path, model_name: Optional[str] = None,
-                        config: Optional[KVCacheConfig] = None) -> Tuple[list, dict]:
-    """(caches, metadata) of a `cache_prompt` file, refusing one made for another model or config."""
-    caches, metadata = load_prompt_cache(path, config, return_metadata=True)
+                        config: Optional[KVCacheConfig] = None, model=None) -> Tuple[list, dict]:
+    """(caches, metadata) of a `cache_prompt` file, refusing one made for another model (by
+    name, and with `model` by its arguments and weights) or config."""
+    caches, metadata = load_prompt_cache(path, config, return_metadata=True, model=model)
     if model_name is not None and metadata.get("model") not in (None, "", model_name):
         raise ValueError(f"{path} was cached with model {metadata['model']!r}, not {model_name!r}")
+    if not caches or not isinstance(caches[0], (CompressedKVCache, CompressedRotatingKVCache)):
+        kind = type(caches[0]).__name__ if caches else "no layer"
+        raise CacheFormatError(f"{path} holds mlx-lm's own caches ({kind}), not a compressed one: use it with "
+                               "mlx-lm (python -m mlx_lm generate --prompt-cache-file), or write one with "
+                               "veloxquant cache-prompt")
     return caches, metadata

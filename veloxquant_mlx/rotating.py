@@ -31,13 +31,14 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
+from .cache import _LOADING, CacheFormatError, CompressedKVCache, run_on_load
+from .cache_integrity import header_digest
 from .codec_set import CodecSet
-from .cache import _LOADING, CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 from .methods import get_method
 from .settings import EngineSettings
 
-ROTATING_FORMAT_VERSION = 1
+ROTATING_FORMAT_VERSION = 2  # 2: the header's digest
 
 
 class CompressedRotatingKVCache(_BaseCache):
@@ -205,6 +206,7 @@ class CompressedRotatingKVCache(_BaseCache):
     def state(self):
         header = {"format": ROTATING_FORMAT_VERSION, "max_size": self.max_size, "keep": self.keep,
                   "offset": self.offset, "stale": self.stale, "config": self.config.to_json()}
+        header["digest"] = header_digest(header)
         inner_header, arrays = self.inner.state
         return [json.dumps(header), inner_header, arrays]
 
@@ -219,6 +221,8 @@ class CompressedRotatingKVCache(_BaseCache):
             raise CacheFormatError(f"not a VeloxQuant rotating cache layer (unreadable header: {error})") from None
         if version != ROTATING_FORMAT_VERSION:
             raise CacheFormatError(f"rotating cache format {version} is not supported")
+        if header.get("digest") != header_digest(header):
+            raise CacheFormatError("rotating cache layer: the header fails its digest (corrupted or edited)")
         self.__init__(config.replace(artifact_dir=None), header["max_size"], header["keep"])
         caller = _LOADING.get()
         if caller is not None:  # the caller's config, with the sinks this cache gives its inner one
@@ -245,4 +249,5 @@ class CompressedRotatingKVCache(_BaseCache):
     def from_state(cls, state):
         cache = cls.__new__(cls)
         cache.state = state
+        run_on_load()  # the attention hook (cache.register_on_load)
         return cache

@@ -2,31 +2,41 @@
 
 A saved layer is [header JSON, arrays]. The header holds the format version, the full config, the
 model identity and layer index (when the cache was made for a model), the checksums of the codecs'
-constant arrays, one CRC32 per tensor, and a digest of itself: a flipped, truncated, swapped or
-edited file is refused with the layer and tensor named.
+constant arrays, every tensor's checksums (`cache_integrity`), and a digest of itself: a flipped,
+truncated, swapped or edited file is refused with the layer and tensor named.
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
-import functools
 import json
-import warnings
 
 import mlx.core as mx
 
-from ..checksums import checksums, metadata_digest, verify_checksums
+from ..cache_integrity import seal, verify_sealed
+from ..checksums import metadata_digest
 from ..codec_set import CodecSet
 from ..config import KVCacheConfig
 from .errors import CacheFormatError
 
-FORMAT_VERSION = 2  # 2: checksums, layer index, model identity (see `state`)
+FORMAT_VERSION = 3  # 2: checksums, layer index, model identity; 3: checksums in `state` (cache_integrity)
 _DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
 
 # (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
 _LOADING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_loading", default=None)
-_SAVING: contextvars.ContextVar = contextvars.ContextVar("veloxquant_saving", default=False)
+_ON_LOAD: list = []
+
+
+def register_on_load(action) -> None:
+    """Run `action()` whenever a layer is restored by `from_state` (the attention hook, a higher layer,
+    registers its installer here, so mlx-lm's load_prompt_cache then its generate work in a fresh process)."""
+    if action not in _ON_LOAD:
+        _ON_LOAD.append(action)
+
+
+def run_on_load() -> None:
+    for action in _ON_LOAD:
+        action()
 
 
 class CacheState:
@@ -63,10 +73,7 @@ class CacheState:
             if self.kept is not None:
                 header["kept"], kept_arrays = self.kept.state()
                 arrays.update(kept_arrays)
-        if _SAVING.get():
-            # Only for a file: mlx-lm evaluates `state` after every prefill chunk, and the CRC
-            # reads every tensor on the host.
-            header["tensors"] = checksums(_flat(arrays))
+        seal(header, arrays)  # checksums in `state` itself: mlx-lm's save_prompt_cache is checked too
         header["digest"] = metadata_digest(header)
         return [json.dumps(header), arrays]
 
@@ -93,10 +100,7 @@ class CacheState:
                 codecs = CodecSet.for_config(config)
             except ValueError as error:
                 raise CacheFormatError(f"{where} was written with codecs from {config.artifact_dir}: {error}") from None
-        if "tensors" in header:
-            verify_checksums(_flat(arrays), header["tensors"], where, CacheFormatError)
-        elif arrays:
-            _warn_unchecked()
+        arrays = verify_sealed(header, arrays, where, CacheFormatError)
         if codecs.per_layer:  # calibrated per layer: this layer's codecs
             if not isinstance(header.get("layer"), int):
                 raise CacheFormatError(f"{where}: per-layer codecs, but the header names no layer")
@@ -185,36 +189,8 @@ class CacheState:
     def from_state(cls, state):
         cache = cls.__new__(cls)
         cache.state = state
+        run_on_load()  # mlx-lm's load_prompt_cache, then its generate, in a fresh process
         return cache
-
-
-@contextlib.contextmanager
-def saving():
-    """Within it, `state` headers carry every tensor's checksum (`integration.save_prompt_cache`)."""
-    token = _SAVING.set(True)
-    try:
-        yield
-    finally:
-        _SAVING.reset(token)
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_unchecked():
-    """Once per process, not once per layer of a file."""
-    warnings.warn("veloxquant_mlx: a prompt cache saved without tensor checksums (by mlx-lm's save_prompt_cache, "
-                  "not veloxquant_mlx.save_prompt_cache) was loaded, so corruption of its codes cannot be detected",
-                  RuntimeWarning, stacklevel=4)
-
-
-def _flat(arrays) -> dict:
-    """{"keys.codes": array, "window_keys": array, ...} of a saved layer's (nested) arrays."""
-    flat = {}
-    for name, value in (arrays or {}).items():
-        if isinstance(value, dict):
-            flat.update({f"{name}.{k}": v for k, v in value.items()})
-        else:
-            flat[name] = value
-    return flat
 
 
 def _read_state(state):

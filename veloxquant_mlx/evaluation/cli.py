@@ -18,9 +18,10 @@ def _methods(args):
     """The requested method specs, after checking (before any model is loaded) that --out can be a folder."""
     from .specs import parse_method_list
 
-    out = getattr(args, "out", None)
-    if out is not None and Path(out).exists() and not Path(out).is_dir():
-        raise ValueError(f"--out {out} is a file; give a folder for the results")
+    from ..outputs import check_results_dir
+
+    if getattr(args, "out", None) is not None:
+        check_results_dir(args.out)
     return parse_method_list(",".join(args.methods))
 
 

@@ -646,7 +646,12 @@ def write_outputs(result: dict, docs_path: str, results_dir: str) -> None:
 
 
 def run_models_command(args) -> dict:
+    from ..outputs import check_out_file, check_results_dir
+
     files = args.files or None
+    if files is None or args.render or args.update:  # where the outputs go, before the long run
+        check_results_dir(args.out)
+        check_out_file(args.docs, force=True, what="--docs")  # the table is meant to be written again
     done = []
 
     def progress(record: Record):

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 
 def run_quantize_weights(args) -> None:
+    from pathlib import Path
+
+    from ..models import DEFAULT_MODEL, GEMMA3_MODEL, model_source
+    from ..outputs import check_out_dir, replacing_dir
     from .directory import quantize_to_dir
 
+    source = Path(args.model).expanduser()
+    model_dir = source if source.is_dir() else Path(model_source(args.model)) if args.model in (
+        DEFAULT_MODEL, GEMMA3_MODEL) else None
+    out = check_out_dir(args.out, args.force, not_into=model_dir)  # before loading and quantizing
     skip = [s for s in (args.skip or "").split(",") if s]
-    config = quantize_to_dir(args.model, args.out, args.bits, seed=args.seed, skip=skip, group_size=args.group_size,
-                             column_alpha=args.column_alpha, embeddings=args.embeddings,
-                             calibration_tokens=args.calibration_tokens, calibration_text=args.calibration_text,
-                             share_rotations=args.share_rotations, format=args.format,
-                             scale_bits=args.scale_bits, center_bits=args.center_bits)
+    with replacing_dir(out, args.force) as temp:
+        config = quantize_to_dir(args.model, temp, args.bits, seed=args.seed, skip=skip, group_size=args.group_size,
+                                 column_alpha=args.column_alpha, embeddings=args.embeddings,
+                                 calibration_tokens=args.calibration_tokens, calibration_text=args.calibration_text,
+                                 share_rotations=args.share_rotations, format=args.format,
+                                 scale_bits=args.scale_bits, center_bits=args.center_bits)
     print(f"quantized {config['base_model']} to {args.bits} bits in {config['quantize_seconds']:.1f} s; "
-          f"wrote {args.out} (load it with --model {args.out})")
+          f"wrote {out} (load it with --model {out})")
 
 
 def register_cli(subparsers) -> None:
@@ -23,6 +32,7 @@ def register_cli(subparsers) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help="local path, .gguf file, hub id or 'smollm2'")
     p.add_argument("--bits", type=int, default=4, choices=(2, 3, 4), help="code bits per weight (default: 4)")
     p.add_argument("--out", required=True, help="folder to write (weights.json + reservoir.vqw)")
+    p.add_argument("--force", action="store_true", help="replace an existing, non-empty --out folder (default: refuse)")
     p.add_argument("--seed", type=int, default=0, help="seed of the rotations (default: 0)")
     p.add_argument("--group-size", type=int, default=None, help="per-group scales (default: one per row)")
     p.add_argument("--column-alpha", type=float, default=0.5, help="column scaling exponent (0: off)")

@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Optional
 
-from .folder import CONFIG_NAME, FORMAT, RESERVOIR_NAME, is_quantized_dir, load_folder, read_config  # noqa: F401
+from .folder import (CONFIG_NAME, FORMAT, RESERVOIR_NAME, is_quantized_dir, load_folder,  # noqa: F401
+                     read_config, reservoir_path)
 
 
 def quantize_to_dir(model_name: str, out, bits: int, seed: int = 0, skip: Iterable[str] = (),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import struct
@@ -188,12 +189,36 @@ def read_header(path) -> Tuple[dict, int]:
         raise ReservoirError(f"{path}: truncated inside the header ({size} bytes)")
     if hashlib.sha256(text).digest() != digest:
         raise ReservoirError(f"{path}: header corrupted (SHA-256 mismatch)")
-    header = json.loads(text)
+    try:
+        header = json.loads(text)
+        _check_tensor_entries(header)
+    except ReservoirError as error:
+        raise ReservoirError(f"{path}: {error}") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise ReservoirError(f"{path}: unusable header ({error!r})") from None
     data_start = _align(_PREFIX.size + length)
     expected = data_start + header["data_bytes"]
     if size < expected:
         raise ReservoirError(f"{path}: truncated: {size} bytes, the header describes {expected}")
     return header, data_start
+
+
+def _check_tensor_entries(header: dict) -> None:
+    """Every tensor's dtype, shape, size and place must fit the data the header describes (a
+    header with a 2^60-element shape is refused here, not in NumPy)."""
+    data_bytes = header["data_bytes"]
+    if not isinstance(data_bytes, int) or data_bytes < 0:
+        raise ReservoirError(f"data size {data_bytes!r} is not a byte count")
+    for name, entry in header["layers"].items():
+        for key, t in entry["tensors"].items():
+            shape, offset, nbytes = t["shape"], t["offset"], t["nbytes"]
+            if t["dtype"] not in _NUMPY or not isinstance(shape, list) or not all(
+                    isinstance(n, int) and n >= 0 for n in shape):
+                raise ReservoirError(f"tensor {name}.{key}: unusable dtype {t['dtype']!r} or shape {shape!r}")
+            if not (isinstance(offset, int) and isinstance(nbytes, int) and 0 <= offset <= offset + nbytes <= data_bytes):
+                raise ReservoirError(f"tensor {name}.{key}: bytes {offset}..+{nbytes} outside the {data_bytes}-byte data")
+            if math.prod(shape) * np.dtype(_NUMPY[t["dtype"]]).itemsize != nbytes:
+                raise ReservoirError(f"tensor {name}.{key}: shape {shape} of {t['dtype']} is not {nbytes} bytes")
 
 
 def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, nn.Module], dict]:
@@ -204,6 +229,15 @@ def load_reservoir(path, verify: bool = True) -> Tuple[Dict[str, nn.Module], dic
     mapping on the CPU (`mx.array`, `mx.asarray` and `mx.from_dlpack` of a NumPy view all copy),
     so processes do not share these pages.
     """
+    try:
+        return _load_reservoir(path, verify)
+    except ReservoirError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise ReservoirError(f"{path}: unusable layer description ({error!r})") from None
+
+
+def _load_reservoir(path, verify: bool) -> Tuple[Dict[str, nn.Module], dict]:
     header, data_start = read_header(path)
     tensors = {}
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
