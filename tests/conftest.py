@@ -79,6 +79,30 @@ def tiny_gemma3(layers=3, sliding_window=32, pattern=3, vocab=512, seed=0):
     return model
 
 
+def tiny_llama_dir(target: Path, context: int) -> Path:
+    """A 2-layer random llama with SmolLM2's tokenizer, saved as a model folder (for servers and commands)."""
+    import json
+    import shutil
+
+    from mlx.utils import tree_flatten
+
+    from veloxquant_mlx.models import default_model_dir
+
+    source = default_model_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, target / name)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
+                  max_position_embeddings=context, tie_word_embeddings=True, rope_theta=10000.0)
+    (target / "config.json").write_text(json.dumps(config))
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    return target
+
+
 def random_sequences(n: int, length: int, vocab: int = 512, seed: int = 0):
     """`n` token sequences of `length` random ids (calibration inputs in the tests)."""
     rng = np.random.default_rng(seed)

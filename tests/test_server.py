@@ -4,8 +4,6 @@ The served model is a small random-weight llama with SmolLM2's tokenizer and cha
 template, so requests cost milliseconds; what is tested is the serving, not the text.
 """
 
-import json
-import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -13,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
-from mlx.utils import tree_flatten
-from mlx_lm.models import llama
 
+from conftest import tiny_llama_dir
 from veloxquant_mlx.cli import build_parser, config_from_args
 from veloxquant_mlx.server import make_server, server_arguments
 
@@ -27,21 +24,7 @@ CONTEXT = 200
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    from veloxquant_mlx.models import default_model_dir
-
-    source, target = default_model_dir(), tmp_path_factory.mktemp("tiny-smollm2")
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, target / name)
-    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    config = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
-                  max_position_embeddings=CONTEXT, tie_word_embeddings=True, rope_theta=10000.0)
-    (target / "config.json").write_text(json.dumps(config))
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return target
+    return tiny_llama_dir(tmp_path_factory.mktemp("tiny-smollm2"), CONTEXT)
 
 
 @pytest.fixture(scope="module")
