@@ -1,4 +1,4 @@
-"""Do pooled prompt caches answer as fresh ones? (issue 49, part 2)
+"""Do pooled prompt caches answer as fresh ones?
 
 Starts `veloxquant serve` in-process on 127.0.0.1 and sends 32 greedy chat requests that
 share a system prompt, first one at a time (filling mlx-lm's prompt-cache pool), then all
