@@ -199,7 +199,9 @@ def test_sigint_ends_generate_cleanly_in_a_process():
     process = subprocess.Popen(
         [sys.executable, "-m", "veloxquant_mlx.cli", "generate", "--max-tokens", "100000", "--kv", "vq4",
          "--ignore-chat-template", "--prompt", "Once upon a time"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # as a terminal's foreground process gets it, also when this test runs in a background job (SIGINT ignored)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert process.stdout.read(1), process.stderr.read()  # the reply has started
         time.sleep(0.5)
