@@ -210,6 +210,20 @@ def tiny_llama_dir(target: Path, context: int) -> Path:
     return target
 
 
+def serve_in_thread(argv):
+    """`veloxquant serve ARGV` on a thread of this process: (its HTTP server, its generator)."""
+    import threading
+
+    from veloxquant_mlx.cli import build_parser, config_from_args
+    from veloxquant_mlx.server import make_server, server_arguments
+
+    args = build_parser().parse_args(["serve", *argv])
+    config = config_from_args(args)
+    httpd, generator = make_server(server_arguments(args, config), config)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd, generator
+
+
 def random_sequences(n: int, length: int, vocab: int = 512, seed: int = 0):
     """`n` token sequences of `length` random ids (calibration inputs in the tests)."""
     rng = np.random.default_rng(seed)

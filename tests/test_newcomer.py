@@ -133,11 +133,11 @@ def test_chat_reports_an_unknown_command_instead_of_sending_it():
 
     from veloxquant_mlx.chat import run_chat
 
-    session = _tiny_chat()
+    chat = _tiny_chat()
     out = io.StringIO()
-    turns = run_chat(session, max_tokens=3, sampler=None, stdin=io.StringIO("/sve x\n/usr/bin is a path\n"), stdout=out)
+    turns = run_chat(chat, max_tokens=3, sampler=None, stdin=io.StringIO("/sve x\n/usr/bin is a path\n"), stdout=out)
     assert "error: unknown command /sve" in out.getvalue()
-    assert turns == 1 and [m["content"] for m in session.messages if m["role"] == "user"] == ["/usr/bin is a path"]
+    assert turns == 1 and [m["content"] for m in chat.messages if m["role"] == "user"] == ["/usr/bin is a path"]
 
 
 def test_ctrl_c_stops_the_chat_reply_and_the_chat_goes_on():
@@ -161,18 +161,18 @@ def test_ctrl_c_stops_the_chat_reply_and_the_chat_goes_on():
                     signal.raise_signal(signal.SIGINT)
             return super().write(text)
 
-    session = _tiny_chat()
+    chat = _tiny_chat()
     out = Terminal()
     before = signal.getsignal(signal.SIGINT)
-    turns = run_chat(session, max_tokens=40, sampler=None, stdin=io.StringIO("tell me\nand then\n"), stdout=out)
+    turns = run_chat(chat, max_tokens=40, sampler=None, stdin=io.StringIO("tell me\nand then\n"), stdout=out)
     assert signal.getsignal(signal.SIGINT) is before  # the chat's handler is gone after each reply
     text = out.getvalue()
     assert turns == 2 and text.count("stopped by Ctrl-C") == 1, text
-    first = session.messages[1]
-    assert first["role"] == "assistant" and 0 < len(first["content"]) and session.messages[2]["content"] == "and then"
-    # the stopped reply's tokens are all in the cache and in step with the session's token list
-    assert session.cache_tokens == len(session.cached_tokens)
-    assert {c.offset for c in session.caches} == {session.cache_tokens}
+    first = chat.messages[1]
+    assert first["role"] == "assistant" and 0 < len(first["content"]) and chat.messages[2]["content"] == "and then"
+    # the stopped reply's tokens are all in the cache and in step with the chat's token list
+    assert chat.cache_tokens == len(chat.cached_tokens)
+    assert {c.offset for c in chat.caches} == {chat.cache_tokens}
 
 
 def test_ctrl_c_ends_a_command_with_130_and_no_traceback(monkeypatch, capsys):
@@ -298,12 +298,12 @@ def test_every_command_reports_the_same_bits_and_smaller(tmp_path):
     assert _bits_and_smaller(memory_report(caches)) == (round(kv_fields(footprint(caches))["bits_per_coord"], 2),
                                                         round(kv_fields(footprint(caches))["compression_vs_fp16"], 2))
     # chat's line after a turn
-    session = _tiny_chat()
+    chat = _tiny_chat()
     text = io.StringIO()
-    run_chat(session, max_tokens=4, sampler=None, stdin=io.StringIO("hello there\n"), stdout=text)
+    run_chat(chat, max_tokens=4, sampler=None, stdin=io.StringIO("hello there\n"), stdout=text)
     stats = next(line for line in text.getvalue().splitlines() if line.startswith("[cache: "))
-    assert _bits_and_smaller(stats) == _bits_and_smaller(memory_report(session.caches))
-    held, allocated = footprint(session.caches).held, footprint(session.caches).allocated
+    assert _bits_and_smaller(stats) == _bits_and_smaller(memory_report(chat.caches))
+    held, allocated = footprint(chat.caches).held, footprint(chat.caches).allocated
     assert f"{held / 1e6:.3f} MB held ({allocated / 1e6:.3f} MB allocated)" in stats
 
 

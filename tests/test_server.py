@@ -4,7 +4,6 @@ The served model is a small random-weight llama with SmolLM2's tokenizer and cha
 template, so requests cost milliseconds; what is tested is the serving, not the text.
 """
 
-import threading
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -12,9 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from conftest import tiny_llama_dir
-from veloxquant_mlx.cli import build_parser, config_from_args
-from veloxquant_mlx.server import make_server, server_arguments
+from conftest import serve_in_thread, tiny_llama_dir
 
 openai = pytest.importorskip("openai")
 
@@ -29,14 +26,9 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    argv = ["serve", "--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", "0",
-            "--max-tokens", "8", "--prompt-cache-bytes", str(POOL_BYTES), "--log-level", "WARNING",
-            "--method", "turboquant_mse", "--bits", "4"]
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args)
-    httpd, generator = make_server(server_arguments(args, config), config)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
+    httpd, generator = serve_in_thread(["--model", str(tiny_model_dir), "--served-model-name", "tiny", "--port", "0",
+                                        "--max-tokens", "8", "--prompt-cache-bytes", str(POOL_BYTES),
+                                        "--log-level", "WARNING", "--method", "turboquant_mse", "--bits", "4"])
     yield httpd, generator
     httpd.shutdown()
     httpd.server_close()

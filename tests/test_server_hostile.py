@@ -15,16 +15,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from conftest import tiny_llama_dir
-from veloxquant_mlx.cli import build_parser, config_from_args
-from veloxquant_mlx.server import make_server, server_arguments
+from conftest import serve_in_thread, tiny_llama_dir
+from veloxquant_mlx.cli import build_parser
+from veloxquant_mlx.server import server_arguments
 from veloxquant_mlx.server_requests import RequestError, RequestLimits, parse_json, validate_body
 
 CONTEXT = 131072
@@ -40,13 +39,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    argv = ["serve", "--model", str(model_dir), "--port", "0", "--max-tokens", "4", "--log-level", "CRITICAL",
-            "--method", "turboquant_mse", "--bits", "4"]
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args)
-    httpd, generator = make_server(server_arguments(args, config), config)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
+    httpd, generator = serve_in_thread(["--model", str(model_dir), "--port", "0", "--max-tokens", "4",
+                                        "--log-level", "CRITICAL", "--method", "turboquant_mse", "--bits", "4"])
     generator.request_limits()  # the model is loaded
     yield httpd.server_address[1], generator
     httpd.shutdown()
