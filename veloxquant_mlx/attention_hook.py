@@ -28,15 +28,11 @@ _original_sdpa = mlx_base.scaled_dot_product_attention
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)):
-        if sinks is not None:
-            raise UnsupportedModelError(
-                "this model uses learned attention sinks, which VeloxQuant caches do not support"
-            )
         if isinstance(keys, mx.array):  # the model attends over arrays of its own, not this cache's
             return _original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
         # Keys fetched from another layer's cache (IQuest-Loop's second loop attends over the first's).
         owner = keys.cache if isinstance(keys, CompressedHistory) else cache
-        return owner.attend(queries, scale=scale, mask=mask)
+        return owner.attend(queries, scale=scale, mask=mask, sinks=sinks)
     if isinstance(keys, CompressedHistory):  # a KV-shared layer (Gemma 4) attends over an earlier layer's cache
         return scaled_dot_product_attention(queries, keys, values, keys.cache, scale, mask, sinks)
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -89,16 +85,6 @@ def check_latent_attention(model) -> None:
         raise UnsupportedModelError(
             f"{type(model).__module__} caches an MLA latent (multi-head latent attention), which VeloxQuant "
             "caches do not support: the MLA latent cache has no compressed format yet"
-        )
-
-
-def check_learned_sinks(model) -> None:
-    """Refuse, when the caches are made rather than at the first attention, a model with learned attention
-    sinks (GPT-OSS: one logit per head that joins the softmax denominator)."""
-    if any(isinstance(getattr(module, "sinks", None), mx.array) or getattr(module, "has_sinks", False) is True
-           for module in model.modules()):
-        raise UnsupportedModelError(
-            f"{type(model).__module__}: this model uses learned attention sinks, which VeloxQuant caches do not support"
         )
 
 

@@ -14,8 +14,8 @@ import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest, model_fingerprint
 from .attention_hook import (  # noqa: F401  (re-exported)
-    KEY_TRANSFORMING_MODELS, _original_sdpa, base_caches, check_latent_attention, check_learned_sinks,
-    install_attention_hook, scaled_dot_product_attention)
+    KEY_TRANSFORMING_MODELS, _original_sdpa, base_caches, check_latent_attention, install_attention_hook,
+    scaled_dot_product_attention)
 from .settings import EngineSettings
 from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
@@ -37,7 +37,6 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     install_attention_hook(model)
     check_latent_attention(model)
-    check_learned_sinks(model)
     get_method(config.method).check_model(model)
     config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
