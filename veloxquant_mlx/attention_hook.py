@@ -101,3 +101,13 @@ def attention_cache(cache) -> bool:
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     return type(cache) in (KVCache, RotatingKVCache)
+
+
+def single_attention_member(cache):
+    """The index of the one attention cache (`attention_cache`) in a hybrid layer's `CacheList` (Falcon-H1,
+    Baichuan-M1: a state cache beside it), which VeloxQuant compresses; None for any other cache, and for a
+    CacheList of several (MiniMax-M3's sparse layers read the cached keys of their indexer cache)."""
+    if type(cache) is not mlx_cache.CacheList:
+        return None
+    found = [i for i, member in enumerate(cache.caches) if attention_cache(member)]
+    return found[0] if len(found) == 1 else None
