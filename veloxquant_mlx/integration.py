@@ -283,7 +283,9 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
                                    "(layers swapped, or the file corrupted)")
         compressed = _compressed_of(cache)
-        if config is not None and not isinstance(compressed, CompressedKVCache):
+        # A hybrid model's state caches (no update_and_fetch: `compressed_caches` keeps them) load as they are.
+        state = not hasattr(compressed, "update_and_fetch") and single_attention_member(compressed) is None
+        if config is not None and not isinstance(compressed, CompressedKVCache) and not state:
             raise CacheFormatError(
                 f"{path} layer {i} holds a {type(cache).__name__}, not a cache made with {config.describe()}"
             )
