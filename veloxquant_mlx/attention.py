@@ -84,6 +84,20 @@ def _put(state: Optional[mx.array], parts: List[Tuple[Tuple[int, int], Optional[
     return mx.concatenate(pieces, axis=-2)
 
 
+def sink_scores(sink_logits: mx.array, queries: mx.array, key_mean: Optional[mx.array], scale: float) -> mx.array:
+    """The learned sinks' logits as the scores of keys centred by `key_mean` meet them, per query row:
+    (B, n_heads, L, 1). Centring takes q.mean off every score of a query, which its softmax
+    over keys alone does not see, but a sink's fixed logit does: it loses as much."""
+    B, n_heads, L, dim = queries.shape
+    sinks = sink_logits.astype(mx.float32).reshape(1, n_heads, 1, 1)
+    if key_mean is None:
+        return mx.broadcast_to(sinks, (B, n_heads, L, 1))
+    kv_heads = key_mean.shape[1]
+    q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, n_heads // kv_heads * L, dim)
+    shift = (q @ key_mean.astype(mx.float32).swapaxes(-1, -2)).reshape(B, n_heads, L, 1)
+    return sinks - shift
+
+
 def attend(
     queries: mx.array,
     segments: Iterable[Segment],
@@ -94,7 +108,12 @@ def attend(
     value_codec,
     kv_heads: int,
     total: int,
+    sink_logits: Optional[mx.array] = None,
+    key_mean: Optional[mx.array] = None,
 ) -> mx.array:
+    """`sink_logits` (n_q_heads,): learned attention sinks (GPT-OSS), one logit per query head that joins
+    the softmax's denominator and adds no value; `key_mean`: what the segments' keys are centred by
+    (`sink_scores`)."""
     B, n_q_heads, L, _ = queries.shape
     repeats = n_q_heads // kv_heads
     q = (queries.astype(mx.float32) * scale).reshape(B, kv_heads, repeats, L, -1)
@@ -181,5 +200,9 @@ def attend(
     out = value_codec.from_domain(domain_acc) if domain_acc is not None else 0.0
     if plain_acc is not None:
         out = out + plain_acc
+    if sink_logits is not None:
+        sink = sink_scores(sink_logits, queries, key_mean, scale).reshape(B, kv_heads, repeats, L, 1)
+        # The sink's term at the running max; a row that saw only masked keys takes it at 0 (its output stays 0).
+        running_sum = running_sum + mx.exp(sink - mx.where(running_max == -mx.inf, 0.0, running_max))
     out = out / mx.maximum(running_sum, 1e-30)
     return out.reshape(B, n_q_heads, L, -1).astype(queries.dtype)

@@ -28,15 +28,11 @@ _original_sdpa = mlx_base.scaled_dot_product_attention
 
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     if isinstance(cache, (CompressedKVCache, BatchCompressedKVCache, CompressedRotatingKVCache)):
-        if sinks is not None:
-            raise UnsupportedModelError(
-                "this model uses learned attention sinks, which VeloxQuant caches do not support"
-            )
         if isinstance(keys, mx.array):  # the model attends over arrays of its own, not this cache's
             return _original_sdpa(queries, keys, values, cache=None, scale=scale, mask=mask, sinks=sinks)
         # Keys fetched from another layer's cache (IQuest-Loop's second loop attends over the first's).
         owner = keys.cache if isinstance(keys, CompressedHistory) else cache
-        return owner.attend(queries, scale=scale, mask=mask)
+        return owner.attend(queries, scale=scale, mask=mask, sinks=sinks)
     if isinstance(keys, CompressedHistory):  # a KV-shared layer (Gemma 4) attends over an earlier layer's cache
         return scaled_dot_product_attention(queries, keys, values, keys.cache, scale, mask, sinks)
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -92,16 +88,6 @@ def check_latent_attention(model) -> None:
         )
 
 
-def check_learned_sinks(model) -> None:
-    """Refuse, when the caches are made rather than at the first attention, a model with learned attention
-    sinks (GPT-OSS: one logit per head that joins the softmax denominator)."""
-    if any(isinstance(getattr(module, "sinks", None), mx.array) or getattr(module, "has_sinks", False) is True
-           for module in model.modules()):
-        raise UnsupportedModelError(
-            f"{type(model).__module__}: this model uses learned attention sinks, which VeloxQuant caches do not support"
-        )
-
-
 def base_caches(model) -> list:
     """The caches the model would make for itself (ignoring any VeloxQuant patch)."""
     if hasattr(type(model), "make_cache"):
@@ -115,3 +101,13 @@ def attention_cache(cache) -> bool:
     from mlx_lm.models.cache import KVCache, RotatingKVCache
 
     return type(cache) in (KVCache, RotatingKVCache)
+
+
+def single_attention_member(cache):
+    """The index of the one attention cache (`attention_cache`) in a hybrid layer's `CacheList` (Falcon-H1,
+    Baichuan-M1: a state cache beside it), which VeloxQuant compresses; None for any other cache, and for a
+    CacheList of several (MiniMax-M3's sparse layers read the cached keys of their indexer cache)."""
+    if type(cache) is not mlx_cache.CacheList:
+        return None
+    found = [i for i, member in enumerate(cache.caches) if attention_cache(member)]
+    return found[0] if len(found) == 1 else None

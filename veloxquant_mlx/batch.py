@@ -100,8 +100,9 @@ class BatchCompressedKVCache(_BaseCache):
                 cache.update_and_fetch(keys[i : i + 1, :, start : start + count], values[i : i + 1, :, start : start + count])
         return BatchHistory(self, "keys"), BatchHistory(self, "values")
 
-    def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
-        """Each row's queries over its own cache; positions that belong to no sequence get zeros."""
+    def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+        """Each row's queries over its own cache; positions that belong to no sequence get zeros. `sinks`:
+        learned attention sinks, the same for every row."""
         if mask is not None and not isinstance(mask, str):
             raise ValueError(
                 "batched compressed caches apply each sequence's causal mask themselves; this model "
@@ -116,7 +117,8 @@ class BatchCompressedKVCache(_BaseCache):
                 parts.append(mx.zeros((1, heads, start, dim), dtype=queries.dtype))
             if count:
                 row = queries[len(outputs) : len(outputs) + 1, :, start : start + count]
-                parts.append(cache.attend(row, scale=scale, mask="causal" if count > 1 else None).astype(queries.dtype))
+                parts.append(cache.attend(row, scale=scale, mask="causal" if count > 1 else None,
+                                          sinks=sinks).astype(queries.dtype))
             if length - start - count:
                 parts.append(mx.zeros((1, heads, length - start - count, dim), dtype=queries.dtype))
             outputs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))

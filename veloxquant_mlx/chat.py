@@ -21,7 +21,7 @@ from typing import Callable, Iterator, List, Optional, TextIO
 
 import mlx.core as mx
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import trim_prompt_cache
+from mlx_lm.models.cache import CacheList, can_trim_prompt_cache, trim_prompt_cache
 
 from .config import KVCacheConfig
 from .integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
@@ -32,6 +32,19 @@ HELP = ("commands: /save FILE (/save! FILE replaces one), /load FILE, /reset, /h
 COMMANDS = ("/save", "/save!", "/load", "/reset", "/help", "/quit", "/exit", "/q")
 # A line whose first word is a slash and letters (a "!" may follow) is a command; anything else (a path, say) is a message.
 COMMAND_WORD = re.compile(r"/[A-Za-z]+!?")
+
+
+def cached_tokens_of(caches) -> int:
+    """Tokens the caches hold: the first attention cache's offset (a hybrid model's first layer may be a
+    linear-attention or state-space layer, whose `ArraysCache` counts none; a `CacheList` holds one)."""
+    for cache in caches:
+        if isinstance(cache, CacheList):
+            held = cached_tokens_of(cache.caches)
+            if held:
+                return held
+        elif isinstance(getattr(cache, "offset", None), int):
+            return cache.offset
+    return 0
 
 
 def common_prefix(a: List[int], b: List[int]) -> int:
@@ -68,7 +81,7 @@ class ChatSession:
 
     @property
     def cache_tokens(self) -> int:
-        return self.caches[0].offset if self.caches else 0
+        return cached_tokens_of(self.caches)
 
     def turn(self, user_text: str, max_tokens: int = 256, sampler=None,
              stop: Optional[Callable[[], bool]] = None) -> Iterator[str]:
@@ -79,6 +92,9 @@ class ChatSession:
         keep = common_prefix(self.cached_tokens, tokens)
         if keep == len(tokens):  # generation needs at least one new token to feed
             keep -= 1
+        if keep < self.cache_tokens and not can_trim_prompt_cache(self.caches):
+            # A hybrid model's state caches (linear attention, SSM) cannot go back: prefill the whole conversation.
+            self.caches, keep = KVCacheBuilder(self.config).for_model(self.model, self.tokenizer).build(), 0
         trim_prompt_cache(self.caches, self.cache_tokens - keep)
         self.last_prefilled = len(tokens) - keep
         reply, generated = [], []
@@ -122,8 +138,8 @@ class ChatSession:
         if self.model_name and metadata.get("model") not in (None, "", self.model_name):
             raise ValueError(f"{path} was saved with model {metadata['model']!r}, not {self.model_name!r}")
         tokens = json.loads(metadata["tokens"])
-        if len(tokens) != caches[0].offset:
-            raise ValueError(f"{path}: {len(tokens)} token ids for a cache of {caches[0].offset} tokens")
+        if len(tokens) != cached_tokens_of(caches):
+            raise ValueError(f"{path}: {len(tokens)} token ids for a cache of {cached_tokens_of(caches)} tokens")
         self.caches, self.cached_tokens = caches, tokens
         self.messages = json.loads(metadata["messages"])
         self.last = None

@@ -30,7 +30,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .attention import Segment, attend as generic_attend
+from .attention import Segment, attend as generic_attend, sink_scores
 from .formats import RowLayout
 from .methods.base import at_positions
 from .settings import EngineSettings
@@ -69,6 +69,10 @@ class History:
         # out: `kept_slots` and `kept_code_bias` give them to paths registered with `takes_kept`;
         # the generic path reads them as a segment. (the cache's `KeptTokens`, its first code's position)
         self._kept = kept
+        # Learned attention sinks of this call (GPT-OSS), (n_q_heads,): one logit per query head that joins
+        # the softmax's denominator and adds no value; paths registered with `takes_sinks` add them
+        # (`with_sink_split`), the others are not chosen.
+        self.sink_logits: Optional[mx.array] = None
 
     @property
     def kept(self) -> bool:
@@ -137,21 +141,24 @@ class AttentionPath:
     run: Callable
     priority: int = 0
     takes_kept: bool = False  # reads `History.kept_slots` (tokens kept in fp16 past the window)
+    takes_sinks: bool = False  # adds `History.sink_logits` (learned attention sinks) to the softmax
 
 
 _PATHS: Dict[str, List[AttentionPath]] = {phase: [] for phase in PHASES}
 
 
-def register_path(name: str, phase: str, supports: Callable, priority: int = 0, takes_kept: bool = False):
+def register_path(name: str, phase: str, supports: Callable, priority: int = 0, takes_kept: bool = False,
+                  takes_sinks: bool = False):
     """Decorator: register `run(history, queries, scale, mask)` for `phase`, tried before
     paths of lower `priority` (kernels for one format above the paths for every format);
-    `takes_kept`: it attends to `History.kept_slots` too (and masks those tokens' codes)."""
+    `takes_kept`: it attends to `History.kept_slots` too (and masks those tokens' codes);
+    `takes_sinks`: it adds `History.sink_logits` (learned attention sinks) to the softmax."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
 
     def register(run):
         paths = [p for p in _PATHS[phase] if p.name != name]
-        paths.append(AttentionPath(name, phase, supports, run, priority, takes_kept))
+        paths.append(AttentionPath(name, phase, supports, run, priority, takes_kept, takes_sinks))
         _PATHS[phase] = sorted(paths, key=lambda p: -p.priority)
         return run
 
@@ -168,6 +175,8 @@ def choose(phase: str, history: History, queries: mx.array, mask=None) -> Option
         return None
     skipped = None  # a path that would have taken the call but does not read kept tokens
     for path in _PATHS[phase]:
+        if history.sink_logits is not None and not path.takes_sinks:
+            continue
         if path.supports(history, queries, mask):
             if history.kept and not path.takes_kept:
                 skipped = skipped or path.name
@@ -192,7 +201,8 @@ def defers(history: History) -> bool:
     this history (asked with queries=None: a path that says yes then must take the call)."""
     if not history.settings.kernels:
         return False
-    return any(path.supports(history, None, None) for path in _PATHS["decode_store"])
+    return any(path.supports(history, None, None) for path in _PATHS["decode_store"]
+               if path.takes_sinks or history.sink_logits is None)
 
 
 def generic(history: History, queries: mx.array, scale: float, mask=None) -> mx.array:
@@ -200,7 +210,7 @@ def generic(history: History, queries: mx.array, scale: float, mask=None) -> mx.
     return generic_attend(
         queries, history.segments(queries.shape[1] * queries.shape[2], queries.shape[2]), scale=scale, mask=mask,
         key_codec=history.key_codec, value_codec=history.value_codec, kv_heads=history.kv_heads,
-        total=history.offset,
+        total=history.offset, sink_logits=history.sink_logits, key_mean=history.key_mean,
     )
 
 
@@ -338,6 +348,34 @@ def merge_partials(o: mx.array, ml: mx.array, value_codec, out_shape: Tuple[int,
     return out.reshape(*out_shape[:-1], -1).astype(out_dtype)  # the values' dim (DeepSeek-V2: keys 192, values 128)
 
 
+def with_sink_split(o: mx.array, ml: mx.array, sink_logits: Optional[mx.array], value_codec,
+                    value_mean: Optional[mx.array], queries: Optional[mx.array] = None,
+                    key_mean: Optional[mx.array] = None, scale: float = 1.0) -> Tuple[mx.array, mx.array]:
+    """The splits o (BH, S, REP, Dv), ml (BH, S, REP, 2) of a decode path with one more for the learned
+    attention sinks `sink_logits` (n_q_heads,) (GPT-OSS): one more term of the online softmax, of max the
+    sink's logit (`sink_scores`: less q.mean where keys are centred) and sum 1 at it, that adds no value.
+    Its o is 0, or, where the merge adds the value mean back to every split's sum (centred values), minus
+    that mean in the value domain, so that it adds nothing there either. Every merge (`merge_partials`,
+    the merge kernels) takes it as any split."""
+    if sink_logits is None:
+        return o, ml
+    bh, _, rep, dim = o.shape
+    if key_mean is None:
+        kv_heads = sink_logits.shape[0] // rep
+        m = mx.broadcast_to(sink_logits.astype(mx.float32).reshape(1, kv_heads, rep, 1),
+                            (bh // kv_heads, kv_heads, rep, 1))
+    else:
+        m = sink_scores(sink_logits, queries, key_mean, scale)  # one query: (B, n_heads, 1, 1)
+    m = m.reshape(bh, 1, rep, 1)
+    if value_mean is None:
+        sink_o = mx.zeros((bh, 1, rep, dim), mx.float32)
+    else:
+        shift = value_codec.to_domain(value_mean.astype(mx.float32)).reshape(bh, 1, 1, dim)
+        sink_o = mx.broadcast_to(-shift, (bh, 1, rep, dim))
+    return (mx.concatenate([o, sink_o.astype(o.dtype)], axis=1),
+            mx.concatenate([ml, mx.concatenate([m, mx.ones_like(m)], axis=-1).astype(ml.dtype)], axis=1))
+
+
 def fp16_tokens(parts: int, arrays: List[mx.array], key_mean: Optional[mx.array]):
     """Inside a compiled step: the (keys (centred), values) of `History.fp16_inputs`, as
     `History.fp16` gives them; None for no fp16 tokens."""
@@ -457,13 +495,13 @@ def _slice_fields(fields, per_row, start: int, stop: int):
 @functools.lru_cache(maxsize=CODEC_KEYED)
 def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, ...]], per_row, capacity: int,
                out_shape: Tuple[int, ...], out_dtype, scale: float, fp16_parts: int, centered: bool,
-               compiled: bool = True, first_position: int = 0, kept: bool = False):
+               compiled: bool = True, first_position: int = 0, kept: bool = False, sinks: bool = False):
     key_names, value_names = names
     key_per_row, value_per_row = dict(per_row[0]), dict(per_row[1])
     block = math.lcm(key_codec.token_block, value_codec.token_block)
     split = -(-DECODE_SPLIT // block) * block
 
-    def step(queries, key_bufs, value_bufs, count, fp16, key_mean, value_mean, kept_inputs=()):
+    def step(queries, key_bufs, value_bufs, count, fp16, key_mean, value_mean, sink_logits, kept_inputs=()):
         # kept_inputs: (keys, values, slot bias) of `History.kept_slots`, then `History.kept_code_bias()`
         key_fields, value_fields = dict(zip(key_names, key_bufs)), dict(zip(value_names, value_bufs))
         B, n_heads, _, dim = queries.shape
@@ -485,6 +523,9 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
             stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))
         o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep, -1)
         ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
+        if sinks:
+            o, ml = with_sink_split(o, ml, sink_logits, value_codec, value_mean if centered else None, queries,
+                                    key_mean if centered else None, scale)
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
         bias = None
         if kept:
@@ -512,7 +553,7 @@ def capacity_fields(h: History):
     return names, per_row, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]]
 
 
-@register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0, takes_kept=True)
+@register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0, takes_kept=True, takes_sinks=True)
 def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, compiled: bool = True) -> mx.array:
     """Decode for every format: the codes of the whole capacity are decoded split by split
     with the codecs' MLX ops, tokens past `count` masked, and the fp16 sinks/window merged,
@@ -523,10 +564,11 @@ def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, comp
     centered = h.value_mean is not None
     fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, h.store.capacity, tuple(queries.shape),
                     queries.dtype, float(scale), parts, centered, compiled, h.sinks if h.key_codec.positional else 0,
-                    h.kept)
+                    h.kept, h.sink_logits is not None)
     none = small_array((0.0,), mx.float32)
     return fn(queries, key_bufs, value_bufs, small_array((h.count,)), fp16, h.key_mean if centered else none,
-              h.value_mean if centered else none, [*h.kept_slots[:3], h.kept_code_bias()] if h.kept else [])
+              h.value_mean if centered else none, none if h.sink_logits is None else h.sink_logits,
+              [*h.kept_slots[:3], h.kept_code_bias()] if h.kept else [])
 
 
 def _sdpa_decode_supports(h: History, queries: mx.array, mask) -> bool:
@@ -535,7 +577,7 @@ def _sdpa_decode_supports(h: History, queries: mx.array, mask) -> bool:
             and h.key_codec.format.orthogonal_domain and h.value_codec.format.orthogonal_domain)
 
 
-@register_path("sdpa_decode", "decode", _sdpa_decode_supports, priority=1)
+@register_path("sdpa_decode", "decode", _sdpa_decode_supports, priority=1, takes_sinks=True)
 def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.array:
     """Decode on a GPU for formats without a kernel (and the portable back end): the whole
     capacity decoded to the queries' dtype by one compiled call, the fp16 sinks/window mapped
@@ -553,8 +595,7 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
     fp16_held = fp16[0].shape[2] if parts < 0 else sum(keys_part.shape[2] for keys_part in fp16[::2])
     held = fp16_held + h.count
     q = _into_key_domain_fn(h.key_codec, dtype)(queries)
-    return _from_value_domain(h, mx.fast.scaled_dot_product_attention(q, keys[..., :held, :], values[..., :held, :],
-                                                                      scale=scale), queries)
+    return _fused_attention(h, q, keys[..., :held, :], values[..., :held, :], scale, None, queries)
 
 
 def fp16_into_domains(key_codec, value_codec, keys: mx.array, values: mx.array, value_mean, dtype):
@@ -605,8 +646,8 @@ def _out_of_value_domain_fn(value_codec, kv_heads: int, centered: bool, out_dtyp
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
 def _attend_decoded_fn(key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
-                       fp16_parts: int, centered: bool):
-    def step(queries, keys, values, count, fp16, key_mean, value_mean):
+                       fp16_parts: int, centered: bool, sinks: bool = False):
+    def step(queries, keys, values, count, fp16, key_mean, value_mean, sink_logits):
         B, n_heads, _, dim = queries.shape
         kv_heads = keys.shape[1]
         rep = n_heads // kv_heads
@@ -617,6 +658,9 @@ def _attend_decoded_fn(key_codec, value_codec, out_shape: Tuple[int, ...], out_d
         p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
         o = (p @ values.astype(mx.float32)).reshape(B * kv_heads, 1, rep, -1)
         ml = mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1).reshape(B * kv_heads, 1, rep, 2)
+        if sinks:
+            o, ml = with_sink_split(o, ml, sink_logits, value_codec, value_mean if centered else None, queries,
+                                    key_mean if centered else None, scale)
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
         plain = None if tokens is None else plain_partial(queries, *tokens, scale)
         return merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
@@ -632,10 +676,10 @@ def attend_decoded(h: History, queries: mx.array, scale: float, keys: mx.array, 
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
     fn = _attend_decoded_fn(h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype, float(scale),
-                            parts, centered)
+                            parts, centered, h.sink_logits is not None)
     none = small_array((0.0,), mx.float32)
     return fn(queries, keys, values, small_array((h.count,)), fp16, h.key_mean if centered else none,
-              h.value_mean if centered else none)
+              h.value_mean if centered else none, none if h.sink_logits is None else h.sink_logits)
 
 
 # ---- prefill on a GPU: decode the history once, MLX's fused attention -------------------------------
@@ -728,6 +772,7 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
         B, n_heads, L, _ = queries.shape
         group = max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
         outs = []
+        keys, values, centered = _sink_ready(h, keys, values, query_space)
         for a in range(0, L, group):
             qpos = mx.arange(h.offset - L + a, h.offset - L + min(a + group, L))[:, None]
             fp16_from = h.fp16_from(qpos)
@@ -736,16 +781,43 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
             band_mask = mx.concatenate([mx.arange(s)[None] <= qpos, (codes_pos < fp16_from) & (codes_pos <= qpos),
                                         (recent_pos >= fp16_from) & (recent_pos <= qpos)], axis=1)
             outs.append(mx.fast.scaled_dot_product_attention(q[..., a : a + group, :], keys, values, scale=scale,
-                                                             mask=band_mask))
+                                                             mask=band_mask, sinks=_sdpa_sinks(h, q)))
             if len(outs) > 1 and h.settings.on_gpu:
                 mx.eval(outs[-1])  # one group's scores at a time
-        return _from_value_domain(h, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], queries)
+        return _from_value_domain(h, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], queries, centered)
     if not band and fp16 is not None:
         fk, fv = into_domains(*fp16)
         keys = mx.concatenate([fk[..., :s, :], keys, fk[..., s:, :]], axis=2)
         values = mx.concatenate([fv[..., :s, :], values, fv[..., s:, :]], axis=2)
-    return _from_value_domain(h, mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask),
-                              queries)
+    return _fused_attention(h, q, keys, values, scale, mask, queries, query_space)
+
+
+def _sdpa_sinks(h: History, q: mx.array) -> Optional[mx.array]:
+    return None if h.sink_logits is None else h.sink_logits.astype(q.dtype)
+
+
+def _sink_ready(h: History, keys: mx.array, values: mx.array, query_space: bool = False):
+    """(keys, values, whether the output still needs the value mean added) for MLX's fused attention with
+    learned sinks, whose logits are fixed per head: where the cache centres keys and values, the means
+    go back into every key and value (in the codecs' domains; keys in the queries' space with
+    `query_space`) first. Centred keys would shift each query's scores, not the sink's logit, and the
+    sink's share of the softmax adds no value, so the value mean cannot be added to the output after."""
+    centered = h.value_mean is not None
+    if h.sink_logits is None or not centered:
+        return keys, values, centered
+    key_mean = h.key_mean.astype(mx.float32)
+    key_shift = key_mean if query_space else h.key_codec.to_domain(key_mean)
+    value_shift = h.value_codec.to_domain(h.value_mean.astype(mx.float32))
+    return keys + key_shift.astype(keys.dtype), values + value_shift.astype(values.dtype), False
+
+
+def _fused_attention(h: History, q: mx.array, keys: mx.array, values: mx.array, scale: float, mask,
+                     queries: mx.array, query_space: bool = False) -> mx.array:
+    """MLX's fused attention over keys / values in the codecs' domains, the learned sinks passed on, and
+    the output out of the value domain."""
+    keys, values, centered = _sink_ready(h, keys, values, query_space)
+    out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale, mask=mask, sinks=_sdpa_sinks(h, q))
+    return _from_value_domain(h, out, queries, centered)
 
 
 def kept_over_codes(h: History, keys: mx.array, values: mx.array, into_domains: Callable) -> Tuple[mx.array, mx.array]:
@@ -769,8 +841,9 @@ def kept_over_codes(h: History, keys: mx.array, values: mx.array, into_domains: 
     return over(keys, fk), over(values, fv)
 
 
-def _from_value_domain(h: History, out: mx.array, queries: mx.array) -> mx.array:
-    centered = h.value_mean is not None
+def _from_value_domain(h: History, out: mx.array, queries: mx.array, centered: Optional[bool] = None) -> mx.array:
+    """`centered`: whether to add the value mean (default: where the cache centres values)."""
+    centered = h.value_mean is not None if centered is None else centered
     out = _out_of_value_domain_fn(h.value_codec, h.kv_heads, centered, queries.dtype)(
         out, h.value_mean if centered else small_array((0.0,), mx.float32))
     if h.settings.on_gpu and queries.shape[2] > 1:
@@ -799,4 +872,5 @@ def bound_prefill_memory(out: mx.array, sync: str):
         mx.eval(previous)
 
 
-register_path("sdpa_prefill", "prefill", sdpa_prefill_supports, priority=0, takes_kept=True)(sdpa_prefill)
+register_path("sdpa_prefill", "prefill", sdpa_prefill_supports, priority=0, takes_kept=True,
+              takes_sinks=True)(sdpa_prefill)

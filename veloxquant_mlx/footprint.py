@@ -12,6 +12,11 @@
   an fp16 cache is 1.00x.
 * **Allocated bytes**: the buffers as allocated, spare capacity included, at their real dtype: the memory
   in use, reported beside the held bytes, never turned into bits.
+* **State bytes**: a hybrid model's linear-attention and state-space layers hold a state (mlx-lm's
+  `ArraysCache`), not keys and values; VeloxQuant keeps it as mlx-lm makes it. Counted as held bytes are
+  (floating elements 2 bytes), outside the bits and "N x smaller" of the KV coordinates, and in the
+  **whole cache's** "N x smaller" = (fp16 bytes + state bytes) / (held bytes + state bytes): the memory
+  saved as a share of every layer's cache, not only of the attention layers'.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class Footprint:
     allocated: int  # bytes of the buffers as allocated
     coordinates: int  # key and value coordinates of the held tokens
     tokens: int  # tokens seen by the longest layer (its offset)
+    state: int = 0  # bytes of the state caches of layers without keys and values (see the module's docstring)
 
     @property
     def fp16_bytes(self) -> int:
@@ -54,22 +60,39 @@ class Footprint:
         """How many times fewer bytes than an fp16 cache of the same tokens."""
         return self.fp16_bytes / self.held if self.held else None
 
+    @property
+    def whole_smaller(self) -> Optional[float]:
+        """How many times fewer bytes than an fp16 KV cache of the same tokens with the same state caches."""
+        return (self.fp16_bytes + self.state) / (self.held + self.state) if self.held + self.state else None
+
     def __add__(self, other: "Footprint") -> "Footprint":
         return Footprint(self.held + other.held, self.allocated + other.allocated,
-                         self.coordinates + other.coordinates, max(self.tokens, other.tokens))
+                         self.coordinates + other.coordinates, max(self.tokens, other.tokens), self.state + other.state)
 
     def describe(self) -> str:
         """One line: tokens, held and allocated MB, bits per coordinate, and against fp16."""
         bits = "n/a" if self.bits is None else f"{self.bits:.2f}"
         smaller = "n/a" if self.smaller is None else f"{self.smaller:.2f}x"
-        return (f"{self.tokens} tokens, {self.held / 1e6:.3f} MB held ({self.allocated / 1e6:.3f} MB allocated), "
+        line = (f"{self.tokens} tokens, {self.held / 1e6:.3f} MB held ({self.allocated / 1e6:.3f} MB allocated), "
                 f"{bits} bits/coord; fp16 {self.fp16_bytes / 1e6:.3f} MB: {smaller} smaller")
+        if self.state and self.whole_smaller is not None:
+            saved = 1 - 1 / self.whole_smaller
+            line += (f"; with {self.state / 1e6:.3f} MB of state caches kept as they are, the whole cache "
+                     f"{self.whole_smaller:.2f}x smaller ({saved:.0%} saved)")
+        return line
 
 
 def layer_footprint(cache) -> Footprint:
     """The footprint of one layer's cache: ours (a codec'd cache, or one wrapped as `.inner`), or one of
     mlx-lm's with `keys`/`values` buffers (KVCache, RotatingKVCache, QuantizedKVCache). A cache without
     keys (an SSM layer's, say) holds no KV coordinates: all zero."""
+    from mlx_lm.models.cache import ArraysCache, CacheList
+
+    if isinstance(cache, CacheList):  # a hybrid layer: a state cache beside an attention cache
+        return footprint(cache.caches)
+    if isinstance(cache, ArraysCache):
+        arrays = [a for a in cache.cache if a is not None]
+        return Footprint(0, int(cache.nbytes), 0, 0, sum(a.size * _element_bytes(a) for a in arrays))
     inner = getattr(cache, "inner", cache)
     if getattr(inner, "key_codec", None) is not None:
         held_tokens = cache.size()

@@ -14,8 +14,8 @@ import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest, model_fingerprint
 from .attention_hook import (  # noqa: F401  (re-exported)
-    KEY_TRANSFORMING_MODELS, _original_sdpa, base_caches, check_latent_attention, check_learned_sinks,
-    install_attention_hook, scaled_dot_product_attention)
+    KEY_TRANSFORMING_MODELS, _original_sdpa, attention_cache, base_caches, check_latent_attention,
+    install_attention_hook, scaled_dot_product_attention, single_attention_member)
 from .settings import EngineSettings
 from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
@@ -37,24 +37,36 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     install_attention_hook(model)
     check_latent_attention(model)
-    check_learned_sinks(model)
     get_method(config.method).check_model(model)
     config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
     identity = cache_identity(model)
-    for i, cache in enumerate(base_caches(model)):
+
+    def compressed(cache, i: int):
         if type(cache) is mlx_cache.KVCache and max_kv_size is not None:
             cache = mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4)
         if type(cache) is mlx_cache.KVCache:
-            compressed = CompressedKVCache(config, codecs.layer(i), settings)
-            compressed.layer, compressed.model_identity = i, identity
-            caches.append(compressed)
-        elif type(cache) is mlx_cache.RotatingKVCache:
-            rotating = CompressedRotatingKVCache(config, cache.max_size, cache.keep, codecs.layer(i), settings)
-            rotating.inner.layer, rotating.inner.model_identity = i, identity
-            caches.append(rotating)
+            made = CompressedKVCache(config, codecs.layer(i), settings)
+            made.layer, made.model_identity = i, identity
+            return made
+        rotating = CompressedRotatingKVCache(config, cache.max_size, cache.keep, codecs.layer(i), settings)
+        rotating.inner.layer, rotating.inner.model_identity = i, identity
+        return rotating
+
+    for i, cache in enumerate(base_caches(model)):
+        if attention_cache(cache):
+            caches.append(compressed(cache, i))
+        elif single_attention_member(cache) is not None:
+            # A hybrid layer's CacheList (Falcon-H1, Baichuan-M1: a state cache and an attention cache).
+            members = list(cache.caches)
+            at = single_attention_member(cache)
+            members[at] = compressed(members[at], i)
+            caches.append(mlx_cache.CacheList(*members))
+            others = [type(c).__name__ for j, c in enumerate(members) if j != at]
+            if others:
+                kept.append(f"{i}:{'+'.join(others)}")
         elif not hasattr(cache, "update_and_fetch"):
             caches.append(cache)
             kept.append(f"{i}:{type(cache).__name__}")
@@ -270,8 +282,10 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
         if index is not None and _saved_digest(cache) != index["layers"][i]:
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
                                    "(layers swapped, or the file corrupted)")
-        compressed = cache.inner if isinstance(cache, CompressedRotatingKVCache) else cache
-        if config is not None and not isinstance(compressed, CompressedKVCache):
+        compressed = _compressed_of(cache)
+        # A hybrid model's state caches (no update_and_fetch: `compressed_caches` keeps them) load as they are.
+        state = not hasattr(compressed, "update_and_fetch") and single_attention_member(compressed) is None
+        if config is not None and not isinstance(compressed, CompressedKVCache) and not state:
             raise CacheFormatError(
                 f"{path} layer {i} holds a {type(cache).__name__}, not a cache made with {config.describe()}"
             )
@@ -286,6 +300,16 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
     if model is not None and len(caches) != len(model.layers):
         raise CacheFormatError(f"{path} holds {len(caches)} layers; the model has {len(model.layers)}")
     return (caches, metadata) if return_metadata else caches
+
+
+def _compressed_of(cache):
+    """The `CompressedKVCache` a loaded layer's cache holds: itself, a rotating cache's, or a hybrid layer's
+    `CacheList` member's (the layer's state cache beside it); the cache itself where it holds none."""
+    if isinstance(cache, mlx_cache.CacheList):
+        members = [_compressed_of(member) for member in cache.caches]
+        found = [member for member in members if isinstance(member, CompressedKVCache)]
+        return found[0] if len(found) == 1 else cache
+    return cache.inner if isinstance(cache, CompressedRotatingKVCache) else cache
 
 
 def _verified_index(path, metadata: dict, layers: int, headers: List[dict]) -> Optional[dict]:

@@ -136,8 +136,8 @@ class CompressedRotatingKVCache(_BaseCache):
         self.offset += keys.shape[2]
         return self.inner.update_and_fetch(keys, values)
 
-    def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
-        return self.inner.attend(queries, scale=scale, mask=mask)
+    def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
+        return self.inner.attend(queries, scale=scale, mask=mask, sinks=sinks)
 
     def make_mask(self, N: int, window_size: Optional[int] = None, return_array: bool = False):
         """mlx-lm's `RotatingKVCache.make_mask`, with the planned stale codes masked out."""

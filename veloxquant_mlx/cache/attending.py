@@ -27,10 +27,11 @@ class CacheAttention:
         self.flush()
         return self._history()
 
-    def _history(self, pending=None, slide: bool = False) -> engine.History:
+    def _history(self, pending=None, slide: bool = False, sink_logits=None) -> engine.History:
         """The read-only view attention paths get; with `slide`, `pending` is the token that
-        enters the window, whose oldest token is at `window_start`."""
-        return engine.History(
+        enters the window, whose oldest token is at `window_start`; `sink_logits`: the call's learned
+        attention sinks (`attend`)."""
+        history = engine.History(
             store=self.store, key_codec=self.key_codec, value_codec=self.value_codec, kv_heads=self.kv_heads,
             offset=self.offset, sinks=self.sinks, window=self.window, key_mean=self.key_mean,
             value_mean=self.value_mean, settings=self.settings, fp16=self._fp16_tokens, segments=self.segments,
@@ -40,6 +41,8 @@ class CacheAttention:
             window_capacity=None if self.window_fill is None else self._window_keys.shape[2],
             kept=(self.kept, self.sinks) if self.kept is not None and self.kept.capacity else None,
         )
+        history.sink_logits = sink_logits
+        return history
 
     def segments(self, query_rows: int = 1, query_len: int = 0):
         """The history as attention consumes it; encoded blocks are decoded lazily and
@@ -121,9 +124,11 @@ class CacheAttention:
                 encoded=False, extra_mask=mx.arange(lo, hi)[None] >= fp16_from[a:b], query_rows=(a, b),
             )
 
-    def attend(self, queries: mx.array, scale: float, mask=None) -> mx.array:
+    def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         """Attention of `queries` (B, n_heads, L, D) over everything this cache holds, through
-        the first registered path that takes the call (`engine.py`); `last_path` names it."""
+        the first registered path that takes the call (`engine.py`); `last_path` names it.
+        `sinks` (n_heads,): learned attention sinks (GPT-OSS), as mlx-lm's attention takes them: one
+        logit per query head that joins the softmax's denominator and adds no value."""
         if self.store is None or self.offset == 0:
             raise CacheInputError("attend() on an empty cache: it holds no tokens (none added, or all trimmed)")
         if not isinstance(queries, mx.array) or queries.ndim != 4:
@@ -134,28 +139,33 @@ class CacheAttention:
             raise CacheInputError(
                 f"queries {tuple(queries.shape)} do not fit this cache: batch {self.batch}, a multiple of "
                 f"{self.kv_heads} heads, head dim {self.key_dim}")
+        if sinks is not None and (not isinstance(sinks, mx.array) or sinks.shape != (heads,)):
+            raise CacheInputError(f"attention sinks must be an mx.array of one logit per query head ({heads},), got "
+                                  f"{getattr(sinks, 'shape', type(sinks).__name__)}")
         if L == 0:
             return mx.zeros((B, heads, 0, self.value_dim), dtype=queries.dtype)
         if self.kept is not None:
             self._keep_attended(queries, scale)
         store = self.store
         if store.pending is not None or self.incoming is not None:
-            path = self._route("decode_store", queries, mask)
+            path = self._route("decode_store", queries, mask, sinks is not None)
             if path is not None:
                 if self.incoming is None:
-                    out, rows = path.run(self._history(pending=store.take_pending()), queries, scale, mask)
+                    out, rows = path.run(self._history(pending=store.take_pending(), sink_logits=sinks), queries,
+                                         scale, mask)
                 else:
                     incoming, self.incoming = self.incoming, None
                     store.reserve(1)
-                    out, rows, window = path.run(self._history(pending=incoming, slide=True), queries, scale, mask)
+                    out, rows, window = path.run(self._history(pending=incoming, slide=True, sink_logits=sinks),
+                                                 queries, scale, mask)
                     self._window_keys, self._window_values = window
                     self.window_start = (self.window_start + 1) % self.window
                 store.put_row(rows)
                 self.last_path = path.name
                 return out
             self.flush()
-        path = self._route("decode" if queries.shape[2] == 1 else "prefill", queries, mask)
-        history = self._history()
+        path = self._route("decode" if queries.shape[2] == 1 else "prefill", queries, mask, sinks is not None)
+        history = self._history(sink_logits=sinks)
         if path is None:
             out, self.last_path = engine.generic(history, queries, scale, mask), "generic"
         else:
@@ -193,13 +203,14 @@ class CacheAttention:
             self.kept.add_shares(shares, first, self.offset)
         self.kept.settle(self.sinks + self.encoded, self.just_encoded)
 
-    def _route(self, phase: str, queries, mask):
+    def _route(self, phase: str, queries, mask, sinks: bool = False):
         """The registered path for this kind of call (`engine.choose`), memoised on what the
         paths' `supports` look at (shapes, dtypes, the mask's kind, the fp16 spans against
         `engine.FP16_HELD_LIMIT`, whether codes exist and means are fixed), so a decode step does
         not re-run the checks.
         "defer": whether a decode token may wait for a "decode_store" path; "slide": whether
-        one may wait to enter a full window, which a "decode_store" path slides (`incoming`)."""
+        one may wait to enter a full window, which a "decode_store" path slides (`incoming`).
+        `sinks`: the call has learned attention sinks (only paths that take them are chosen)."""
         if mask is not None and not isinstance(mask, str):
             return None  # an explicit mask array: the generic path applies it
         if self.kept is not None and phase == "defer":
@@ -207,9 +218,10 @@ class CacheAttention:
         slide = phase == "slide" or (phase == "decode_store" and self.incoming is not None)
         key = (phase, None if queries is None else (tuple(queries.shape), queries.dtype), mask, self.sinks,
                self._fp16_route_key(), self.just_encoded is not None, self.encoded > 0, self.key_mean is None, slide,
-               self.kept is not None and self.kept.capacity > 0)
+               self.kept is not None and self.kept.capacity > 0, sinks)
         if key not in self._routes:
-            history = self._history(pending=self.incoming or self.store.pending, slide=slide)
+            history = self._history(pending=self.incoming or self.store.pending, slide=slide,
+                                    sink_logits=mx.zeros((queries.shape[1],)) if sinks else None)
             if phase in ("defer", "slide"):
                 self._routes[key] = True if engine.defers(history) else None
             else:

@@ -140,4 +140,5 @@ def model_record(model, name: str, layout=None, **extra) -> Dict[str, Any]:
 def kv_fields(kv: Footprint) -> Dict[str, Any]:
     """A record's cache size fields, as `footprint` defines them (every command's records alike)."""
     return dict(kv_bytes=kv.held, kv_allocated_bytes=kv.allocated, kv_tokens=kv.tokens, fp16_kv_bytes=kv.fp16_bytes,
-                bits_per_coord=finite(kv.bits), compression_vs_fp16=finite(kv.smaller))
+                bits_per_coord=finite(kv.bits), compression_vs_fp16=finite(kv.smaller), state_bytes=kv.state,
+                whole_cache_compression_vs_fp16=finite(kv.whole_smaller))

@@ -144,7 +144,7 @@ def _fused_supports(h, queries, mask) -> bool:
     return _decode_call(queries, mask) and _kernels_take(h, queries, _mse_codes)
 
 
-@engine.register_path("mse_fused_step", "decode_store", _fused_supports, priority=30, takes_kept=True)
+@engine.register_path("mse_fused_step", "decode_store", _fused_supports, priority=30, takes_kept=True, takes_sinks=True)
 def fused_step(h, queries, scale, mask=None):
     """The kernels encode, attend to and store the waiting token (and slide the window). Tokens kept
     in fp16 past the window (`kept.py`) as in `kernel_step`; the token this step encodes left the
@@ -159,7 +159,7 @@ def _step_supports(h, queries, mask) -> bool:
     return h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries, _mse_codes)
 
 
-@engine.register_path("mse_kernel_step", "decode", _step_supports, priority=20, takes_kept=True)
+@engine.register_path("mse_kernel_step", "decode", _step_supports, priority=20, takes_kept=True, takes_sinks=True)
 def kernel_step(h, queries, scale, mask=None):
     """The partial and merge kernels (and the fp16 sinks/window partial), one compiled graph. Tokens
     kept in fp16 past the window (`kept.py`): two more splits take their codes' terms out and add
@@ -173,7 +173,7 @@ def _native_supports(h, queries, mask) -> bool:
             and kernel_supported(ops.codes_codec(h.key_codec), h.value_codec))
 
 
-@engine.register_path("mse_native", "decode", _native_supports, priority=20, takes_kept=True)
+@engine.register_path("mse_native", "decode", _native_supports, priority=20, takes_kept=True, takes_sinks=True)
 def native_decode(h, queries, scale, mask=None):
     o, ml = native.mse_partials(queries, h.key_codec, h.value_codec, h.layout, h.store.rows, h.count, scale)
     return portable.merge(o, ml, h, queries, scale)
@@ -183,7 +183,7 @@ def _kivi_native_supports(h, queries, mask) -> bool:
     return h.settings.backend == "native" and h.count > 0 and _decode_call(queries, mask) and native.kivi_supported(h)
 
 
-@engine.register_path("kivi_native", "decode", _kivi_native_supports, priority=20)
+@engine.register_path("kivi_native", "decode", _kivi_native_supports, priority=20, takes_sinks=True)
 def kivi_native_decode(h, queries, scale, mask=None):
     """KIVI on the CPU with the C++ extension (`csrc/kivi_attention.cpp`)."""
     o, ml = native.kivi_partials(queries, h, scale)
@@ -194,7 +194,7 @@ def _ops_supports(h, queries, mask) -> bool:
     return not h.settings.compile_step and _decode_call(queries, mask) and _kernels_take(h, queries)
 
 
-@engine.register_path("mse_kernel_ops", "decode", _ops_supports, priority=10, takes_kept=True)
+@engine.register_path("mse_kernel_ops", "decode", _ops_supports, priority=10, takes_kept=True, takes_sinks=True)
 def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
     """The kernels launched op by op (VELOXQUANT_COMPILE_STEP=0, and tests with a chunk size); kept
     tokens as in `kernel_step`."""
@@ -206,6 +206,8 @@ def kernel_ops(h, queries, scale, mask=None, chunk: Optional[int] = None):
     if h.kept:
         o, ml, _ = ops.kept_splits(run, o, ml, queries, h.store.rows, h.key_codec, h.value_codec,
                                    *h.kept_kernel_inputs(), scale, h.key_mean, h.value_mean)
+    o, ml = engine.with_sink_split(o, ml, h.sink_logits, h.value_codec, h.value_mean, queries, h.key_mean,
+                                    scale)
     return ops.merge(run, o, ml, h.value_codec, queries.shape, queries.dtype, plain=plain, value_mean=h.value_mean)
 
 
@@ -215,7 +217,7 @@ def _portable_supports(h, queries, mask) -> bool:
             and _decode_call(queries, mask) and _mse(h))
 
 
-@engine.register_path("mse_portable", "decode", _portable_supports, priority=5, takes_kept=True)
+@engine.register_path("mse_portable", "decode", _portable_supports, priority=5, takes_kept=True, takes_sinks=True)
 def portable_decode(h, queries, scale, mask=None):
     """On the CPU without the C++ kernel: codes decoded a split at a time through a table of
     centroid groups (`portable.decode_unit`), MLX ops."""
@@ -238,7 +240,7 @@ def _prefill_supports(h, queries, mask) -> bool:
             and engine.sdpa_prefill_supports(h, queries, mask))
 
 
-@engine.register_path("mse_kernel_prefill", "prefill", _prefill_supports, priority=10, takes_kept=True)
+@engine.register_path("mse_kernel_prefill", "prefill", _prefill_supports, priority=10, takes_kept=True, takes_sinks=True)
 def kernel_prefill(h, queries, scale, mask=None):
     """The engine's SDPA prefill with the history decoded by the dequant kernel."""
     return engine.sdpa_prefill(h, queries, scale, mask, decode=_dequant_rows)
@@ -269,7 +271,7 @@ def _format_step_supports(h, queries, mask) -> bool:
             and partial.fits(h.store, h.key_codec, h.value_codec, queries.shape[1] // h.kv_heads, h.settings.backend))
 
 
-@engine.register_path("format_kernel_step", "decode", _format_step_supports, priority=4)
+@engine.register_path("format_kernel_step", "decode", _format_step_supports, priority=4, takes_sinks=True)
 def format_kernel_step(h, queries, scale, mask=None):
     """Every format with decode snippets: the flash-decoding partial kernel over the codes
     (`partial.py`), the fp16 sinks/window partial and the merge, one compiled graph."""
@@ -277,7 +279,7 @@ def format_kernel_step(h, queries, scale, mask=None):
 
 
 @engine.register_path("format_kernel_decode", "decode",
-                      lambda h, q, mask: _decode_call(q, mask) and _format_kernel_ok(h), priority=3)
+                      lambda h, q, mask: _decode_call(q, mask) and _format_kernel_ok(h), priority=3, takes_sinks=True)
 def format_kernel_decode(h, queries, scale, mask=None):
     """The history decoded by the format's dequant kernel, then MLX's fused decode attention
     (orthogonal domains) or a compiled softmax over the decoded domain vectors."""
@@ -292,7 +294,7 @@ def format_kernel_decode(h, queries, scale, mask=None):
 
 @engine.register_path("format_kernel_prefill", "prefill",
                       lambda h, q, mask: _format_kernel_ok(h) and engine.sdpa_prefill_applies(h, q, mask), priority=5,
-                      takes_kept=True)
+                      takes_kept=True, takes_sinks=True)
 def format_kernel_prefill(h, queries, scale, mask=None):
     return engine.sdpa_prefill(h, queries, scale, mask, decode=_kernel_decoder)
 

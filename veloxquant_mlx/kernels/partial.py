@@ -450,19 +450,23 @@ def _tokens_in_merge(value_codec, value_dim: int, out_dim: int, fp16_parts: int)
 
 @functools.lru_cache(maxsize=engine.CODEC_KEYED)
 def _step_fn(backend: str, plan_key: tuple, key_codec, value_codec, out_shape: Tuple[int, ...], out_dtype, scale: float,
-             fp16_parts: int, centered: bool, compiled: bool, window_buffer: bool = False):
+             fp16_parts: int, centered: bool, compiled: bool, window_buffer: bool = False, sinks: bool = False):
     """`window_buffer`: the window comes as a buffer of fixed capacity, with the merge kernel's
-    meta saying how much of it is filled (`ops.merge_meta`)."""
+    meta saying how much of it is filled (`ops.merge_meta`). `sinks`: learned attention sinks
+    (`sink_logits`), one more split (`engine.with_sink_split`)."""
     from .ops import FP16Tokens, merge, runner
 
     run, plan_ = runner(backend), plan(*plan_key)
     in_kernel = _tokens_in_merge(value_codec, plan_.output_shapes[0][3], out_shape[-1], fp16_parts)
 
-    def step(queries, inputs, fp16, key_mean, value_mean, tokens_meta):
+    def step(queries, inputs, fp16, key_mean, value_mean, tokens_meta, sink_logits):
         B, n_heads, _, dim = queries.shape
         kv_rows, rep = plan_.grid[1], plan_.output_shapes[0][2]
         q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_rows // B, rep, dim))
         o, ml = run(plan_, [q.astype(mx.float32)] + list(inputs))
+        if sinks:
+            o, ml = engine.with_sink_split(o, ml, sink_logits, value_codec, value_mean if centered else None,
+                                           queries, key_mean if centered else None, scale)
         if in_kernel:
             tokens = (FP16Tokens(queries, list(fp16), scale, key_mean if centered else None,
                                  tokens_meta if window_buffer else None) if fp16_parts else None)
@@ -491,13 +495,15 @@ def decode(h, queries: mx.array, scale: float, chunk=None) -> mx.array:
     tokens_meta = engine.small_array((0,))
     if held:
         sinks = fp16[0].shape[2] if parts == 2 else 0
-        tokens_meta = ops.merge_meta(launch_.plan_key[-1], sinks, h.window, h.window_capacity)
+        splits = launch_.plan_key[-1] + (h.sink_logits is not None)  # the learned sinks' split merged too
+        tokens_meta = ops.merge_meta(splits, sinks, h.window, h.window_capacity)
     centered = h.value_mean is not None
     fn = _step_fn(backend, launch_.plan_key, h.key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
-                  float(scale), parts, centered, backend != "emulator" and h.settings.compile_step, held)
+                  float(scale), parts, centered, backend != "emulator" and h.settings.compile_step, held,
+                  h.sink_logits is not None)
     none = engine.small_array((0.0,), mx.float32)
     return fn(queries, list(launch_.inputs), fp16, h.key_mean if centered else none,
-              h.value_mean if centered else none, tokens_meta)
+              h.value_mean if centered else none, tokens_meta, none if h.sink_logits is None else h.sink_logits)
 
 
 # Of the largest output: float32 sums taken in another order than MLX's, and the GPU's exp.

@@ -17,7 +17,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from ..engine import CODEC_KEYED, kept_splits, merge_partials, plain_partial
+from ..engine import CODEC_KEYED, kept_splits, merge_partials, plain_partial, with_sink_split
 from ..packing import unpack
 
 PORTABLE_CHUNK = 4096
@@ -133,6 +133,7 @@ def merge(o: mx.array, ml: mx.array, h, queries: mx.array, scale: float) -> mx.a
     fp16 = h.fp16
     if h.kept:
         o, ml = kept_splits(h, queries, scale, o, ml)
+    o, ml = with_sink_split(o, ml, h.sink_logits, h.value_codec, h.value_mean, queries, h.key_mean, scale)
     if fp16 is None:
         return merge_partials(o, ml, h.value_codec, queries.shape, queries.dtype, value_mean=h.value_mean)
     fn = _merge_with_plain_fn(h.value_codec, tuple(queries.shape), queries.dtype, float(scale),

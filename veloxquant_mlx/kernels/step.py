@@ -35,7 +35,7 @@ import functools
 
 import mlx.core as mx
 
-from ..engine import CODEC_KEYED, attention_dtype, fp16_tokens, plain_partial, small_array
+from ..engine import CODEC_KEYED, attention_dtype, fp16_tokens, plain_partial, small_array, with_sink_split
 from . import launch, ops
 
 
@@ -48,13 +48,14 @@ def store(rows: mx.array, new: mx.array, start: int) -> mx.array:
 @functools.lru_cache(maxsize=CODEC_KEYED)
 def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str,
              scale: float, kv_rows: int, capacity: int, centered: bool, fp16_parts: int = 0, mma: bool = False,
-             chunk=None, key_scale_heads: int = 0, kept: bool = False):
+             chunk=None, key_scale_heads: int = 0, kept: bool = False, sinks: bool = False):
     """(plan, function) of a decode step: "attend" reads the stored tokens; "fused" also
     encodes, attends to and stores the new one (`fused`). `chunk`: tokens per split (None: planned).
     `key_scale_heads`: smoothed keys (`key_codec` the base's), whose scales are the `key_scale` input.
     `kept`: the step reads tokens kept in fp16 past the window (`kept.py`), `kept_inputs` (slot keys,
     values and positions, and `ops.kept_splits`' meta): two more splits take their codes' terms out
-    and add them in fp16 (`ops.kept_splits`)."""
+    and add them in fp16 (`ops.kept_splits`). `sinks`: learned attention sinks (`sink_logits` input), one
+    more split after the others (`engine.with_sink_split`)."""
     run = ops.runner(runner_name)
     rep = out_shape[1] // (kv_rows // out_shape[0])
     rotate_query = ops.constants(key_codec)["signs"] is not None
@@ -63,26 +64,31 @@ def _step_fn(kind: str, runner_name: str, key_codec, value_codec, out_shape, out
                                       q_dtype=q_dtype if rotate_query else "float32", chunk=chunk,
                                       key_scale_heads=key_scale_heads if rotate_query else 0)
 
-    def partials(queries, rows, meta, key_mean, value_mean, key_scale, kept_inputs, slide=None):
+    def partials(queries, rows, meta, key_mean, value_mean, key_scale, sink_logits, kept_inputs, slide=None):
         key_scale = key_scale if key_scale_heads else None
         o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale, meta, key_scale)
-        if not kept:
-            return o, ml, slide
-        return ops.kept_splits(run, o, ml, queries, rows, key_codec, value_codec, *kept_inputs, scale,
-                               key_mean if centered else None, value_mean if centered else None, key_scale, slide)
+        if kept:
+            o, ml, slide = ops.kept_splits(run, o, ml, queries, rows, key_codec, value_codec, *kept_inputs, scale,
+                                           key_mean if centered else None, value_mean if centered else None,
+                                           key_scale, slide)
+        if sinks:
+            o, ml = with_sink_split(o, ml, sink_logits, value_codec, value_mean if centered else None, queries,
+                                    key_mean if centered else None, scale)
+        return o, ml, slide
 
-    def attend(queries, rows, meta, key_mean, value_mean, key_scale, fp16, kept_inputs=()):
-        o, ml, _ = partials(queries, rows, meta, key_mean, value_mean, key_scale, kept_inputs)
+    def attend(queries, rows, meta, key_mean, value_mean, key_scale, sink_logits, fp16, kept_inputs=()):
+        o, ml, _ = partials(queries, rows, meta, key_mean, value_mean, key_scale, sink_logits, kept_inputs)
         tokens = fp16_tokens(fp16_parts, fp16, key_mean if centered else None)
         plain = None if tokens is None else plain_partial(queries, *tokens, scale)
         return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain,
                          value_mean=value_mean if centered else None)
 
-    def fused(queries, rows, meta, key_mean, value_mean, key_scale, fp16, keys, values, slide=None, kept_inputs=()):
+    def fused(queries, rows, meta, key_mean, value_mean, key_scale, sink_logits, fp16, keys, values, slide=None,
+              kept_inputs=()):
         # The fp16 tokens go to merge_encode as held: it centres and attends to them itself. Kept
         # tokens: the one this step encodes has no row yet, so its codes are not taken out; if it was
         # kept, merge_encode does not attend to it from its codes (`ops.kept_splits` sets slide[4]).
-        o, ml, slide = partials(queries, rows, meta, key_mean, value_mean, key_scale, kept_inputs, slide)
+        o, ml, slide = partials(queries, rows, meta, key_mean, value_mean, key_scale, sink_logits, kept_inputs, slide)
         return ops.merge_encode(run, o, ml, queries, keys, values, key_codec, value_codec, scale, out_dtype,
                                 key_mean if centered else None, value_mean if centered else None, fp16=fp16,
                                 slide=slide, key_scale=key_scale if key_scale_heads else None)
@@ -111,17 +117,19 @@ def _run_step(kind: str, runner_name: str, h, queries: mx.array, scale: float, *
     plan, fn = _step_fn(kind, runner_name, key_codec, h.value_codec, tuple(queries.shape), queries.dtype,
                         launch.dtype_name(q_dtype), float(scale), rows.shape[0] * rows.shape[1], rows.shape[2],
                         centered, parts, uses_tensor_cores(runner_name, h, queries), h.settings.split_tokens,
-                        0 if key_scale is None else key_scale.shape[0], h.kept)
+                        0 if key_scale is None else key_scale.shape[0], h.kept, h.sink_logits is not None)
     _, chunk, capacity, splits = plan.meta["meta"]
-    if slide:  # merge_encode_slide's meta: [splits, sinks, window, the slot of the window's oldest token,
-        # whether that token was kept (set in the step)]
-        extra += (small_array((splits, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot, 0)),)
+    if slide:  # merge_encode_slide's meta: [splits (the learned sinks' one included), sinks, window, the slot
+        # of the window's oldest token, whether that token was kept (set in the step)]
+        merged = splits + (h.sink_logits is not None)
+        extra += (small_array((merged, fp16[0].shape[2] if parts == 2 else 0, h.window, h.window_slot, 0)),)
     if h.kept:
         extra += (h.kept_kernel_inputs(),)
     meta = small_array((h.count, chunk, capacity, splits))
     none = small_array((0.0,), mx.float32)
     return fn(queries.astype(q_dtype), rows, meta, h.key_mean if centered else none,
-              h.value_mean if centered else none, none if key_scale is None else key_scale, fp16, *extra)
+              h.value_mean if centered else none, none if key_scale is None else key_scale,
+              none if h.sink_logits is None else h.sink_logits, fp16, *extra)
 
 
 def attend(runner_name: str, h, queries: mx.array, scale: float) -> mx.array:
