@@ -51,7 +51,7 @@ class EngineSettings:
     split_tokens: Optional[int] = None
     tensor_cores: bool = True
     gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
-    check_inputs: str = "first"
+    check_inputs: str = "prefill"
     prefill_rule: str = "chunk"
     prefill_sync: str = "pipelined"
 
@@ -99,7 +99,7 @@ class EngineSettings:
             env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
             explicit["split_tokens"] = int(env) if env else None
         if "check_inputs" not in explicit:
-            explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "first").strip().lower()
+            explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "prefill").strip().lower()
         if "prefill_rule" not in explicit:
             explicit["prefill_rule"] = (os.environ.get("VELOXQUANT_PREFILL_RULE") or "chunk").strip().lower()
         if "prefill_sync" not in explicit:
