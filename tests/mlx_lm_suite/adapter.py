@@ -21,8 +21,8 @@ import sys
 import unittest
 from pathlib import Path
 
-import mlx_lm.generate
-import mlx_lm.models.cache as mlx_cache
+import mlx.core as mx
+import mlx_lm.generate  # noqa: F401  (the module, in sys.modules)
 
 UPSTREAM = Path(__file__).resolve().parent / "upstream"
 FILES = ("test_prompt_cache", "test_generate", "test_server")
@@ -116,6 +116,30 @@ def _stand_ins(config):
     }
 
 
+# The tolerance of the upstream tests' `mx.allclose` on the library's caches, per spec: (rtol, atol). Their
+# exact comparisons are of logits and log-probabilities computed twice on compressed caches through different
+# calls (one generate_step against two, a batch against single runs, before and after a trim); README.md lists
+# each and why the tolerance is what the method's error justifies. mlx-lm's own caches keep the tests' own.
+TOLERANCE = {"turboquant_mse:4": (1e-5, 1e-2), "vq3": (1e-5, 1e-2)}
+
+
+class _TolerantMx:
+    """`mlx.core` for an upstream module, with `allclose` at least as loose as `TOLERANCE` for the spec; the
+    largest difference each comparison saw is recorded in `seen` (test name, max |a - b|, max |b|)."""
+
+    def __init__(self, rtol: float, atol: float):
+        self.rtol, self.atol, self.seen = rtol, atol, []
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+    def allclose(self, a, b, rtol: float = 1e-5, atol: float = 1e-8, equal_nan: bool = False):
+        a, b = mx.array(a), mx.array(b)
+        self.seen.append((float(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)))),
+                          float(mx.max(mx.abs(b.astype(mx.float32))))))
+        return mx.allclose(a, b, rtol=max(rtol, self.rtol), atol=max(atol, self.atol), equal_nan=equal_nan)
+
+
 def suite(spec):
     """{class name: TestCase class} of the three upstream files, run on `spec`'s caches (None: mlx-lm's)."""
     config = config_for(spec)
@@ -129,6 +153,7 @@ def suite(spec):
         loaded.loader.exec_module(module)
         module.load = local_model
         if config is not None:
+            module.mx = _TolerantMx(*TOLERANCE.get(spec, (1e-5, 1e-8)))
             for cls_name, stand_in in _stand_ins(config).items():
                 if hasattr(module, cls_name):
                     setattr(module, cls_name, stand_in)
@@ -158,10 +183,12 @@ def patched_mlx_lm(spec):
     if config is None:
         yield
         return
-    import mlx_lm.server
+    import mlx_lm.server  # noqa: F401
 
     make = _make_prompt_cache(config)
-    targets = [m for m in (mlx_cache, mlx_lm.generate, mlx_lm.server) if hasattr(m, "make_prompt_cache")]
+    # The modules themselves: the attribute `mlx_lm.generate` is the function mlx_lm/__init__.py imports.
+    modules = [sys.modules[name] for name in ("mlx_lm.models.cache", "mlx_lm.generate", "mlx_lm.server")]
+    targets = [m for m in modules if hasattr(m, "make_prompt_cache")]
     saved = [(m, m.make_prompt_cache) for m in targets]
     try:
         for m in targets:
