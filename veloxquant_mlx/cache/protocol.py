@@ -179,6 +179,16 @@ class MlxCacheProtocol:
         attends over (`attention_hook.py`); `dequantized()` gives the arrays."""
         return self.history()
 
+    @property
+    def bits(self) -> int:
+        """The keys' bits: what mlx-lm reads of a quantized cache (`QuantizedKVCache.bits`; its server and
+        `--kv-bits` compare it)."""
+        return self.config.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.config.group_size
+
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """mlx-lm's `--kv-bits` (`maybe_quantize_kv_cache`, `KVCache.to_quantized`): this cache re-encoded as the
         library's config nearest `bits` (`quantized_config`), or itself where it already is one. Its codes are
