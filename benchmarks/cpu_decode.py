@@ -56,6 +56,18 @@ def decode_seconds(model, caches, tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def prefill_seconds(model, spec, tokens: int, chunk: int, seed: int = 0) -> float:
+    """Seconds to prefill `tokens` random tokens into fresh caches of `spec`, `chunk` at a time, each chunk
+    evaluated before the next (as mlx-lm's generate_step does)."""
+    caches = spec.make_caches(model)
+    ids = mx.random.randint(0, model.args.vocab_size, (1, tokens), key=mx.random.key(seed))
+    start = time.perf_counter()
+    for at in range(0, tokens, chunk):
+        model(ids[:, at:at + chunk], cache=caches)
+        mx.eval([c.state for c in caches])
+    return time.perf_counter() - start
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
@@ -66,6 +78,9 @@ def main():
     parser.add_argument("--out", default="results/cpu_decode")
     parser.add_argument("--dtype", default="as-loaded", choices=["as-loaded", "float16", "float32"],
                         help="activation dtype; the caches are filled in it (fp16 cache = this dtype)")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="also time a prefill of this many random tokens through the model (0: none)")
+    parser.add_argument("--prefill-chunk", type=int, default=512)
     args = parser.parse_args()
     model, _ = load_model(args.model)
     if args.dtype != "as-loaded":
@@ -75,17 +90,23 @@ def main():
         dtype = mx.float32
     specs = parse_method_list(args.methods)
     runs = {s.label: [] for s in specs}
+    prefills = {s.label: [] for s in specs}
     for r in range(args.repeats):
         for spec in specs:
             caches = filled_caches(model, spec, args.context, dtype, seed=r)
             runs[spec.label].append(decode_seconds(model, caches, args.tokens))
             print(f"repeat {r} {spec.label}: {args.tokens / runs[spec.label][-1]:.2f} tok/s", flush=True)
             del caches
+            if args.prefill:
+                prefills[spec.label].append(prefill_seconds(model, spec, args.prefill, args.prefill_chunk, seed=r))
+                print(f"repeat {r} {spec.label}: prefill {args.prefill / prefills[spec.label][-1]:.1f} tok/s", flush=True)
     result = {
         "model": args.model, "activations": str(dtype), "context": args.context, "tokens": args.tokens, "repeats": args.repeats,
         "device": str(mx.default_device()), "backend": kernels.backend(), "platform": platform.platform(),
         "processor": platform.processor(), "mlx": mx.__version__,
-        "records": [{"method": k, "decode_s": v, "decode_tokens_per_s": args.tokens / statistics.median(v)}
+        "records": [{"method": k, "decode_s": v, "decode_tokens_per_s": args.tokens / statistics.median(v),
+                     **({"prefill_tokens": args.prefill, "prefill_chunk": args.prefill_chunk, "prefill_s": prefills[k],
+                         "prefill_tokens_per_s": args.prefill / statistics.median(prefills[k])} if args.prefill else {})}
                     for k, v in runs.items()],
     }
     out = Path(args.out)
@@ -101,6 +122,14 @@ def main():
     for rec in result["records"]:
         lines.append(f"| `{rec['method']}` | {rec['decode_tokens_per_s']:.2f} | "
                      f"{rec['decode_tokens_per_s'] / base:.2f}x | {', '.join(f'{s:.2f}' for s in rec['decode_s'])} |")
+    if args.prefill:
+        first = result["records"][0]["prefill_tokens_per_s"]
+        lines += ["", f"Prefill of {args.prefill} random tokens in chunks of {args.prefill_chunk}, median of "
+                  f"{args.repeats} interleaved runs.", "", "| method | prefill tok/s | vs first | runs (s) |",
+                  "|---|---:|---:|---|"]
+        for rec in result["records"]:
+            lines.append(f"| `{rec['method']}` | {rec['prefill_tokens_per_s']:.1f} | {rec['prefill_tokens_per_s'] / first:.2f}x "
+                         f"| {', '.join(f'{s:.2f}' for s in rec['prefill_s'])} |")
     (out / f"cpu_decode{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -45,6 +45,9 @@ SLOW_CASES = {
         'test_smoothed_keys_take_the_fused_mse_step[protected-dtype1-mma]',
         'test_smoothed_keys_take_the_fused_mse_step[protected-dtype1-simt]',
     ),
+    'test_contract.py': (
+        'test_to_quantized_converts_into_the_nearest_config[8-None]',
+    ),
     'test_evaluation.py': (
         'test_ppl_smollm2',
     ),

@@ -168,12 +168,34 @@ def test_saved_and_copied_caches_keep_the_window(tmp_path):
         CompressedRotatingKVCache.from_state([json.dumps(edited), inner_header, arrays])
 
 
-def test_a_window_too_small_for_the_fp16_window_is_refused():
-    cache = CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=4, residual_length=64), MAX_SIZE)
-    with pytest.raises(ValueError, match="residual_length 64"):
+@pytest.mark.parametrize("max_size,keep", [(8, 0), (8, 4), (5, 4), (2, 0), (1, 0)])
+def test_windows_of_any_size_mlx_lm_takes_give_its_outputs(max_size, keep):
+    """A sliding window shorter than the fp16 window (residual_length 32) shrinks the fp16 window, with one
+    warning; keep up to max_size - 1 (mlx-lm's make_prompt_cache(max_kv_size=5) keeps 4). With fp16 codes
+    the outputs are mlx-lm's."""
+    mx.random.seed(0)
+    reference = RotatingKVCache(max_size=max_size, keep=keep)
+    ours = CompressedRotatingKVCache(KVCacheConfig(method="fp16", bits=16, residual_length=32), max_size, keep)
+    with pytest.warns(UserWarning, match="does not fit a sliding window") as noted:
+        for n in [7, 1, 1, 3, 1, 12, 1, 1]:
+            keys, values, queries = _tokens(n)
+            mask, reference_mask = ours.make_mask(n, window_size=max_size), reference.make_mask(n, window_size=max_size)
+            ours.update_and_fetch(keys, values)
+            out = ours.attend(queries, scale=DIM**-0.5, mask=mask)
+            k, v = reference.update_and_fetch(keys, values)
+            expected = reference_sdpa(queries, k, v, cache=reference, scale=DIM**-0.5, mask=reference_mask)
+            assert ours.offset == reference.offset and ours.size() == reference.size()
+            assert mx.abs(out.astype(mx.float32) - expected.astype(mx.float32)).max().item() < 2e-3, n
+    assert len([w for w in noted if "does not fit" in str(w.message)]) == 1
+    assert ours.inner.config.residual_length == max_size - keep - 1
+
+
+def test_a_token_block_larger_than_the_window_is_refused_and_keep_is_clamped():
+    cache = CompressedRotatingKVCache(KVCacheConfig(method="kivi", bits=4, group_size=32), max_size=8)
+    with pytest.raises(ValueError, match="blocks of 32"):
         cache.update_and_fetch(*_tokens(1)[:2])
-    with pytest.raises(ValueError, match="keep"):
-        CompressedRotatingKVCache(KVCacheConfig(), max_size=8, keep=8)
+    with pytest.warns(UserWarning, match="keeps at most 7"):
+        assert CompressedRotatingKVCache(KVCacheConfig(), max_size=8, keep=8).keep == 7
 
 
 def _logits(model, tokens, cache, chunks):

@@ -189,11 +189,11 @@ def test_deepcopy_after_validation_still_independent(method):
         twin.update_and_fetch(*kv(1, dim=16))
 
 
-def test_default_check_covers_the_first_update_only(monkeypatch):
-    """The default ("first") checks the chunk that sets the means; later chunks go unchecked
-    (a sync per layer and chunk idles the GPU), "prefill" checks every chunk."""
+def test_default_check_covers_every_prefill_chunk(monkeypatch):
+    """The default ("prefill") checks every chunk of more than one token, not only the one that sets the
+    means; "first" checks that one only."""
     monkeypatch.delenv("VELOXQUANT_CHECK_INPUTS", raising=False)
-    assert EngineSettings.resolve().check_inputs == "first"
+    assert EngineSettings.resolve().check_inputs == "prefill"
     for check, refused in (("first", False), ("prefill", True)):
         cache = CompressedKVCache(config_for("turboquant_mse", 4), settings=EngineSettings.resolve(check_inputs=check))
         cache.update_and_fetch(*kv(16))

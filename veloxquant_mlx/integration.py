@@ -35,6 +35,12 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `max_kv_size`: as mlx-lm's `make_prompt_cache`, full-attention layers keep only the last
     `max_kv_size` tokens (and the first 4) in a rotating cache. `tokenizer`: for a config with
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
+    base = base_caches(model)
+    if not any(attention_cache(cache) or single_attention_member(cache) is not None for cache in base):
+        # No attention layer (Mamba 2): nothing to compress, and no attention to route; the model runs as it is.
+        install_attention_hook()
+        _warn_kept([f"{i}:{type(cache).__name__}" for i, cache in enumerate(base)])
+        return base
     install_attention_hook(model)
     check_latent_attention(model)
     get_method(config.method).check_model(model)
@@ -55,7 +61,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
         rotating.inner.layer, rotating.inner.model_identity = i, identity
         return rotating
 
-    for i, cache in enumerate(base_caches(model)):
+    for i, cache in enumerate(base):
         if attention_cache(cache):
             caches.append(compressed(cache, i))
         elif single_attention_member(cache) is not None:
@@ -74,14 +80,18 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
             raise UnsupportedModelError(
                 f"layer {i} uses {type(cache).__name__}, which VeloxQuant cannot replace"
             )
+    _warn_kept(kept)
+    return caches
+
+
+def _warn_kept(kept: List[str]) -> None:
     if kept:
         warnings.warn(
             f"{len(kept)} layer(s) keep their own non-attention cache uncompressed: "
             + ", ".join(kept[:8])
             + (" ..." if len(kept) > 8 else ""),
-            stacklevel=3,
+            stacklevel=4,
         )
-    return caches
 
 
 def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None, tokenizer=None):

@@ -26,12 +26,14 @@ the cache's `keep`, which mlx-lm's model chose (0 for Gemma 3).
 from __future__ import annotations
 
 import json
+import warnings
 from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
 from .cache import _LOADING, CacheFormatError, CompressedKVCache, run_on_load
+from .cache.protocol import quantized_config
 from .cache_integrity import header_digest
 from .codec_set import CodecSet
 from .config import KVCacheConfig
@@ -44,8 +46,16 @@ ROTATING_FORMAT_VERSION = 2  # 2: the header's digest
 class CompressedRotatingKVCache(_BaseCache):
     def __init__(self, config: KVCacheConfig, max_size: int, keep: int = 0, codecs: Optional[CodecSet] = None,
                  settings: Optional[EngineSettings] = None):
-        if not 0 <= keep < max_size - 1:
-            raise ValueError(f"keep ({keep}) must be >= 0 and below max_size - 1 ({max_size - 1})")
+        if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
+            raise ValueError(f"max_size must be a positive int, got {max_size!r}")
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"keep must be an int >= 0, got {keep!r}")
+        if keep > max_size - 1:
+            # mlx-lm's own cache takes it but then has no slot left for a new token (its decode step writes past
+            # the buffer): the newest token takes the last kept one's place.
+            warnings.warn(f"a sliding window of {max_size} tokens keeps at most {max_size - 1} first tokens "
+                          f"(asked for {keep}): it keeps {max_size - 1}", stacklevel=2)
+            keep = max_size - 1
         if get_method(config.method).positional:
             raise ValueError(f"{config.method} codes each key at its position (RoPE applied at attention time), "
                              "which a sliding window's eviction would shift: a rotating cache (sliding-window "
@@ -115,26 +125,55 @@ class CompressedRotatingKVCache(_BaseCache):
             self.inner.offset -= dropped
         self.stale = stale
 
-    def _check_window(self):
-        """The fp16 window must leave codes to evict: up to residual_length + block - 1 tokens
-        wait in it, and eviction keeps keep + max_size - 1 - keep."""
-        block, window = self.inner.block, self.config.residual_length
-        if self.keep + window + block > self.max_size:
+    def _fit_window(self, keys: mx.array, values: mx.array):
+        """The fp16 window must leave codes to evict: up to residual_length + block - 1 tokens wait in
+        it, and eviction keeps keep + max_size - 1 - keep. A window too long for this sliding window
+        shrinks to what fits, with a warning (one per shape); a token block that cannot fit is refused."""
+        block, window = self.inner.block, self.inner.config.residual_length
+        room = self.max_size - self.keep - block
+        if window <= room:
+            return
+        if room < 0:
             raise ValueError(
-                f"residual_length {window} (+ token block {block} + keep {self.keep}) does not fit a sliding "
-                f"window of {self.max_size} tokens: use a residual_length of at most {self.max_size - self.keep - block}"
-            )
+                f"{self.config.method} codes tokens in blocks of {block}, which (with keep {self.keep}) do not fit "
+                f"a sliding window of {self.max_size} tokens: use a format that codes tokens one by one")
+        warnings.warn(
+            f"the fp16 window of {window} tokens (residual_length) does not fit a sliding window of {self.max_size} "
+            f"tokens (keep {self.keep}, token block {block}): such a layer holds {room} recent tokens in fp16",
+            stacklevel=3)
+        self.inner.config = self.inner.config.replace(residual_length=room)
+        self.inner._setup(keys, values)  # again: what depends on the window (`_immediate`)
 
     # ---- mlx-lm cache protocol ----------------------------------------------------------------
     def update_and_fetch(self, keys: mx.array, values: mx.array):
+        self.inner._check_update(keys, values)  # before eviction: a refused chunk leaves the cache unchanged
         if self.inner.key_codec is None:
             self.inner._setup(keys, values)
-            self._check_window()
+            self._fit_window(keys, values)
             # Grow by at most the window, as mlx-lm's RotatingKVCache does.
             self.inner.store.step = min(self.inner.store.step, self.max_size)
         self._evict()
         self.offset += keys.shape[2]
-        return self.inner.update_and_fetch(keys, values)
+        return self.inner._update_checked(keys, values)
+
+    def keys_and_values(self):
+        """What mlx-lm's KV-sharing layers read (`CompressedKVCache.keys_and_values`)."""
+        return self.inner.history()
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's `--kv-bits` (`CompressedKVCache.to_quantized`): the tokens held, re-encoded in a
+        sliding-window cache of the config nearest `bits`, at the same positions; or itself."""
+        target = quantized_config(bits)
+        if self.config.same_encoding(target):
+            return self
+        new = type(self)(target, self.max_size, self.keep, settings=self.settings)
+        new.inner.layer, new.inner.model_identity = self.inner.layer, self.inner.model_identity
+        if self.offset:
+            keys, values = self.dequantized()
+            dtype = self.inner.window_dtype
+            new.update_and_fetch(keys.astype(dtype), values.astype(dtype))
+            new.offset = self.offset
+        return new
 
     def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         return self.inner.attend(queries, scale=scale, mask=mask, sinks=sinks)
@@ -230,7 +269,9 @@ class CompressedRotatingKVCache(_BaseCache):
             if not config.same_encoding(caller_config):
                 raise CacheFormatError(f"rotating cache layer was written with {config.describe()}, "
                                        f"not {caller_config.describe()}")
-            token = _LOADING.set((caller_config.replace(sink_tokens=header["keep"]), codecs))
+            # The inner cache's fp16 window may be shorter than the config's (`_fit_window`), never longer.
+            window = _inner_window(inner_header, caller_config.residual_length)
+            token = _LOADING.set((caller_config.replace(sink_tokens=header["keep"], residual_length=window), codecs))
         try:
             self.inner.state = [inner_header, arrays]
         finally:
@@ -251,3 +292,13 @@ class CompressedRotatingKVCache(_BaseCache):
         cache.state = state
         run_on_load()  # the attention hook (cache.register_on_load)
         return cache
+
+
+def _inner_window(inner_header: str, config_window: int) -> int:
+    """The fp16 window the inner cache's header records, where it is a shorter one than the config's
+    (`_fit_window`); the config's otherwise (the inner cache's own check then names any mismatch)."""
+    try:
+        window = json.loads(inner_header)["config"]["residual_length"]
+    except Exception:
+        return config_window
+    return window if isinstance(window, int) and 0 <= window < config_window else config_window

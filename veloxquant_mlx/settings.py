@@ -12,7 +12,7 @@ on the per-token path reads the environment.
 | `metal_kernels` | `VELOXQUANT_METAL_KERNELS` (1) | Metal kernels on an Apple GPU; each is checked against the portable path at first use |
 | `tensor_cores` | `VELOXQUANT_TENSOR_CORES` (1) | turboquant_mse decode on tensor cores where the back end has them (CUDA `mma`: fp16 operands, fp32 sums; the emulator models it); otherwise, and for shapes it does not take (more than 8 query heads per kv head, head dim above 256), the fp32 SIMT kernel |
 | `split_tokens` | `VELOXQUANT_SPLIT_TOKENS` (None) | tokens per decode split (None: planned from the GPU's size) |
-| `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (first) | refuse NaN, Inf and beyond-fp16 keys/values: "first" checks each cache's first update (the chunk that sets the centering means; one sync per layer, once), "prefill" every chunk of more than one token (one sync per layer and chunk, which idles the GPU while the host builds the next layer), "always" every update (a sync per layer per decode step), "off" none |
+| `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (prefill) | refuse NaN, Inf and beyond-fp16 keys/values (and NaN/Inf queries) before the cache changes: "prefill" every chunk of more than one token (two syncs per layer and chunk, which idle a GPU while the host builds the next layer), "always" every update as well (two syncs per layer per decode step), "first" each cache's first update only (the chunk that sets the centering means), "off" none. Costs: docs/decisions.md |
 | `prefill_sync` | `VELOXQUANT_PREFILL_SYNC` (pipelined) | how a GPU prefill bounds its peak memory: "pipelined" launches each layer's attention and then waits for the layer before, so the GPU always has one queued (two layers' decoded histories at a time); "layer" evaluates each layer before the next is built (one history at a time; the GPU idles while the host builds the next layer) |
 | `prefill_rule` | `VELOXQUANT_PREFILL_RULE` (chunk) | what a prefill chunk's queries see in fp16 where an fp16 window or multi-token blocks (KIVI) exist: "chunk", the chunk and the window before it (as an fp16 cache would; one fused attention call); "decode", exactly what token-by-token decoding would (a band per query: an explicit mask, slower). `eval ppl` uses "decode" |
 """
@@ -51,7 +51,7 @@ class EngineSettings:
     split_tokens: Optional[int] = None
     tensor_cores: bool = True
     gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
-    check_inputs: str = "first"
+    check_inputs: str = "prefill"
     prefill_rule: str = "chunk"
     prefill_sync: str = "pipelined"
 
@@ -99,7 +99,7 @@ class EngineSettings:
             env = os.environ.get("VELOXQUANT_SPLIT_TOKENS")
             explicit["split_tokens"] = int(env) if env else None
         if "check_inputs" not in explicit:
-            explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "first").strip().lower()
+            explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "prefill").strip().lower()
         if "prefill_rule" not in explicit:
             explicit["prefill_rule"] = (os.environ.get("VELOXQUANT_PREFILL_RULE") or "chunk").strip().lower()
         if "prefill_sync" not in explicit:

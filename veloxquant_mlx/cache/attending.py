@@ -144,6 +144,7 @@ class CacheAttention:
                                   f"{getattr(sinks, 'shape', type(sinks).__name__)}")
         if L == 0:
             return mx.zeros((B, heads, 0, self.value_dim), dtype=queries.dtype)
+        self._check_queries(queries)
         if self.kept is not None:
             self._keep_attended(queries, scale)
         store = self.store

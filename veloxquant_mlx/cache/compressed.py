@@ -74,8 +74,15 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         self.batch, self.kv_heads, _, self.key_dim = keys.shape
         self.value_dim = values.shape[-1]
         self.window_dtype = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16) else mx.float16
-        self.key_codec = self.codecs.get("keys", self.key_dim)
-        self.value_codec = self.codecs.get("values", self.value_dim)
+        try:
+            key_codec, value_codec = self.codecs.get("keys", self.key_dim), self.codecs.get("values", self.value_dim)
+        except ValueError as error:
+            if min(self.key_dim, self.value_dim) >= 3:
+                raise
+            raise CacheInputError(
+                f"{self.config.describe()} cannot code head dim {self.key_dim} (keys) / {self.value_dim} (values): "
+                f"{error}. Keep such a layer in mlx-lm's own KVCache") from None
+        self.key_codec, self.value_codec = key_codec, value_codec
         self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
         self._immediate = (self.block == 1 and self.config.sink_tokens == 0 and self.config.residual_length == 0)
         if self.kept is not None and (self.block != 1 or self.batch != 1):

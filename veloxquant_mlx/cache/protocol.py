@@ -8,6 +8,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import create_attention_mask
 
+from ..config import KVCacheConfig
 from ..methods.base import at_positions
 from .errors import FP16_MAX, CacheInputError
 
@@ -68,9 +69,7 @@ class MlxCacheProtocol:
                 raise CacheInputError(
                     f"this cache holds (batch, kv_heads, key dim, value dim) = {held} since its first update; got "
                     f"{got}: a cache serves one layer of one model; make a new one")
-        check = self.settings.check_inputs
-        if keys.shape[2] and (check == "always" or (check == "prefill" and keys.shape[2] > 1)
-                              or (check == "first" and self.offset == 0)):
+        if self._checks(keys.shape[2], first=self.offset == 0):
             # Norms, not elements: the codes keep fp16 norms and scales. `<=` is False for NaN too,
             # so one reduction and one sync cover NaN, Inf and overflow.
             limit = FP16_MAX * FP16_MAX
@@ -83,8 +82,26 @@ class MlxCacheProtocol:
                     "is unchanged. (EngineSettings(check_inputs='off') or "
                     "VELOXQUANT_CHECK_INPUTS=off skips this check)")
 
+    def _checks(self, tokens: int, first: bool) -> bool:
+        """Whether `settings.check_inputs` checks a call of `tokens` tokens (`first`: the cache's first)."""
+        check = self.settings.check_inputs
+        return tokens > 0 and (check == "always" or (check == "prefill" and tokens > 1) or (check == "first" and first))
+
+    def _check_queries(self, queries: mx.array):
+        """Queries are checked where their keys are (`_checks`): a NaN or Inf query makes its call's output
+        non-finite (and, with keep_attended, the shares it adds), though never the codes."""
+        L = queries.shape[2]
+        if self._checks(L, first=self.offset == L) and not mx.all(mx.isfinite(queries)).item():
+            raise CacheInputError("queries hold NaN or Inf: attention over them would be non-finite; the cache is "
+                                  "unchanged. (EngineSettings(check_inputs='off') or VELOXQUANT_CHECK_INPUTS=off "
+                                  "skips this check)")
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_update(keys, values)
+        return self._update_checked(keys, values)
+
+    def _update_checked(self, keys: mx.array, values: mx.array):
+        """`update_and_fetch` of keys and values `_check_update` took."""
         if self.key_codec is None:
             self._setup(keys, values)
         keys = keys.astype(self.window_dtype)
@@ -155,6 +172,37 @@ class MlxCacheProtocol:
 
     def history(self):
         return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
+
+    def keys_and_values(self):
+        """What mlx-lm's KV-sharing layers read from another layer's cache (gemma3n's shared layers, afm7's
+        KV-reuse layers) and hand to attention: this cache's `history()`, which the attention hook
+        attends over (`attention_hook.py`); `dequantized()` gives the arrays."""
+        return self.history()
+
+    @property
+    def bits(self) -> int:
+        """The keys' bits: what mlx-lm reads of a quantized cache (`QuantizedKVCache.bits`; its server and
+        `--kv-bits` compare it)."""
+        return self.config.bits
+
+    @property
+    def group_size(self) -> int:
+        return self.config.group_size
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4):
+        """mlx-lm's `--kv-bits` (`maybe_quantize_kv_cache`, `KVCache.to_quantized`): this cache re-encoded as the
+        library's config nearest `bits` (`quantized_config`), or itself where it already is one. Its codes are
+        decoded and coded again, so their error adds to the new one's; the fp16 sinks and window move exactly.
+        `group_size` is mlx-lm's affine group, which these formats do not have."""
+        target = quantized_config(bits)
+        if self.config.same_encoding(target):
+            return self
+        new = type(self)(target, settings=self.settings)
+        new.layer, new.model_identity = self.layer, self.model_identity
+        if self.offset:
+            keys, values = self.dequantized()
+            new.update_and_fetch(keys.astype(self.window_dtype), values.astype(self.window_dtype))
+        return new
 
     def size(self):
         return self.offset
@@ -249,6 +297,18 @@ class MlxCacheProtocol:
         """`nbytes` without the unused capacity of the store and of the window buffer: the bytes
         the tokens held take."""
         return self._dense_nbytes(used=True) + (0 if self.store is None else self.store.used_nbytes)
+
+
+def quantized_config(bits: int):
+    """The library's config nearest mlx-lm's `--kv-bits`: the presets vq2, vq3, vq4 for 2, 3, 4 bits, vq4's
+    recipe (sinks, window, centering, renorm, unbiased values) with keys and values at `bits` for 5 to 8;
+    any other width is refused (mlx-lm's own quantized cache takes 2-8)."""
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 2 <= bits <= 8:
+        raise CacheInputError(f"--kv-bits / to_quantized(bits={bits!r}): the library's caches take 2 to 8 bits "
+                              "(2, 3, 4: the presets vq2, vq3, vq4; 5 to 8: vq4's recipe at that width)")
+    if bits <= 4:
+        return KVCacheConfig.preset(f"vq{bits}")
+    return KVCacheConfig.preset("vq4", bits=bits, value_bits=bits)
 
 
 def _concat(a: Optional[mx.array], b: mx.array) -> mx.array:

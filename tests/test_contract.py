@@ -1,0 +1,133 @@
+"""The rest of mlx-lm's cache contract on the library's caches: `to_quantized` (mlx-lm's --kv-bits),
+`keys_and_values` (KV-sharing layers), head dims the codes cannot take, models with no attention layer, and
+the non-finite policy (`settings.check_inputs`)."""
+
+import math
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import maybe_quantize_kv_cache
+from mlx_lm.models import mamba2
+
+from conftest import config_for
+from veloxquant_mlx import CompressedKVCache, CompressedRotatingKVCache, EngineSettings, KVCacheBuilder, KVCacheConfig
+from veloxquant_mlx.cache import CacheInputError, CompressedHistory
+from veloxquant_mlx.integration import scaled_dot_product_attention
+
+
+def kv(n, heads=2, dim=32, seed=0):
+    key = mx.random.key(seed)
+    return tuple(mx.random.normal((1, heads, n, dim), key=k).astype(mx.float16) for k in mx.random.split(key, 2))
+
+
+@pytest.mark.parametrize("bits,preset", [(4, "vq4"), (3, "vq3"), (2, "vq2"), (8, None)])
+def test_to_quantized_converts_into_the_nearest_config(bits, preset):
+    """mlx-lm's --kv-bits replaces each cache with `to_quantized(...)`: a cache of the nearest config holding the
+    same tokens (its fp16 ones exactly, the rest within the two codes' error), or the cache itself."""
+    cache = CompressedKVCache(config_for("fp16"))
+    keys, values = kv(80)
+    cache.update_and_fetch(keys, values)
+    caches = [cache]
+    maybe_quantize_kv_cache(caches, quantized_kv_start=0, kv_group_size=64, kv_bits=bits)
+    converted = caches[0]
+    target = KVCacheConfig.preset(preset) if preset else KVCacheConfig.preset("vq4", bits=8, value_bits=8)
+    assert converted is not cache and converted.config.same_encoding(target)
+    assert converted.offset == 80 and converted.encoded == 80 - target.sink_tokens - target.residual_length
+    got, _ = converted.dequantized()
+    assert mx.array_equal(got[..., -target.residual_length:, :].astype(mx.float16),
+                          keys[..., -target.residual_length:, :]).item()
+    error = float(mx.sqrt(mx.mean(mx.square(got - keys.astype(mx.float32)))))
+    assert error < {2: 0.6, 3: 0.35, 4: 0.2, 8: 0.02}[bits], error
+    assert converted.to_quantized(group_size=64, bits=bits) is converted  # already that config
+
+
+def test_to_quantized_refuses_widths_it_has_no_config_for_and_converts_sliding_windows():
+    cache = CompressedKVCache(config_for("turboquant_mse", 4))
+    cache.update_and_fetch(*kv(8))
+    for bits in (1, 9, 4.0):
+        with pytest.raises(CacheInputError, match="2 to 8 bits"):
+            cache.to_quantized(bits=bits)
+    rotating = CompressedRotatingKVCache(config_for("fp16"), max_size=64, keep=4)
+    keys, values = kv(100)
+    rotating.update_and_fetch(keys, values)
+    converted = rotating.to_quantized(bits=4)
+    assert converted.config.same_encoding(KVCacheConfig.preset("vq4"))
+    assert (converted.offset, converted.size(), converted.max_size, converted.keep) == (100, 64, 64, 4)
+    assert converted.dequantized()[0].shape == rotating.dequantized()[0].shape
+
+
+def test_keys_and_values_is_the_history_attention_reads(model):
+    """gemma3n's KV-shared layers and afm7's KV-reuse layers read another layer's `keys_and_values()` and hand
+    it to mlx-lm's attention: the hook attends over that cache."""
+    caches = KVCacheBuilder(config_for("turboquant_mse", 4, residual_length=8)).for_model(model).build()
+    model(mx.array([list(range(1, 41))]), cache=caches)
+    keys, values = caches[1].keys_and_values()
+    assert isinstance(keys, CompressedHistory) and keys.cache is caches[1] and keys.shape == (1, 2, 40, 32)
+    queries = mx.random.normal((1, 8, 1, 32), key=mx.random.key(1))
+    shared = scaled_dot_product_attention(queries, keys, values, cache=None, scale=0.2, mask=None)
+    assert mx.allclose(shared, caches[1].attend(queries, 0.2), atol=1e-5).item()
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_head_dims_the_codes_cannot_take_are_refused_by_name(dim):
+    cache = CompressedKVCache(config_for("turboquant_mse", 4))
+    with pytest.raises(CacheInputError, match=f"head dim {dim}"):
+        cache.update_and_fetch(*kv(4, dim=dim))
+    assert cache.offset == 0 and cache.key_codec is None
+
+
+def test_a_model_without_attention_layers_passes_through_with_the_warning():
+    args = mamba2.ModelArgs(model_type="mamba2", num_heads=4, head_dim=16, vocab_size=64, hidden_size=32,
+                            intermediate_size=64, state_size=8, num_hidden_layers=2, layer_norm_epsilon=1e-5,
+                            conv_kernel=4, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=True,
+                            time_step_limit=(0.0, math.inf), time_step_rank="auto")
+    mx.random.seed(0)
+    mamba = mamba2.Model(args)
+    with pytest.warns(UserWarning, match="2 layer.s. keep their own non-attention cache"):
+        caches = KVCacheBuilder(KVCacheConfig()).for_model(mamba).build()
+    reference = mamba.make_cache()
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    assert [type(c) for c in caches] == [type(c) for c in reference]
+    assert mx.array_equal(mamba(tokens, cache=caches), mamba(tokens, cache=reference)).item()
+
+
+def _snapshot(cache):
+    keys, values = cache.dequantized()
+    return cache.offset, cache.nbytes, keys, values
+
+
+@pytest.mark.parametrize("rotating", [False, True])
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_a_non_finite_chunk_after_the_first_is_refused_and_leaves_the_cache_unchanged(rotating, bad):
+    """The default policy checks every prefill chunk, not only the first (issue: a NaN in a later chunk made
+    every later decode step NaN)."""
+    config = config_for("turboquant_mse", 4, residual_length=4)
+    cache = CompressedRotatingKVCache(config, max_size=32) if rotating else CompressedKVCache(config)
+    cache.update_and_fetch(*kv(20))
+    cache.update_and_fetch(*kv(1, seed=1))
+    before = _snapshot(cache)
+    keys, values = kv(6, seed=2)
+    keys[0, 1, 3, 5] = bad
+    with pytest.raises(CacheInputError, match="NaN, Inf"):
+        cache.update_and_fetch(keys, values)
+    after = _snapshot(cache)
+    assert before[:2] == after[:2] and all(mx.array_equal(a, b).item() for a, b in zip(before[2:], after[2:]))
+    queries = mx.random.normal((1, 4, 6, 32), key=mx.random.key(3))
+    queries[0, 0, 0, 0] = bad
+    with pytest.raises(CacheInputError, match="queries hold NaN or Inf"):
+        cache.attend(queries, 0.2, mask="causal")
+
+
+def test_the_check_follows_the_setting():
+    keys, values = kv(6, seed=2)
+    keys[0, 0, 0, 0] = math.nan
+    for check, refused in (("always", (True, True)), ("prefill", (True, False)), ("first", (False, False)),
+                           ("off", (False, False))):
+        for tokens, expect in zip((6, 1), refused):
+            cache = CompressedKVCache(config_for("turboquant_mse", 4), settings=EngineSettings.resolve(check_inputs=check))
+            cache.update_and_fetch(*kv(8))
+            if expect:
+                with pytest.raises(CacheInputError):
+                    cache.update_and_fetch(keys[..., :tokens, :], values[..., :tokens, :])
+            else:
+                cache.update_and_fetch(keys[..., :tokens, :], values[..., :tokens, :])
