@@ -48,11 +48,12 @@ _CACHE_FLAGS = {"method": "method", "bits": "bits", "value_bits": "value_bits", 
 
 def config_from_args(args, default_method: str = "turboquant_mse"):
     from .config import KVCacheConfig, parse_option_value
-    from .presets import preset_config
+    from .presets import preset_config, resolved_preset
 
     from .methods import get_method
 
     kv = getattr(args, "kv", None)
+    kv = resolved_preset(kv) if kv else kv
     method = get_method(getattr(args, "method", None) or (preset_config(kv).method if kv else default_method))
     declared = {**method.generic_options, **method.options}
     options = {}
