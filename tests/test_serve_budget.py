@@ -72,10 +72,11 @@ def test_kv_none_takes_no_cache_flags():
     assert config_from_args(build_parser().parse_args(["serve", "--kv", "none"])) is None
 
 
-@pytest.mark.parametrize("cache_flags", [["--kv", "none"], ["--method", "turboquant_mse", "--bits", "4"]])
-def test_budget_queues_requests_that_do_not_fit_and_refuses_one_that_never_can(tiny_dir, cache_flags):
-    # one 256-token step of the tiny model's caches fits, two do not
-    httpd, generator = _serving(["--model", str(tiny_dir), *cache_flags, "--kv-memory-gb", "0.0002"])
+@pytest.mark.parametrize("cache_flags,budget_gb", [(["--kv", "none"], "0.0002"),
+                                                   (["--method", "turboquant_mse", "--bits", "4"], "0.00003")])
+def test_budget_queues_requests_that_do_not_fit_and_refuses_one_that_never_can(tiny_dir, cache_flags, budget_gb):
+    # one 256-token step of the tiny model's caches fits in the budget, two do not
+    httpd, generator = _serving(["--model", str(tiny_dir), *cache_flags, "--kv-memory-gb", budget_gb])
     port = httpd.server_address[1]
     try:
         assert _post(port, {"model": "tiny", "prompt": "warm up", "max_tokens": 2, "temperature": 0.0})[0] == 200

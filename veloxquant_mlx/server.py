@@ -222,6 +222,14 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         return dataclasses.replace(self._limits, allow_fetch=self.cli_args.allow_fetch)
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (`ru_maxrss`: KB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
 def context_limit(model) -> Optional[int]:
     """The model's trained context (`max_position_embeddings`), or None if it does not say."""
     return getattr(getattr(model, "args", None), "max_position_embeddings", None)
@@ -361,7 +369,7 @@ class VeloxAPIHandler(mlx_server.APIHandler):
         budget = self.response_generator.kv_budget
         body = json.dumps({"kv_budget_bytes": None if budget is None else budget.limit,
                            "admission": None if budget is None else dataclasses.asdict(budget.stats),
-                           "mlx_peak_memory_bytes": mx.get_peak_memory(),
+                           "mlx_peak_memory_bytes": mx.get_peak_memory(), "peak_rss_bytes": peak_rss_bytes(),
                            "mlx_active_memory_bytes": mx.get_active_memory()}).encode()
         self._set_completion_headers(200)
         self.send_header("Content-Length", str(len(body)))
