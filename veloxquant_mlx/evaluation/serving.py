@@ -273,7 +273,7 @@ def markdown(results: dict) -> str:
     for r in rows:
         ref = base.get((r["clients"], r["prompt_tokens"], r["kv_budget_gb"]))
         ratio = f"{r['tok_per_s'] / ref:.2f}x" if ref else "-"
-        lines.append(f"| {r['cache']} | {_fmt(r["kv_budget_gb"], digits=4)} | {r['clients']} | {r['prompt_tokens']} | "
+        lines.append(f"| {r['cache']} | {_fmt(r['kv_budget_gb'], digits=4)} | {r['clients']} | {r['prompt_tokens']} | "
                      f"{r['tok_per_s']:.2f} | {ratio} | {_fmt(r['ttft_p50_s'])}/{_fmt(r['ttft_p95_s'])} | "
                      f"{_fmt(r['itl_p50_s'], 1e3, 0)}/{_fmt(r['itl_p95_s'], 1e3, 0)} | {r['admitted']} | {r['queued']} | "
                      f"{_fmt(r['server_peak_rss_bytes'], 1e-9)} | {_fmt(r['mlx_peak_memory_bytes'], 1e-9)} | "
