@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import socket
 import statistics
 import subprocess
@@ -206,6 +207,7 @@ def run_serve_benchmark(args) -> dict:
     runs = [(cache, None) for cache in caches] + ([(cache, budget_gb) for cache in caches] if budget_gb else [])
     servers: Dict[tuple, ServerProcess] = {}
     rows = []
+    signal.signal(signal.SIGTERM, _interrupted)  # stop the servers on the way out
     try:
         for cache, budget in runs:
             flags = cache_flags(cache) + (["--kv-memory-gb", repr(budget)] if budget else [])
@@ -214,7 +216,7 @@ def run_serve_benchmark(args) -> dict:
                                                      max(levels))
         for server in servers.values():
             server.wait_ready()
-            run_round(server.port, prompts[min(lengths)][:1], 1, 1, 4)  # warm-up: compile, first allocations
+            run_round(server.port, ["Warm up: compile the model's graphs."], 1, 1, 4)
         for clients in levels:
             for length in lengths:
                 for cache in caches:
@@ -247,6 +249,10 @@ def run_serve_benchmark(args) -> dict:
     plot(results, out / "throughput_vs_concurrency.png")
     print(markdown(results))
     return results
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _progress(row):
