@@ -204,42 +204,40 @@ def run_serve_benchmark(args) -> dict:
     del model
     mx.clear_cache()
 
-    runs = [(cache, None) for cache in caches] + ([(cache, budget_gb) for cache in caches] if budget_gb else [])
+    if args.budget_only and not budget_gb:
+        raise ValueError("--budget-only needs --kv-memory-gb or --budget-fp16-sequences")
+    plan = [] if args.budget_only else [(cache, None, clients, length) for clients in levels for length in lengths
+                                        for cache in caches]
+    if budget_gb:
+        plan += [(cache, budget_gb, max(levels), max(lengths)) for cache in caches]
+    if args.sequential:  # one server process at a time (a large model): each cache's rounds together
+        plan.sort(key=lambda step: (caches.index(step[0]), step[1] is not None))
+    last_use = {(cache, budget): i for i, (cache, budget, _, _) in enumerate(plan)}
     servers: Dict[tuple, ServerProcess] = {}
     rows = []
     signal.signal(signal.SIGTERM, _interrupted)  # stop the servers on the way out
     try:
-        for cache, budget in runs:
-            flags = cache_flags(cache) + (["--kv-memory-gb", repr(budget)] if budget else [])
-            label = cache + (f"-budget" if budget else "")
-            servers[(cache, budget)] = ServerProcess(args.model, flags, out / f"server-{label}.log", args.max_tokens,
-                                                     max(levels))
-        for server in servers.values():
-            server.wait_ready()
-            run_round(server.port, ["Warm up: compile the model's graphs."], 1, 1, 4)
-        for clients in levels:
-            for length in lengths:
-                for cache in caches:
-                    row = _round_row(servers[(cache, None)], cache, length, None,
-                                     run_round(servers[(cache, None)].port, prompts[length], clients, args.requests,
-                                               args.max_tokens))
-                    rows.append(row)
-                    _progress(row)
-        if budget_gb:
-            for cache in caches:
-                server = servers[(cache, budget_gb)]
-                row = _round_row(server, cache, max(lengths), budget_gb,
-                                 run_round(server.port, prompts[max(lengths)], max(levels), args.requests,
-                                           args.max_tokens))
-                rows.append(row)
-                _progress(row)
+        if not args.sequential:  # every server up (and loading in parallel) before the first round
+            for cache, budget in dict.fromkeys(last_use):
+                servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
+        for i, (cache, budget, clients, length) in enumerate(plan):
+            if (cache, budget) not in servers:
+                servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
+            server = servers[(cache, budget)]
+            row = _round_row(server, cache, length, budget,
+                             run_round(server.port, prompts[length], clients, args.requests, args.max_tokens))
+            rows.append(row)
+            _progress(row)
+            if args.sequential and last_use[(cache, budget)] == i:
+                servers.pop((cache, budget)).stop()
     finally:
         for server in servers.values():
             server.stop()
     results = {"command": "benchmark serve",
                "settings": {"model": args.model, "caches": caches, "concurrency": levels, "prompt_tokens": lengths,
                             "max_tokens": args.max_tokens, "requests_per_client": args.requests,
-                            "kv_budget_gb": budget_gb, "budget_fp16_sequences": args.budget_fp16_sequences},
+                            "kv_budget_gb": budget_gb, "budget_fp16_sequences": args.budget_fp16_sequences,
+                            "interleaved": not args.sequential},
                "environment": {"device": str(mx.default_device()), "machine": platform.machine(),
                                "processor": platform.processor(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
                                "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
@@ -249,6 +247,20 @@ def run_serve_benchmark(args) -> dict:
     plot(results, out / "throughput_vs_concurrency.png")
     print(markdown(results))
     return results
+
+
+def _start(args, out: Path, cache: str, budget, concurrency: int) -> ServerProcess:
+    """A ready, warmed-up server of `cache` (under `budget` GB of KV, or none)."""
+    flags = cache_flags(cache) + (["--kv-memory-gb", repr(budget)] if budget else [])
+    label = cache.replace(":", "-") + ("-budget" if budget else "")
+    server = ServerProcess(args.model, flags, out / f"server-{label}.log", args.max_tokens, concurrency)
+    try:
+        server.wait_ready()
+        run_round(server.port, ["Warm up: compile the model's graphs."], 1, 1, 4)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def _interrupted(signum, frame):
@@ -270,7 +282,7 @@ def markdown(results: dict) -> str:
     base = {(r["clients"], r["prompt_tokens"], r["kv_budget_gb"]): r["tok_per_s"] for r in rows
             if r["cache"] in ("none", "fp16")}
     lines = [f"`veloxquant benchmark serve`: model `{s['model']}`, {s['requests_per_client']} streamed completion(s) "
-             f"per client of up to {s['max_tokens']} tokens, greedy; one interleaved run ({env['device']}, mlx "
+             f"per client of up to {s['max_tokens']} tokens, greedy; one {'interleaved ' if s.get('interleaved', True) else ''}run ({env['device']}, mlx "
              f"{env['mlx']}, mlx-lm {env['mlx_lm']}, {env['when']}). `none` is mlx-lm's own caches; `mlx-qN` its "
              "QuantizedKVCache (served one request at a time by mlx-lm's server).", "",
              "| cache | KV budget GB | clients | prompt tokens | tok/s | vs none | TTFT p50/p95 s | ITL p50/p95 ms "
@@ -330,6 +342,11 @@ def register_serve_benchmark(benchmark_parser) -> None:
     budget.add_argument("--budget-fp16-sequences", type=int, default=None,
                         help="the same with a budget of N sequences of mlx-lm's fp16 caches at the longest prompt "
                              "(default: none)")
+    serve.add_argument("--budget-only", action="store_true",
+                       help="only the rounds under the budget (where the caches at every concurrency would not fit)")
+    serve.add_argument("--sequential", action="store_true",
+                       help="one server process at a time, each cache's rounds together (a model too large for "
+                            "one process per cache at once); default: all up, rounds alternating between caches")
     serve.add_argument("--text", default=None, help="text the prompts come from (default: the packaged sample)")
     serve.add_argument("--out", default="results/benchmark-serve", help="results folder (default: "
                                                                         "results/benchmark-serve)")
