@@ -13,8 +13,8 @@ attend:  domain = the rotated space: scores = (R q) . k_hat and the value sum
 
 The cache's protections (fp16 sinks, fp16 window, centred keys and values) apply as to any
 method; the `mlxq4` / `mlxq8` presets set them (`presets.py`). Where a back end lacks a
-quantized_matmul for the shape (head dims not a multiple of 32), attention decodes the codes with
-`mx.dequantize` instead.
+quantized_matmul for these shapes (CUDA), attention decodes the codes with `mx.dequantize` and runs MLX's
+fused attention (`engine.sdpa_decode` on any GPU).
 """
 
 import mlx.core as mx
@@ -35,6 +35,13 @@ def group_for(dim: int, group_size: int) -> int:
         raise ValueError(f"mlxq needs a group size in {GROUP_SIZES} dividing the head dim {dim}, got {group_size}"
                          + (f"; try {fitting[0]}" if fitting else "; this head dim has none"))
     return group
+
+
+def _on_cuda() -> bool:
+    """MLX's CUDA back end lacks quantized_matmul for batched codes of these shapes (as `kivi.py` finds): there
+    the codes are dequantized (`mx.dequantize`), which the GPU decode paths do anyway (`engine.sdpa_decode`)."""
+    cuda = getattr(mx, "cuda", None)
+    return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
 
 
 class MLXQuantCodec(Codec):
@@ -61,11 +68,15 @@ class MLXQuantCodec(Codec):
 
     def score(self, queries, fields):
         """q . k_hat for every token, from the codes (queries (B, H, M, D) -> (B, H, M, T))."""
+        if _on_cuda():
+            return super().score(queries, fields)
         return mx.quantized_matmul(queries, *self._quantized(fields, queries.dtype), transpose=True,
                                    group_size=self.group_size, bits=self.bits)
 
     def weighted_sum(self, weights, fields):
         """sum_t weights[..., t] v_hat_t from the codes (weights (B, H, R, L, T) -> (B, H, R, L, D))."""
+        if _on_cuda():
+            return super().weighted_sum(weights, fields)
         codes, scales, biases = (mx.expand_dims(a, 2) for a in self._quantized(fields, weights.dtype))
         return mx.quantized_matmul(weights, codes, scales, biases, transpose=False, group_size=self.group_size,
                                    bits=self.bits)
@@ -90,7 +101,7 @@ class MLXQuant(Method):
     status = "recommended"
     status_note = ("runs on MLX's own quantized kernels on every back end (no custom kernel): the presets' "
                    "format where the custom kernels are unusable; rotation, sinks, window and centring give it "
-                   "a fraction of mlx-lm's QuantizedKVCache's KL at the same bits (benchmarks/results/mlxq-cpu)")
+                   "a fraction of mlx-lm's QuantizedKVCache's KL at the same bits (benchmarks/results/mlxq-kl-smollm2-cpu)")
     values_summary = "same codec at value_bits"
 
     @classmethod
