@@ -126,9 +126,11 @@ class KVBudget:
         head = self._waiting[0]
         with self._lock:
             if self.stats.reserved_bytes + head.need > self.limit:
-                if not head.logged:
-                    head.logged = True
-                    self.stats.queued += 1
+                fresh = [w for w in self._waiting if not w.logged]  # every request that waits counts once
+                for waiting in fresh:
+                    waiting.logged = True
+                self.stats.queued += len(fresh)
+                if fresh:
                     logging.info(f"KV budget: request queued ({len(self._waiting)} waiting): it needs "
                                  f"{head.need / GB:.3f} GB, {self.stats.reserved_bytes / GB:.3f} GB of "
                                  f"{self.limit / GB:g} GB are held by {self.stats.live} running")
