@@ -32,7 +32,7 @@ LAYERS = {
     # 6. models and weights
     "models": 6, "gguf": 6, "weights": 6,
     # 7. faces
-    "cli": 7, "cli_shared": 7, "chat": 7, "server": 7, "server_requests": 7, "demo": 7, "evaluation": 7, "planning": 7,
+    "cli": 7, "cli_shared": 7, "chat": 7, "server": 7, "server_requests": 7, "server_admission": 7, "demo": 7, "evaluation": 7, "planning": 7,
     "selftest": 7, "weights.cli": 7, "weights.selftest": 7, "kernels.selftest": 7,
     "": 7,  # the package's __init__ re-exports the public API
 }

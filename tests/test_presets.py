@@ -17,7 +17,7 @@ def head64():
 
 
 def test_every_preset_has_stated_bits_and_builds():
-    assert set(KV_PRESETS) == set(PRESET_BITS) == {"vq4", "vq3", "vq2"}
+    assert set(KV_PRESETS) == set(PRESET_BITS) == {"vq4", "vq3", "vq2", "mlxq4", "mlxq8"}
     for name in KV_PRESETS:
         assert KVCacheConfig.preset(name) == preset_config(name)
     with pytest.raises(ValueError, match="known: vq4"):

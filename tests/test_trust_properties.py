@@ -33,6 +33,7 @@ SCALE = 1.5 / math.sqrt(DIM)  # a little sharper than 1/sqrt(d): errors in the s
 ATTENTION_TOLERANCE = {
     "fp16": 1e-3,
     "kivi": 0.19,
+    "mlxq": 0.35,  # measured 0.2321 over 40 sequences (K4/V4, group 32), x1.5
     "polarquant": 0.76,
     "qjl": 1.95,
     "rabitq": 0.43,  # measured 0.2832 over the same 300 sequences (K4/V4), x1.5
@@ -51,7 +52,9 @@ operation = st.one_of(
 
 
 def _config(method):
-    return config_for(method, 4, group_size=8, sink_tokens=2, residual_length=4, center=method != "fp16")
+    # mlxq takes MLX's quantized group sizes only (32 here: the head dim)
+    return config_for(method, 4, group_size=DIM if method == "mlxq" else 8, sink_tokens=2, residual_length=4,
+                      center=method != "fp16")
 
 
 def _reference_attention(ref: KVCache, queries):
@@ -134,7 +137,7 @@ if __name__ == "__main__":  # record the tolerances: worst error over random seq
 
     runs = int(sys.argv[1]) if len(sys.argv) > 1 else 300
     with tempfile.TemporaryDirectory() as tmp:
-        for method in ALL_METHODS:
+        for method in sys.argv[2:] or ALL_METHODS:
             rng = np.random.default_rng(1)
             worst = 0.0
             for i in range(runs):

@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="mlx-lm's rotating-cache size: refused, rotating compressed caches cannot be batched yet "
                             "(default: none)")
     add_server_arguments(serve)
-    add_cache_arguments(serve)
+    add_cache_arguments(serve, allow_none=True)
     serve.set_defaults(func=run_serve)
 
     methods = sub.add_parser("methods", help="list compression methods")

@@ -10,8 +10,10 @@ import sys
 import time
 
 
-def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "turboquant_mse") -> None:
-    """The cache flags. Unset ones come from `--kv PRESET` if given, else from the defaults shown."""
+def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "turboquant_mse",
+                        allow_none: bool = False) -> None:
+    """The cache flags. Unset ones come from `--kv PRESET` if given, else from the defaults shown. With
+    `allow_none`, `--kv none` keeps mlx-lm's own caches (`config_from_args` gives None)."""
     from .config import KVCacheConfig
     from .presets import KV_PRESETS, describe_presets
 
@@ -19,9 +21,10 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "
     group = parser.add_argument_group(
         "KV cache", "Flags left unset take the --kv preset's value, or else the default shown."
     )
-    group.add_argument("--kv", choices=sorted(KV_PRESETS), default=None, metavar="PRESET",
-                       help=f"a recommended configuration: {describe_presets()} "
-                            "(default: none; the flags below)")
+    group.add_argument("--kv", choices=sorted(KV_PRESETS) + (["none"] if allow_none else []), default=None,
+                       metavar="PRESET", help=f"a recommended configuration: {describe_presets()}"
+                       + ("; none: mlx-lm's own caches, uncompressed" if allow_none else "")
+                       + " (default: none given; the flags below)")
     group.add_argument("--method", default=None,
                        help=f"compression method, see `veloxquant methods` (default: {default_method})")
     group.add_argument("--bits", type=int, default=None, help=f"key bits per coordinate (default: {base.bits})")
@@ -48,11 +51,17 @@ _CACHE_FLAGS = {"method": "method", "bits": "bits", "value_bits": "value_bits", 
 
 def config_from_args(args, default_method: str = "turboquant_mse"):
     from .config import KVCacheConfig, parse_option_value
-    from .presets import preset_config
+    from .presets import preset_config, resolved_preset
 
     from .methods import get_method
 
     kv = getattr(args, "kv", None)
+    if kv == "none":
+        given = [flag for flag in _CACHE_FLAGS if getattr(args, flag, None) is not None] + (["option"] if args.option else [])
+        if given:
+            raise ValueError(f"--kv none keeps mlx-lm's own caches; it takes no cache flags (got --{given[0].replace('_', '-')})")
+        return None
+    kv = resolved_preset(kv) if kv else kv
     method = get_method(getattr(args, "method", None) or (preset_config(kv).method if kv else default_method))
     declared = {**method.generic_options, **method.options}
     options = {}

@@ -88,7 +88,9 @@ class Format:
     (e.g. "mse": `kernels/`), with its constants in `kernel_params`; None: no kernel,
     the engine's compiled MLX-ops paths decode it with the codec. `orthogonal_domain`:
     `to_domain` is an orthogonal map of the head vector (rotations, identity), so fp16
-    vectors mapped into the domain score and sum exactly as in the original space."""
+    vectors mapped into the domain score and sum exactly as in the original space.
+    `separate_buffers`: keep one buffer per field even for a per-token format (no `RowLayout`),
+    for codecs whose attention hands the fields to an MLX op that reads them contiguous."""
 
     name: str
     dim: int
@@ -98,6 +100,7 @@ class Format:
     kernel: Optional[str] = None
     kernel_params: Tuple[Tuple[str, object], ...] = ()
     orthogonal_domain: bool = True
+    separate_buffers: bool = False
 
     __hash__ = _cached_hash
     __getstate__ = _state_without_hash
@@ -163,7 +166,8 @@ class RowLayout:
 
     @classmethod
     def of(cls, key: Format, value: Format) -> Optional["RowLayout"]:
-        return cls(key, value) if key.per_token and value.per_token else None
+        whole_rows = key.per_token and value.per_token and not (key.separate_buffers or value.separate_buffers)
+        return cls(key, value) if whole_rows else None
 
     def slot(self, role: str, name: str) -> Slot:
         for s in self.slots:

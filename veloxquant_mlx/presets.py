@@ -18,6 +18,7 @@ Change the table here; the CLI help and `describe_presets` list whatever it hold
 
 from __future__ import annotations
 
+import warnings
 from typing import Dict
 
 from .config import KVCacheConfig, register_presets
@@ -32,10 +33,14 @@ KV_PRESETS: Dict[str, dict] = {
     "vq4": dict(method="turboquant_mse", bits=4, value_bits=3, residual_length=32, **_PROTECTED),
     "vq3": dict(method="turboquant_mse", bits=3, value_bits=2, residual_length=32, **_PROTECTED),
     "vq2": dict(method="turboquant_mse", bits=2, value_bits=1, residual_length=24, **_PROTECTED),
+    # MLX's own quantized format, rotated (`methods/mlxq.py`): every back end runs it on MLX's kernels, and
+    # `FALLBACK_PRESET` maps each preset above to one of these where the custom kernels are unusable.
+    "mlxq4": dict(method="mlxq", bits=4, value_bits=4, group_size=64, residual_length=32, sink_tokens=4, center=True),
+    "mlxq8": dict(method="mlxq", bits=8, value_bits=8, group_size=64, residual_length=32, sink_tokens=4, center=True),
 }
 
 # The most bits per coordinate each preset's caches hold at any context >= MIN_CONTEXT tokens.
-PRESET_BITS: Dict[str, float] = {"vq4": 4.0, "vq3": 3.0, "vq2": 2.0}
+PRESET_BITS: Dict[str, float] = {"vq4": 4.0, "vq3": 3.0, "vq2": 2.0, "mlxq4": 4.75, "mlxq8": 8.75}
 MIN_CONTEXT = 2048
 
 
@@ -50,7 +55,44 @@ def preset_config(name: str, **changes) -> KVCacheConfig:
     return KVCacheConfig(**fields)
 
 
-register_presets(preset_config)
+# What each kernel preset resolves to where the custom kernels are unusable (`kernels_usable`): MLX's own
+# quantized kernels, not the portable MLX-ops decode of turboquant_mse's codes.
+FALLBACK_PRESET: Dict[str, str] = {"vq4": "mlxq4", "vq3": "mlxq4", "vq2": "mlxq4"}
+_ANNOUNCED: set = set()
+
+
+def kernels_usable(settings=None) -> bool:
+    """Whether the custom attention kernels may run here: a kernel back end (CUDA, Metal, the C++ CPU
+    extension) that passed its first-use check (`kernels/check.py`)."""
+    from .kernels import check
+    from .settings import EngineSettings
+
+    settings = settings or EngineSettings.resolve()
+    if not settings.kernels or settings.backend == "portable":
+        return False
+    return check.usable(settings.backend)
+
+
+def resolved_preset(name: str, settings=None) -> str:
+    """`name`, or its `FALLBACK_PRESET` where the custom kernels are unusable, said once per process on stderr."""
+    fallback = FALLBACK_PRESET.get(name)
+    if fallback is None or kernels_usable(settings):
+        return name
+    if name not in _ANNOUNCED:
+        _ANNOUNCED.add(name)
+        warnings.warn(f"veloxquant_mlx: the custom attention kernels are unusable here (no kernel back end, or its "
+                      f"first-use check failed), so preset {name} resolves to {fallback} "
+                      f"({preset_config(fallback).describe()}: MLX's own quantized kernels)", RuntimeWarning,
+                      stacklevel=2)
+    return fallback
+
+
+def usable_preset_config(name: str, **changes) -> KVCacheConfig:
+    """`preset_config` of `resolved_preset(name)`: what `KVCacheConfig.preset` and `--kv` build."""
+    return preset_config(resolved_preset(name), **changes)
+
+
+register_presets(usable_preset_config)
 
 
 def qk_norm_hint(name, config: KVCacheConfig, model) -> "str | None":

@@ -54,6 +54,7 @@ from .server_requests import RequestError, RequestLimits, parse_json, validate_b
 ENDPOINTS = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 DEFAULT_MAX_TOKENS_LIMIT = 131072  # for a model whose config names no context length
 CLIENT_CHECK_SECONDS = 0.05
+STATS_PATH = "/v1/veloxquant/stats"
 
 
 class VeloxModelProvider(mlx_server.ModelProvider):
@@ -102,8 +103,8 @@ class _TrackedQueue:
     """A request's response queue as the generation thread sees it: counts the tokens put,
     and knows when the request has had its last answer (None or an error)."""
 
-    def __init__(self, queue, max_tokens: int):
-        self.queue, self.max_tokens = queue, max_tokens
+    def __init__(self, queue, max_tokens: int, on_done=None):
+        self.queue, self.max_tokens, self.on_done = queue, max_tokens, on_done
         self.tokens, self.done, self.context = 0, False, None
 
     def put(self, item, *args, **kwargs):
@@ -113,15 +114,19 @@ class _TrackedQueue:
             self.context = item
         elif item is None or isinstance(item, Exception):
             self.done = True
+            if self.on_done is not None:
+                self.on_done(self)
         self.queue.put(item, *args, **kwargs)
 
 
 class VeloxResponseGenerator(mlx_server.ResponseGenerator):
     """mlx-lm's generation thread, restarted when a request makes it fail."""
 
-    def __init__(self, model_provider, prompt_cache):
+    def __init__(self, model_provider, prompt_cache, kv_budget_bytes: Optional[int] = None):
         self._in_flight = weakref.WeakSet()  # held only by the generation loop's own state
         self._limits = None
+        self._budget_bytes = kv_budget_bytes
+        self.kv_budget = None  # `server_admission.KVBudget`, made once the model is loaded
         super().__init__(model_provider, prompt_cache)
 
     def _run_generate(self):
@@ -144,12 +149,44 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         self._in_flight = weakref.WeakSet()
 
     def _next_request(self, timeout=None):
-        request = super()._next_request(timeout)
+        if self._budget_bytes is None:
+            return self._tracked(super()._next_request(timeout))
+        if self.kv_budget is None:
+            self.kv_budget = self._make_budget()
+        return self.kv_budget.next(lambda wait: self._tracked(super(VeloxResponseGenerator, self)._next_request(wait)),
+                                   timeout, self._prompt_tokens)
+
+    def _tracked(self, request):
         if request is None:
             return None
-        queue = _TrackedQueue(request[0], request[2].max_tokens)
+        budget = self.kv_budget
+        queue = _TrackedQueue(request[0], request[2].max_tokens, budget.release if budget is not None else None)
         self._in_flight.add(queue)
         return (queue, *request[1:])
+
+    def _make_budget(self):
+        """`--kv-memory-gb`'s rule for the served caches (generation thread, the model loaded)."""
+        from .server_admission import CacheBytes, KVBudget
+
+        provider = self.model_provider
+        provider.load_default()
+        if provider.model is None:
+            raise RuntimeError("--kv-memory-gb needs the served model loaded")
+        kv_bits = self.cli_args.kv_bits
+        if kv_bits is not None:  # mlx-lm's QuantizedKVCache (`--kv none --kv-bits`), as its server makes them
+            from mlx_lm.models.cache import QuantizedKVCache
+
+            group = self.cli_args.kv_group_size
+            layers = len(make_prompt_cache(provider.model))
+            cache_bytes = CacheBytes(provider.model, lambda: [QuantizedKVCache(group, kv_bits) for _ in range(layers)])
+        else:
+            cache_bytes = CacheBytes(provider.model, lambda: make_prompt_cache(provider.model))
+        logging.info(f"KV budget: {self._budget_bytes / 1e9:g} GB; a sequence's caches take "
+                     f"{cache_bytes.per_token / 1e3:.2f} KB per token (measured)")
+        return KVBudget(self._budget_bytes, cache_bytes)
+
+    def _prompt_tokens(self, request) -> int:
+        return len(self._tokenize(self.model_provider.tokenizer, request[1], request[2])[0])
 
     def in_flight(self) -> list:
         """The requests the generation loop still holds, unanswered (their `tokens` so far)."""
@@ -183,6 +220,14 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
                 max_tokens=context_limit(model) or DEFAULT_MAX_TOKENS_LIMIT, vocab_size=vocab,
                 has_vision=provider.processor is not None)
         return dataclasses.replace(self._limits, allow_fetch=self.cli_args.allow_fetch)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (`ru_maxrss`: KB on Linux, bytes on macOS)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 def context_limit(model) -> Optional[int]:
@@ -315,7 +360,21 @@ class VeloxAPIHandler(mlx_server.APIHandler):
     def do_GET(self):
         if self.path != "/health" and not self.authorized():
             return self._refuse_unauthorized()
+        if self.path == STATS_PATH:
+            return self.handle_stats()
         super().do_GET()
+
+    def handle_stats(self):
+        """What an operator's benchmark reads: the KV budget's admissions and MLX's memory counters."""
+        budget = self.response_generator.kv_budget
+        body = json.dumps({"kv_budget_bytes": None if budget is None else budget.limit,
+                           "admission": None if budget is None else dataclasses.asdict(budget.stats),
+                           "mlx_peak_memory_bytes": mx.get_peak_memory(), "peak_rss_bytes": peak_rss_bytes(),
+                           "mlx_active_memory_bytes": mx.get_active_memory()}).encode()
+        self._set_completion_headers(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
 
     def refuse_method(self):
         self.refuse(405, f"method {self.command} is not allowed", ("Allow", "GET, POST, OPTIONS"))
@@ -437,16 +496,26 @@ def server_arguments(args, kv_config: Optional[KVCacheConfig]) -> argparse.Names
         top_k=args.top_k, min_p=args.min_p, max_tokens=args.max_tokens, chat_template_args=args.chat_template_args,
         decode_concurrency=args.decode_concurrency, prompt_concurrency=args.prompt_concurrency,
         prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
-        prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=None, kv_group_size=64,
+        prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=_mlx_kv_bits(args, kv_config),
+        kv_group_size=getattr(args, "kv_group_size", 64), kv_memory_gb=getattr(args, "kv_memory_gb", None),
         quantized_kv_start=0, pipeline=False, max_context=args.max_context,
         started=time.time(),
     )
 
 
+def _mlx_kv_bits(args, kv_config) -> Optional[int]:
+    bits = getattr(args, "kv_bits", None)
+    if bits is not None and kv_config is not None:
+        raise ValueError("--kv-bits serves mlx-lm's QuantizedKVCache: give it with --kv none")
+    return bits
+
+
 def make_server(cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig]):
     """(HTTP server, response generator), the server bound but not yet serving (tests and `serve`)."""
     provider = VeloxModelProvider(cli_args, kv_config)
-    response_generator = VeloxResponseGenerator(provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size))
+    budget = getattr(cli_args, "kv_memory_gb", None)
+    response_generator = VeloxResponseGenerator(provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size),
+                                                None if budget is None else int(budget * 1e9))
     httpd = mlx_server.ThreadingHTTPServer(
         (cli_args.host, cli_args.port),
         lambda *a, **k: VeloxAPIHandler(response_generator, *a,
@@ -459,7 +528,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def serve(cli_args: argparse.Namespace, kv_config: KVCacheConfig, ready: Optional[callable] = None,
+def serve(cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig], ready: Optional[callable] = None,
           exit_when_done: bool = True):
     """Serve until SIGINT or SIGTERM, then stop the generation thread (in-flight requests get
     an error) and, with `exit_when_done`, end the process with status 0.
@@ -471,7 +540,9 @@ def serve(cli_args: argparse.Namespace, kv_config: KVCacheConfig, ready: Optiona
                         format="%(asctime)s - %(levelname)s - %(message)s")
     httpd, response_generator = make_server(cli_args, kv_config)
     host, port = httpd.server_address[:2]
-    logging.info(f"veloxquant serve: {cli_args.served_model_name} with {kv_config.describe()} caches "
+    caches = (kv_config.describe() if kv_config is not None else
+              f"mlx-lm's QuantizedKVCache ({cli_args.kv_bits} bits)" if cli_args.kv_bits else "mlx-lm's own")
+    logging.info(f"veloxquant serve: {cli_args.served_model_name} with {caches} caches "
                  f"on http://{host}:{port}/v1")
     if not cli_args.api_key and host not in ("127.0.0.1", "localhost", "::1"):
         logging.warning(f"listening on {host} without --api-key: anyone who can reach it can use it")
@@ -528,6 +599,15 @@ def add_server_arguments(parser: argparse.ArgumentParser):
                         help="most reusable prompt caches kept (default: 10)")
     parser.add_argument("--prompt-cache-bytes", type=mlx_server._parse_size, default=None,
                         help="most bytes of reusable prompt caches (their nbytes), e.g. 512MB (default: no limit)")
+    parser.add_argument("--kv-memory-gb", type=_positive_float, default=None,
+                        help="KV-cache budget in GB: a request starts only while the running requests' caches plus "
+                             "its own (prompt + max_tokens, as measured for the served caches) fit; otherwise it "
+                             "waits, logged as queued (default: no budget)")
+    parser.add_argument("--kv-bits", type=int, choices=[2, 3, 4, 5, 6, 8], default=None,
+                        help="with --kv none: mlx-lm's QuantizedKVCache at these bits, as `mlx_lm.server --kv-bits` "
+                             "(mlx-lm serves such requests one at a time) (default: none)")
+    parser.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=64,
+                        help="group size of --kv-bits (default: 64)")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"],
                         help="logging level (default: INFO)")
     parser.add_argument("--api-key", default=None,

@@ -328,6 +328,9 @@ def register_benchmark_cli(subparsers) -> None:
     bench.add_argument("--max-seconds", type=float, default=300.0,
                        help="time budget per configuration; fewer repeats when exceeded")
     bench.set_defaults(func=run_benchmark_command)
+    from .serving import register_serve_benchmark
+
+    register_serve_benchmark(bench)
 
 
 def register_report_cli(subparsers) -> None:

@@ -2,7 +2,7 @@
 
 from .base import Codec, Method, available_methods, get_method, register_method
 
-from . import fp16, kivi, polarquant, qjl, rabitq, turboquant_mse, turboquant_prod, turboquant_rvq  # noqa: E402,F401  (registration)
+from . import fp16, kivi, mlxq, polarquant, qjl, rabitq, turboquant_mse, turboquant_prod, turboquant_rvq  # noqa: E402,F401  (registration)
 from . import commvq, ratequant, spectralquant, vecinfer  # noqa: E402,F401  (calibrated methods: docs/methods.md)
 
 __all__ = ["Codec", "Method", "available_methods", "get_method", "register_method"]

@@ -1,0 +1,353 @@
+"""`veloxquant benchmark serve`: the operator's benchmark of `veloxquant serve`.
+
+Each cache gets its own server process (`veloxquant serve`, mlx-lm's server code on the project's
+loader): `none` is mlx-lm's own fp16 caches (the activations' dtype), `mlx-q4` / `mlx-q8` mlx-lm's
+QuantizedKVCache (`--kv none --kv-bits`, which mlx-lm's server serves one request at a time), any
+other name a preset (`vq4`, `mlxq4`) or `method:bits`. Real HTTP clients (one thread each) send
+streamed completions of prompts of the given token lengths; rounds alternate between the caches,
+concurrency level by concurrency level. Per round: aggregate decode tok/s (completion tokens over the
+round's wall time), time to first token and inter-token latency (p50/p95, from the stream's chunk
+arrivals), the server's peak resident memory and MLX's peak memory (the accelerator's on a GPU), and
+the admitted concurrency (the KV budget's most running requests, or the most streams seen decoding at
+once without a budget). With a budget (`--kv-memory-gb`, or `--budget-fp16-sequences N`: N sequences
+of mlx-lm's fp16 caches at the longest prompt), every cache is run once more at the highest
+concurrency under it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Dict, List, Optional
+
+BASELINES = {"none": [], "fp16": [], "mlx-q4": ["--kv-bits", "4"], "mlx-q8": ["--kv-bits", "8"]}
+
+
+def cache_flags(name: str) -> List[str]:
+    """The `veloxquant serve` flags of a cache name."""
+    if name in BASELINES:
+        return ["--kv", "none", *BASELINES[name]]
+    if ":" in name:
+        method, bits = name.split(":", 1)
+        return ["--method", method, "--bits", bits]
+    return ["--kv", name]
+
+
+def percentile(values: List[float], q: float) -> Optional[float]:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One `veloxquant serve` process, its log in `log_path`."""
+
+    def __init__(self, model: str, flags: List[str], log_path: Path, max_tokens: int, concurrency: int):
+        self.port = _free_port()
+        command = [sys.executable, "-m", "veloxquant_mlx.cli", "serve", "--model", model, "--port", str(self.port),
+                   "--served-model-name", "bench", "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
+                   "--decode-concurrency", str(max(concurrency, 1)), "--log-level", "INFO", *flags]
+        self.command = command
+        self.log = open(log_path, "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 900.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with status {self.process.returncode}: {' '.join(self.command)} "
+                                   f"(log: {self.log.name})")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.5)
+        raise TimeoutError(f"server not ready after {timeout:.0f} s: {' '.join(self.command)}")
+
+    def stats(self) -> dict:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/veloxquant/stats", timeout=30) as reply:
+            return json.loads(reply.read())
+
+    def stop(self):
+        self.process.terminate()
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+
+
+def stream_completion(port: int, prompt: str, max_tokens: int) -> dict:
+    """One streamed completion: its start, first-token and per-chunk arrival times and its token count."""
+    body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+    start, arrivals, tokens = time.perf_counter(), [], None
+    with urllib.request.urlopen(request, timeout=3600) as reply:
+        for raw in reply:
+            line = raw.decode().strip()
+            if line == "data: [DONE]":  # the server keeps the connection open: the stream ends here
+                break
+            if not line.startswith("data:"):
+                continue
+            chunk = json.loads(line[5:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices"):
+                arrivals.append(time.perf_counter())
+    return {"start": start, "arrivals": arrivals, "tokens": tokens if tokens is not None else len(arrivals),
+            "end": time.perf_counter()}
+
+
+def run_round(port: int, prompts: List[str], clients: int, requests: int, max_tokens: int) -> dict:
+    results, errors = [], []
+
+    def client(index):
+        for r in range(requests):
+            try:
+                results.append(stream_completion(port, prompts[(index * requests + r) % len(prompts)], max_tokens))
+            except Exception as error:  # noqa: BLE001  (counted and reported)
+                errors.append(f"{type(error).__name__}: {error}")
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    seconds = time.perf_counter() - started
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["arrivals"][0] - r["start"] for r in results if r["arrivals"]]
+    itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    return {"clients": clients, "requests": clients * requests, "failed": len(errors), "errors": errors[:3],
+            "completion_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
+            "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95),
+            "most_decoding_at_once": _most_overlapping([(r["arrivals"][0], r["arrivals"][-1]) for r in results
+                                                        if r["arrivals"]])}
+
+
+def _most_overlapping(spans) -> int:
+    events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def make_prompts(tokenizer, text: str, tokens: int, count: int) -> List[str]:
+    """`count` prompts of about `tokens` tokens each: consecutive windows of `text` (repeated if short)."""
+    ids = tokenizer.encode(text)
+    while len(ids) < tokens * count:
+        ids = ids + ids
+    return [f"[{i}] " + tokenizer.decode(ids[i * tokens : (i + 1) * tokens - 8]) for i in range(count)]
+
+
+def fp16_sequence_bytes(model, tokens: int) -> int:
+    """Bytes of one sequence of mlx-lm's own caches at `tokens` tokens, as `--kv-memory-gb` counts them."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from ..server_admission import CacheBytes
+
+    return CacheBytes(model, lambda: make_prompt_cache(model))(tokens)
+
+
+def _round_row(server: ServerProcess, cache: str, prompt_tokens: int, budget_gb, round_result: dict) -> dict:
+    stats = server.stats()
+    admission = stats.get("admission")
+    row = {"cache": cache, "prompt_tokens": prompt_tokens, "kv_budget_gb": budget_gb, **round_result,
+           "server_peak_rss_bytes": stats.get("peak_rss_bytes"),
+           "mlx_peak_memory_bytes": stats.get("mlx_peak_memory_bytes"),
+           "admitted": admission["most_live"] if admission else round_result["most_decoding_at_once"],
+           "queued": admission["queued"] if admission else 0}
+    return row
+
+
+def run_serve_benchmark(args) -> dict:
+    import mlx.core as mx
+    import mlx_lm
+
+    from ..models import load_model
+    from ..texts import load_text, sample_text_path
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    caches = [c.strip() for c in args.caches.split(",") if c.strip()]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    lengths = [int(p) for p in args.prompt_tokens.split(",")]
+    model, tokenizer = load_model(args.model)
+    text = load_text(args.text) if args.text else sample_text_path().read_text()
+    prompts = {p: make_prompts(tokenizer, text, p, max(levels) * args.requests) for p in lengths}
+    budget_gb = args.kv_memory_gb
+    if args.budget_fp16_sequences:
+        budget_gb = args.budget_fp16_sequences * fp16_sequence_bytes(model, max(lengths) + args.max_tokens + 16) / 1e9
+    del model
+    mx.clear_cache()
+
+    if args.budget_only and not budget_gb:
+        raise ValueError("--budget-only needs --kv-memory-gb or --budget-fp16-sequences")
+    plan = [] if args.budget_only else [(cache, None, clients, length) for clients in levels for length in lengths
+                                        for cache in caches]
+    if budget_gb:
+        plan += [(cache, budget_gb, max(levels), max(lengths)) for cache in caches]
+    if args.sequential:  # one server process at a time (a large model): each cache's rounds together
+        plan.sort(key=lambda step: (caches.index(step[0]), step[1] is not None))
+    last_use = {(cache, budget): i for i, (cache, budget, _, _) in enumerate(plan)}
+    servers: Dict[tuple, ServerProcess] = {}
+    rows = []
+    signal.signal(signal.SIGTERM, _interrupted)  # stop the servers on the way out
+    try:
+        if not args.sequential:  # every server up (and loading in parallel) before the first round
+            for cache, budget in dict.fromkeys(last_use):
+                servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
+        for i, (cache, budget, clients, length) in enumerate(plan):
+            if (cache, budget) not in servers:
+                servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
+            server = servers[(cache, budget)]
+            row = _round_row(server, cache, length, budget,
+                             run_round(server.port, prompts[length], clients, args.requests, args.max_tokens))
+            rows.append(row)
+            _progress(row)
+            if args.sequential and last_use[(cache, budget)] == i:
+                servers.pop((cache, budget)).stop()
+    finally:
+        for server in servers.values():
+            server.stop()
+    results = {"command": "benchmark serve",
+               "settings": {"model": args.model, "caches": caches, "concurrency": levels, "prompt_tokens": lengths,
+                            "max_tokens": args.max_tokens, "requests_per_client": args.requests,
+                            "kv_budget_gb": budget_gb, "budget_fp16_sequences": args.budget_fp16_sequences,
+                            "interleaved": not args.sequential},
+               "environment": {"device": str(mx.default_device()), "machine": platform.machine(),
+                               "processor": platform.processor(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
+                               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+               "rows": rows}
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    (out / "results.md").write_text(markdown(results))
+    plot(results, out / "throughput_vs_concurrency.png")
+    print(markdown(results))
+    return results
+
+
+def _start(args, out: Path, cache: str, budget, concurrency: int) -> ServerProcess:
+    """A ready, warmed-up server of `cache` (under `budget` GB of KV, or none)."""
+    flags = cache_flags(cache) + (["--kv-memory-gb", repr(budget)] if budget else [])
+    label = cache.replace(":", "-") + ("-budget" if budget else "")
+    server = ServerProcess(args.model, flags, out / f"server-{label}.log", args.max_tokens, concurrency)
+    try:
+        server.wait_ready()
+        run_round(server.port, ["Warm up: compile the model's graphs."], 1, 1, 4)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _progress(row):
+    budget = f" budget {row['kv_budget_gb']:.4g} GB" if row["kv_budget_gb"] else ""
+    print(f"{row['cache']:>10s} clients={row['clients']} prompt={row['prompt_tokens']}{budget}: "
+          f"{row['tok_per_s']:.2f} tok/s, admitted {row['admitted']}, failed {row['failed']}", flush=True)
+
+
+def _fmt(value, scale=1.0, digits=2):
+    return "-" if value is None else f"{value * scale:.{digits}f}"
+
+
+def markdown(results: dict) -> str:
+    rows, s, env = results["rows"], results["settings"], results["environment"]
+    base = {(r["clients"], r["prompt_tokens"], r["kv_budget_gb"]): r["tok_per_s"] for r in rows
+            if r["cache"] in ("none", "fp16")}
+    lines = [f"`veloxquant benchmark serve`: model `{s['model']}`, {s['requests_per_client']} streamed completion(s) "
+             f"per client of up to {s['max_tokens']} tokens, greedy; one {'interleaved ' if s.get('interleaved', True) else ''}run ({env['device']}, mlx "
+             f"{env['mlx']}, mlx-lm {env['mlx_lm']}, {env['when']}). `none` is mlx-lm's own caches; `mlx-qN` its "
+             "QuantizedKVCache (served one request at a time by mlx-lm's server).", "",
+             "| cache | KV budget GB | clients | prompt tokens | tok/s | vs none | TTFT p50/p95 s | ITL p50/p95 ms "
+             "| admitted | queued | server peak RSS GB | MLX peak GB | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = base.get((r["clients"], r["prompt_tokens"], r["kv_budget_gb"]))
+        ratio = f"{r['tok_per_s'] / ref:.2f}x" if ref else "-"
+        lines.append(f"| {r['cache']} | {_fmt(r['kv_budget_gb'], digits=4)} | {r['clients']} | {r['prompt_tokens']} | "
+                     f"{r['tok_per_s']:.2f} | {ratio} | {_fmt(r['ttft_p50_s'])}/{_fmt(r['ttft_p95_s'])} | "
+                     f"{_fmt(r['itl_p50_s'], 1e3, 0)}/{_fmt(r['itl_p95_s'], 1e3, 0)} | {r['admitted']} | {r['queued']} | "
+                     f"{_fmt(r['server_peak_rss_bytes'], 1e-9)} | {_fmt(r['mlx_peak_memory_bytes'], 1e-9)} | "
+                     f"{r['failed']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in results["rows"] if r["kv_budget_gb"] is None]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cache in results["settings"]["caches"]:
+        for length in results["settings"]["prompt_tokens"]:
+            points = sorted((r["clients"], r["tok_per_s"]) for r in rows
+                            if r["cache"] == cache and r["prompt_tokens"] == length)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"{cache}, {length}-token prompts")
+    ax.set_xlabel("concurrent clients")
+    ax.set_ylabel("aggregate decode tok/s")
+    ax.set_title(f"veloxquant serve, {results['settings']['model']}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def register_serve_benchmark(benchmark_parser) -> None:
+    """`veloxquant benchmark serve` under the `benchmark` command."""
+    sub = benchmark_parser.add_subparsers(dest="benchmark_command", metavar="serve")
+    serve = sub.add_parser("serve", help="concurrent serving: throughput, latency, memory and admitted requests "
+                                         "per cache, real servers and HTTP clients")
+    serve.add_argument("--model", default="smollm2",
+                       help="model: local mlx folder, .gguf, hub id or 'smollm2' (default: smollm2)")
+    serve.add_argument("--caches", default="none,vq4,vq3,mlxq4,mlx-q4,mlx-q8",
+                       help="caches, comma-separated: none (mlx-lm's fp16), mlx-q4/mlx-q8 (its QuantizedKVCache), "
+                            "a preset or method:bits (default: none,vq4,vq3,mlxq4,mlx-q4,mlx-q8)")
+    serve.add_argument("--concurrency", default="1,4,8", help="concurrent clients per round (default: 1,4,8)")
+    serve.add_argument("--prompt-tokens", default="2048", help="prompt lengths in tokens (default: 2048)")
+    serve.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default: 64)")
+    serve.add_argument("--requests", type=int, default=1, help="requests per client per round (default: 1)")
+    budget = serve.add_mutually_exclusive_group()
+    budget.add_argument("--kv-memory-gb", type=float, default=None,
+                        help="also run every cache at the highest concurrency under this KV budget (default: none)")
+    budget.add_argument("--budget-fp16-sequences", type=int, default=None,
+                        help="the same with a budget of N sequences of mlx-lm's fp16 caches at the longest prompt "
+                             "(default: none)")
+    serve.add_argument("--budget-only", action="store_true",
+                       help="only the rounds under the budget (where the caches at every concurrency would not fit)")
+    serve.add_argument("--sequential", action="store_true",
+                       help="one server process at a time, each cache's rounds together (a model too large for "
+                            "one process per cache at once); default: all up, rounds alternating between caches")
+    serve.add_argument("--text", default=None, help="text the prompts come from (default: the packaged sample)")
+    serve.add_argument("--out", default="results/benchmark-serve", help="results folder (default: "
+                                                                        "results/benchmark-serve)")
+    serve.set_defaults(func=lambda args: run_serve_benchmark(args) and None)
