@@ -81,7 +81,9 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         self.reset()
         gc.collect()
         mx.clear_cache()
-        model, tokenizer = load_model(model_path)
+        group = self.pipeline_group or self.tensor_group  # mlx-lm's: set under mlx.launch
+        model, tokenizer = load_model(model_path, group=group,
+                                      parallel="pipeline" if self.pipeline_group is not None else "tensor")
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
@@ -438,7 +440,7 @@ def server_arguments(args, kv_config: Optional[KVCacheConfig]) -> argparse.Names
         decode_concurrency=args.decode_concurrency, prompt_concurrency=args.prompt_concurrency,
         prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=None, kv_group_size=64,
-        quantized_kv_start=0, pipeline=False, max_context=args.max_context,
+        quantized_kv_start=0, pipeline=getattr(args, "pipeline", False), max_context=args.max_context,
         started=time.time(),
     )
 
@@ -469,6 +471,10 @@ def serve(cli_args: argparse.Namespace, kv_config: KVCacheConfig, ready: Optiona
     the interpreter's own exit ("terminate called without an active exception")."""
     logging.basicConfig(level=getattr(logging, cli_args.log_level.upper()),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    if mx.distributed.init().rank() != 0:  # under mlx.launch rank 0 serves HTTP; the others follow its requests
+        VeloxResponseGenerator(VeloxModelProvider(cli_args, kv_config),
+                               mlx_server.LRUPromptCache(cli_args.prompt_cache_size)).join()
+        return
     httpd, response_generator = make_server(cli_args, kv_config)
     host, port = httpd.server_address[:2]
     logging.info(f"veloxquant serve: {cli_args.served_model_name} with {kv_config.describe()} caches "
