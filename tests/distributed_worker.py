@@ -11,6 +11,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.distributed_io import exit_clearly_when_terminated
 from veloxquant_mlx.integration import KVCacheBuilder
 from veloxquant_mlx.models import load_model
 from veloxquant_mlx.presets import KV_PRESETS, preset_config
@@ -66,8 +67,8 @@ def run_spec(model, spec: str, args, rank: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--parallel", default="tensor")
+    parser.add_argument("--run", action="append", required=True, metavar="PARALLEL=MODEL_DIR",
+                        help="shard MODEL_DIR this way (tensor or pipeline) and run every spec; repeatable")
     parser.add_argument("--specs", default="vq4,kivi:4")
     parser.add_argument("--prompt-tokens", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=12)
@@ -77,17 +78,24 @@ def main() -> None:
     args = parser.parse_args()
 
     group = mx.distributed.init()
+    exit_clearly_when_terminated()
     try:
         with rank_loss_is_an_error(group):
-            model, _ = load_model(args.model, group=group, parallel=args.parallel)
-            records = {spec: run_spec(model, spec, args, group.rank()) for spec in args.specs.split(",")}
+            records = {}
+            for run in args.run:
+                parallel, model_dir = run.split("=", 1)
+                model, _ = load_model(model_dir, group=group, parallel=parallel)
+                roundtrip = args.roundtrip
+                args.roundtrip = None if roundtrip is None else str(Path(roundtrip) / parallel)
+                records[parallel] = {spec: run_spec(model, spec, args, group.rank()) for spec in args.specs.split(",")}
+                args.roundtrip = roundtrip
     except RankLostError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)
         sys.exit(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{group.rank()}.json").write_text(json.dumps({"rank": group.rank(), "size": group.size(),
-                                                               "specs": records}))
+                                                               "runs": records}))
 
 
 if __name__ == "__main__":

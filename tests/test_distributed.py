@@ -96,14 +96,22 @@ def ranks(out: Path, result) -> list:
     return [json.loads(f.read_text()) for f in files]
 
 
+@pytest.fixture(scope="module")
+def launched(ring, tmp_path_factory):
+    """One launch of two ranks: the tiny llama tensor-parallel, then the tiny qwen2 pipelined."""
+    root = tmp_path_factory.mktemp("sharded")
+    models = {"tensor": tiny_model_dir(root / "llama", "llama"), "pipeline": tiny_model_dir(root / "qwen2", "qwen2")}
+    result = launch(WORKER, *(f"--run={parallel}={path}" for parallel, path in models.items()),
+                    "--specs", ",".join(SPECS), "--out", root / "out", "--roundtrip", root / "saved")
+    return ranks(root / "out", result), models, root / "saved"
+
+
 @pytest.fixture(scope="module", params=["tensor", "pipeline"])
-def sharded_run(request, ring, tmp_path_factory):
+def sharded_run(request, launched):
+    shards, models, saved = launched
     parallel = request.param
-    root = tmp_path_factory.mktemp(parallel)
-    model_dir = tiny_model_dir(root / "model", "llama" if parallel == "tensor" else "qwen2")
-    result = launch(WORKER, "--model", model_dir, "--parallel", parallel, "--specs", ",".join(SPECS),
-                    "--out", root / "out", "--roundtrip", root / "saved")
-    return parallel, ranks(root / "out", result), single_process(model_dir), root / "saved", model_dir
+    runs = [{"rank": shard["rank"], "specs": shard["runs"][parallel]} for shard in shards]
+    return parallel, runs, single_process(models[parallel]), saved / parallel, models[parallel]
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -176,9 +184,9 @@ def test_a_sharded_rank_file_that_fails_the_manifest_is_refused(sharded_run, tmp
         load_sharded_prompt_cache(tmp_path, model, config)
 
 
-def test_a_rank_that_dies_mid_generation_stops_the_other_with_a_clear_error(ring, tmp_path):
-    model_dir = tiny_model_dir(tmp_path / "model", "llama")
-    result = launch(WORKER, "--model", model_dir, "--specs", "vq4", "--max-tokens", "12", "--die-after", "3",
-                    "--out", tmp_path / "out", timeout=120)
+def test_a_rank_that_dies_mid_generation_stops_the_other_with_a_clear_error(launched, tmp_path):
+    _, models, _ = launched
+    result = launch(WORKER, f"--run=tensor={models['tensor']}", "--specs", "vq4", "--max-tokens", "12",
+                    "--die-after", "3", "--out", tmp_path / "out", timeout=120)
     assert not (tmp_path / "out" / "rank0.json").exists()
     assert "rank 0 of 2: another rank stopped (exited or crashed), so this one stops too" in result.stderr

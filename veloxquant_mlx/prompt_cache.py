@@ -15,6 +15,7 @@ from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
+from mlx_lm.generate import generation_stream
 
 from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
@@ -36,12 +37,16 @@ def document_tokens(tokenizer, text: str) -> List[int]:
 
 def prefill(model, caches, tokens: List[int], step: int = 512,
             progress: Optional[Callable[[int, int], None]] = None):
-    """Run `tokens` through the model into `caches`, `step` tokens at a time."""
-    for start in range(0, len(tokens), step):
-        model(mx.array([tokens[start : start + step]]), cache=caches)
-        mx.eval([c.state for c in caches])
-        if progress is not None:
-            progress(min(start + step, len(tokens)), len(tokens))
+    """Run `tokens` through the model into `caches`, `step` tokens at a time, on mlx-lm's generation
+    stream as its `generate_step` does. On a sharded model a cache may hold arrays its `state` leaves
+    unevaluated whose graph holds collectives; evaluated later on another stream than the next step's,
+    the ranks can pair their collectives differently and sum the wrong tensors."""
+    with mx.stream(generation_stream):
+        for start in range(0, len(tokens), step):
+            model(mx.array([tokens[start : start + step]]), cache=caches)
+            mx.eval([c.state for c in caches])
+            if progress is not None:
+                progress(min(start + step, len(tokens)), len(tokens))
 
 
 def cache_prompt(model, tokenizer, text: str, config: KVCacheConfig, out, model_name: str,
