@@ -11,7 +11,6 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 
 from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.distributed_io import exit_clearly_when_terminated
 from veloxquant_mlx.integration import KVCacheBuilder
 from veloxquant_mlx.models import load_model
 from veloxquant_mlx.presets import KV_PRESETS, preset_config
@@ -78,7 +77,6 @@ def main() -> None:
     args = parser.parse_args()
 
     group = mx.distributed.init()
-    exit_clearly_when_terminated()
     try:
         with rank_loss_is_an_error(group):
             records = {}

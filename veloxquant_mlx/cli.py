@@ -67,10 +67,9 @@ def _on_every_rank(run):
 
     @functools.wraps(run)
     def wrapped(args):
-        from .distributed_io import exit_clearly_when_terminated, rank_zero_stdout
+        from .distributed_io import rank_zero_stdout
         from .sharding import rank_loss_is_an_error
 
-        exit_clearly_when_terminated()
         with contextlib.redirect_stdout(rank_zero_stdout()), rank_loss_is_an_error():
             return run(args)
 

@@ -82,28 +82,3 @@ def caches_nbytes_per_rank(caches) -> list:
     halves = mx.array([[mine & 0xFFFFFFFF, mine >> 32]], dtype=mx.uint32)
     return [low + (high << 32) for low, high in mx.distributed.all_gather(halves, stream=mx.cpu).tolist()]
 
-
-def exit_clearly_when_terminated() -> None:
-    """Under several ranks: when the launcher terminates this rank (mlx.launch sends SIGTERM to every rank
-    once one exits with an error), say why on stderr and exit with status 1. A thread reads the signal
-    through Python's wakeup fd, so this holds while the main thread waits inside a collective."""
-    import signal
-    import threading
-
-    group = world()
-    if group.size() == 1 or threading.current_thread() is not threading.main_thread():
-        return
-    read_end, write_end = os.pipe()
-    os.set_blocking(write_end, False)
-    signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    signal.set_wakeup_fd(write_end)
-    message = (f"error: rank {group.rank()} of {group.size()}: another rank stopped (exited or crashed), so this one "
-               f"stops too (terminated by the launcher)\n").encode()
-
-    def watch():
-        while True:
-            if signal.SIGTERM in os.read(read_end, 64):
-                os.write(2, message)
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="veloxquant-rank-watch").start()

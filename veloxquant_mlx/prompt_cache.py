@@ -38,13 +38,14 @@ def document_tokens(tokenizer, text: str) -> List[int]:
 def prefill(model, caches, tokens: List[int], step: int = 512,
             progress: Optional[Callable[[int, int], None]] = None):
     """Run `tokens` through the model into `caches`, `step` tokens at a time, on mlx-lm's generation
-    stream as its `generate_step` does. On a sharded model a cache may hold arrays its `state` leaves
-    unevaluated whose graph holds collectives; evaluated later on another stream than the next step's,
-    the ranks can pair their collectives differently and sum the wrong tensors."""
+    stream as its `generate_step` does. On a sharded model the output is evaluated too: a cache may hold
+    arrays its `state` leaves unevaluated whose graph holds collectives, and evaluated later beside other
+    collectives the ranks can pair them differently (summing the wrong tensors, or waiting for ever)."""
+    sharded = model_sharding(model) is not None
     with mx.stream(generation_stream):
         for start in range(0, len(tokens), step):
-            model(mx.array([tokens[start : start + step]]), cache=caches)
-            mx.eval([c.state for c in caches])
+            out = model(mx.array([tokens[start : start + step]]), cache=caches)
+            mx.eval([c.state for c in caches], out if sharded else [])
             if progress is not None:
                 progress(min(start + step, len(tokens)), len(tokens))
 
