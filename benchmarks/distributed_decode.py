@@ -175,7 +175,10 @@ def markdown(result: dict) -> str:
     lines = [f"# Decode at {result['context']} tokens, tensor parallel on the CPU (ring back end)", "",
              f"Model: {result['model']}. Caches filled with random K/V of {result['context']} tokens on each rank (its "
              f"own KV heads); {result['tokens']} greedy tokens, median of {result['repeats']} interleaved runs. "
-             f"`fp16` is mlx-lm's own `KVCache` on the same sharded model. Peak memory includes the weights.", "",
+             f"`fp16` is mlx-lm's own `KVCache` on the same sharded model. Peak memory includes the weights. "
+             f"{result.get('cpu_count')} CPU cores, load average {result.get('load_average_at_start', float('nan')):.1f} "
+             f"at the start and {result.get('load_average_at_end', float('nan')):.1f} at the end (other work shared "
+             f"the cores: compare methods within one world size, not across).", "",
              "| world size | rank | method | cache MB held | bits/coord | decode tok/s | vs fp16 same world | peak MB |",
              "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for world in result["worlds"]:
@@ -220,6 +223,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     specs = parse_method_list(args.methods)
     result = {"context": args.context, "tokens": args.tokens, "repeats": args.repeats, "platform": platform.platform(),
+              "cpu_count": os.cpu_count(), "load_average_at_start": os.getloadavg()[0],
               "mlx": mx.__version__, "backend": "ring", "device": str(mx.default_device()),
               "model": "random llama, 30 layers, hidden 512, 8 heads, 4 KV heads of dim 64, float32", "worlds": []}
     if not args.table_only:
@@ -231,6 +235,7 @@ def main():
                 f"rank {r['rank']} " + ", ".join(f"{x['method']} {x['decode_tokens_per_s']:.2f} tok/s "
                                                  f"{x['cache_bytes'] / 1e6:.2f} MB" for x in r["records"])
                 for r in ranks), flush=True)
+    result["load_average_at_end"] = os.getloadavg()[0]
     result["llama_3_1_8b"] = context_table(specs, args.context, args.memory_gib)
     text = markdown(result)
     (out / "distributed_decode.json").write_text(json.dumps(result, indent=1))
