@@ -78,7 +78,7 @@ def caches_nbytes_per_rank(caches) -> list:
     group = world()
     if group.size() == 1:
         return [mine]
-    # as two 32-bit halves: the ring back end's all_gather of int64 is not exact
-    halves = mx.array([[mine & 0xFFFFFFFF, mine >> 32]], dtype=mx.uint32)
-    return [low + (high << 32) for low, high in mx.distributed.all_gather(halves, stream=mx.cpu).tolist()]
+    from .sharding import gather_ints
+
+    return gather_ints(mine, group)
 

@@ -12,11 +12,10 @@ import os
 from pathlib import Path
 from typing import Optional, Tuple
 
-import mlx.core as mx
 
 from .cache import CacheFormatError
 from .integration import load_prompt_cache, save_prompt_cache
-from .sharding import model_sharding
+from .sharding import gather_small_ints, model_sharding
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -38,9 +37,7 @@ def _gathered_digests(digest: str, sharding) -> list:
     """Every rank's file digest (hex), gathered over the group."""
     if sharding is None:
         return [digest]
-    mine = mx.array(list(bytes.fromhex(digest)), dtype=mx.uint8)[None]
-    rows = mx.distributed.all_gather(mine, group=sharding.group, stream=mx.cpu)
-    return [bytes(row).hex() for row in rows.tolist()]
+    return [bytes(row).hex() for row in gather_small_ints(list(bytes.fromhex(digest)), sharding.group)]
 
 
 def save_sharded_prompt_cache(directory, caches: list, model, metadata: Optional[dict] = None) -> Path:

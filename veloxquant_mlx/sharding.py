@@ -72,18 +72,39 @@ def first_layer(model) -> int:
     return getattr(inner, "start_idx", 0) if getattr(inner, "pipeline_size", 1) > 1 else 0
 
 
+SMALL_INT_LIMIT = 1 << 24  # integers a float32 sum holds exactly
+
+
+def gather_small_ints(values: list, group) -> list:
+    """Every rank's list of `values` (ints in [0, 2**24), the same length on every rank), rank by rank.
+    Gathered as a float32 `all_sum` of one row per rank: the sum every back end has (the ring back
+    end's `all_gather` of integer arrays came back wrong in a test on this machine)."""
+    if any(not 0 <= v < SMALL_INT_LIMIT for v in values):
+        raise ValueError(f"gather_small_ints takes ints in [0, 2**24), got {values}")
+    rows = mx.zeros((group.size(), len(values)), dtype=mx.float32)
+    rows[group.rank()] = mx.array(values, dtype=mx.float32)
+    summed = mx.distributed.all_sum(rows, group=group, stream=mx.cpu)
+    return [[int(v) for v in row] for row in summed.tolist()]
+
+
+def gather_ints(value: int, group) -> list:
+    """Every rank's non-negative `value` (any size), in 20-bit pieces through `gather_small_ints`."""
+    pieces = [(value >> shift) & 0xFFFFF for shift in (60, 40, 20, 0)]
+    return [(a << 60) | (b << 40) | (c << 20) | d for a, b, c, d in gather_small_ints(pieces, group)]
+
+
 def whole_model_fingerprint(model, sharding: Sharding) -> dict:
     """`artifacts.model_fingerprint` of the whole model a rank holds a shard of: every rank's
     layer shapes gathered over the group (a collective: every rank calls it together)."""
     local = model_fingerprint(model)
     shapes = local["layer_shapes"]
     start = first_layer(model)
-    counts = mx.distributed.all_gather(mx.array([[start, start + len(shapes)]]), group=sharding.group, stream=mx.cpu)
-    total = int(mx.max(counts[:, 1]).item())
-    rows = mx.zeros((total, 4), dtype=mx.int32)
-    own = mx.array([[*(s or (0, 0, 0)), 1 if s else 0] for s in shapes], dtype=mx.int32)
-    rows[start : start + len(shapes)] = own
-    gathered = mx.distributed.all_gather(rows[None], group=sharding.group, stream=mx.cpu).tolist()
+    total = max(end for _, end in gather_small_ints([start, start + len(shapes)], sharding.group))
+    own = [[0, 0, 0, 0] for _ in range(total)]
+    for i, s in enumerate(shapes):
+        own[start + i] = [*(s or (0, 0, 0)), 1 if s else 0]
+    gathered = [[row[4 * layer : 4 * layer + 4] for layer in range(total)]
+                for row in gather_small_ints([v for row in own for v in row], sharding.group)]
     whole = []
     for layer in range(total):
         seen = [g[layer] for g in gathered if g[layer][3] or sharding.kind == TENSOR]
