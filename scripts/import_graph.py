@@ -29,11 +29,12 @@ LAYERS = {
     "cache": 4, "batch": 4, "rotating": 4, "kernel_cases": 4, "cache_integrity": 4,
     # 5. integration, artifacts, calibration, presets
     "integration": 5, "attention_hook": 5, "artifacts": 5, "calibration": 5, "presets": 5, "prompt_cache": 5, "kvlayout": 5,
+    "sharding": 5, "sharded_files": 5,
     # 6. models and weights
     "models": 6, "gguf": 6, "weights": 6,
     # 7. faces
     "cli": 7, "cli_shared": 7, "chat": 7, "server": 7, "server_requests": 7, "server_admission": 7, "demo": 7, "evaluation": 7, "planning": 7,
-    "selftest": 7, "weights.cli": 7, "weights.selftest": 7, "kernels.selftest": 7,
+    "distributed_io": 7, "selftest": 7, "weights.cli": 7, "weights.selftest": 7, "kernels.selftest": 7,
     "": 7,  # the package's __init__ re-exports the public API
 }
 LAYER_NAMES = {1: "ground", 2: "methods", 3: "storage/engine/kernels", 4: "cache",

@@ -28,6 +28,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, max_tokens: int = 100, 
         parser.add_argument("--system-prompt", default=None, help="system message (default: none)")
     parser.add_argument("--chat-template-config", default=None,
                         help="JSON of extra arguments for the chat template, as in mlx_lm.generate (default: none)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="under mlx.launch: split the model by layers over the ranks, not by heads "
+                             "(docs/distributed.md) (default: off)")
     parser.add_argument("--max-kv-size", type=int, default=None,
                         help="keep only the last N tokens (and the first 4) in a rotating compressed cache, as "
                              "mlx_lm.generate does; `generate` only (default: every token)")
@@ -56,24 +59,43 @@ def _cache_flags_given(args) -> bool:
     return bool(args.kv or args.option) or any(getattr(args, flag) is not None for flag in _CACHE_FLAGS)
 
 
+def _on_every_rank(run):
+    """`run(args)` on each rank of mlx.launch (one rank otherwise): rank 0 alone prints, and a rank
+    that stops makes the others stop with an error saying so (`docs/distributed.md`)."""
+    import contextlib
+    import functools
+
+    @functools.wraps(run)
+    def wrapped(args):
+        from .distributed_io import rank_zero_stdout
+        from .sharding import rank_loss_is_an_error
+
+        with contextlib.redirect_stdout(rank_zero_stdout()), rank_loss_is_an_error():
+            return run(args)
+
+    return wrapped
+
+
+@_on_every_rank
 def run_generate(args) -> None:
     import mlx.core as mx
     from mlx_lm import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
+    from .distributed_io import caches_nbytes_per_rank, load_for_args, share_text, world
     from .integration import KVCacheBuilder
-    from .models import load_model
 
     if args.max_kv_size is not None and (args.max_kv_size < 5 or args.prompt_cache_file is not None):
         raise ValueError("--max-kv-size needs N >= 5 (4 first tokens are kept) and no --prompt-cache-file")
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
-    if args.prompt_cache_file is not None and not os.path.isfile(args.prompt_cache_file):
+    if args.prompt_cache_file is not None and not os.path.exists(args.prompt_cache_file):
         raise FileNotFoundError(f"no prompt-cache file {args.prompt_cache_file}")  # before loading the model
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_for_args(args)
     config = config_for_model(args, config, model, tokenizer)
     prompt = args.prompt.replace("\\n", "\n")
-    prompt = sys.stdin.read() if prompt == "-" else prompt
+    if prompt == "-":
+        prompt = share_text(sys.stdin.read() if world().rank() == 0 else None)
     use_template = not args.ignore_chat_template and tokenizer.chat_template is not None
     if args.prompt_cache_file is not None:
         from .prompt_cache import load_document_cache, question_suffix
@@ -109,39 +131,48 @@ def run_generate(args) -> None:
     print(f"Generation: {response.generation_tokens} tokens, {response.generation_tps:.1f} tokens-per-sec")
     print(f"Peak memory: {response.peak_memory:.3f} GB")
     print(f"KV cache ({config.describe()}): {memory_report(caches)}")
+    if world().size() > 1:
+        per_rank = caches_nbytes_per_rank(caches)
+        print(f"KV cache bytes per rank: {', '.join(f'{n / 1e6:.3f} MB' for n in per_rank)}")
 
 
+@_on_every_rank
 def run_chat(args) -> None:
     from mlx_lm.sample_utils import make_sampler
     import mlx.core as mx
 
     from .chat import ChatSession, run_chat as chat_loop
-    from .models import load_model
+    from .distributed_io import SharedStdin, load_for_args, world
 
     _check_max_kv_size(args, "a chat reuses its cache across turns by trimming it to the shared prefix, "
                              "which a cache that has dropped tokens cannot do")
     template_kwargs = _template_kwargs(args)
     config = config_from_args(args)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_for_args(args)
     config = config_for_model(args, config, model, tokenizer)
     if args.seed is not None:
         mx.random.seed(args.seed)
     session = ChatSession(model, tokenizer, config, args.system_prompt, template_kwargs, model_name=args.model)
-    chat_loop(session, args.max_tokens, make_sampler(args.temp, args.top_p))
+    stdin = SharedStdin() if world().size() > 1 else None
+    chat_loop(session, args.max_tokens, make_sampler(args.temp, args.top_p), stdin=stdin)
 
 
+@_on_every_rank
 def run_cache_prompt(args) -> None:
     from pathlib import Path
 
-    from .models import load_model, model_source
+    from .distributed_io import load_for_args, world
+    from .models import model_source
     from .outputs import check_out_file, replacing_file
     from .prompt_cache import cache_prompt
 
     _check_max_kv_size(args, "a document cache keeps the whole document")
+    if world().size() > 1:
+        return _cache_prompt_sharded(args)
     out = check_out_file(args.out, args.force, suffix=".safetensors")  # before the long prefill
     text = sys.stdin.read() if args.prompt_file == "-" else Path(args.prompt_file).read_text()
     config = config_from_args(args)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_for_args(args)
     config = config_for_model(args, config, model, tokenizer)
 
     def progress(done, total):
@@ -156,6 +187,28 @@ def run_cache_prompt(args) -> None:
     kind = "mlx-lm KVCache file (decoded, uncompressed)" if for_mlx_lm else "file"
     print(f"wrote {out}: {written['tokens']} tokens in {written['seconds']:.1f} s, {size / 1e6:.3f} MB {kind}; "
           f"cache {memory_report(written['caches'])} ({config.describe()})")
+
+
+def _cache_prompt_sharded(args) -> None:
+    """cache-prompt under mlx.launch: OUT is a folder of one file per rank and a manifest."""
+    from pathlib import Path
+
+    from .distributed_io import load_for_args, share_text, world
+    from .prompt_cache import cache_prompt
+
+    if args.for_mlx_lm:
+        raise ValueError("--for-mlx-lm writes one whole-model file, which sharded ranks do not hold")
+    out = Path(args.out)
+    if out.exists() and not args.force:
+        raise FileExistsError(f"{out} exists; pass --force to replace it")
+    read = (lambda: sys.stdin.read()) if args.prompt_file == "-" else Path(args.prompt_file).read_text
+    text = share_text(read() if world().rank() == 0 else None)  # rank 0 reads; hosts need no copy
+    config = config_from_args(args)
+    model, tokenizer = load_for_args(args)
+    config = config_for_model(args, config, model, tokenizer)
+    written = cache_prompt(model, tokenizer, text, config, out, args.model, args.prefill_step_size)
+    print(f"wrote {out}/ ({world().size()} rank files and manifest.json): {written['tokens']} tokens in "
+          f"{written['seconds']:.1f} s; rank 0's cache {memory_report(written['caches'])} ({config.describe()})")
 
 
 def run_serve(args) -> None:
@@ -308,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-kv-size", type=int, default=None,
                        help="mlx-lm's rotating-cache size: refused, rotating compressed caches cannot be batched yet "
                             "(default: none)")
+    serve.add_argument("--pipeline", action="store_true",
+                       help="under mlx.launch: split the model by layers over the ranks, not by heads (default: off)")
     add_server_arguments(serve)
     add_cache_arguments(serve, allow_none=True)
     serve.set_defaults(func=run_serve)

@@ -12,7 +12,7 @@ from typing import List, Optional
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
 
-from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest, model_fingerprint
+from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest
 from .attention_hook import (  # noqa: F401  (re-exported)
     KEY_TRANSFORMING_MODELS, _original_sdpa, attention_cache, base_caches, check_latent_attention,
     install_attention_hook, scaled_dot_product_attention, single_attention_member)
@@ -24,6 +24,7 @@ from .config import KVCacheConfig, follow_bits
 from .errors import UnsupportedModelError
 from .methods import get_method
 from .rotating import CompressedRotatingKVCache
+from .sharding import codecs_for_model, mark_pipeline_tail, refuse_first_use_calibration
 
 
 def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] = None,
@@ -44,8 +45,9 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     install_attention_hook(model)
     check_latent_attention(model)
     get_method(config.method).check_model(model)
+    refuse_first_use_calibration(config, model)
     config = ensure_calibrated(config, model, tokenizer)
-    codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
+    codecs = codecs or codecs_for_model(config, model)
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
     identity = cache_identity(model)
@@ -81,7 +83,7 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
                 f"layer {i} uses {type(cache).__name__}, which VeloxQuant cannot replace"
             )
     _warn_kept(kept)
-    return caches
+    return mark_pipeline_tail(model, caches)
 
 
 def _warn_kept(kept: List[str]) -> None:
@@ -97,8 +99,9 @@ def _warn_kept(kept: List[str]) -> None:
 def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None, tokenizer=None):
     """Make `model.make_cache()` (and so plain `mlx_lm.generate`) return fresh compressed caches."""
     get_method(config.method).check_model(model)
+    refuse_first_use_calibration(config, model)
     config = ensure_calibrated(config, model, tokenizer)
-    codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
+    codecs = codecs_for_model(config, model)
     compressed_caches(model, config, codecs, settings)  # fail now, not at the first generate
     model.make_cache = lambda: compressed_caches(model, config, codecs, settings)
     return model
@@ -272,7 +275,8 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
         config = ensure_calibrated(config, model)
     if config is not None:
         try:
-            codecs = CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir and model else None)
+            codecs = (codecs_for_model(config, model) if model is not None
+                      else CodecSet.for_config(config, None))
         except ValueError as error:
             raise CacheFormatError(f"cannot load {path} with {config.describe()}: {error}") from None
     token = _LOADING.set(None if config is None else (config, codecs))
@@ -309,6 +313,8 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
                                    f"{identity_difference(compressed.model_identity, identity)}")
     if model is not None and len(caches) != len(model.layers):
         raise CacheFormatError(f"{path} holds {len(caches)} layers; the model has {len(model.layers)}")
+    if model is not None:
+        mark_pipeline_tail(model, caches)
     return (caches, metadata) if return_metadata else caches
 
 

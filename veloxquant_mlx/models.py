@@ -3,6 +3,7 @@
 import hashlib
 import importlib
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -118,15 +119,21 @@ def model_source(model: str | Path = DEFAULT_MODEL) -> str:
     return str(model)
 
 
-def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None):
+def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None, group=None,
+               parallel: str = "tensor"):
     """Load `(model, tokenizer)` from "smollm2", "gemma3-270m", a .gguf file, a folder or a hub id.
 
     `dequantize=None` dequantizes to float32 when MLX runs on the CPU, where
     quantized matmuls are about 10x slower than float32 ones. A folder written by
     `veloxquant quantize-weights` loads its base model and grafts the weight reservoir.
+    `group` (`mx.distributed.init()`, under `mlx.launch`) of more than one rank: this rank's
+    shard through mlx-lm's `sharded_load`, split by heads (`parallel="tensor"`, `model.shard`)
+    or by layers (`"pipeline"`); compressed caches then hold this rank's heads or layers (`sharding.py`).
     """
     from .weights.folder import is_quantized_dir, load_folder
 
+    if group is not None and group.size() > 1:
+        return _load_sharded(model, dequantize, group, parallel)
     if is_quantized_dir(model):
         return load_folder(model, load_model, dequantize)
     loaded, tokenizer = mlx_lm.load(model_source(model))
@@ -137,4 +144,33 @@ def load_model(model: str | Path = DEFAULT_MODEL, dequantize: bool | None = None
     # Materialised now: lazy weights would be computed on the stream of whichever thread first
     # uses them, and other threads generating with the model fail ("no Stream(cpu, 0) in current thread").
     mx.eval(loaded.parameters())
+    return loaded, tokenizer
+
+
+def _load_sharded(model, dequantize, group, parallel: str):
+    from mlx_lm.utils import sharded_load
+
+    from .weights.folder import is_quantized_dir
+
+    if parallel not in ("tensor", "pipeline"):
+        raise ValueError(f"parallel must be 'tensor' or 'pipeline', not {parallel!r}")
+    if is_quantized_dir(model):
+        raise ValueError("a `veloxquant quantize-weights` folder cannot be sharded: shard its base model")
+    if dequantize:
+        raise ValueError("a sharded model keeps its weights as stored: convert it to float first "
+                         "(mlx_lm.convert --dtype float16) to run it unquantized")
+    source = model_source(model)
+    if parallel == "pipeline" and not (Path(source) / "model.safetensors.index.json").is_file():
+        raise ValueError(f"pipeline sharding reads which layers a file holds from model.safetensors.index.json, "
+                         f"which {source} lacks (mlx_lm.convert writes one)")
+    config = json.loads((Path(source) / "config.json").read_text()) if Path(source).is_dir() else {}
+    heads = config.get("num_key_value_heads", config.get("num_attention_heads"))
+    if parallel == "tensor" and isinstance(heads, int) and heads % group.size():
+        raise ValueError(f"{model} has {heads} KV heads, which {group.size()} tensor-parallel ranks cannot "
+                         f"split evenly: use a world size dividing {heads}, or --pipeline")
+    try:
+        loaded, tokenizer = sharded_load(source, pipeline_group=group if parallel == "pipeline" else None,
+                                         tensor_group=group if parallel == "tensor" else None)
+    except ValueError as error:
+        raise ValueError(f"cannot shard {model} ({parallel} parallel over {group.size()} ranks): {error}") from None
     return loaded, tokenizer

@@ -10,15 +10,19 @@ is mlx-lm's prompt-cache format (safetensors) holding codes, not dequantized val
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx_lm.models.cache as mlx_cache
+from mlx_lm.generate import generation_stream
 
 from .cache import CacheFormatError, CompressedKVCache
 from .config import KVCacheConfig
 from .integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
 from .rotating import CompressedRotatingKVCache
+from .sharded_files import load_sharded_prompt_cache, save_sharded_prompt_cache
+from .sharding import model_sharding
 
 QUERY_MARK = "<query>"
 
@@ -33,12 +37,17 @@ def document_tokens(tokenizer, text: str) -> List[int]:
 
 def prefill(model, caches, tokens: List[int], step: int = 512,
             progress: Optional[Callable[[int, int], None]] = None):
-    """Run `tokens` through the model into `caches`, `step` tokens at a time."""
-    for start in range(0, len(tokens), step):
-        model(mx.array([tokens[start : start + step]]), cache=caches)
-        mx.eval([c.state for c in caches])
-        if progress is not None:
-            progress(min(start + step, len(tokens)), len(tokens))
+    """Run `tokens` through the model into `caches`, `step` tokens at a time, on mlx-lm's generation
+    stream as its `generate_step` does. On a sharded model the output is evaluated too: a cache may hold
+    arrays its `state` leaves unevaluated whose graph holds collectives, and evaluated later beside other
+    collectives the ranks can pair them differently (summing the wrong tensors, or waiting for ever)."""
+    sharded = model_sharding(model) is not None
+    with mx.stream(generation_stream):
+        for start in range(0, len(tokens), step):
+            out = model(mx.array([tokens[start : start + step]]), cache=caches)
+            mx.eval([c.state for c in caches], out if sharded else [])
+            if progress is not None:
+                progress(min(start + step, len(tokens)), len(tokens))
 
 
 def cache_prompt(model, tokenizer, text: str, config: KVCacheConfig, out, model_name: str,
@@ -57,7 +66,10 @@ def cache_prompt(model, tokenizer, text: str, config: KVCacheConfig, out, model_
     else:
         metadata = {"model": model_name, "veloxquant_config": config.to_json(), "tokens": str(len(tokens)),
                     "chat_template": str(tokenizer.chat_template is not None)}
-        save_prompt_cache(out, caches, metadata)
+        if model_sharding(model) is not None:
+            save_sharded_prompt_cache(out, caches, model, metadata)
+        else:
+            save_prompt_cache(out, caches, metadata)
     return {"tokens": len(tokens), "seconds": seconds, "caches": caches}
 
 
@@ -100,7 +112,10 @@ def load_document_cache(path, model_name: Optional[str] = None,
                         config: Optional[KVCacheConfig] = None, model=None) -> Tuple[list, dict]:
     """(caches, metadata) of a `cache_prompt` file, refusing one made for another model (by
     name, and with `model` by its arguments and weights) or config."""
-    caches, metadata = load_prompt_cache(path, config, return_metadata=True, model=model)
+    if model is not None and Path(path).is_dir():  # one file per rank and a manifest (`sharded_files.py`)
+        caches, metadata = load_sharded_prompt_cache(path, model, config)
+    else:
+        caches, metadata = load_prompt_cache(path, config, return_metadata=True, model=model)
     if model_name is not None and metadata.get("model") not in (None, "", model_name):
         raise ValueError(f"{path} was cached with model {metadata['model']!r}, not {model_name!r}")
     if not caches or not isinstance(caches[0], (CompressedKVCache, CompressedRotatingKVCache)):

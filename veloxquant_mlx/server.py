@@ -82,7 +82,9 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         self.reset()
         gc.collect()
         mx.clear_cache()
-        model, tokenizer = load_model(model_path)
+        group = self.pipeline_group or self.tensor_group  # mlx-lm's: set under mlx.launch
+        model, tokenizer = load_model(model_path, group=group,
+                                      parallel="pipeline" if self.pipeline_group is not None else "tensor")
         if self.cli_args.chat_template:
             tokenizer.chat_template = self.cli_args.chat_template
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
@@ -498,7 +500,7 @@ def server_arguments(args, kv_config: Optional[KVCacheConfig]) -> argparse.Names
         prefill_step_size=args.prefill_step_size, prompt_cache_size=args.prompt_cache_size,
         prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=_mlx_kv_bits(args, kv_config),
         kv_group_size=getattr(args, "kv_group_size", 64), kv_memory_gb=getattr(args, "kv_memory_gb", None),
-        quantized_kv_start=0, pipeline=False, max_context=args.max_context,
+        quantized_kv_start=0, pipeline=getattr(args, "pipeline", False), max_context=args.max_context,
         started=time.time(),
     )
 
@@ -538,6 +540,10 @@ def serve(cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig], read
     the interpreter's own exit ("terminate called without an active exception")."""
     logging.basicConfig(level=getattr(logging, cli_args.log_level.upper()),
                         format="%(asctime)s - %(levelname)s - %(message)s")
+    if mx.distributed.init().rank() != 0:  # under mlx.launch rank 0 serves HTTP; the others follow its requests
+        VeloxResponseGenerator(VeloxModelProvider(cli_args, kv_config),
+                               mlx_server.LRUPromptCache(cli_args.prompt_cache_size)).join()
+        return
     httpd, response_generator = make_server(cli_args, kv_config)
     host, port = httpd.server_address[:2]
     caches = (kv_config.describe() if kv_config is not None else

@@ -1,0 +1,204 @@
+"""Compressed caches under mlx-lm's sharded inference: two CPU ranks over the ring back end
+(`mlx.launch --backend ring -n 2`), against the single-process compressed run in this process.
+
+Each launch runs tests/distributed_worker.py on both ranks. SmolLM2 has 3 KV heads, which two
+tensor-parallel ranks cannot split, and llama has no pipeline: so a tiny random llama (tensor
+parallel) and a tiny random qwen2 (pipeline), their weights scaled so that greedy decoding
+does not repeat one token.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten, tree_map
+
+from veloxquant_mlx.cache import CacheFormatError
+from veloxquant_mlx.models import default_model_dir, load_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+import distributed_worker  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).parent / "distributed_worker.py"
+LAUNCH = Path(sys.executable).parent / "mlx.launch"
+SPECS = ("vq4", "kivi:4")
+# Tensor parallelism sums the output projection's partial products across ranks in another order
+# than one matmul does; the log-probabilities then differ by float32 rounding, amplified where a
+# coordinate lands on the other side of a quantization boundary.
+LOGPROB_TOLERANCE = 2e-3
+LAUNCH_TIMEOUT = 240
+
+
+def launch(*args, timeout=LAUNCH_TIMEOUT, on_timeout=pytest.fail):
+    """`mlx.launch` two ranks; on a timeout its whole process group (the ranks too) is killed and the test fails."""
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OPENBLAS_NUM_THREADS": "1", "VELOXQUANT_NO_PRELOAD": "1"}
+    command = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, *map(str, args)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        on_timeout(f"two ranks did not finish in {timeout} s (a hang):\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+@pytest.fixture(scope="module")
+def ring(tmp_path_factory):
+    """Skips unless `mlx.launch` starts two ranks that can all_sum over the ring back end."""
+    if not LAUNCH.is_file():
+        pytest.skip(f"mlx.launch not found next to {sys.executable}")
+    probe = tmp_path_factory.mktemp("ring") / "probe.py"
+    probe.write_text("import mlx.core as mx\ng = mx.distributed.init()\n"
+                     "print('sum', mx.distributed.all_sum(mx.array(1.0), stream=mx.cpu).item())\n")
+    result = launch(probe, timeout=60, on_timeout=pytest.skip)
+    if result.stdout.count("sum 2.0") != 2:
+        pytest.skip(f"the ring back end does not run two ranks here: {result.stderr[-400:]}")
+
+
+def tiny_model_dir(target: Path, model_type: str) -> Path:
+    """A 4-layer random `model_type` with SmolLM2's tokenizer and a weight index (pipeline loading reads it)."""
+    from mlx_lm.models import llama, qwen2
+
+    module = {"llama": llama, "qwen2": qwen2}[model_type]
+    target.mkdir(parents=True, exist_ok=True)
+    source = default_model_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (source / name).exists():
+            shutil.copy(source / name, target / name)
+    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
+    config = dict(model_type=model_type, hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
+                  max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0)
+    (target / "config.json").write_text(json.dumps(config))
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(target / "model.safetensors"), weights)
+    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}}
+    (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
+
+
+def single_process(model_dir: Path) -> dict:
+    model, _ = load_model(model_dir)
+    args = type("Args", (), {"prompt_tokens": 40, "max_tokens": 12, "die_after": None, "roundtrip": None})
+    return {spec: distributed_worker.run_spec(model, spec, args, 0) for spec in SPECS}
+
+
+def ranks(out: Path, result) -> list:
+    files = [out / f"rank{r}.json" for r in (0, 1)]
+    assert all(f.is_file() for f in files), f"a rank wrote no result:\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+    return [json.loads(f.read_text()) for f in files]
+
+
+@pytest.fixture(scope="module")
+def launched(ring, tmp_path_factory):
+    """One launch of two ranks: the tiny llama tensor-parallel, then the tiny qwen2 pipelined."""
+    root = tmp_path_factory.mktemp("sharded")
+    models = {"tensor": tiny_model_dir(root / "llama", "llama"), "pipeline": tiny_model_dir(root / "qwen2", "qwen2")}
+    result = launch(WORKER, *(f"--run={parallel}={path}" for parallel, path in models.items()),
+                    "--specs", ",".join(SPECS), "--out", root / "out", "--roundtrip", root / "saved")
+    return ranks(root / "out", result), models, root / "saved"
+
+
+@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+def sharded_run(request, launched):
+    shards, models, saved = launched
+    parallel = request.param
+    runs = [{"rank": shard["rank"], "specs": shard["runs"][parallel]} for shard in shards]
+    return parallel, runs, single_process(models[parallel]), saved / parallel, models[parallel]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_sharded_greedy_decoding_matches_the_single_process_compressed_run(sharded_run, spec):
+    parallel, shards, whole, _, _ = sharded_run
+    reference = whole[spec]
+    for shard in shards:
+        got = shard["specs"][spec]
+        assert got["tokens"] == reference["tokens"], f"{parallel} rank {shard['rank']} {spec}"
+        difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
+        assert difference <= LOGPROB_TOLERANCE, f"{parallel} rank {shard['rank']} {spec}: {difference}"
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_each_rank_holds_its_share_of_the_cache(sharded_run, spec):
+    parallel, shards, whole, _, _ = sharded_run
+    reference = whole[spec]
+    for shard in shards:
+        got = shard["specs"][spec]
+        if parallel == "tensor":
+            assert got["layers"] == reference["layers"]
+            assert got["kv_heads"] == [h // 2 for h in reference["kv_heads"]]
+            share = 0.5
+        else:
+            assert got["kv_heads"] == reference["kv_heads"][: got["layers"]]
+            share = got["layers"] / reference["layers"]
+        assert abs(got["nbytes"] - share * reference["nbytes"]) <= 0.01 * share * reference["nbytes"]
+    assert sum(s["specs"][spec]["layers"] for s in shards) == (
+        2 * reference["layers"] if parallel == "tensor" else reference["layers"])
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_a_sharded_prompt_cache_file_round_trips(sharded_run, spec):
+    parallel, shards, _, saved, _ = sharded_run
+    directory = saved / spec.replace(":", "-")
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["world_size"] == 2 and manifest["sharding"] == parallel
+    assert sorted(f["file"] for f in manifest["files"]) == ["rank0-of-2.safetensors", "rank1-of-2.safetensors"]
+    for shard in shards:
+        got = shard["specs"][spec]
+        assert got["roundtrip"]["metadata"] == {"spec": spec}
+        assert got["roundtrip"]["tokens"] == got["tokens"]
+        difference = np.abs(np.array(got["roundtrip"]["logprobs"]) - np.array(got["logprobs"])).max()
+        assert difference <= LOGPROB_TOLERANCE
+
+
+def test_a_sharded_prompt_cache_is_refused_at_another_world_size(sharded_run):
+    from veloxquant_mlx.sharded_files import load_sharded_prompt_cache
+
+    parallel, _, _, saved, model_dir = sharded_run
+    model, _ = load_model(model_dir)
+    with pytest.raises(CacheFormatError, match=r"saved by 2 rank\(s\).*this run has 1.*mlx.launch -n 2"):
+        load_sharded_prompt_cache(saved / "vq4", model, distributed_worker.spec_config("vq4"))
+
+
+def test_a_sharded_rank_file_that_fails_the_manifest_is_refused(sharded_run, tmp_path):
+    from veloxquant_mlx.sharded_files import MANIFEST, load_sharded_prompt_cache, save_sharded_prompt_cache
+
+    *_, model_dir = sharded_run
+    model, _ = load_model(model_dir)
+    config = distributed_worker.spec_config("kivi:4")
+    caches = distributed_worker.KVCacheBuilder(config).for_model(model).build()
+    distributed_worker.prefill(model, caches, list(range(20)))
+    save_sharded_prompt_cache(tmp_path, caches, model)
+    assert load_sharded_prompt_cache(tmp_path, model, config)[0][0].offset == 20
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    manifest["files"][0]["sha256"] = "0" * 64
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CacheFormatError, match="fails the manifest's SHA-256"):
+        load_sharded_prompt_cache(tmp_path, model, config)
+
+
+def test_a_rank_that_dies_mid_generation_stops_the_other_with_a_clear_error(launched, tmp_path):
+    _, models, _ = launched
+    result = launch(WORKER, f"--run=tensor={models['tensor']}", "--specs", "vq4", "--max-tokens", "12",
+                    "--die-after", "3", "--out", tmp_path / "out", timeout=120)
+    assert not (tmp_path / "out" / "rank0.json").exists()
+    # Rank 0 either meets the lost connection first and says so (`RankLostError`), or is stopped by
+    # mlx.launch, which terminates every rank once one exits with an error and names that one.
+    assert ("rank 0 of 2: another rank stopped (exited or crashed), so this one stops too" in result.stderr
+            or re.search(r"Node with rank 1 exited with code 3.*Node with rank 0 exited with code -15",
+                         result.stderr, re.S)), result.stderr[-3000:]
