@@ -120,13 +120,18 @@ def test_left_padding_is_skipped_not_stored(model):
     assert batch[0].rows[0].offset == 3 and batch[0].offset.tolist() == [3]
 
 
-def test_explicit_mask_array_is_refused(model):
-    batch = CompressedKVCache.merge(KVCacheBuilder(_config("turboquant_mse")).for_model(model).build()[:1])
-    with pytest.raises(ValueError, match="mask"):
-        batch.make_mask(4, return_array=True)
-    batch.update_and_fetch(mx.zeros((1, 2, 4, 32)), mx.zeros((1, 2, 4, 32)))
+def test_own_mask_array_is_applied_and_a_foreign_one_refused(model):
+    batch = CompressedKVCache.merge(KVCacheBuilder(_config("turboquant_mse")).for_model(model).build()[:2])
+    batch.prepare(left_padding=[0, 2])
+    mask = batch.make_mask(4, return_array=True)
+    assert mask.shape == (2, 1, 4, 4) and batch.left_padding.tolist() == [0, 2]
+    assert mask[1, 0, :, :2].sum().item() == 0 and mask[0, 0].tolist()[0] == [True, False, False, False]
+    keys = mx.random.normal((2, 2, 4, 32))
+    batch.update_and_fetch(keys, keys)
+    queries = mx.random.normal((2, 8, 4, 32))
+    assert mx.array_equal(batch.attend(queries, scale=1.0, mask=mask), batch.attend(queries, scale=1.0)).item()
     with pytest.raises(ValueError, match="mask array"):
-        batch.attend(mx.zeros((1, 8, 4, 32)), scale=1.0, mask=mx.ones((1, 1, 4, 4), dtype=mx.bool_))
+        batch.attend(queries, scale=1.0, mask=mx.ones((2, 1, 4, 4), dtype=mx.bool_))
 
 
 def test_batch_generate_matches_single_sequence_generation():

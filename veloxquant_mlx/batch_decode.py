@@ -1,0 +1,270 @@
+"""One attention call per layer for a batch's decode step, on the codes, rows of different lengths.
+
+A `BatchCompressedKVCache` keeps one cache per sequence. On decode steps (one new token
+per sequence) this module holds the batch's state in shared batch-shaped buffers instead,
+as mlx-lm's `BatchKVCache` holds its fp16 keys: the packed code rows (B, H, capacity, words),
+row b's first `count[b]` in use; the fp16 sinks (B, H, sinks, D); the fp16 window as a ring
+(B, H, residual_length, D) with `fill[b]` slots in use from `start[b]`; the means (B, H, 1, D).
+A step writes every row's token into its window slot, encodes every row's leaving token in
+one call of the layout's row encoder and scatters it to `count[b]` (rows whose window is not
+full yet do not advance `count`), and attends with every row's length masked: scores of code
+rows at or past `count[b]` and of empty window slots are -inf. Nothing is dequantized to
+fp16 and nothing loops over sequences. The codes are scored split by split with the codecs'
+MLX ops in one compiled graph (`engine.compiled_decode`'s math with a per-row count); on the
+CPU, where `veloxquant_mlx._native` has the ragged kernel, that kernel scores them
+(`kernels.native.mse_partials_ragged`). The GPU kernels take one length per launch, so on
+a GPU the batch runs the MLX-ops graph.
+
+What a decode step of the per-sequence caches would do, it does: the same encoder, the same
+window rule (a token leaves once `residual_length` wait), the same means. The buffers are
+written back into the rows (`release`) before anything else reads or changes them
+(a prefill chunk, `extend`, `extract`, `trim`, `state`); `filter` keeps them.
+
+It takes a batch whose rows are plain caches of one row-store format coding tokens one by one
+(turboquant_mse, the presets), with a fp16 window, full sinks, fixed means (codes exist
+where centring is on) and no positional codec or kept tokens; other batches decode row by row.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import List, Optional
+
+import mlx.core as mx
+
+from . import engine
+from .cache import CompressedKVCache
+from .kernels import native
+from .storage import STEP, RowStore
+
+
+class BatchDecoder:
+    """The shared decode buffers of one layer's batch, or nothing (`active`)."""
+
+    def __init__(self):
+        self.active = False
+        self.nbytes = 0
+
+    # ---- taking the rows over and giving them back ---------------------------------------
+    def takes(self, rows: List) -> bool:
+        """Whether this decode step runs batched (taking the rows over if not yet done)."""
+        if self.active:
+            return True
+        if len(rows) < 2 or not all(_eligible(cache) for cache in rows):
+            return False
+        first = rows[0]
+        if any(c.codecs is not first.codecs or c.config != first.config or c.store.layout != first.store.layout
+               or (c.kv_heads, c.key_dim, c.value_dim, c.window_dtype) != (first.kv_heads, first.key_dim,
+                                                                           first.value_dim, first.window_dtype)
+               for c in rows):
+            return False
+        self._acquire(rows)
+        return True
+
+    def _acquire(self, rows: List[CompressedKVCache]):
+        for cache in rows:
+            cache.flush()
+            cache._window_in_order()
+            cache._settle_window()
+        first = rows[0]
+        self.rows = rows
+        self.key_codec, self.value_codec, self.layout = first.key_codec, first.value_codec, first.store.layout
+        self.encoder, self.settings, self.residual = first._row_encoder, first.settings, first.config.residual_length
+        counts = [cache.encoded for cache in rows]
+        self.capacity = max(counts) + STEP
+        self.codes = mx.concatenate([_padded(cache.store.rows[..., :n, :], self.capacity) for cache, n in
+                                     zip(rows, counts)], axis=0)
+        fills = [cache.window for cache in rows]
+        self.window_keys = mx.concatenate([_padded(cache._window_keys, self.residual) for cache in rows], axis=0)
+        self.window_values = mx.concatenate([_padded(cache._window_values, self.residual) for cache in rows], axis=0)
+        self.sink_keys = self.sink_values = None
+        if first.sinks:
+            self.sink_keys = mx.concatenate([cache.sink_keys for cache in rows], axis=0)
+            self.sink_values = mx.concatenate([cache.sink_values for cache in rows], axis=0)
+        self.key_mean = self.value_mean = None
+        if first.key_mean is not None:
+            self.key_mean = mx.concatenate([cache.key_mean for cache in rows], axis=0)
+            self.value_mean = mx.concatenate([cache.value_mean for cache in rows], axis=0)
+        self.count = mx.array(counts, dtype=mx.int32)
+        self.fill = mx.array(fills, dtype=mx.int32)
+        self.start = mx.zeros((len(rows),), dtype=mx.int32)
+        self.offsets = [cache.offset for cache in rows]
+        for cache in rows:  # the buffers hold them until `release`
+            cache.store.rows = cache._window_keys = cache._window_values = None
+        self.most = max(counts)  # a bound on max(count), known without reading it back
+        self.steps = 0
+        self.active = True
+        self._count_bytes()
+
+    def release(self):
+        """Write the buffers back into the rows (each row's codes, window in order, offset)."""
+        if not self.active:
+            return
+        self.active = False
+        counts, fills, starts = self.count.tolist(), self.fill.tolist(), self.start.tolist()
+        for b, cache in enumerate(self.rows):
+            n, fill = counts[b], fills[b]
+            store = cache.store
+            store.rows = mx.contiguous(self.codes[b : b + 1, :, :n, :])
+            store.count = n
+            ring = mx.roll(self.window_keys[b : b + 1], -starts[b], axis=2), mx.roll(self.window_values[b : b + 1],
+                                                                                 -starts[b], axis=2)
+            cache._window_keys = mx.contiguous(ring[0][..., :fill, :]) if fill else None
+            cache._window_values = mx.contiguous(ring[1][..., :fill, :]) if fill else None
+            cache.window_start, cache.window_fill, cache.incoming, cache.just_encoded = 0, None, None, None
+            cache.offset = self.offsets[b] + self.steps
+        self.rows = None
+        self.nbytes = 0
+
+    def filter(self, indices: List[int]):
+        """Keep rows `indices` (in that order) without writing the buffers back."""
+        if not self.active:
+            return
+        take = mx.array(indices, dtype=mx.int32)
+        self.rows = [self.rows[i] for i in indices]
+        self.offsets = [self.offsets[i] for i in indices]
+        for name in ("codes", "window_keys", "window_values", "sink_keys", "sink_values", "key_mean", "value_mean",
+                     "count", "fill", "start"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[take])
+        if not self.rows:
+            self.active, self.rows = False, None
+        self._count_bytes()
+
+    def _count_bytes(self):
+        arrays = (self.codes, self.window_keys, self.window_values, self.sink_keys, self.sink_values, self.key_mean,
+                  self.value_mean)
+        self.nbytes = sum(a.nbytes for a in arrays if a is not None)
+
+    # ---- a decode step -------------------------------------------------------------------------
+    def offset(self) -> mx.array:
+        return mx.array(self.offsets) + self.steps
+
+    def step(self, keys: mx.array, values: mx.array):
+        """Every row's new token (keys, values (B, H, 1, D)) into its window; the leaving ones encoded."""
+        if self.most + 1 > self.capacity:
+            self.capacity += STEP
+            self.codes = _padded(self.codes, self.capacity)
+            self._count_bytes()
+        dtype = self.window_keys.dtype
+        keys, values = keys.astype(dtype), values.astype(dtype)
+        full = self.fill == self.residual
+        slot = mx.where(full, self.start, self.fill)
+        at = self.start[:, None, None, None]
+        leaving_keys = mx.take_along_axis(self.window_keys, at, axis=2)
+        leaving_values = mx.take_along_axis(self.window_values, at, axis=2)
+        into = mx.arange(self.residual)[None, None, :, None] == slot[:, None, None, None]
+        self.window_keys = mx.where(into, keys, self.window_keys)
+        self.window_values = mx.where(into, values, self.window_values)
+        rows = self.encoder.one(leaving_keys, leaving_values, self.key_mean, self.value_mean)
+        self.codes[mx.arange(rows.shape[0]), :, self.count] = rows[:, :, 0, :]
+        self.count = self.count + full.astype(mx.int32)
+        self.start = mx.where(full, (self.start + 1) % self.residual, self.start)
+        self.fill = mx.minimum(self.fill + 1, self.residual)
+        self.steps += 1
+        self.most += 1
+
+    def attend(self, queries: mx.array, scale: float) -> mx.array:
+        """Every row's one query over its codes, sinks and window: (B, heads, 1, Dv)."""
+        key_mean = self.key_mean if self.key_mean is not None else engine.small_array((0.0,), mx.float32)
+        value_mean = self.value_mean if self.value_mean is not None else engine.small_array((0.0,), mx.float32)
+        sinks = () if self.sink_keys is None else (self.sink_keys, self.sink_values)
+        fp16 = _fp16_fn(len(sinks) > 0, self.key_mean is not None)(self.window_keys, self.window_values, self.fill,
+                                                                    key_mean, *sinks)
+        if _native_ragged(self):
+            o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes, self.count,
+                           self.most, scale)
+            return _merge_fn(self.value_codec, tuple(queries.shape), queries.dtype, float(scale),
+                             self.key_mean is not None)(o, ml, queries, *fp16, value_mean)
+        fn = _ragged_decode_fn(self.key_codec, self.value_codec, self.layout, self.capacity, tuple(queries.shape),
+                               queries.dtype, float(scale), self.key_mean is not None,
+                               self.settings.compile_step)
+        return fn(queries, self.codes, self.count, *fp16, value_mean)
+
+    def ready(self, rows: List, queries: mx.array) -> bool:
+        """Whether `attend` answers this call: a decode step that `step` took."""
+        return self.active and queries.shape[2] == 1 and rows is not None and len(rows) == queries.shape[0]
+
+
+def _eligible(cache) -> bool:
+    return (type(cache) is CompressedKVCache and cache.key_codec is not None and isinstance(cache.store, RowStore)
+            and cache.block == 1 and cache.kept is None and not cache.key_codec.positional
+            and cache.config.residual_length > 0 and cache.sinks == cache.config.sink_tokens
+            and 0 < cache.window <= cache.config.residual_length and cache.encoded > 0
+            and (cache.key_mean is not None or not cache.config.center)
+            and cache.settings.backend != "emulator")
+
+
+def _padded(x: mx.array, length: int) -> mx.array:
+    """`x` (B, H, n, W) zero-padded to `length` along the tokens (None: an empty window)."""
+    if x is None:
+        raise ValueError("no window")
+    if x.shape[2] >= length:
+        return x[..., :length, :]
+    return mx.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)])
+
+
+def _native_ragged(decoder: BatchDecoder) -> bool:
+    settings = decoder.settings
+    return (settings.backend == "native" and hasattr(native, "mse_partials_ragged")
+            and native.ragged_supported(decoder.key_codec, decoder.value_codec, decoder.layout))
+
+
+@functools.lru_cache(maxsize=64)
+def _fp16_fn(has_sinks: bool, centered: bool):
+    """(keys (centred), values, bias) of the sinks then the window ring, the ring's empty slots at -inf."""
+    def fp16(window_keys, window_values, fill, key_mean, sink_keys=None, sink_values=None):
+        slots = window_keys.shape[2]
+        keys, values = window_keys, window_values
+        bias = mx.where(mx.arange(slots)[None] < fill[:, None], 0.0, -mx.inf)
+        if has_sinks:
+            keys = mx.concatenate([sink_keys, keys], axis=2)
+            values = mx.concatenate([sink_values, values], axis=2)
+            bias = mx.concatenate([mx.zeros((fill.shape[0], sink_keys.shape[2])), bias], axis=1)
+        if centered:
+            keys = keys.astype(mx.float32) - key_mean
+        return keys, values, bias[:, None, None, :]
+
+    return mx.compile(fp16)
+
+
+@functools.lru_cache(maxsize=engine.CODEC_KEYED)
+def _merge_fn(value_codec, out_shape, out_dtype, scale: float, centered: bool):
+    def merge(o, ml, queries, keys, values, bias, value_mean):
+        plain = engine.plain_partial(queries, keys, values, scale, bias)
+        return engine.merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
+                                     value_mean=value_mean if centered else None)
+
+    return mx.compile(merge)
+
+
+@functools.lru_cache(maxsize=engine.CODEC_KEYED)
+def _ragged_decode_fn(key_codec, value_codec, layout, capacity: int, out_shape, out_dtype, scale: float,
+                      centered: bool, compiled: bool):
+    """`engine._decode_fn`'s split-by-split softmax over the code rows, row b's past `count[b]` masked."""
+    split = engine.DECODE_SPLIT
+
+    def step(queries, codes, count, keys, values, bias, value_mean):
+        B, n_heads, _, dim = queries.shape
+        kv_heads = codes.shape[1]
+        rep = n_heads // kv_heads
+        q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim))
+        outs, stats = [], []
+        for start in range(0, capacity, split):
+            stop = min(start + split, capacity)
+            key_fields, value_fields = layout.views(codes[..., start:stop, :])
+            scores = key_codec.score(q, key_fields)  # (B, H, REP, n)
+            valid = (mx.arange(start, stop)[None] < count[:, None])[:, None, None, :]
+            scores = mx.where(valid, scores, -mx.inf)
+            m = mx.max(scores, axis=-1, keepdims=True)
+            p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
+            o = value_codec.weighted_sum(mx.expand_dims(p, 3), value_fields)
+            outs.append(o.squeeze(3))
+            stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))
+        o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep, -1)
+        ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
+        plain = engine.plain_partial(queries, keys, values, scale, bias)
+        return engine.merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
+                                     value_mean=value_mean if centered else None)
+
+    return mx.compile(step) if compiled else step
