@@ -34,7 +34,7 @@ import mlx.core as mx
 
 from . import engine
 from .cache import CompressedKVCache
-from .kernels import native
+from .kernels import native, native_ragged_supported
 from .storage import STEP, RowStore
 
 
@@ -44,6 +44,7 @@ class BatchDecoder:
     def __init__(self):
         self.active = False
         self.nbytes = 0
+        self.last_path: Optional[str] = None  # "batch_native" (the C++ ragged kernel) or "batch_ops"
 
     # ---- taking the rows over and giving them back ---------------------------------------
     def takes(self, rows: List) -> bool:
@@ -172,10 +173,12 @@ class BatchDecoder:
         fp16 = _fp16_fn(len(sinks) > 0, self.key_mean is not None)(self.window_keys, self.window_values, self.fill,
                                                                     key_mean, *sinks)
         if _native_ragged(self):
+            self.last_path = "batch_native"
             o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes, self.count,
                            self.most, scale)
             return _merge_fn(self.value_codec, tuple(queries.shape), queries.dtype, float(scale),
                              self.key_mean is not None)(o, ml, queries, *fp16, value_mean)
+        self.last_path = "batch_ops"
         fn = _ragged_decode_fn(self.key_codec, self.value_codec, self.layout, self.capacity, tuple(queries.shape),
                                queries.dtype, float(scale), self.key_mean is not None,
                                self.settings.compile_step)
@@ -206,8 +209,8 @@ def _padded(x: mx.array, length: int) -> mx.array:
 
 def _native_ragged(decoder: BatchDecoder) -> bool:
     settings = decoder.settings
-    return (settings.backend == "native" and hasattr(native, "mse_partials_ragged")
-            and native.ragged_supported(decoder.key_codec, decoder.value_codec, decoder.layout))
+    return settings.backend == "native" and native_ragged_supported(decoder.key_codec, decoder.value_codec,
+                                                                    decoder.layout)
 
 
 @functools.lru_cache(maxsize=64)
