@@ -82,10 +82,11 @@ class BatchCompressedKVCache(_BaseCache):
     def extend(self, other: "BatchCompressedKVCache"):
         if other._real is not None or self._real is not None:
             raise ValueError("cannot extend a batch in the middle of a right-padded prefill")
-        self._decoder.release()
         other._decoder.release()
         if self.rows and other.rows:
             type(self)(self.rows[:1] + other.rows[:1])  # the same kind and window, or refused
+        if any(other._skip) or not self._decoder.extend(other.rows):
+            self._decoder.release()
         self.rows += other.rows
         self._skip += other._skip
 
@@ -99,7 +100,8 @@ class BatchCompressedKVCache(_BaseCache):
 
     def extract(self, idx: int) -> Row:
         """An independent copy of sequence `idx`'s cache (codes, never dequantized values)."""
-        self._decoder.release()
+        if self._decoder.active:
+            return self._decoder.extract(idx)
         return copy.deepcopy(self.rows[idx])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):

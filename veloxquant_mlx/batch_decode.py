@@ -27,6 +27,7 @@ where centring is on) and no positional codec or kept tokens; other batches deco
 
 from __future__ import annotations
 
+import copy
 import functools
 from typing import List, Optional
 
@@ -51,71 +52,64 @@ class BatchDecoder:
         """Whether this decode step runs batched (taking the rows over if not yet done)."""
         if self.active:
             return True
-        if len(rows) < 2 or not all(_eligible(cache) for cache in rows):
+        if len(rows) < 2 or not _compatible(rows):
             return False
         first = rows[0]
-        if any(c.codecs is not first.codecs or c.config != first.config or c.store.layout != first.store.layout
-               or (c.kv_heads, c.key_dim, c.value_dim, c.window_dtype) != (first.kv_heads, first.key_dim,
-                                                                           first.value_dim, first.window_dtype)
-               for c in rows):
-            return False
-        self._acquire(rows)
-        return True
-
-    def _acquire(self, rows: List[CompressedKVCache]):
-        for cache in rows:
-            cache.flush()
-            cache._window_in_order()
-            cache._settle_window()
-        first = rows[0]
-        self.rows = rows
         self.key_codec, self.value_codec, self.layout = first.key_codec, first.value_codec, first.store.layout
         self.encoder, self.settings, self.residual = first._row_encoder, first.settings, first.config.residual_length
-        counts = [cache.encoded for cache in rows]
-        self.capacity = max(counts) + STEP
-        self.codes = mx.concatenate([_padded(cache.store.rows[..., :n, :], self.capacity) for cache, n in
-                                     zip(rows, counts)], axis=0)
-        fills = [cache.window for cache in rows]
-        self.window_keys = mx.concatenate([_padded(cache._window_keys, self.residual) for cache in rows], axis=0)
-        self.window_values = mx.concatenate([_padded(cache._window_values, self.residual) for cache in rows], axis=0)
-        self.sink_keys = self.sink_values = None
-        if first.sinks:
-            self.sink_keys = mx.concatenate([cache.sink_keys for cache in rows], axis=0)
-            self.sink_values = mx.concatenate([cache.sink_values for cache in rows], axis=0)
-        self.key_mean = self.value_mean = None
-        if first.key_mean is not None:
-            self.key_mean = mx.concatenate([cache.key_mean for cache in rows], axis=0)
-            self.value_mean = mx.concatenate([cache.value_mean for cache in rows], axis=0)
-        self.count = mx.array(counts, dtype=mx.int32)
-        self.fill = mx.array(fills, dtype=mx.int32)
-        self.start = mx.zeros((len(rows),), dtype=mx.int32)
-        self.offsets = [cache.offset for cache in rows]
-        for cache in rows:  # the buffers hold them until `release`
-            cache.store.rows = cache._window_keys = cache._window_values = None
-        self.most = max(counts)  # a bound on max(count), known without reading it back
         self.steps = 0
+        self.rows, self.offsets, stacked = _stacked(rows, 0)
+        for name, array in stacked.items():
+            setattr(self, name, array)
+        self.capacity = self.codes.shape[2]
+        self.most = max(self.count.tolist())  # a bound on max(count), known without reading it back
         self.active = True
         self._count_bytes()
+        return True
+
+    def extend(self, rows: List) -> bool:
+        """Take `rows` into the buffers (a request joining a running batch) without writing the
+        others back; False when they cannot join (then the caller releases)."""
+        if not self.active or not rows or not _compatible(rows, self.rows[0]):
+            return False
+        joined, offsets, stacked = _stacked(rows, self.steps)
+        capacity = max(self.capacity, stacked["codes"].shape[2])
+        self.codes = mx.concatenate([_padded(self.codes, capacity), _padded(stacked.pop("codes"), capacity)])
+        for name, array in stacked.items():
+            if array is not None:
+                setattr(self, name, mx.concatenate([getattr(self, name), array]))
+        self.rows, self.offsets, self.capacity = self.rows + joined, self.offsets + offsets, capacity
+        self.most = max(self.most, int(self.count.max().item()))
+        self._count_bytes()
+        return True
 
     def release(self):
         """Write the buffers back into the rows (each row's codes, window in order, offset)."""
         if not self.active:
             return
         self.active = False
-        counts, fills, starts = self.count.tolist(), self.fill.tolist(), self.start.tolist()
+        host = self.count.tolist(), self.fill.tolist(), self.start.tolist()
         for b, cache in enumerate(self.rows):
-            n, fill = counts[b], fills[b]
-            store = cache.store
-            store.rows = mx.contiguous(self.codes[b : b + 1, :, :n, :])
-            store.count = n
-            ring = mx.roll(self.window_keys[b : b + 1], -starts[b], axis=2), mx.roll(self.window_values[b : b + 1],
-                                                                                 -starts[b], axis=2)
-            cache._window_keys = mx.contiguous(ring[0][..., :fill, :]) if fill else None
-            cache._window_values = mx.contiguous(ring[1][..., :fill, :]) if fill else None
-            cache.window_start, cache.window_fill, cache.incoming, cache.just_encoded = 0, None, None, None
-            cache.offset = self.offsets[b] + self.steps
+            self._write_back(b, cache, *host)
         self.rows = None
         self.nbytes = 0
+
+    def extract(self, b: int) -> CompressedKVCache:
+        """An independent cache holding row `b` (the buffers stay in use)."""
+        row = copy.deepcopy(self.rows[b])
+        self._write_back(b, row, self.count.tolist(), self.fill.tolist(), self.start.tolist())
+        return row
+
+    def _write_back(self, b: int, cache: CompressedKVCache, counts, fills, starts):
+        n, fill = counts[b], fills[b]
+        cache.store.rows = mx.contiguous(self.codes[b : b + 1, :, :n, :])
+        cache.store.count = n
+        ring = [mx.roll(self.window_keys[b : b + 1], -starts[b], axis=2),
+                mx.roll(self.window_values[b : b + 1], -starts[b], axis=2)]
+        cache._window_keys = mx.contiguous(ring[0][..., :fill, :]) if fill else None
+        cache._window_values = mx.contiguous(ring[1][..., :fill, :]) if fill else None
+        cache.window_start, cache.window_fill, cache.incoming, cache.just_encoded = 0, None, None, None
+        cache.offset = self.offsets[b] + self.steps
 
     def filter(self, indices: List[int]):
         """Keep rows `indices` (in that order) without writing the buffers back."""
@@ -189,13 +183,52 @@ class BatchDecoder:
         return self.active and queries.shape[2] == 1 and rows is not None and len(rows) == queries.shape[0]
 
 
+def _compatible(rows: List, first: Optional[CompressedKVCache] = None) -> bool:
+    """Whether `rows` can share buffers (with `first`'s, when given): each eligible, one config,
+    codecs, layout and shape."""
+    if not all(_eligible(cache) for cache in rows):
+        return False
+    first = first or rows[0]
+    shape = (first.kv_heads, first.key_dim, first.value_dim, first.window_dtype)
+    return all(c.codecs is first.codecs and c.config == first.config and c.store.layout == first.store.layout
+               and (c.kv_heads, c.key_dim, c.value_dim, c.window_dtype) == shape for c in rows)
+
+
+def _stacked(rows: List[CompressedKVCache], steps: int):
+    """(rows, their offsets less `steps`, the batch-shaped arrays of their state); the rows give their
+    code and window buffers up to the arrays (`BatchDecoder.release` gives them back)."""
+    for cache in rows:
+        cache.flush()
+        cache._window_in_order()
+        cache._settle_window()
+    first, residual = rows[0], rows[0].config.residual_length
+    counts = [cache.encoded for cache in rows]
+    capacity = max(counts) + STEP
+    stacked = {
+        "codes": mx.concatenate([_padded(c.store.rows[..., :n, :], capacity) for c, n in zip(rows, counts)]),
+        "window_keys": mx.concatenate([_padded(c._window_keys, residual) for c in rows]),
+        "window_values": mx.concatenate([_padded(c._window_values, residual) for c in rows]),
+        "sink_keys": mx.concatenate([c.sink_keys for c in rows]) if first.sinks else None,
+        "sink_values": mx.concatenate([c.sink_values for c in rows]) if first.sinks else None,
+        "key_mean": mx.concatenate([c.key_mean for c in rows]) if first.key_mean is not None else None,
+        "value_mean": mx.concatenate([c.value_mean for c in rows]) if first.key_mean is not None else None,
+        "count": mx.array(counts, dtype=mx.int32),
+        "fill": mx.array([c.window for c in rows], dtype=mx.int32),
+        "start": mx.zeros((len(rows),), dtype=mx.int32),
+    }
+    offsets = [cache.offset - steps for cache in rows]
+    for cache in rows:
+        cache.store.rows = cache._window_keys = cache._window_values = None
+    return list(rows), offsets, stacked
+
+
 def _eligible(cache) -> bool:
     return (type(cache) is CompressedKVCache and cache.key_codec is not None and isinstance(cache.store, RowStore)
             and cache.block == 1 and cache.kept is None and not cache.key_codec.positional
             and cache.config.residual_length > 0 and cache.sinks == cache.config.sink_tokens
             and 0 < cache.window <= cache.config.residual_length and cache.encoded > 0
             and (cache.key_mean is not None or not cache.config.center)
-            and cache.settings.backend != "emulator")
+            and cache.settings.backend != "emulator" and cache.settings.check_inputs != "always")
 
 
 def _padded(x: mx.array, length: int) -> mx.array:
