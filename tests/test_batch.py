@@ -277,3 +277,20 @@ def test_served_max_kv_size_makes_batchable_sliding_window_caches(model):
         assert all(getattr(c, "batchable", hasattr(c, "merge")) for c in caches)  # what the server checks
     finally:
         unpatch_model(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["vq4", "vq3", "vq2"])
+@pytest.mark.parametrize("backend", ["auto", "portable"])
+def test_ragged_batch_decode_matches_per_sequence_for_presets(model, preset, backend):
+    from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.settings import EngineSettings
+
+    settings = EngineSettings.resolve(backend)
+    config = KVCacheConfig.preset(preset)
+    prompts = _ragged_prompts(lengths=[120, 37, 80])  # offsets more than the 32-token window apart
+    singles = _prefilled(model, config, prompts, settings)
+    rows = _prefilled(model, config, prompts, settings)
+    batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    assert _decode_both(model, batch, singles, 40) < 1e-4  # every row's codes grow while batched
+    assert batch[0]._decoder.active
