@@ -58,7 +58,8 @@ class BatchCompressedKVCache(_BaseCache):
         if kinds == {CompressedRotatingKVCache}:
             sizes = {(cache.max_size, cache.keep) for cache in rows}
             if len(sizes) > 1:
-                raise ValueError(f"sliding-window caches batch only with the same max_size and keep, got {sorted(sizes)}")
+                raise ValueError("sliding-window caches batch only with the same max_size and keep, got "
+                                 f"{sorted(sizes)}")
         for cache in rows:
             inner = _inner(cache)
             if inner.key_codec is not None and inner.batch != 1:

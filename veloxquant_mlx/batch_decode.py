@@ -18,7 +18,8 @@ a GPU the batch runs the MLX-ops graph.
 What a decode step of the per-sequence caches would do, it does: the same encoder, the same
 window rule (a token leaves once `residual_length` wait), the same means. The buffers are
 written back into the rows (`release`) before anything else reads or changes them
-(a prefill chunk, `extend`, `extract`, `trim`, `state`); `filter` keeps them.
+(a prefill chunk, `trim`, `state`); `filter`, `extend` with rows that can join, and `extract`
+(a copy of one row) keep them.
 
 It takes a batch whose rows are plain caches of one row-store format coding tokens one by one
 (turboquant_mse, the presets), with a fp16 window, full sinks, fixed means (codes exist
@@ -168,8 +169,8 @@ class BatchDecoder:
                                                                     key_mean, *sinks)
         if _native_ragged(self):
             self.last_path = "batch_native"
-            o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes, self.count,
-                           self.most, scale)
+            o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes,
+                                               self.count, self.most, scale)
             return _merge_fn(self.value_codec, tuple(queries.shape), queries.dtype, float(scale),
                              self.key_mean is not None)(o, ml, queries, *fp16, value_mean)
         self.last_path = "batch_ops"
