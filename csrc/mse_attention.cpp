@@ -12,6 +12,10 @@
 // -> o    (N, S, R, D) float32: sum_t p_t * vnorm_t * vcent[vcodes_t] per split
 //    ml   (N, S, R, 2) float32: running max and sum of exp per split
 //
+// `mse_attention_partials_ragged` takes one more input, lengths (N,) int32: kv row n uses
+// tokens [0, min(tokens, lengths[n])) only (a batch of sequences of different lengths in one
+// buffer, veloxquant_mlx/batch_decode.py); a split past a row's length is empty (max -inf).
+//
 // Tokens [0, tokens) are cut into S splits; (n, split) items run on up to
 // hardware_concurrency threads. Per block of 32 tokens: decode each key (codes
 // straddle words; 32 codes fill exactly `bits` words, so one block of words is
@@ -90,9 +94,10 @@ void attend_split(const Layout& L, const float* q, const uint32_t* rows, const f
 class MSEAttentionPartials : public mx::Primitive {
  public:
   MSEAttentionPartials(mx::Stream stream, int tokens, int key_bits, int value_bits, int splits, int key_offset,
-                       int value_offset, int norm_word)
+                       int value_offset, int norm_word, bool ragged = false)
       : mx::Primitive(stream), tokens_(tokens), key_bits_(key_bits), value_bits_(value_bits),
-        splits_(splits), key_offset_(key_offset), value_offset_(value_offset), norm_word_(norm_word) {}
+        splits_(splits), key_offset_(key_offset), value_offset_(value_offset), norm_word_(norm_word),
+        ragged_(ragged) {}
 
   void eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override {
     const auto& q = inputs[0];
@@ -102,6 +107,12 @@ class MSEAttentionPartials : public mx::Primitive {
     for (const auto* x : {&q, &rows, &kcent, &vcent})
       if (!x->flags().row_contiguous)
         throw std::invalid_argument("mse_attention_partials: inputs must be row contiguous");
+    const int32_t* lengths = nullptr;
+    if (ragged_) {
+      if (!inputs[4].flags().row_contiguous)
+        throw std::invalid_argument("mse_attention_partials: inputs must be row contiguous");
+      lengths = inputs[4].data<int32_t>();
+    }
     auto& o = outputs[0];
     auto& ml = outputs[1];
     o.set_data(mx::allocator::malloc(o.nbytes()));
@@ -126,14 +137,19 @@ class MSEAttentionPartials : public mx::Primitive {
     encoder.set_input_array(rows);
     encoder.set_input_array(kcent);
     encoder.set_input_array(vcent);
+    if (ragged_) encoder.set_input_array(inputs[4]);
     encoder.set_output_array(o);
     encoder.set_output_array(ml);
-    encoder.dispatch([L, N, q = q.data<float>(), rows = rows.data<uint32_t>(), kcent = kcent.data<float>(),
+    encoder.dispatch([L, N, lengths, q = q.data<float>(), rows = rows.data<uint32_t>(), kcent = kcent.data<float>(),
                       vcent = vcent.data<float>(), o = o.data<float>(), ml = ml.data<float>()]() {
       const Decoder decode_key = decoder_for(L.key_bits), decode_value = decoder_for(L.value_bits);
       const std::vector<float> ktable = padded_table(kcent, L.key_bits);
       const std::vector<float> vtable = padded_table(vcent, L.value_bits);
       for_each_split(N, L.splits, L.tokens, [&](int item, int n, int t0, int t1) {
+        if (lengths != nullptr) {
+          t1 = std::max(0, std::min(t1, int(lengths[n])));
+          t0 = std::min(t0, t1);
+        }
         attend_split(L, q + size_t(n) * L.R * L.D, rows + size_t(n) * L.C * L.W, ktable.data(), vtable.data(),
                      decode_key, decode_value, t0, t1, o + size_t(item) * L.R * L.D, ml + size_t(item) * L.R * 2);
       });
@@ -150,18 +166,18 @@ class MSEAttentionPartials : public mx::Primitive {
     const auto& p = static_cast<const MSEAttentionPartials&>(other);
     return tokens_ == p.tokens_ && key_bits_ == p.key_bits_ && value_bits_ == p.value_bits_ &&
            splits_ == p.splits_ && key_offset_ == p.key_offset_ && value_offset_ == p.value_offset_ &&
-           norm_word_ == p.norm_word_;
+           norm_word_ == p.norm_word_ && ragged_ == p.ragged_;
   }
 
  private:
   int tokens_, key_bits_, value_bits_, splits_, key_offset_, value_offset_, norm_word_;
+  bool ragged_;
 };
 
-std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::array& rows,
-                                              const mx::array& key_centroids,
-                                              const mx::array& value_centroids, int tokens, int key_bits,
-                                              int value_bits, int splits, int key_offset, int value_offset,
-                                              int norm_word, mx::StreamOrDevice s) {
+std::vector<mx::array> make_partials(const mx::array& q, const mx::array& rows, const mx::array& key_centroids,
+                                     const mx::array& value_centroids, const mx::array* lengths, int tokens,
+                                     int key_bits, int value_bits, int splits, int key_offset, int value_offset,
+                                     int norm_word, mx::StreamOrDevice s) {
   auto fail = [](const std::string& what) { throw std::invalid_argument("mse_attention_partials: " + what); };
   if (q.ndim() != 3 || rows.ndim() != 3 || q.shape(0) != rows.shape(0)) fail("q (N, R, D) and rows (N, C, W)");
   const int D = q.shape(2);
@@ -183,12 +199,38 @@ std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::arra
   auto stream = mx::to_stream(s, mx::Device::cpu);
   if (stream.device != mx::Device::cpu) fail("runs on the CPU only");
   const int N = q.shape(0), R = q.shape(1);
+  std::vector<mx::array> inputs = {mx::contiguous(q, false, stream), mx::contiguous(rows, false, stream),
+                                   mx::contiguous(key_centroids, false, stream),
+                                   mx::contiguous(value_centroids, false, stream)};
+  if (lengths != nullptr) {
+    if (lengths->ndim() != 1 || lengths->shape(0) != N || lengths->dtype() != mx::int32)
+      fail("lengths must be (N,) int32");
+    inputs.push_back(mx::contiguous(*lengths, false, stream));
+  }
   return mx::array::make_arrays(
       {{N, splits, R, D}, {N, splits, R, 2}}, {mx::float32, mx::float32},
       std::make_shared<MSEAttentionPartials>(stream, tokens, key_bits, value_bits, splits, key_offset, value_offset,
-                                             norm_word),
-      {mx::contiguous(q, false, stream), mx::contiguous(rows, false, stream),
-       mx::contiguous(key_centroids, false, stream), mx::contiguous(value_centroids, false, stream)});
+                                             norm_word, lengths != nullptr),
+      inputs);
+}
+
+std::vector<mx::array> mse_attention_partials(const mx::array& q, const mx::array& rows,
+                                              const mx::array& key_centroids,
+                                              const mx::array& value_centroids, int tokens, int key_bits,
+                                              int value_bits, int splits, int key_offset, int value_offset,
+                                              int norm_word, mx::StreamOrDevice s) {
+  return make_partials(q, rows, key_centroids, value_centroids, nullptr, tokens, key_bits, value_bits, splits,
+                       key_offset, value_offset, norm_word, s);
+}
+
+std::vector<mx::array> mse_attention_partials_ragged(const mx::array& q, const mx::array& rows,
+                                                     const mx::array& key_centroids,
+                                                     const mx::array& value_centroids, const mx::array& lengths,
+                                                     int tokens, int key_bits, int value_bits, int splits,
+                                                     int key_offset, int value_offset, int norm_word,
+                                                     mx::StreamOrDevice s) {
+  return make_partials(q, rows, key_centroids, value_centroids, &lengths, tokens, key_bits, value_bits, splits,
+                       key_offset, value_offset, norm_word, s);
 }
 
 }  // namespace
@@ -205,6 +247,10 @@ NB_MODULE(_native, m) {
         "value_offset"_a, "norm_word"_a, nb::kw_only(),
         "stream"_a = nb::none(),
         "Per-split (o, ml) of decode attention over turboquant_mse rows; see csrc/mse_attention.cpp.");
+  m.def("mse_attention_partials_ragged", &mse_attention_partials_ragged, "q"_a, "rows"_a, "key_centroids"_a,
+        "value_centroids"_a, "lengths"_a, "tokens"_a, "key_bits"_a, "value_bits"_a, "splits"_a, "key_offset"_a,
+        "value_offset"_a, "norm_word"_a, nb::kw_only(), "stream"_a = nb::none(),
+        "mse_attention_partials with kv row n's tokens cut at lengths[n]; see csrc/mse_attention.cpp.");
   vq_native::register_kivi(m);
   vq_native::register_lut(m);
 }

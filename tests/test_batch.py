@@ -120,13 +120,18 @@ def test_left_padding_is_skipped_not_stored(model):
     assert batch[0].rows[0].offset == 3 and batch[0].offset.tolist() == [3]
 
 
-def test_explicit_mask_array_is_refused(model):
-    batch = CompressedKVCache.merge(KVCacheBuilder(_config("turboquant_mse")).for_model(model).build()[:1])
-    with pytest.raises(ValueError, match="mask"):
-        batch.make_mask(4, return_array=True)
-    batch.update_and_fetch(mx.zeros((1, 2, 4, 32)), mx.zeros((1, 2, 4, 32)))
+def test_own_mask_array_is_applied_and_a_foreign_one_refused(model):
+    batch = CompressedKVCache.merge(KVCacheBuilder(_config("turboquant_mse")).for_model(model).build()[:2])
+    batch.prepare(left_padding=[0, 2])
+    mask = batch.make_mask(4, return_array=True)
+    assert mask.shape == (2, 1, 4, 4) and batch.left_padding.tolist() == [0, 2]
+    assert mask[1, 0, :, :2].sum().item() == 0 and mask[0, 0].tolist()[0] == [True, False, False, False]
+    keys = mx.random.normal((2, 2, 4, 32))
+    batch.update_and_fetch(keys, keys)
+    queries = mx.random.normal((2, 8, 4, 32))
+    assert mx.array_equal(batch.attend(queries, scale=1.0, mask=mask), batch.attend(queries, scale=1.0)).item()
     with pytest.raises(ValueError, match="mask array"):
-        batch.attend(mx.zeros((1, 8, 4, 32)), scale=1.0, mask=mx.ones((1, 1, 4, 4), dtype=mx.bool_))
+        batch.attend(queries, scale=1.0, mask=mx.ones((2, 1, 4, 4), dtype=mx.bool_))
 
 
 def test_batch_generate_matches_single_sequence_generation():
@@ -148,3 +153,144 @@ def test_batch_generate_matches_single_sequence_generation():
             assert ids == alone[: len(ids)] and len(ids) == 6
     finally:
         unpatch_model(model)
+
+
+# ---- ragged decode in one call per layer (batch_decode.py) and sliding-window batches ----------
+
+RAGGED = [40, 9, 23]  # offsets differing by more than the window (4) and the sinks (2)
+
+
+def _ragged_prompts(seed=0, lengths=RAGGED):
+    mx.random.seed(seed)
+    return [mx.random.randint(0, 512, (n,)).tolist() for n in lengths]
+
+
+def _prefilled(model, config, prompts, settings=None, **build):
+    caches = []
+    for prompt in prompts:
+        cache = KVCacheBuilder(config).for_model(model).build(settings=settings, **build)
+        model(mx.array([prompt]), cache=cache)
+        caches.append(cache)
+    return caches
+
+
+def _decode_both(model, batch, singles, steps, seed=1):
+    """Feed the same tokens to the batch and to each sequence's own caches; the largest logit gap."""
+    mx.random.seed(seed)
+    worst = 0.0
+    for _ in range(steps):
+        tokens = mx.random.randint(0, 512, (len(singles),)).tolist()
+        batched = model(mx.array([[t] for t in tokens]), cache=batch)[:, -1]
+        alone = mx.stack([model(mx.array([[t]]), cache=c)[0, -1] for t, c in zip(tokens, singles)])
+        worst = max(worst, mx.abs(batched - alone).max().item())
+    return worst
+
+
+@pytest.mark.parametrize("backend", ["auto", "portable"])
+def test_ragged_batch_decode_matches_per_sequence(model, backend):
+    from veloxquant_mlx.kernels import native
+    from veloxquant_mlx.settings import EngineSettings
+
+    settings = EngineSettings.resolve(backend)
+    config = config_for("turboquant_mse", 4, value_bits=3, residual_length=4, sink_tokens=2, center=True)
+    prompts = _ragged_prompts()
+    singles = _prefilled(model, config, prompts, settings)
+    rows = _prefilled(model, config, prompts, settings)
+    batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    assert _decode_both(model, batch, singles, 6) < 1e-4
+    decoder = batch[0]._decoder
+    assert decoder.active and decoder.count.tolist() != decoder.count.tolist()[:1] * 3  # ragged codes
+    expected = "batch_native" if settings.backend == "native" and native.module() is not None and hasattr(
+        native.module(), "mse_attention_partials_ragged") else "batch_ops"
+    assert decoder.last_path == expected
+    # filter keeps the shared buffers; extend and extract give the rows back, and decoding resumes batched
+    for c in batch:
+        c.filter([2, 0])
+    singles = [singles[2], singles[0]]
+    assert _decode_both(model, batch, singles, 3, seed=2) < 1e-4 and decoder.active
+    newcomer = _prefilled(model, config, _ragged_prompts(3, [17]), settings)
+    for c, n in zip(batch, newcomer[0]):
+        c.extend(CompressedKVCache.merge([n]))
+    singles.append(_prefilled(model, config, _ragged_prompts(3, [17]), settings)[0])
+    assert decoder.active and len(decoder.rows) == 3  # joined the buffers
+    assert _decode_both(model, batch, singles, 3, seed=4) < 1e-4 and decoder.active
+    extracted = batch[0].extract(1)
+    assert extracted.offset == singles[1][0].offset and extracted.encoded == singles[1][0].encoded
+    assert mx.allclose(extracted.dequantized()[0], singles[1][0].dequantized()[0], atol=1e-3).item()
+    assert decoder.active  # extract copies a row out of the buffers
+    batch[0].trim(2)  # anything else writes them back first
+    assert not decoder.active and batch[0].rows[1].offset == singles[1][0].offset - 2
+
+
+def test_sliding_window_batch_matches_single_runs(model):
+    from veloxquant_mlx.rotating import CompressedRotatingKVCache
+
+    config = config_for("turboquant_mse", 4, value_bits=3, residual_length=4, sink_tokens=2)
+    prompts = _ragged_prompts()
+    singles = [KVCacheBuilder(config).for_model(model).build(max_kv_size=16) for _ in prompts]
+    first = mx.stack([model(mx.array([p]), cache=c)[0, -1] for p, c in zip(prompts, singles)])
+    empty = [KVCacheBuilder(config).for_model(model).build(max_kv_size=16) for _ in prompts]
+    batch = [empty[0][i].merge([r[i] for r in empty]) for i in range(len(empty[0]))]
+    assert all(isinstance(r, CompressedRotatingKVCache) for r in batch[0].rows)
+    assert mx.allclose(_last_logits_batched(model, batch, prompts), first, atol=1e-4).item()
+    assert _decode_both(model, batch, singles, 8) < 1e-4  # windows full, rows evicting at different points
+    assert [r.size() for r in batch[0].rows] == [16, 16, 16]
+    extracted = batch[0].extract(1)
+    assert isinstance(extracted, CompressedRotatingKVCache) and extracted.offset == singles[1][0].offset
+    with pytest.raises(ValueError, match="max_size"):
+        other = KVCacheBuilder(config).for_model(model).build(max_kv_size=24)
+        BatchCompressedKVCache.merge([batch[0].rows[0], other[0]])
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_batch_cache_file_round_trip(model, tmp_path, window):
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    config = config_for("turboquant_mse", 4, value_bits=3, residual_length=4, sink_tokens=2)
+    prompts = _ragged_prompts(lengths=[30, 9])
+    rows = _prefilled(model, config, prompts, max_kv_size=window)
+    batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    model(mx.array([[3], [4]]), cache=batch)
+    assert _history_shape(batch[0]) == (2, 2, 31 if window is None else 16, 32)
+    save_prompt_cache(str(tmp_path / "batch.safetensors"), batch)
+    loaded = load_prompt_cache(str(tmp_path / "batch.safetensors"))
+    assert [type(c).__name__ for c in loaded] == ["BatchCompressedKVCache"] * len(batch)
+    assert loaded[0].offset.tolist() == batch[0].offset.tolist() == [31, 10]
+    assert loaded[0].left_padding.tolist() == batch[0].left_padding.tolist()
+    step = mx.array([[7], [8]])
+    assert mx.allclose(model(step, cache=loaded), model(step, cache=batch), atol=1e-4).item()
+
+
+def _history_shape(cache):
+    from veloxquant_mlx.batch import BatchHistory
+
+    return BatchHistory(cache, "keys").shape
+
+
+def test_served_max_kv_size_makes_batchable_sliding_window_caches(model):
+    from veloxquant_mlx.rotating import CompressedRotatingKVCache
+
+    patch_model(model, _config("turboquant_mse"), max_kv_size=16)
+    try:
+        caches = model.make_cache()
+        assert all(isinstance(c, CompressedRotatingKVCache) and c.max_size == 16 for c in caches)
+        assert all(getattr(c, "batchable", hasattr(c, "merge")) for c in caches)  # what the server checks
+    finally:
+        unpatch_model(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["vq4", "vq3", "vq2"])
+@pytest.mark.parametrize("backend", ["auto", "portable"])
+def test_ragged_batch_decode_matches_per_sequence_for_presets(model, preset, backend):
+    from veloxquant_mlx.config import KVCacheConfig
+    from veloxquant_mlx.settings import EngineSettings
+
+    settings = EngineSettings.resolve(backend)
+    config = KVCacheConfig.preset(preset)
+    prompts = _ragged_prompts(lengths=[120, 37, 80])  # offsets more than the 32-token window apart
+    singles = _prefilled(model, config, prompts, settings)
+    rows = _prefilled(model, config, prompts, settings)
+    batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    assert _decode_both(model, batch, singles, 40) < 1e-4  # every row's codes grow while batched
+    assert batch[0]._decoder.active

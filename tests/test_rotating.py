@@ -251,10 +251,18 @@ def test_mlx_lm_generate_runs_past_the_window_with_compressed_caches():
     assert fed >= 59 and all(c.offset == fed and c.held == 32 for c in caches[:2])
 
 
-def test_batch_merge_is_refused_with_a_clear_error():
-    caches = [CompressedRotatingKVCache(KVCacheConfig(method="turboquant_mse", bits=4), MAX_SIZE) for _ in range(2)]
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        caches[0].merge(caches)
+def test_batch_merge_gives_a_batch_of_copies_and_refuses_mixed_kinds():
+    """mlx-lm's BatchRotatingKVCache.merge; decoding such batches: tests/test_batch.py."""
+    from veloxquant_mlx.batch import BatchCompressedKVCache
+    from veloxquant_mlx.cache import CompressedKVCache
+
+    config = KVCacheConfig(method="turboquant_mse", bits=4)
+    caches = [CompressedRotatingKVCache(config, MAX_SIZE) for _ in range(2)]
+    batch = caches[0].merge(caches)
+    assert isinstance(batch, BatchCompressedKVCache) and len(batch.rows) == 2
+    assert all(row is not cache and row.max_size == MAX_SIZE for row, cache in zip(batch.rows, caches))
+    with pytest.raises(TypeError, match="one kind"):
+        caches[0].merge([caches[0], CompressedKVCache(config)])
 
 
 def test_max_kv_size_gives_full_attention_layers_mlx_lm_rotating_caches():

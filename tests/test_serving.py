@@ -92,7 +92,7 @@ def test_generate_help_lists_cache_flags(capsys):
         assert flag in out
 
 
-@pytest.mark.parametrize("command", ["chat", "serve", "cache-prompt"])
+@pytest.mark.parametrize("command", ["chat", "cache-prompt"])
 def test_max_kv_size_is_refused_where_it_cannot_work_not_ignored(command, capsys):
     extra = ["--prompt-file", "x.txt", "--out", "x.safetensors"] if command == "cache-prompt" else []
     assert main([command, "--max-kv-size", "512", *extra]) == 2

@@ -41,6 +41,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
 # mlx-lm's load_prompt_cache finds cache classes by name in its own module: known from import on.
 mlx_cache.CompressedKVCache = CompressedKVCache
 mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
+mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
 
 
 # Model files that compute on the fetched keys/values before attention, which a compressed cache cannot give.
@@ -63,6 +64,7 @@ def install_attention_hook(model=None) -> None:
     # mlx-lm's load_prompt_cache finds cache classes by name in its own module.
     mlx_cache.CompressedKVCache = CompressedKVCache
     mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
+    mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
     if model is not None:
         # A wrapper (a vision-language file) attends in the modules of its language model's layers.
         names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}

@@ -4,55 +4,90 @@ mlx-lm's `BatchKVCache` keeps one fp16 buffer of shape (B, H, max_len, D): short
 sequences are left-padded and a mask array hides the padding. Codes cannot be
 left-padded the same way without breaking what the compressed layout relies on
 (the sinks are the first tokens, a KIVI key group starts on a block boundary), so
-`BatchCompressedKVCache` keeps one batch-1 `CompressedKVCache` per sequence, each
-holding only that sequence's real tokens, and runs attention row by row. Padding
-is never stored: the protocol's left padding (`prepare(left_padding=)`) and right
-padding (`prepare(lengths=, right_padding=)`) only tell the cache which positions
-of an input chunk belong to no sequence. The projections and MLPs still run on the
-whole batch; attention, a small share of a short context's work, runs per row.
+`BatchCompressedKVCache` keeps one batch-1 cache per sequence, each holding only that
+sequence's real tokens: a `CompressedKVCache`, or a `CompressedRotatingKVCache` for a
+sliding-window layer (mlx-lm's `BatchRotatingKVCache`). Padding is never stored: the
+protocol's left padding (`prepare(left_padding=)`) and right padding
+(`prepare(lengths=, right_padding=)`) only tell the cache which positions of an input
+chunk belong to no sequence.
+
+The projections and MLPs run on the whole batch. A decode step (one query per
+sequence) attends over every row in one call where the rows allow it
+(`batch_decode.py`: the rows' codes in shared batch-shaped buffers, each row's length
+and fp16 window masked); anything else (a prefill chunk, formats without a batched
+path) runs row by row, each row with its own causal or sliding-window mask.
 
 `offset` is an array of each sequence's next position (what RoPE needs, as with
-`BatchKVCache`). `make_mask` returns the mask kind only ("causal" or None); each
-row applies its own causal mask. A model that hands attention a mask array of its
-own cannot be served row by row, and `attend` refuses it rather than ignore it.
+`BatchKVCache`). `make_mask` returns the mask kind ("causal" or None), or with
+`return_array` an array in `BatchKVCache`'s layout (rows right-aligned,
+`left_padding` columns of padding), which `attend` recognises as its own and replaces
+with each row's mask. A mask array the model built itself cannot be applied row by
+row, and `attend` refuses it rather than ignore it.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import List, Optional, Sequence
+import json
+import weakref
+from typing import List, Optional, Sequence, Union
 
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .cache import CompressedKVCache, register_batch
+from .batch_decode import BatchDecoder
+from .cache import CacheFormatError, CompressedKVCache, register_batch, run_on_load
+from .rotating import CompressedRotatingKVCache, register_rotating_batch
+
+BATCH_FORMAT_VERSION = 1
+Row = Union[CompressedKVCache, CompressedRotatingKVCache]
+
+# Mask arrays `make_mask` returned (a model builds one mask and hands it to many layers).
+_OWN_MASKS: "weakref.WeakValueDictionary[int, mx.array]" = weakref.WeakValueDictionary()
 
 
 class BatchCompressedKVCache(_BaseCache):
     """B compressed caches decoded as one batch; the mlx-lm batch cache protocol
-    (`merge`, `extend`, `filter`, `extract`, `prepare`, `finalize`, `trim`)."""
+    (`merge`, `extend`, `filter`, `extract`, `prepare`, `finalize`, `trim`, `make_mask`, `state`)."""
 
-    def __init__(self, rows: List[CompressedKVCache]):
+    def __init__(self, rows: List[Row]):
+        kinds = {type(cache) for cache in rows}
+        if len(kinds) > 1:
+            raise TypeError("a batch holds caches of one kind (plain or sliding-window), got "
+                            + ", ".join(sorted(k.__name__ for k in kinds)))
+        if kinds == {CompressedRotatingKVCache}:
+            sizes = {(cache.max_size, cache.keep) for cache in rows}
+            if len(sizes) > 1:
+                raise ValueError("sliding-window caches batch only with the same max_size and keep, got "
+                                 f"{sorted(sizes)}")
         for cache in rows:
-            if cache.key_codec is not None and cache.batch != 1:
-                raise ValueError(f"a batch is made of batch-1 caches, got one of batch {cache.batch}")
+            inner = _inner(cache)
+            if inner.key_codec is not None and inner.batch != 1:
+                raise ValueError(f"a batch is made of batch-1 caches, got one of batch {inner.batch}")
         self.rows = list(rows)
         self._skip = [0] * len(self.rows)  # left padding still to come, per row
         self._real = None  # real tokens still to come per row (right padding), or None
         self._spans = None  # (start, count) of each row's real tokens in the last chunk
+        self._masks = None  # each row's mask for the last chunk's queries
+        self._decoder = BatchDecoder()
 
     # ---- mlx-lm batch protocol --------------------------------------------------------------
     @classmethod
-    def merge(cls, caches: Sequence[CompressedKVCache]) -> "BatchCompressedKVCache":
+    def merge(cls, caches: Sequence[Row]) -> "BatchCompressedKVCache":
         """One batch of copies of `caches` (the callers' caches are left as they were)."""
         for cache in caches:
-            if not isinstance(cache, CompressedKVCache):
+            if not isinstance(cache, (CompressedKVCache, CompressedRotatingKVCache)):
                 raise TypeError(f"cannot batch a {type(cache).__name__} with compressed caches")
         return cls([copy.deepcopy(cache) for cache in caches])
 
     def extend(self, other: "BatchCompressedKVCache"):
         if other._real is not None or self._real is not None:
             raise ValueError("cannot extend a batch in the middle of a right-padded prefill")
+        other._decoder.release()
+        if self.rows and other.rows:
+            type(self)(self.rows[:1] + other.rows[:1])  # the same kind and window, or refused
+        if any(other._skip) or not self._decoder.extend(other.rows):
+            self._decoder.release()
         self.rows += other.rows
         self._skip += other._skip
 
@@ -62,9 +97,12 @@ class BatchCompressedKVCache(_BaseCache):
         self._skip = [self._skip[i] for i in indices]
         if self._real is not None:
             self._real = [self._real[i] for i in indices]
+        self._decoder.filter(indices)
 
-    def extract(self, idx: int) -> CompressedKVCache:
+    def extract(self, idx: int) -> Row:
         """An independent copy of sequence `idx`'s cache (codes, never dequantized values)."""
+        if self._decoder.active:
+            return self._decoder.extract(idx)
         return copy.deepcopy(self.rows[idx])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
@@ -78,16 +116,32 @@ class BatchCompressedKVCache(_BaseCache):
     def finalize(self):
         self._real = None
 
+    @property
+    def left_padding(self) -> mx.array:
+        """Per row, the columns of `make_mask`'s array before its first token (as `BatchKVCache`'s:
+        rows right-aligned on the longest), padding still to come included."""
+        self._decoder.release()
+        held = [_held(cache) for cache in self.rows]
+        longest = max(held, default=0)
+        return mx.array([longest - n + skip for n, skip in zip(held, self._skip)])
+
     # ---- what the model calls ---------------------------------------------------------------
     @property
     def offset(self) -> mx.array:
+        if self._decoder.active:
+            return self._decoder.offset()
         return mx.array([cache.offset - skip for cache, skip in zip(self.rows, self._skip)])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"batch of {keys.shape[0]} sequences for a cache of {len(self.rows)}")
         length = keys.shape[2]
-        self._spans = []
+        if length == 1 and self._real is None and not any(self._skip) and self._decoder.takes(self.rows):
+            self._spans, self._masks = [(0, 1)] * len(self.rows), [None] * len(self.rows)
+            self._decoder.step(keys, values)
+            return BatchHistory(self, "keys"), BatchHistory(self, "values")
+        self._decoder.release()
+        self._spans, self._masks = [], []
         for i, cache in enumerate(self.rows):
             start = min(self._skip[i], length)
             self._skip[i] -= start
@@ -96,58 +150,112 @@ class BatchCompressedKVCache(_BaseCache):
                 count = min(count, self._real[i])
                 self._real[i] -= count
             self._spans.append((start, count))
+            mask = ("causal" if count > 1 else None)
+            if count and isinstance(cache, CompressedRotatingKVCache):
+                mask = cache.make_mask(count)  # before the update: its window as the update leaves it
+            self._masks.append(mask)
             if count:
-                cache.update_and_fetch(keys[i : i + 1, :, start : start + count], values[i : i + 1, :, start : start + count])
+                cache.update_and_fetch(keys[i : i + 1, :, start : start + count],
+                                       values[i : i + 1, :, start : start + count])
         return BatchHistory(self, "keys"), BatchHistory(self, "values")
 
     def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
         """Each row's queries over its own cache; positions that belong to no sequence get zeros. `sinks`:
-        learned attention sinks, the same for every row."""
-        if mask is not None and not isinstance(mask, str):
+        learned attention sinks, the same for every row (the shared-buffer decode takes none yet)."""
+        if mask is not None and not isinstance(mask, str) and _OWN_MASKS.get(id(mask)) is not mask:
             raise ValueError(
                 "batched compressed caches apply each sequence's causal mask themselves; this model "
                 "passed an explicit mask array, which they cannot apply row by row"
             )
+        if sinks is None and self._decoder.ready(self.rows, queries):
+            return self._decoder.attend(queries, scale)
         batch, heads, length, _ = queries.shape
         outputs = []
-        for cache, (start, count) in zip(self.rows, self._spans):
-            dim = cache.value_dim if cache.key_codec is not None else queries.shape[-1]
+        for i, (cache, (start, count)) in enumerate(zip(self.rows, self._spans)):
+            dim = _inner(cache).value_dim if _inner(cache).key_codec is not None else queries.shape[-1]
             parts = []
             if start:
                 parts.append(mx.zeros((1, heads, start, dim), dtype=queries.dtype))
             if count:
-                row = queries[len(outputs) : len(outputs) + 1, :, start : start + count]
-                parts.append(cache.attend(row, scale=scale, mask="causal" if count > 1 else None,
-                                          sinks=sinks).astype(queries.dtype))
+                row = queries[i : i + 1, :, start : start + count]
+                parts.append(cache.attend(row, scale=scale, mask=self._masks[i], sinks=sinks).astype(queries.dtype))
             if length - start - count:
                 parts.append(mx.zeros((1, heads, length - start - count, dim), dtype=queries.dtype))
             outputs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
         return mx.concatenate(outputs, axis=0)
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
-        if return_array or window_size:
-            raise ValueError("batched compressed caches take no mask arrays or attention windows")
-        return "causal" if N > 1 else None
+        """The mask kind; with `return_array`, `BatchKVCache`'s (B, 1, N, longest + N) boolean array.
+        Each row applies its own mask (a sliding-window row its window, `rotating.py`)."""
+        if not return_array:
+            return "causal" if N > 1 else None
+        self._decoder.release()
+        held = mx.array([_held(cache) for cache in self.rows])
+        total = int(held.max().item()) + N if self.rows else N
+        query = mx.arange(total - N, total)[:, None]
+        key = mx.arange(total)[None]
+        mask = (query >= key) & (key >= mx.expand_dims(self.left_padding, (1, 2, 3)))
+        if window_size is not None:
+            mask = mask & (query < key + window_size)
+        _OWN_MASKS[id(mask)] = mask
+        return mask
 
     # ---- the rest of the cache protocol ------------------------------------------------------
     @property
     def state(self):
-        return [cache.state for cache in self.rows]
+        self._decoder.release()
+        header = {"format": BATCH_FORMAT_VERSION, "skip": self._skip,
+                  "rows": [type(cache).__name__ for cache in self.rows]}
+        return [json.dumps(header), [cache.state for cache in self.rows]]
+
+    @state.setter
+    def state(self, state):
+        try:
+            header_text, row_states = state if len(state) == 2 else (state[0], [])
+            header = json.loads(header_text)
+            version, kinds, skip = header["format"], header["rows"], [int(s) for s in header["skip"]]
+        except Exception as error:
+            raise CacheFormatError(f"not a VeloxQuant batch cache (unreadable header: {error!r})") from None
+        if version != BATCH_FORMAT_VERSION:
+            raise CacheFormatError(f"batch cache format {version!r} is not supported")
+        if len(kinds) != len(skip) or len(row_states) != len(kinds):
+            raise CacheFormatError(f"corrupted batch cache: {len(kinds)} rows named, {len(row_states)} saved")
+        classes = {cls.__name__: cls for cls in (CompressedKVCache, CompressedRotatingKVCache)}
+        rows = []
+        for kind, row_state in zip(kinds, row_states):
+            if kind not in classes:
+                raise CacheFormatError(f"batch cache row of unknown kind {kind!r}")
+            if kind == CompressedRotatingKVCache.__name__ and len(row_state) == 2:
+                row_state = [*row_state, {}]  # an empty row: mlx-lm's save drops its empty arrays
+            rows.append(classes[kind].from_state(row_state))
+        self.__init__(rows)
+        self._skip = skip
+
+    @classmethod
+    def from_state(cls, state):
+        cache = cls.__new__(cls)
+        cache.state = state
+        run_on_load()
+        return cache
 
     @property
     def nbytes(self) -> int:
-        return sum(cache.nbytes for cache in self.rows)
+        return sum(cache.nbytes for cache in self.rows) + self._decoder.nbytes
 
     def size(self) -> int:
+        self._decoder.release()
         return max((cache.offset for cache in self.rows), default=0)
 
     def empty(self) -> bool:
+        self._decoder.release()
         return all(cache.empty() for cache in self.rows)
 
     def is_trimmable(self) -> bool:
-        return True
+        self._decoder.release()
+        return all(cache.is_trimmable() for cache in self.rows)
 
     def trim(self, n: int) -> int:
+        self._decoder.release()
         return max((cache.trim(n) for cache in self.rows), default=0)
 
 
@@ -158,8 +266,37 @@ class BatchHistory:
     def __init__(self, batch: BatchCompressedKVCache, role: str):
         self.batch, self.role = batch, role
 
+    @property
+    def shape(self):
+        """(B, kv heads, the longest row's held tokens, head dim), as `BatchKVCache`'s keys would be."""
+        self.batch._decoder.release()
+        rows = [_inner(cache) for cache in self.batch.rows]
+        shaped = next((c for c in rows if c.key_codec is not None), None)
+        held = max((_held(cache) for cache in self.batch.rows), default=0)
+        if shaped is None:
+            return (len(rows), 0, held, 0)
+        return (len(rows), shaped.kv_heads, held, shaped.key_dim if self.role == "keys" else shaped.value_dim)
+
+    @property
+    def dtype(self):
+        return next((_inner(c).window_dtype for c in self.batch.rows if _inner(c).key_codec is not None), mx.float16)
+
+    def astype(self, dtype) -> "BatchHistory":
+        """Itself: attention over it runs in float32 whatever the cast."""
+        return self
+
     def __repr__(self):
         return f"BatchHistory({self.role}, {len(self.batch.rows)} sequences)"
 
 
+def _inner(cache: Row) -> CompressedKVCache:
+    return cache.inner if isinstance(cache, CompressedRotatingKVCache) else cache
+
+
+def _held(cache: Row) -> int:
+    """Tokens a row's attention sees (a sliding window's, at most what it keeps)."""
+    return cache.size() if isinstance(cache, CompressedRotatingKVCache) else cache.offset
+
+
 register_batch(BatchCompressedKVCache)
+register_rotating_batch(BatchCompressedKVCache)

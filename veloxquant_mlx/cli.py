@@ -214,8 +214,8 @@ def _cache_prompt_sharded(args) -> None:
 def run_serve(args) -> None:
     from .server import serve, server_arguments
 
-    _check_max_kv_size(args, "the server batches its caches, and rotating compressed caches have no batch "
-                             "merge yet")
+    if args.max_kv_size is not None and args.max_kv_size < 5:
+        raise ValueError("--max-kv-size needs N >= 5 (4 first tokens are kept)")
     config = config_from_args(args)
     from .models import model_source
 
@@ -359,8 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (mlx-lm's) with compressed caches")
     serve.add_argument("--model", default=DEFAULT_MODEL, help=f"local folder, .gguf file, hub id or 'smollm2' (default: {DEFAULT_MODEL})")
     serve.add_argument("--max-kv-size", type=int, default=None,
-                       help="mlx-lm's rotating-cache size: refused, rotating compressed caches cannot be batched yet "
-                            "(default: none)")
+                       help="keep only the last N tokens (and the first 4) of full-attention layers, in "
+                            "sliding-window compressed caches, as mlx-lm's --max-kv-size (default: none)")
     serve.add_argument("--pipeline", action="store_true",
                        help="under mlx.launch: split the model by layers over the ranks, not by heads (default: off)")
     add_server_arguments(serve)

@@ -96,14 +96,16 @@ def _warn_kept(kept: List[str]) -> None:
         )
 
 
-def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None, tokenizer=None):
-    """Make `model.make_cache()` (and so plain `mlx_lm.generate`) return fresh compressed caches."""
+def patch_model(model, config: KVCacheConfig, settings: Optional[EngineSettings] = None, tokenizer=None,
+                max_kv_size: Optional[int] = None):
+    """Make `model.make_cache()` (and so plain `mlx_lm.generate`) return fresh compressed caches
+    (`max_kv_size`: as `compressed_caches`)."""
     get_method(config.method).check_model(model)
     refuse_first_use_calibration(config, model)
     config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs_for_model(config, model)
-    compressed_caches(model, config, codecs, settings)  # fail now, not at the first generate
-    model.make_cache = lambda: compressed_caches(model, config, codecs, settings)
+    compressed_caches(model, config, codecs, settings, max_kv_size)  # fail now, not at the first generate
+    model.make_cache = lambda: compressed_caches(model, config, codecs, settings, max_kv_size)
     return model
 
 

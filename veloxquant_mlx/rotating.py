@@ -42,6 +42,14 @@ from .settings import EngineSettings
 
 ROTATING_FORMAT_VERSION = 2  # 2: the header's digest
 
+# The batch cache class `merge` builds (`batch.py` registers it: it holds rotating caches itself).
+_BATCH: Optional[type] = None
+
+
+def register_rotating_batch(cls: type) -> None:
+    global _BATCH
+    _BATCH = cls
+
 
 class CompressedRotatingKVCache(_BaseCache):
     def __init__(self, config: KVCacheConfig, max_size: int, keep: int = 0, codecs: Optional[CodecSet] = None,
@@ -213,14 +221,12 @@ class CompressedRotatingKVCache(_BaseCache):
         self.offset -= n
         return n
 
-    batchable = False  # `merge` only explains why (the server then serves requests one by one)
-
-    def merge(self, caches):
-        """mlx-lm's batch_generate merges prompt caches into one batch cache: not built for
-        sliding windows yet (mlx-lm's BatchRotatingKVCache has no compressed counterpart)."""
-        raise NotImplementedError(
-            "batching compressed sliding-window caches is not supported yet: use mlx_lm.generate per prompt"
-        )
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's `BatchRotatingKVCache.merge`: a `batch.BatchCompressedKVCache` of copies of `caches`."""
+        if _BATCH is None:
+            raise RuntimeError("no batch cache class is registered: import veloxquant_mlx (batch.py registers it)")
+        return _BATCH.merge(caches)
 
     def dequantized(self):
         """(keys, values) held, in time order, as attention sees them (fp32; for tests)."""

@@ -90,7 +90,8 @@ class VeloxModelProvider(mlx_server.ModelProvider):
         if self.cli_args.use_default_chat_template and tokenizer.chat_template is None:
             tokenizer.chat_template = tokenizer.default_chat_template
         if self.kv_config is not None:
-            patch_model(model, self.kv_config, tokenizer=tokenizer)
+            patch_model(model, self.kv_config, tokenizer=tokenizer,
+                        max_kv_size=getattr(self.cli_args, "max_kv_size", None))
         self.model_key = (model_path, adapter_path, draft_model_path)
         self.model, self.tokenizer, self.processor, self.draft_model = model, tokenizer, None, None
         self.is_batchable = all(getattr(c, "batchable", hasattr(c, "merge")) for c in make_prompt_cache(model))
@@ -501,6 +502,7 @@ def server_arguments(args, kv_config: Optional[KVCacheConfig]) -> argparse.Names
         prompt_cache_bytes=args.prompt_cache_bytes, kv_bits=_mlx_kv_bits(args, kv_config),
         kv_group_size=getattr(args, "kv_group_size", 64), kv_memory_gb=getattr(args, "kv_memory_gb", None),
         quantized_kv_start=0, pipeline=getattr(args, "pipeline", False), max_context=args.max_context,
+        max_kv_size=getattr(args, "max_kv_size", None),
         started=time.time(),
     )
 

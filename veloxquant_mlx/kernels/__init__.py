@@ -97,6 +97,18 @@ def _mse(h) -> bool:
     return h.count > 0 and mse_rows(h.layout) is not None
 
 
+def native_ragged_supported(key_codec, value_codec, layout) -> bool:
+    """Whether the C++ kernel's ragged form (`native.mse_partials_ragged`: a batch of sequences of
+    different lengths, `batch_decode.py`) takes these rows: turboquant_mse's, the codes behind a
+    key map included, in `layout`, and a module built with it."""
+    if not hasattr(native.module(), "mse_attention_partials_ragged"):
+        return False
+    keys = ops.codes_codec(key_codec)
+    same = RowLayout.of(keys.format, value_codec.format)
+    return (same is not None and same.slots == layout.slots and mse_rows(layout) is not None
+            and kernel_supported(keys, value_codec))
+
+
 def _mse_codes(h) -> bool:
     """mse rows, as the codecs' formats lay them out or as those of the codes behind a map (smoothed
     keys, `ops.codes_codec`), which the C++ kernel and the decode steps (`step.py`) apply themselves."""

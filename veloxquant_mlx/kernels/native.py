@@ -71,6 +71,23 @@ def mse_partials(queries: mx.array, key_codec, value_codec, layout, rows: mx.arr
     return o, ml
 
 
+def mse_partials_ragged(queries: mx.array, key_codec, value_codec, layout, rows: mx.array, lengths: mx.array,
+                        tokens: int, scale: float):
+    """`mse_partials` over a batch whose row b uses only its first `lengths[b]` (int32 (B,)) of
+    [0, tokens): one kernel call for sequences of different lengths."""
+    B, kv_heads, capacity, width = rows.shape
+    q = portable.domain_queries(queries, key_codec, kv_heads, scale)
+    key_codec = ops.codes_codec(key_codec)
+    items = B * kv_heads
+    splits = max(1, min(-(-2 * _threads() // items), tokens // MIN_TOKENS_PER_SPLIT))
+    per_item = mx.repeat(lengths.astype(mx.int32), kv_heads)
+    return module().mse_attention_partials_ragged(
+        q.reshape(items, *q.shape[2:]), rows.reshape(items, capacity, width),
+        ops.constants(key_codec)["centroids"], ops.constants(value_codec)["centroids"], per_item, tokens,
+        key_codec.bits, value_codec.bits, splits, layout.slot("keys", "codes").start,
+        layout.slot("values", "codes").start, layout.slot("keys", "norm").start // 2)
+
+
 def kivi_supported(h) -> bool:
     """KIVI's two formats (per-channel key groups of G tokens, per-token value groups) in a
     field store, whole 32-code blocks, groups dividing the head dim, and a module that has
