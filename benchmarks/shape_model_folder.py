@@ -1,7 +1,7 @@
 """Write a random-weight model of a named architecture (`veloxquant_mlx/evaluation/shapes.py`) as an
 mlx-lm model folder, so that servers and `mlx_lm.load` can open it like a downloaded model.
 
-The tokenizer is SmolLM2's, and the vocabulary is cut to the tokenizer's size so that every token the
+The tokenizer is SmolLM2's (or `--tokenizer-from`'s), and the vocabulary is cut to the tokenizer's size so that every token the
 random model emits can be detokenized; every other shape is the named architecture's.
 
     python benchmarks/shape_model_folder.py llama-3.1-8b /tmp/llama-8b-q4 --weights-bits 4
@@ -28,12 +28,13 @@ def main(argv=None):
     parser.add_argument("out", help="the folder to write (must not exist)")
     parser.add_argument("--weights-bits", type=int, default=4, help="4 or 8; 16 keeps float weights")
     parser.add_argument("--dtype", default="float16")
+    parser.add_argument("--tokenizer-from", help="a folder holding the tokenizer files (default: SmolLM2's converted folder)")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     if out.exists():
         parser.error(f"{out} exists")
-    source = default_model_dir()
+    source = Path(args.tokenizer_from) if args.tokenizer_from else default_model_dir()
     vocab = len(json.loads((source / "tokenizer.json").read_text())["model"]["vocab"])
     config = {**shape_config(args.shape), "vocab_size": vocab, "torch_dtype": args.dtype}
     model = build_shape_model(args.shape, dtype=args.dtype, weights_bits=args.weights_bits,
