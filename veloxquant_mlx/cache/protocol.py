@@ -92,8 +92,9 @@ class MlxCacheProtocol:
         if self.kept is not None:  # tokens that left the window with no attention call since: settled now
             self.kept.settle(self.sinks + self.encoded, self.just_encoded)
         self.offset += keys.shape[2]
-        self.just_encoded = None
+        self.just_encoded = self.shadow = None
         if self._immediate and keys.shape[2]:
+            self._fix_means(keys, values)
             # No sinks, no window, one token per block: every token is encoded at once
             # (what the general path below does in that case, with less per-step work).
             if keys.shape[2] == 1 and self._route("defer", None, None) is not None:
@@ -118,6 +119,8 @@ class MlxCacheProtocol:
 
         held = self.window
         flush = ((held + keys.shape[2] - self.config.residual_length) // self.block) * self.block
+        if flush > 0 and self.key_mean is None and self.config.center:
+            self._fix_means(_concat(self.window_keys, keys), _concat(self.window_values, values))
         if 0 < flush <= held and self.block == 1 and self.config.residual_length > 0:
             if flush == 1 and self._route("slide", None, None) is not None:
                 # The attention call that follows slides the window in its kernels: they encode
@@ -140,6 +143,7 @@ class MlxCacheProtocol:
                     self.window_values[..., :flush, :],
                     self.sinks + self.encoded,
                 )
+            self._keep_shadow(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
             store = self._store_for(flush)
             if flush == self.window:  # all of it (the usual decode step without a window): no slicing
                 store(self.window_keys, self.window_values)
@@ -182,6 +186,11 @@ class MlxCacheProtocol:
         if self.kept is not None:
             self.kept.settle(self.sinks + self.encoded, self.just_encoded)
         self.just_encoded = None
+        if n < self.offset - self.sinks and self._trim_from_shadow(n):
+            self.offset -= n
+            self._after_trim()
+            return n
+        self.shadow = None
         left = n
         window = self.window
         cut = min(left, window)
@@ -203,9 +212,15 @@ class MlxCacheProtocol:
             self.sink_keys = self.sink_keys[..., : sinks - left, :]
             self.sink_values = self.sink_values[..., : sinks - left, :]
         self.offset -= n
+        self._after_trim()
+        return n
+
+    def _after_trim(self):
         if self.kept is not None:  # shares the trimmed queries gave the window's tokens stay counted
             self.kept.truncate(self.sinks + self.encoded, self.offset)
-        return n
+        if self.encoded == 0 and self.offset < self.sinks + self.mean_span:
+            # A fresh cache this long would have no means yet: they come from tokens it lacks.
+            self.key_mean = self.value_mean = None
 
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
         """Decode the first tokens of a block back into fp16 (their originals are gone)."""
@@ -236,7 +251,7 @@ class MlxCacheProtocol:
         window = (self._window_keys, self._window_values)
         if used:
             window = tuple(self._held(a) for a in window if a is not None)
-        arrays = (self.sink_keys, self.sink_values, *window, self.key_mean, self.value_mean)
+        arrays = (self.sink_keys, self.sink_values, *window, *(self.shadow or ()), self.key_mean, self.value_mean)
         kept = 0 if self.kept is None else self.kept.nbytes
         return sum(a.nbytes for a in arrays if a is not None) + kept
 
