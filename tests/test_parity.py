@@ -147,8 +147,8 @@ def prefill_logits(model, caches, tokens, chunk):
 def test_smollm2_prefill_chunking_moves_logits_by_float_noise_only(smollm2, spec):
     """Across a model, float noise (matmul rounding depends on how many rows a call has: fp16 caches'
     logits move by ~6e-5 here) flips a few codes in later layers, so codes are equal only mostly and
-    logits within 0.5 (measured <= 0.19, where a chunk's queries seeing its tokens in fp16 and the
-    means taken from the first chunk moved them by up to 4.5); no greedy token changes."""
+    logits within 0.5 (measured <= 0.19; the "chunk" rule with the first chunk's means: up to 4.5);
+    no greedy token changes."""
     model, tokenizer = smollm2
     tokens = tokenizer.encode(PROMPT)[:64]
     builder = KVCacheBuilder(config(spec)).for_model(model)
@@ -194,10 +194,10 @@ def test_speculative_decoding_gives_the_greedy_tokens(smollm2, perturbed_draft, 
     draft_model = model if draft == "self" else perturbed_draft
     prompt = tokenizer.encode("Once upon a time, in a small village by the sea,")
     builder = KVCacheBuilder(config(spec))
-    plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=40,
+    plain = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=32,
                                               prompt_cache=builder.for_model(model).build())]
     caches = builder.for_model(model).build() + builder.for_model(draft_model).build()
-    speculative = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=40, prompt_cache=caches,
+    speculative = [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens=32, prompt_cache=caches,
                                                     draft_model=draft_model, num_draft_tokens=3)]
     assert speculative == plain
 

@@ -178,8 +178,8 @@ class WindowPositions:
     def refill_span(self) -> int:
         """How many tokens to trim, and feed again, for this cache to hold what a fresh prefill of the
         same tokens would: 0 where it does; else back to a code boundary at least a window before
-        the end, so the tokens of the window come back in fp16 (a trim that reached past `shadow`
-        left codes where a fresh cache holds fp16; `server.FreshPromptCache`)."""
+        the end, so the tokens of the window come back in fp16 (a trim reaching past `shadow` leaves
+        codes where a fresh cache holds fp16; `prompt_cache.FreshPromptCache`)."""
         if self.store is None or self.offset <= self.sinks:
             return 0
         fresh = max(0, (self.offset - self.sinks - self.config.residual_length) // self.block * self.block)
