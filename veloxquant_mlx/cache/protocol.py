@@ -172,9 +172,11 @@ class MlxCacheProtocol:
     def trim(self, n: int) -> int:
         """Drop the last `n` tokens.
 
-        Without an fp16 window this equals never having seen them. With one, tokens
-        that already left the window stay encoded (their fp16 originals are gone), so
-        the window refills from new tokens only. If the trim cuts into a multi-token
+        Without an fp16 window this equals never having seen them. With one, so does a
+        trim of no more than the tokens that left the window in the last update: their fp16
+        copies (`shadow`) move back into it. Tokens that left it before stay encoded (their
+        fp16 originals are gone), so the window refills from new tokens only; `refill_span`
+        says how many tokens to trim and feed again to hold a fresh cache's. If the trim cuts into a multi-token
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -186,11 +188,12 @@ class MlxCacheProtocol:
         if self.kept is not None:
             self.kept.settle(self.sinks + self.encoded, self.just_encoded)
         self.just_encoded = None
-        if n < self.offset - self.sinks and self._trim_from_shadow(n):
+        if 0 < n < self.offset - self.sinks and self._trim_from_shadow(n):
             self.offset -= n
             self._after_trim()
             return n
-        self.shadow = None
+        if n:
+            self.shadow = None
         left = n
         window = self.window
         cut = min(left, window)
