@@ -417,7 +417,7 @@ def test_chunk_rule_prefill_skips_the_codes_its_queries_see_in_fp16():
     from veloxquant_mlx import attention
 
     config = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2, sink_tokens=4, residual_length=32)
-    cache = CompressedKVCache(config)
+    cache = CompressedKVCache(config, settings=EngineSettings.resolve(prefill_rule="chunk"))
     k, v = mx.random.normal((1, 2, 600, 64), key=mx.random.key(1)), mx.random.normal((1, 2, 600, 64), key=mx.random.key(2))
     q = mx.random.normal((1, 4, 300, 64), key=mx.random.key(3))
     cache.update_and_fetch(k[:, :, :300], v[:, :, :300])

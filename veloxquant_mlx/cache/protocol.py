@@ -221,7 +221,8 @@ class MlxCacheProtocol:
     def _after_trim(self):
         if self.kept is not None:  # shares the trimmed queries gave the window's tokens stay counted
             self.kept.truncate(self.sinks + self.encoded, self.offset)
-        if self.encoded == 0 and self.offset < self.sinks + self.mean_span:
+        span = self.mean_span
+        if self.encoded == 0 and (span is None or self.offset < self.sinks + span):
             # A fresh cache this long would have no means yet: they come from tokens it lacks.
             self.key_mean = self.value_mean = None
 
@@ -254,7 +255,10 @@ class MlxCacheProtocol:
         window = (self._window_keys, self._window_values)
         if used:
             window = tuple(self._held(a) for a in window if a is not None)
-        arrays = (self.sink_keys, self.sink_values, *window, *(self.shadow or ()), self.key_mean, self.value_mean)
+        # The shadow (fp16 copies for `trim`, at most a window's worth until the next update) holds no
+        # token of its own: like the store's spare capacity, `used` leaves it out.
+        shadow = () if used or self.shadow is None else self.shadow
+        arrays = (self.sink_keys, self.sink_values, *window, *shadow, self.key_mean, self.value_mean)
         kept = 0 if self.kept is None else self.kept.nbytes
         return sum(a.nbytes for a in arrays if a is not None) + kept
 
