@@ -41,7 +41,7 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         self.incoming = None  # (keys, values) of a decode token that waits to enter the window (`flush`)
         self.key_mean = self.value_mean = None
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
-        self.shadow = None  # fp16 (keys, values) of the last tokens that left the window, kept for `trim`
+        self.shadow = None  # (keys, values, n): fp16 arrays whose first n tokens last left the window (`trim`)
         self.last_path: Optional[str] = None  # the attention path of the last call
         self._routes = {}  # (phase, call shape) -> registered path or None: chosen once, not per token
         self.layer: Optional[int] = None  # index in the model, when made for one (recorded when saved)

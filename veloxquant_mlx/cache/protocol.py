@@ -257,7 +257,7 @@ class MlxCacheProtocol:
             window = tuple(self._held(a) for a in window if a is not None)
         # The shadow (fp16 copies for `trim`, at most a window's worth until the next update) holds no
         # token of its own: like the store's spare capacity, `used` leaves it out.
-        shadow = () if used or self.shadow is None else self.shadow
+        shadow = () if used or self.shadow is None else self.shadow[:2]
         arrays = (self.sink_keys, self.sink_values, *window, *shadow, self.key_mean, self.value_mean)
         kept = 0 if self.kept is None else self.kept.nbytes
         return sum(a.nbytes for a in arrays if a is not None) + kept

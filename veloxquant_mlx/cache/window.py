@@ -136,7 +136,8 @@ class WindowPositions:
         self._window_in_order()
         leaving_keys, leaving_values = self._window_keys[..., :flush, :], self._window_values[..., :flush, :]
         self.just_encoded = (leaving_keys, leaving_values, self.sinks + self.encoded)
-        self.shadow = (leaving_keys, leaving_values)  # views (no work unless a trim reads them)
+        # The shadow is the previous window whole (no work unless a trim reads it; counted in `nbytes`).
+        self.shadow = (self._window_keys, self._window_values, flush)
         self._store_for(flush)(leaving_keys, leaving_values)
         self._window_keys = mx.concatenate([self._window_keys[..., flush:, :], keys], axis=2)
         self._window_values = mx.concatenate([self._window_values[..., flush:, :], values], axis=2)
@@ -149,7 +150,8 @@ class WindowPositions:
         if not self.config.residual_length:
             return  # no window: a trim drops codes only, exactly
         keep = min(keys.shape[2], self.config.residual_length)
-        self.shadow = (mx.contiguous(keys[..., -keep:, :]), mx.contiguous(values[..., -keep:, :]))
+        self.shadow = (mx.contiguous(keys[..., -keep:, :]), mx.contiguous(values[..., -keep:, :]), keep)
+        mx.async_eval(*self.shadow[:2])  # a copy not yet made would keep the whole chunk alive
 
     def _trim_from_shadow(self, n: int) -> bool:
         """Trim `n` tokens (n < offset - sinks) so that the window is a fresh cache's: codes after
@@ -157,7 +159,7 @@ class WindowPositions:
         back. False, and nothing changed, where the shadow does not reach far enough back."""
         if self.block != 1 or self.shadow is None:
             return False
-        held = self.shadow[0].shape[2]
+        shadow_keys, shadow_values, held = self.shadow  # the copies are the first `held` tokens
         target = self.offset - n - self.sinks  # tokens after the sinks a fresh cache would hold
         encoded = max(0, target - self.config.residual_length)
         if not self.encoded - held <= encoded <= self.encoded:
@@ -165,10 +167,9 @@ class WindowPositions:
         back = self.encoded - encoded  # the newest shadow tokens go back to the window
         window_keys, window_values = self.window_keys, self.window_values
         if back:
-            keys, values = self.shadow[0][..., held - back:, :], self.shadow[1][..., held - back:, :]
+            keys, values = shadow_keys[..., held - back : held, :], shadow_values[..., held - back : held, :]
             window_keys, window_values = _join(keys, window_keys), _join(values, window_values)
-            self.shadow = None if back == held else (self.shadow[0][..., : held - back, :],
-                                                     self.shadow[1][..., : held - back, :])
+            self.shadow = None if back == held else (shadow_keys, shadow_values, held - back)
         keep = target - encoded
         self.window_keys = mx.contiguous(window_keys[..., :keep, :]) if keep else None
         self.window_values = mx.contiguous(window_values[..., :keep, :]) if keep else None
