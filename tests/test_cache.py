@@ -230,23 +230,29 @@ def test_save_load_round_trip(tmp_path, method):
         assert mx.array_equal(a.attend(q, scale=0.125), b.attend(q, scale=0.125)).item()
 
 
-def test_trim_with_window_keeps_encoded_tokens_encoded():
+def test_trim_restores_the_window_from_its_shadow_and_keeps_older_tokens_encoded():
     config = config_for("turboquant_mse", 3, residual_length=40)
     k, v = random_kv(120)
     fresh, trimmed = CompressedKVCache(config), CompressedKVCache(config)
     fresh.update_and_fetch(k[..., :100, :], v[..., :100, :])
     trimmed.update_and_fetch(k[..., :100, :], v[..., :100, :])
     trimmed.update_and_fetch(k[..., 100:103, :], v[..., 100:103, :])
+    # The three tokens the trimmed ones pushed out of the window come back from their fp16 copies.
     assert trimmed.trim(3) == 3 and trimmed.offset == 100
-    assert (fresh.encoded, fresh.window) == (60, 40)
-    assert (trimmed.encoded, trimmed.window) == (63, 37)
+    assert (fresh.encoded, fresh.window) == (trimmed.encoded, trimmed.window) == (60, 40)
     q = mx.random.normal((1, 2, 1, 64))
-    # Three more tokens at 3 bits: close to the fresh cache, not equal.
+    assert mx.array_equal(fresh.attend(q, scale=0.1), trimmed.attend(q, scale=0.1)).item()
+    # A trim past those copies (three tokens per update, six trimmed) keeps the older ones encoded.
+    trimmed.update_and_fetch(k[..., 100:103, :], v[..., 100:103, :])
+    trimmed.update_and_fetch(k[..., 103:106, :], v[..., 103:106, :])
+    assert trimmed.trim(6) == 6 and trimmed.offset == 100
+    assert (trimmed.encoded, trimmed.window) == (66, 34) and trimmed.refill_span() == 40
+    # Six tokens at 3 bits: close to the fresh cache, not equal.
     assert mx.allclose(fresh.attend(q, scale=0.1), trimmed.attend(q, scale=0.1), atol=0.05).item()
     fk, fv = fresh.dequantized()
     tk, tv = trimmed.dequantized()
     assert mx.array_equal(fk[..., :60, :], tk[..., :60, :]).item()
-    assert mx.array_equal(fk[..., 63:, :], tk[..., 63:, :]).item()
+    assert mx.array_equal(fk[..., 66:, :], tk[..., 66:, :]).item()
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
@@ -411,7 +417,7 @@ def test_chunk_rule_prefill_skips_the_codes_its_queries_see_in_fp16():
     from veloxquant_mlx import attention
 
     config = KVCacheConfig(method="turboquant_mse", bits=3, value_bits=2, sink_tokens=4, residual_length=32)
-    cache = CompressedKVCache(config)
+    cache = CompressedKVCache(config, settings=EngineSettings.resolve(prefill_rule="chunk"))
     k, v = mx.random.normal((1, 2, 600, 64), key=mx.random.key(1)), mx.random.normal((1, 2, 600, 64), key=mx.random.key(2))
     q = mx.random.normal((1, 4, 300, 64), key=mx.random.key(3))
     cache.update_and_fetch(k[:, :, :300], v[:, :, :300])

@@ -124,3 +124,22 @@ def load_document_cache(path, model_name: Optional[str] = None,
                                "mlx-lm (python -m mlx_lm generate --prompt-cache-file), or write one with "
                                "veloxquant cache-prompt")
     return caches, metadata
+
+
+class FreshPromptCache(mlx_cache.LRUPromptCache):
+    """mlx-lm's prompt-cache pool (`mlx_lm.server`), whose reused caches hold what a fresh prefill of
+    the same tokens would. A pooled cache trimmed to a shared prefix keeps as codes the tokens a
+    fresh cache holds in its fp16 window; so each is trimmed further, back to a code boundary a
+    window before the prefix's end (`CompressedKVCache.refill_span`), and those tokens are fed
+    again with the rest of the prompt: about one window of extra prefill per reuse."""
+
+    def fetch_nearest_cache(self, model, tokens: List[int]):
+        cache, rest = super().fetch_nearest_cache(model, tokens)
+        held = len(tokens) - len(rest)
+        if cache is None or not held:
+            return cache, rest
+        back = min(held, max((c.refill_span() for c in cache if hasattr(c, "refill_span")), default=0))
+        if back:
+            mlx_cache.trim_prompt_cache(cache, back)
+            rest = tokens[held - back:]
+        return cache, rest

@@ -49,6 +49,7 @@ from mlx_lm import server as mlx_server
 from mlx_lm.models.cache import make_prompt_cache
 
 from .config import KVCacheConfig
+from .prompt_cache import FreshPromptCache
 from .server_requests import RequestError, RequestLimits, parse_json, validate_body
 
 ENDPOINTS = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
@@ -518,7 +519,7 @@ def make_server(cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig]
     """(HTTP server, response generator), the server bound but not yet serving (tests and `serve`)."""
     provider = VeloxModelProvider(cli_args, kv_config)
     budget = getattr(cli_args, "kv_memory_gb", None)
-    response_generator = VeloxResponseGenerator(provider, mlx_server.LRUPromptCache(cli_args.prompt_cache_size),
+    response_generator = VeloxResponseGenerator(provider, FreshPromptCache(cli_args.prompt_cache_size),
                                                 None if budget is None else int(budget * 1e9))
     httpd = mlx_server.ThreadingHTTPServer(
         (cli_args.host, cli_args.port),

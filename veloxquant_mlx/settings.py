@@ -14,7 +14,7 @@ on the per-token path reads the environment.
 | `split_tokens` | `VELOXQUANT_SPLIT_TOKENS` (None) | tokens per decode split (None: planned from the GPU's size) |
 | `check_inputs` | `VELOXQUANT_CHECK_INPUTS` (prefill) | refuse NaN, Inf and beyond-fp16 keys/values (and NaN/Inf queries) before the cache changes: "prefill" every chunk of more than one token (two syncs per layer and chunk, which idle a GPU while the host builds the next layer), "always" every update as well (two syncs per layer per decode step), "first" each cache's first update only (the chunk that sets the centering means), "off" none. Costs: docs/decisions.md |
 | `prefill_sync` | `VELOXQUANT_PREFILL_SYNC` (pipelined) | how a GPU prefill bounds its peak memory: "pipelined" launches each layer's attention and then waits for the layer before, so the GPU always has one queued (two layers' decoded histories at a time); "layer" evaluates each layer before the next is built (one history at a time; the GPU idles while the host builds the next layer) |
-| `prefill_rule` | `VELOXQUANT_PREFILL_RULE` (chunk) | what a prefill chunk's queries see in fp16 where an fp16 window or multi-token blocks (KIVI) exist: "chunk", the chunk and the window before it (as an fp16 cache would; one fused attention call); "decode", exactly what token-by-token decoding would (a band per query: an explicit mask, slower). `eval ppl` uses "decode" |
+| `prefill_rule` | `VELOXQUANT_PREFILL_RULE` (decode) | what a prefill chunk's queries see in fp16 where an fp16 window or multi-token blocks (KIVI) exist: "decode", exactly what token-by-token decoding would (a band per query), so results do not depend on how a prompt is cut into chunks or verify blocks (docs/decisions.md); "chunk", the chunk and the window before it (as an fp16 cache would; one fused attention call, but a query then sees a token in fp16 or from its codes depending on the chunking) |
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class EngineSettings:
     tensor_cores: bool = True
     gpu_device: Optional[bool] = None  # the default device is a GPU (None: a GPU back end implies it)
     check_inputs: str = "prefill"
-    prefill_rule: str = "chunk"
+    prefill_rule: str = "decode"
     prefill_sync: str = "pipelined"
 
     def __post_init__(self):
@@ -101,7 +101,7 @@ class EngineSettings:
         if "check_inputs" not in explicit:
             explicit["check_inputs"] = (os.environ.get("VELOXQUANT_CHECK_INPUTS") or "prefill").strip().lower()
         if "prefill_rule" not in explicit:
-            explicit["prefill_rule"] = (os.environ.get("VELOXQUANT_PREFILL_RULE") or "chunk").strip().lower()
+            explicit["prefill_rule"] = (os.environ.get("VELOXQUANT_PREFILL_RULE") or "decode").strip().lower()
         if "prefill_sync" not in explicit:
             explicit["prefill_sync"] = (os.environ.get("VELOXQUANT_PREFILL_SYNC") or "pipelined").strip().lower()
         device = mx.default_device()

@@ -41,6 +41,7 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         self.incoming = None  # (keys, values) of a decode token that waits to enter the window (`flush`)
         self.key_mean = self.value_mean = None
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
+        self.shadow = None  # (keys, values, n): fp16 arrays whose first n tokens last left the window (`trim`)
         self.last_path: Optional[str] = None  # the attention path of the last call
         self._routes = {}  # (phase, call shape) -> registered path or None: chosen once, not per token
         self.layer: Optional[int] = None  # index in the model, when made for one (recorded when saved)
@@ -97,6 +98,22 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
             self._field_encoder = engine.field_encoder(self.key_codec, self.value_codec, self.settings)
 
     # ---- encoding (called by the store) ---------------------------------------
+    @property
+    def mean_span(self) -> Optional[int]:
+        """How many tokens after the sinks the means come from: the fewest the window holds when
+        its first token leaves (R + one block), whatever the chunking, so the means, and so every
+        code, do not depend on how the sequence was cut into updates (docs/decisions.md). None
+        without a window: the first update's tokens (one token would be a poor mean)."""
+        return self.config.residual_length + self.block if self.config.residual_length else None
+
+    def _fix_means(self, keys: mx.array, values: mx.array):
+        """Set the means once the first `mean_span` tokens after the sinks are held: `keys` /
+        `values` are those tokens, the window's first then the update's (fp16, in position order)."""
+        span = self.mean_span or keys.shape[2]
+        if self.config.center and self.key_mean is None and keys.shape[2] >= span:
+            self.key_mean = _finite_mean(mx.contiguous(keys[..., :span, :]))
+            self.value_mean = _finite_mean(mx.contiguous(values[..., :span, :]))
+
     def _centered_inputs(self, keys: mx.array, values: mx.array):
         if not self.config.center:
             return keys, values

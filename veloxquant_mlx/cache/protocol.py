@@ -109,8 +109,9 @@ class MlxCacheProtocol:
         if self.kept is not None:  # tokens that left the window with no attention call since: settled now
             self.kept.settle(self.sinks + self.encoded, self.just_encoded)
         self.offset += keys.shape[2]
-        self.just_encoded = None
+        self.just_encoded = self.shadow = None
         if self._immediate and keys.shape[2]:
+            self._fix_means(keys, values)
             # No sinks, no window, one token per block: every token is encoded at once
             # (what the general path below does in that case, with less per-step work).
             if keys.shape[2] == 1 and self._route("defer", None, None) is not None:
@@ -135,6 +136,8 @@ class MlxCacheProtocol:
 
         held = self.window
         flush = ((held + keys.shape[2] - self.config.residual_length) // self.block) * self.block
+        if flush > 0 and self.key_mean is None and self.config.center:
+            self._fix_means(_concat(self.window_keys, keys), _concat(self.window_values, values))
         if 0 < flush <= held and self.block == 1 and self.config.residual_length > 0:
             if flush == 1 and self._route("slide", None, None) is not None:
                 # The attention call that follows slides the window in its kernels: they encode
@@ -157,6 +160,7 @@ class MlxCacheProtocol:
                     self.window_values[..., :flush, :],
                     self.sinks + self.encoded,
                 )
+            self._keep_shadow(self.window_keys[..., :flush, :], self.window_values[..., :flush, :])
             store = self._store_for(flush)
             if flush == self.window:  # all of it (the usual decode step without a window): no slicing
                 store(self.window_keys, self.window_values)
@@ -216,9 +220,11 @@ class MlxCacheProtocol:
     def trim(self, n: int) -> int:
         """Drop the last `n` tokens.
 
-        Without an fp16 window this equals never having seen them. With one, tokens
-        that already left the window stay encoded (their fp16 originals are gone), so
-        the window refills from new tokens only. If the trim cuts into a multi-token
+        Without an fp16 window this equals never having seen them. With one, so does a
+        trim of no more than the tokens that left the window in the last update: their fp16
+        copies (`shadow`) move back into it. Tokens that left it before stay encoded (their
+        fp16 originals are gone), so the window refills from new tokens only; `refill_span`
+        says how many tokens to trim and feed again to hold a fresh cache's. If the trim cuts into a multi-token
         block of codes (KIVI key groups), the block's surviving tokens move back to
         the window in decoded form, which leaves attention unchanged."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
@@ -230,6 +236,12 @@ class MlxCacheProtocol:
         if self.kept is not None:
             self.kept.settle(self.sinks + self.encoded, self.just_encoded)
         self.just_encoded = None
+        if 0 < n < self.offset - self.sinks and self._trim_from_shadow(n):
+            self.offset -= n
+            self._after_trim()
+            return n
+        if n:
+            self.shadow = None
         left = n
         window = self.window
         cut = min(left, window)
@@ -251,9 +263,16 @@ class MlxCacheProtocol:
             self.sink_keys = self.sink_keys[..., : sinks - left, :]
             self.sink_values = self.sink_values[..., : sinks - left, :]
         self.offset -= n
+        self._after_trim()
+        return n
+
+    def _after_trim(self):
         if self.kept is not None:  # shares the trimmed queries gave the window's tokens stay counted
             self.kept.truncate(self.sinks + self.encoded, self.offset)
-        return n
+        span = self.mean_span
+        if self.encoded == 0 and (span is None or self.offset < self.sinks + span):
+            # A fresh cache this long would have no means yet: they come from tokens it lacks.
+            self.key_mean = self.value_mean = None
 
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
         """Decode the first tokens of a block back into fp16 (their originals are gone)."""
@@ -284,7 +303,10 @@ class MlxCacheProtocol:
         window = (self._window_keys, self._window_values)
         if used:
             window = tuple(self._held(a) for a in window if a is not None)
-        arrays = (self.sink_keys, self.sink_values, *window, self.key_mean, self.value_mean)
+        # The shadow (fp16 copies for `trim`, at most a window's worth until the next update) holds no
+        # token of its own: like the store's spare capacity, `used` leaves it out.
+        shadow = () if used or self.shadow is None else self.shadow[:2]
+        arrays = (self.sink_keys, self.sink_values, *window, *shadow, self.key_mean, self.value_mean)
         kept = 0 if self.kept is None else self.kept.nbytes
         return sum(a.nbytes for a in arrays if a is not None) + kept
 

@@ -136,9 +136,57 @@ class WindowPositions:
         self._window_in_order()
         leaving_keys, leaving_values = self._window_keys[..., :flush, :], self._window_values[..., :flush, :]
         self.just_encoded = (leaving_keys, leaving_values, self.sinks + self.encoded)
+        # The shadow is the previous window whole (no work unless a trim reads it; counted in `nbytes`).
+        self.shadow = (self._window_keys, self._window_values, flush)
         self._store_for(flush)(leaving_keys, leaving_values)
         self._window_keys = mx.concatenate([self._window_keys[..., flush:, :], keys], axis=2)
         self._window_values = mx.concatenate([self._window_values[..., flush:, :], values], axis=2)
+
+    def _keep_shadow(self, keys: mx.array, values: mx.array):
+        """Keep the fp16 copies of the newest tokens that left the window in this update (at most a
+        window's worth: copies, so a prefill chunk is not kept alive), for `trim`: a trim of no more
+        than these leaves the window it would hold had the trimmed tokens never come (speculative
+        decoding's rejected drafts, mlx-lm's `trim_prompt_cache`)."""
+        if not self.config.residual_length:
+            return  # no window: a trim drops codes only, exactly
+        keep = min(keys.shape[2], self.config.residual_length)
+        self.shadow = (mx.contiguous(keys[..., -keep:, :]), mx.contiguous(values[..., -keep:, :]), keep)
+        mx.async_eval(*self.shadow[:2])  # a copy not yet made would keep the whole chunk alive
+
+    def _trim_from_shadow(self, n: int) -> bool:
+        """Trim `n` tokens (n < offset - sinks) so that the window is a fresh cache's: codes after
+        the fresh window's start go, and the fp16 copies of their tokens (`shadow`) join the window
+        back. False, and nothing changed, where the shadow does not reach far enough back."""
+        if self.block != 1 or self.shadow is None:
+            return False
+        shadow_keys, shadow_values, held = self.shadow  # the copies are the first `held` tokens
+        target = self.offset - n - self.sinks  # tokens after the sinks a fresh cache would hold
+        encoded = max(0, target - self.config.residual_length)
+        if not self.encoded - held <= encoded <= self.encoded:
+            return False
+        back = self.encoded - encoded  # the newest shadow tokens go back to the window
+        window_keys, window_values = self.window_keys, self.window_values
+        if back:
+            keys, values = shadow_keys[..., held - back : held, :], shadow_values[..., held - back : held, :]
+            window_keys, window_values = _join(keys, window_keys), _join(values, window_values)
+            self.shadow = None if back == held else (shadow_keys, shadow_values, held - back)
+        keep = target - encoded
+        self.window_keys = mx.contiguous(window_keys[..., :keep, :]) if keep else None
+        self.window_values = mx.contiguous(window_values[..., :keep, :]) if keep else None
+        self.store.truncate(encoded)
+        return True
+
+    def refill_span(self) -> int:
+        """How many tokens to trim, and feed again, for this cache to hold what a fresh prefill of the
+        same tokens would: 0 where it does; else back to a code boundary at least a window before
+        the end, so the tokens of the window come back in fp16 (a trim reaching past `shadow` leaves
+        codes where a fresh cache holds fp16; `prompt_cache.FreshPromptCache`)."""
+        if self.store is None or self.offset <= self.sinks:
+            return 0
+        fresh = max(0, (self.offset - self.sinks - self.config.residual_length) // self.block * self.block)
+        if self.encoded == fresh:
+            return 0
+        return self.offset - self.sinks - min(self.encoded, fresh)
 
     def _recent_tokens(self):
         """(keys (centered), values, first position) of the tokens this update encoded followed by
@@ -198,3 +246,7 @@ class WindowPositions:
 
     def _centered(self, keys: mx.array) -> mx.array:
         return keys if self.key_mean is None else keys.astype(mx.float32) - self.key_mean
+
+
+def _join(a: mx.array, b: Optional[mx.array]) -> mx.array:
+    return a if b is None or b.shape[2] == 0 else mx.concatenate([a, b.astype(a.dtype)], axis=2)
