@@ -14,11 +14,12 @@ import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest, model_fingerprint
 from .attention_hook import (  # noqa: F401  (re-exported)
-    KEY_TRANSFORMING_MODELS, _original_sdpa, base_caches, check_latent_attention, check_learned_sinks,
+    KEY_TRANSFORMING_MODELS, _original_sdpa, base_caches, check_learned_sinks, uses_latent_attention,
     install_attention_hook, scaled_dot_product_attention)
 from .settings import EngineSettings
 from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
+from .cache.latent import CompressedLatentCache
 from .cache_integrity import collecting_headers, saving_file, sealed_digest
 from .config import KVCacheConfig, follow_bits
 from .errors import UnsupportedModelError
@@ -36,8 +37,9 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `max_kv_size` tokens (and the first 4) in a rotating cache. `tokenizer`: for a config with
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     install_attention_hook(model)
-    check_latent_attention(model)
     check_learned_sinks(model)
+    latent = uses_latent_attention(model)
+    sparse_indexer = latent and any(hasattr(m, "indexer") for m in model.modules())
     get_method(config.method).check_model(model)
     config = ensure_calibrated(config, model, tokenizer)
     codecs = codecs or CodecSet.for_config(config, model_fingerprint(model) if config.artifact_dir else None)
@@ -45,6 +47,21 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     caches, kept = [], []
     identity = cache_identity(model)
     for i, cache in enumerate(base_caches(model)):
+        if latent and type(cache) is mlx_cache.KVCache and max_kv_size is None:
+            caches.append(CompressedLatentCache(config))
+            continue
+        if latent and max_kv_size is None and sparse_indexer and type(cache) is mlx_cache.CacheList \
+                and [type(c) for c in cache.caches] == [mlx_cache.KVCache, mlx_cache.KVCache]:
+            # DeepSeek-V3.2's sparse attention: the latent, then the indexer's keys, which stay as they are.
+            caches.append(mlx_cache.CacheList(CompressedLatentCache(config), cache.caches[1]))
+            kept.append(f"{i}:indexer KVCache")
+            continue
+        if latent and not isinstance(cache, mlx_cache.ArraysCache):
+            raise UnsupportedModelError(
+                f"{type(model).__module__} caches an MLA latent, and its layer {i} "
+                + ("keeps it in a rotating cache (max_kv_size), which the latent cache does not do"
+                   if max_kv_size is not None else
+                   f"holds a {type(cache).__name__}, which VeloxQuant's latent cache does not replace"))
         if type(cache) is mlx_cache.KVCache and max_kv_size is not None:
             cache = mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4)
         if type(cache) is mlx_cache.KVCache:

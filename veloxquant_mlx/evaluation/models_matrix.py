@@ -116,7 +116,7 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "baichuan_m1": {"sliding_window_layers": [0], "conv_window": 2, "tie_word_embeddings": False},
     "exaone4": {"sliding_window_pattern": "LG", "rope_scaling": None, "num_hidden_layers": 2,
                 "sliding_window": WINDOW},
-    "glm_moe_dsa": {"rope_parameters": _ROPE, "topk_method": "noaux_tc"},
+    "glm_moe_dsa": {"rope_parameters": _ROPE, "topk_method": "noaux_tc", "index_topk": 128, "index_n_heads": HEADS},
     "mimo_v2_flash": {"hybrid_layer_pattern": [1, 0], "moe_layer_freq": [0, 1], "num_hidden_layers": 2,
                       "topk_method": "noaux_tc", "add_swa_attention_sink_bias": True,
                       "add_full_attention_sink_bias": False},  # as MiMo-V2-Flash's config
