@@ -18,7 +18,8 @@ Latent format: the latent (less its mean over the first encoded tokens when `con
 seeded random rotation over its whole width and coded with the Lloyd-Max codebook of a random unit vector's
 coordinate at `config.bits`, with one fp16 scale per token (`MSECodec`, renorm: the decoded latent keeps
 its length). The latent is not per head, so the rotation spans all `kv_lora_rank` coordinates. The RoPE
-part is coded the same way at `rope_bits` (default 8; `None` keeps it in fp16). This one format serves every
+part is kept as int8 with one fp16 absmax scale per token (`rope_bits=8`, the default) or in fp16
+(`rope_bits=None`). This one format serves every
 method's config: its bits, sinks, window and centring are read from the config, its codecs are not.
 
 The tokens of the current call are returned as given (a prefill chunk attends over itself exactly); older
@@ -36,8 +37,9 @@ from ..config import KVCacheConfig
 from ..methods.turboquant_mse import MSECodec
 
 STEP = 256
-# Bits of the RoPE part's codes by default; why 8 and not the latent's bits or fp16: docs/models.md.
+# The RoPE part's codes by default; why 8 bits and not the latent's bits or fp16: docs/models.md.
 ROPE_BITS = 8
+ROPE_FORMATS = (None, 8)
 
 
 class CompressedLatentCache(_BaseCache):
@@ -45,6 +47,8 @@ class CompressedLatentCache(_BaseCache):
 
     def __init__(self, config: KVCacheConfig, rope_bits: Optional[int] = ROPE_BITS):
         self.config = config
+        if rope_bits not in ROPE_FORMATS:
+            raise ValueError(f"rope_bits must be one of {ROPE_FORMATS}, got {rope_bits!r}")
         self.rope_bits = rope_bits
         self.offset = 0
         self.encoded = 0
@@ -58,26 +62,27 @@ class CompressedLatentCache(_BaseCache):
     # Codecs, built from the widths of the first tokens.
     def _build(self, latent_dim: int, rope_dim: int) -> None:
         self.widths = (latent_dim, rope_dim)
-        latent = MSECodec(latent_dim, self.config.bits, self.config.seed, renorm=True)
-        rope = (MSECodec(rope_dim, self.rope_bits, self.config.seed + 1, renorm=True)
-                if self.rope_bits and rope_dim else None)
-        self._codecs = (latent, rope)
+        self._codecs = (MSECodec(latent_dim, self.config.bits, self.config.seed, renorm=True), self.rope_bits)
 
     def _encode(self, latent: mx.array, rope: mx.array) -> Dict[str, mx.array]:
-        latent_codec, rope_codec = self._codecs
+        latent_codec, rope_bits = self._codecs
         if self.config.center and self.mean is None:
             self.mean = mx.mean(latent.astype(mx.float32), axis=-2, keepdims=True).astype(mx.float16)
         if self.mean is not None:
             latent = latent.astype(mx.float32) - self.mean.astype(mx.float32)
         fields = {f"latent_{k}": v for k, v in latent_codec.encode(latent).items()}
-        if rope_codec is None:
+        if rope_bits is None:
             fields["rope"] = rope.astype(mx.float16)
         else:
-            fields.update({f"rope_{k}": v for k, v in rope_codec.encode(rope).items()})
+            scale = mx.max(mx.abs(rope.astype(mx.float32)), axis=-1, keepdims=True) / 127
+            scale = scale.astype(mx.float16)
+            safe = mx.maximum(scale.astype(mx.float32), 1e-30)
+            fields["rope_int8"] = mx.clip(mx.round(rope.astype(mx.float32) / safe), -127, 127).astype(mx.int8)
+            fields["rope_scale"] = scale
         return fields
 
     def _decoded(self) -> tuple:
-        latent_codec, rope_codec = self._codecs
+        latent_codec, rope_bits = self._codecs
         n = self.encoded
         part = {k: v[..., :n, :] for k, v in self.coded.items()}
         # decode gives the rotated coordinates (the codec's domain); from_domain rotates them back.
@@ -85,11 +90,10 @@ class CompressedLatentCache(_BaseCache):
             latent_codec.decode({k[7:]: v for k, v in part.items() if k.startswith("latent_")}))
         if self.mean is not None:
             latent = latent + self.mean.astype(mx.float32)
-        if rope_codec is None:
+        if rope_bits is None:
             rope = part["rope"]
         else:
-            rope = rope_codec.from_domain(
-                rope_codec.decode({k[5:]: v for k, v in part.items() if k.startswith("rope_")}))
+            rope = part["rope_int8"].astype(mx.float32) * part["rope_scale"].astype(mx.float32)
         return latent.astype(self.dtype), rope.astype(self.dtype)
 
     def _store_coded(self, fields: Dict[str, mx.array]) -> None:
