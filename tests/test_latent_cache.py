@@ -109,3 +109,11 @@ def test_tiny_deepseek_v3_decodes_close_to_mlx_lm_caches(tiny_deepseek_v3):
     assert 0 < kl < 2e-3
     with pytest.raises(UnsupportedModelError, match="rotating cache"):
         compressed_caches(model, KVCacheConfig.preset("vq4"), max_kv_size=32)
+
+
+def test_a_latent_without_rope_part_is_cached():
+    latent, _ = tokens(20)
+    cache = CompressedLatentCache(config(window=4))
+    cache.update_and_fetch(latent, mx.zeros((1, 1, 20, 0)))
+    got_latent, got_rope = cache.fetch()
+    assert got_rope.shape == (1, 1, 20, 0) and relative_error(got_latent, latent) < 0.12

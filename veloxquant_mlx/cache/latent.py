@@ -62,7 +62,9 @@ class CompressedLatentCache(_BaseCache):
     # Codecs, built from the widths of the first tokens.
     def _build(self, latent_dim: int, rope_dim: int) -> None:
         self.widths = (latent_dim, rope_dim)
-        self._codecs = (MSECodec(latent_dim, self.config.bits, self.config.seed, renorm=True), self.rope_bits)
+        # A model without a RoPE part (Kimi-Linear's NoPE latent attention) passes zero-width keys.
+        self._codecs = (MSECodec(latent_dim, self.config.bits, self.config.seed, renorm=True),
+                        self.rope_bits if rope_dim else None)
 
     def _encode(self, latent: mx.array, rope: mx.array) -> Dict[str, mx.array]:
         latent_codec, rope_bits = self._codecs
