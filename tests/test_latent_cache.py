@@ -69,6 +69,11 @@ def test_decode_steps_follow_the_window_and_bytes_are_below_fp16():
     assert cache.encoded == 60 - 4 - 8
     used = sum(v[..., :cache.encoded, :].nbytes for v in cache.coded.values())
     assert used < 0.4 * cache.encoded * (RANK + ROPE) * 2  # against fp16
+    from veloxquant_mlx.footprint import footprint
+
+    seen = footprint([cache])
+    assert seen.held == cache.used_nbytes == used + 12 * (RANK + ROPE) * 2 + cache.mean.nbytes
+    assert seen.tokens == 60 and 4 < seen.bits < 16
     assert cache.nbytes >= used + 12 * (RANK + ROPE) * 2  # allocated: the codes' spare capacity, sinks, window
 
 

@@ -71,6 +71,8 @@ def layer_footprint(cache) -> Footprint:
     mlx-lm's with `keys`/`values` buffers (KVCache, RotatingKVCache, QuantizedKVCache). A cache without
     keys (an SSM layer's, say) holds no KV coordinates: all zero."""
     inner = getattr(cache, "inner", cache)
+    if hasattr(cache, "latent_coordinates"):  # an MLA latent cache (cache/latent.py)
+        return Footprint(int(cache.used_nbytes), int(cache.nbytes), cache.latent_coordinates, int(cache.offset))
     if getattr(inner, "key_codec", None) is not None:
         held_tokens = cache.size()
         coordinates = held_tokens * inner.batch * inner.kv_heads * (inner.key_dim + inner.value_dim)

@@ -214,6 +214,20 @@ class CompressedLatentCache(_BaseCache):
         return sum(a.nbytes for a in arrays)
 
     @property
+    def used_nbytes(self) -> int:
+        """The bytes the cached tokens hold (the code buffers' spare capacity left out)."""
+        arrays = [*self.sinks.values(), *self.window.values(), *(v[..., :self.encoded, :] for v in self.coded.values())]
+        return sum(a.nbytes for a in arrays) + (self.mean.nbytes if self.mean is not None else 0)
+
+    @property
+    def latent_coordinates(self) -> int:
+        """Cached coordinates (latent and RoPE part of every token), as mlx-lm's cache of this layer holds them."""
+        if self._codecs is None:
+            return 0
+        batch = next(iter({**self.sinks, **self.window, **self.coded}.values())).shape[0]
+        return self.offset * batch * sum(self.widths)
+
+    @property
     def state(self):
         out = {"config": self.config.to_json(), "rope_bits": self.rope_bits or 0,
                "offset": self.offset, "dtype": str(self.dtype).split(".")[-1]}
