@@ -37,6 +37,8 @@ def main():
         data = load(folder)
         mine = {k: data["settings"][k] for k in ("ctx", "windows", "chunk", "text_source")}
         mine["model"] = data["args"].get("model", "smollm2")
+        # eval ppl's records with kv_allocated_bytes count the bytes the tokens hold, not the allocation.
+        mine["held_bits"] = any("kv_allocated_bytes" in r for r in data["records"])
         mine["skip_tokens"] = data["settings"].get("skip_tokens", 0)
         if settings is not None and mine != settings:
             raise ValueError(f"{folder} scored other windows: {mine} vs {settings}")
@@ -83,7 +85,9 @@ def main():
     lines = [f"{MODEL_NAMES.get(settings['model'], settings['model'])}, `{settings['text_source']}`: {settings['windows']} window(s) of {settings['ctx']} tokens "
              f"from token {settings['skip_tokens']}, chunks of {settings['chunk']}, second half scored. ΔPPL and KL: ours "
              "and mlx-lm's against mlx-lm's KVCache in the same run, llama.cpp's against its own f16 cache on the same "
-             "tokens. Bits/coord: the caches' allocated bytes at the end of a window (llama.cpp: ggml's block layout); "
+             "tokens. Bits/coord: " + ("the bytes the caches' tokens hold at the end of a window (spare capacity left "
+             "out, floating-point elements at 2 bytes; " if settings["held_bits"] else
+             "the caches' allocated bytes at the end of a window (") + "llama.cpp: ggml's block layout); "
              "'max used >= 2K': the presets' used bytes, the most at any context from 2048 tokens "
              f"(`presets-bits`). Needle: share of the (length, depth) cells answered, of 5 depths at "
              f"{lengths or '-'} tokens (cells the runs finished).", "",
