@@ -27,7 +27,7 @@ SECTIONS = [
       "needle-4k-8k-smollm2-vq2"]),
     ("Quality: presets against mlx-lm's caches and KIVI (Gemma 3 270M)",
      "Made by `benchmarks/quality_table.py` from the folder below it.",
-     ["quality-table-gemma3", "quality-table-ppl-gemma3"]),
+     ["quality-table-gemma3", "quality-table-ppl-gemma3", "needle-8k-gemma3"]),
     ("Presets over three and six windows", "",
      ["presets-ppl-3-windows", "unbiased-values-ppl"]),
     ("Every method at 2, 3 and 4 bits, and the protections", "",
