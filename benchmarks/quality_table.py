@@ -16,6 +16,9 @@ import json
 from pathlib import Path
 
 
+MODEL_NAMES = {"smollm2": "SmolLM2-135M", "gemma3-270m": "Gemma 3 270M"}
+
+
 def load(folder):
     return json.loads((Path(folder) / "results.json").read_text())
 
@@ -33,6 +36,9 @@ def main():
     for folder in args.ppl:
         data = load(folder)
         mine = {k: data["settings"][k] for k in ("ctx", "windows", "chunk", "text_source")}
+        mine["model"] = data["args"].get("model", "smollm2")
+        # eval ppl's records with kv_allocated_bytes count the bytes the tokens hold, not the allocation.
+        mine["held_bits"] = any("kv_allocated_bytes" in r for r in data["records"])
         mine["skip_tokens"] = data["settings"].get("skip_tokens", 0)
         if settings is not None and mine != settings:
             raise ValueError(f"{folder} scored other windows: {mine} vs {settings}")
@@ -64,6 +70,8 @@ def main():
     lengths = " / ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in sorted(needle_lengths))
     if args.llama_cpp:
         data = load(args.llama_cpp)
+        if data["args"].get("model", "smollm2") != settings["model"]:
+            raise ValueError(f"{args.llama_cpp} ran {data['args'].get('model')}, the ppl folders {settings['model']}")
         for r in data["records"]:
             label = f"llama.cpp {r['type_k']}/{r['type_v']}" + ("" if r["rotation"] or r["type_k"] == "f16" else " no rotation")
             rows[label] = {"cache": label, "engine": "llama.cpp", "bits_allocated": r["bits_per_coord"],
@@ -74,10 +82,12 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "settings": settings, "rows": ordered},
                                                  indent=2) + "\n")
-    lines = [f"SmolLM2-135M, `{settings['text_source']}`: {settings['windows']} window(s) of {settings['ctx']} tokens "
+    lines = [f"{MODEL_NAMES.get(settings['model'], settings['model'])}, `{settings['text_source']}`: {settings['windows']} window(s) of {settings['ctx']} tokens "
              f"from token {settings['skip_tokens']}, chunks of {settings['chunk']}, second half scored. ΔPPL and KL: ours "
              "and mlx-lm's against mlx-lm's KVCache in the same run, llama.cpp's against its own f16 cache on the same "
-             "tokens. Bits/coord: the caches' allocated bytes at the end of a window (llama.cpp: ggml's block layout); "
+             "tokens. Bits/coord: " + ("the bytes the caches' tokens hold at the end of a window (spare capacity left "
+             "out, floating-point elements at 2 bytes; " if settings["held_bits"] else
+             "the caches' allocated bytes at the end of a window (") + "llama.cpp: ggml's block layout); "
              "'max used >= 2K': the presets' used bytes, the most at any context from 2048 tokens "
              f"(`presets-bits`). Needle: share of the (length, depth) cells answered, of 5 depths at "
              f"{lengths or '-'} tokens (cells the runs finished).", "",

@@ -87,3 +87,31 @@ def test_gemma3_caches_past_the_sliding_window(gemma3, passage):
     assert fp16 < compressed < 1.5 * fp16
     # After a 256-token chunk mlx-lm's RotatingKVCache holds the 511 tokens before it and the chunk.
     assert all(c.held == 511 + 256 and c.offset == 768 for c in sliding)
+
+
+def _greedy_tokens(model, tokenizer, prompt, caches, max_tokens=8, chunk=2048):
+    from mlx_lm import stream_generate
+
+    return [r.token for r in stream_generate(model, tokenizer, mx.array(prompt), max_tokens=max_tokens,
+                                             prompt_cache=caches, prefill_step_size=chunk)]
+
+
+@pytest.mark.slow
+def test_gemma3_retrieves_an_early_fact_at_8k_with_vq4_and_vq3_as_fp16_does(gemma3):
+    """A passcode placed at a tenth of an 8K prompt (the packaged text as filler): the greedy answer of
+    vq4 and of vq3 is the token sequence of mlx-lm's own caches in the same run, up to the passcode."""
+    from veloxquant_mlx.evaluation.needle import is_correct, make_cases
+    from veloxquant_mlx.texts import sample_text_path, tokenize_prefix
+
+    model, tokenizer = gemma3
+    filler = tokenize_prefix(tokenizer, sample_text_path().read_text(encoding="utf-8"), 8192)
+    case = make_cases(tokenizer, filler, [8192], [0.1], 1, seed=0)[0]
+    reference = _greedy_tokens(model, tokenizer, case.prompt, model.make_cache())
+    # The first n tokens whose text holds the passcode; one more token shows that no digit follows it.
+    shown = next((n for n in range(1, len(reference) + 1) if is_correct(tokenizer.decode(reference[:n]), case.code)),
+                 None)
+    if shown is None:
+        pytest.skip(f"mlx-lm's own caches miss the passcode here ({tokenizer.decode(reference)!r}): nothing to match")
+    for preset in ("vq4", "vq3"):
+        tokens = _greedy_tokens(model, tokenizer, case.prompt, make_prompt_cache(model, KVCacheConfig.preset(preset)))
+        assert tokens[:shown + 1] == reference[:shown + 1], preset

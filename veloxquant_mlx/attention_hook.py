@@ -20,6 +20,7 @@ import mlx_lm.models.cache as mlx_cache
 
 from .batch import BatchCompressedKVCache
 from .cache import CompressedHistory, CompressedKVCache, register_on_load
+from .cache.latent import CompressedLatentCache
 from .errors import UnsupportedModelError
 from .rotating import CompressedRotatingKVCache
 
@@ -42,6 +43,7 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
 mlx_cache.CompressedKVCache = CompressedKVCache
 mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
 mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
+mlx_cache.CompressedLatentCache = CompressedLatentCache
 
 
 # Model files that compute on the fetched keys/values before attention, which a compressed cache cannot give.
@@ -65,6 +67,7 @@ def install_attention_hook(model=None) -> None:
     mlx_cache.CompressedKVCache = CompressedKVCache
     mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
     mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
+    mlx_cache.CompressedLatentCache = CompressedLatentCache
     if model is not None:
         # A wrapper (a vision-language file) attends in the modules of its language model's layers.
         names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}
@@ -81,16 +84,13 @@ def install_attention_hook(model=None) -> None:
 register_on_load(install_attention_hook)
 
 
-def check_latent_attention(model) -> None:
-    """Refuse absorbed multi-head latent attention (DeepSeek-V3, Kimi-K2, GLM-4-MoE-Lite, ...): its cache holds
-    one latent per token (and a RoPE part), not per-head keys and values, and attends through `MultiLinear`."""
+def uses_latent_attention(model) -> bool:
+    """Whether the model attends in the absorbed form of multi-head latent attention (DeepSeek-V3, Kimi-K2,
+    GLM-4-MoE-Lite, ...): its cache holds one latent per token and a RoPE part, not per-head keys and values
+    (`cache/latent.py`)."""
     from mlx_lm.models.mla import MultiLinear
 
-    if any(isinstance(module, MultiLinear) for module in model.modules()):
-        raise UnsupportedModelError(
-            f"{type(model).__module__} caches an MLA latent (multi-head latent attention), which VeloxQuant "
-            "caches do not support: the MLA latent cache has no compressed format yet"
-        )
+    return any(isinstance(module, MultiLinear) for module in model.modules())
 
 
 def base_caches(model) -> list:

@@ -14,11 +14,12 @@ import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest
 from .attention_hook import (  # noqa: F401  (re-exported)
-    KEY_TRANSFORMING_MODELS, _original_sdpa, attention_cache, base_caches, check_latent_attention,
-    install_attention_hook, scaled_dot_product_attention, single_attention_member)
+    KEY_TRANSFORMING_MODELS, _original_sdpa, attention_cache, base_caches, install_attention_hook,
+    scaled_dot_product_attention, single_attention_member, uses_latent_attention)
 from .settings import EngineSettings
 from .calibration import AUTO, ensure_calibrated
 from .cache import _LOADING, CacheFormatError, CompressedKVCache
+from .cache.latent import CompressedLatentCache
 from .cache_integrity import collecting_headers, saving_file, sealed_digest
 from .config import KVCacheConfig, follow_bits
 from .errors import UnsupportedModelError
@@ -37,13 +38,14 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `max_kv_size` tokens (and the first 4) in a rotating cache. `tokenizer`: for a config with
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     base = base_caches(model)
-    if not any(attention_cache(cache) or single_attention_member(cache) is not None for cache in base):
+    latent = uses_latent_attention(model)
+    sparse_indexer = latent and any(hasattr(m, "indexer") for m in model.modules())
+    if not latent and not any(attention_cache(cache) or single_attention_member(cache) is not None for cache in base):
         # No attention layer (Mamba 2): nothing to compress, and no attention to route; the model runs as it is.
         install_attention_hook()
         _warn_kept([f"{i}:{type(cache).__name__}" for i, cache in enumerate(base)])
         return base
     install_attention_hook(model)
-    check_latent_attention(model)
     get_method(config.method).check_model(model)
     refuse_first_use_calibration(config, model)
     config = ensure_calibrated(config, model, tokenizer)
@@ -64,6 +66,21 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
         return rotating
 
     for i, cache in enumerate(base):
+        if latent and type(cache) is mlx_cache.KVCache and max_kv_size is None:
+            caches.append(CompressedLatentCache(config))
+            continue
+        if latent and max_kv_size is None and sparse_indexer and type(cache) is mlx_cache.CacheList \
+                and [type(c) for c in cache.caches] == [mlx_cache.KVCache, mlx_cache.KVCache]:
+            # DeepSeek-V3.2's sparse attention: the latent, then the indexer's keys, which stay as they are.
+            caches.append(mlx_cache.CacheList(CompressedLatentCache(config), cache.caches[1]))
+            kept.append(f"{i}:indexer KVCache")
+            continue
+        if latent and not isinstance(cache, mlx_cache.ArraysCache):
+            raise UnsupportedModelError(
+                f"{type(model).__module__} caches an MLA latent, and its layer {i} "
+                + ("keeps it in a rotating cache (max_kv_size), which the latent cache does not do"
+                   if max_kv_size is not None else
+                   f"holds a {type(cache).__name__}, which VeloxQuant's latent cache does not replace"))
         if attention_cache(cache):
             caches.append(compressed(cache, i))
         elif single_attention_member(cache) is not None:

@@ -1,0 +1,124 @@
+"""The MLA latent cache (`cache/latent.py`): layout, error bounds, trim and files, and a tiny DeepSeek-V3 against
+mlx-lm's own caches. The architecture matrix (tests/test_models_matrix.py) checks every MLA file's KL."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models import cache as mlx_cache
+
+from veloxquant_mlx.cache.latent import CompressedLatentCache
+from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.errors import UnsupportedModelError
+from veloxquant_mlx.integration import compressed_caches
+
+RANK, ROPE = 64, 32
+
+
+def tokens(n, seed=0):
+    key = mx.random.key(seed)
+    latent = mx.random.normal((1, 1, n, RANK), key=key) * 0.5 + mx.linspace(-2, 2, RANK)
+    rope = mx.random.normal((1, 1, n, ROPE), key=mx.random.split(key)[0])
+    return latent, rope
+
+
+def relative_error(a, b):
+    return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
+
+
+def config(bits=4, sinks=4, window=8, center=True):
+    return KVCacheConfig(method="turboquant_mse", bits=bits, residual_length=window, sink_tokens=sinks, center=center)
+
+
+def test_sinks_and_window_are_fp16_codes_hold_the_rest_within_the_codebook_error():
+    latent, rope = tokens(100)
+    cache = CompressedLatentCache(config())
+    returned = cache.update_and_fetch(latent, rope)
+    assert returned[0] is latent and returned[1] is rope  # the call's own tokens come back as given
+    assert (cache.offset, cache.encoded) == (100, 88)
+    got_latent, got_rope = cache.fetch()
+    assert got_latent.shape == latent.shape and got_rope.shape == rope.shape
+    exact = mx.concatenate([latent[..., :4, :], latent[..., -8:, :]], axis=-2)
+    kept = mx.concatenate([got_latent[..., :4, :], got_latent[..., -8:, :]], axis=-2)
+    assert mx.allclose(kept, exact.astype(mx.float16).astype(mx.float32), atol=0).item()
+    coded = relative_error(got_latent[..., 4:92, :], latent[..., 4:92, :])
+    # 4-bit Lloyd-Max codes of a rotated unit vector: relative MSE ~0.009 per coordinate, less after centring.
+    assert 0 < coded < 0.12
+    assert relative_error(got_rope[..., 4:92, :], rope[..., 4:92, :]) < 0.01  # 8-bit RoPE codes
+
+
+def test_more_bits_less_error_and_centring_helps_an_offset_latent():
+    latent, rope = tokens(64)
+    errors = {}
+    for bits, center in ((2, True), (4, True), (4, False)):
+        cache = CompressedLatentCache(config(bits, sinks=0, window=0, center=center))
+        cache.update_and_fetch(latent, rope)
+        errors[bits, center] = relative_error(cache.fetch()[0], latent)
+    assert errors[4, True] < errors[2, True] / 2
+    assert errors[4, True] < errors[4, False]
+
+
+def test_decode_steps_follow_the_window_and_bytes_are_below_fp16():
+    latent, rope = tokens(60)
+    cache = CompressedLatentCache(config())
+    cache.update_and_fetch(latent[..., :50, :], rope[..., :50, :])
+    before = cache.fetch()
+    for t in range(50, 60):
+        out_latent, out_rope = cache.update_and_fetch(latent[..., t:t + 1, :], rope[..., t:t + 1, :])
+        assert out_latent.shape[-2] == t + 1 and out_rope.shape[-2] == t + 1
+    after = cache.fetch()
+    assert mx.array_equal(after[0][..., :42, :], before[0][..., :42, :]).item()  # codes are written once
+    assert cache.encoded == 60 - 4 - 8
+    used = sum(v[..., :cache.encoded, :].nbytes for v in cache.coded.values())
+    assert used < 0.4 * cache.encoded * (RANK + ROPE) * 2  # against fp16
+    from veloxquant_mlx.footprint import footprint
+
+    seen = footprint([cache])
+    assert seen.held == cache.used_nbytes == used + 12 * (RANK + ROPE) * 2 + cache.mean.nbytes
+    assert seen.tokens == 60 and 4 < seen.bits < 16
+    assert cache.nbytes >= used + 12 * (RANK + ROPE) * 2  # allocated: the codes' spare capacity, sinks, window
+
+
+def test_trim_and_mlx_lm_prompt_cache_files_round_trip(tmp_path):
+    latent, rope = tokens(40)
+    cache = CompressedLatentCache(config())
+    cache.update_and_fetch(latent, rope)
+    path = str(tmp_path / "latent.safetensors")
+    mlx_cache.save_prompt_cache(path, [cache])
+    loaded = mlx_cache.load_prompt_cache(path)[0]
+    assert type(loaded) is CompressedLatentCache and loaded.offset == 40
+    for a, b in zip(loaded.fetch(), cache.fetch()):
+        assert mx.array_equal(a, b).item()
+    full = cache.fetch()
+    assert cache.trim(15) == 15 and cache.offset == 25
+    for a, b in zip(cache.fetch(), full):
+        assert mx.array_equal(a, b[..., :25, :]).item()
+    cache.update_and_fetch(latent[..., 25:26, :], rope[..., 25:26, :])
+    assert cache.fetch()[0].shape[-2] == 26
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_v3():
+    from veloxquant_mlx.evaluation.models_matrix import build_model
+
+    return build_model("deepseek_v3")[0]
+
+
+def test_tiny_deepseek_v3_decodes_close_to_mlx_lm_caches(tiny_deepseek_v3):
+    from veloxquant_mlx.evaluation.models_matrix import kl_and_max, run_caches
+    model = tiny_deepseek_v3
+    ids = mx.random.randint(0, 512, (72,), key=mx.random.key(3))
+    reference = run_caches(model, mlx_cache.make_prompt_cache(model), ids, 64)
+    caches = compressed_caches(model, KVCacheConfig.preset("vq4"))
+    assert all(type(c) is CompressedLatentCache for c in caches)
+    logits = run_caches(model, caches, ids, 64)
+    kl, _ = kl_and_max(reference, logits)
+    assert 0 < kl < 2e-3
+    with pytest.raises(UnsupportedModelError, match="rotating cache"):
+        compressed_caches(model, KVCacheConfig.preset("vq4"), max_kv_size=32)
+
+
+def test_a_latent_without_rope_part_is_cached():
+    latent, _ = tokens(20)
+    cache = CompressedLatentCache(config(window=4))
+    cache.update_and_fetch(latent, mx.zeros((1, 1, 20, 0)))
+    got_latent, got_rope = cache.fetch()
+    assert got_rope.shape == (1, 1, 20, 0) and relative_error(got_latent, latent) < 0.12
