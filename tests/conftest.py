@@ -273,8 +273,10 @@ def cli_shares_smollm2(smollm2, monkeypatch):
 
     load = models.load_model
 
-    def shared(model=models.DEFAULT_MODEL, dequantize=None):
-        return smollm2 if str(model) == models.DEFAULT_MODEL and dequantize is None else load(model, dequantize)
+    def shared(model=models.DEFAULT_MODEL, dequantize=None, **sharding):
+        if str(model) == models.DEFAULT_MODEL and dequantize is None and sharding.get("group") is None:
+            return smollm2
+        return load(model, dequantize, **sharding)
 
     monkeypatch.setattr(models, "load_model", shared)
 

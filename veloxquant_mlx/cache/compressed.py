@@ -100,19 +100,11 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
     # ---- encoding (called by the store) ---------------------------------------
     @property
     def mean_span(self) -> Optional[int]:
-        """How many tokens after the sinks the means come from: the fewest the window holds when
-        its first token leaves (R + one block), whatever the chunking, so the means, and so every
-        code, do not depend on how the sequence was cut into updates (docs/decisions.md). None
-        without a window: the first update's tokens (one token would be a poor mean)."""
+        """The fewest tokens after the sinks that the means come from: the tokens the first flush
+        encodes (the first prefill chunk's, less the window; R + 1 when decoding token by token).
+        So codes depend on the first chunk's size, and on no later chunking (docs/decisions.md).
+        None without a window: the first update's tokens."""
         return self.config.residual_length + self.block if self.config.residual_length else None
-
-    def _fix_means(self, keys: mx.array, values: mx.array):
-        """Set the means once the first `mean_span` tokens after the sinks are held: `keys` /
-        `values` are those tokens, the window's first then the update's (fp16, in position order)."""
-        span = self.mean_span or keys.shape[2]
-        if self.config.center and self.key_mean is None and keys.shape[2] >= span:
-            self.key_mean = _finite_mean(mx.contiguous(keys[..., :span, :]))
-            self.value_mean = _finite_mean(mx.contiguous(values[..., :span, :]))
 
     def _centered_inputs(self, keys: mx.array, values: mx.array):
         if not self.config.center:

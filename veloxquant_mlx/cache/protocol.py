@@ -111,7 +111,6 @@ class MlxCacheProtocol:
         self.offset += keys.shape[2]
         self.just_encoded = self.shadow = None
         if self._immediate and keys.shape[2]:
-            self._fix_means(keys, values)
             # No sinks, no window, one token per block: every token is encoded at once
             # (what the general path below does in that case, with less per-step work).
             if keys.shape[2] == 1 and self._route("defer", None, None) is not None:
@@ -136,8 +135,6 @@ class MlxCacheProtocol:
 
         held = self.window
         flush = ((held + keys.shape[2] - self.config.residual_length) // self.block) * self.block
-        if flush > 0 and self.key_mean is None and self.config.center:
-            self._fix_means(_concat(self.window_keys, keys), _concat(self.window_values, values))
         if 0 < flush <= held and self.block == 1 and self.config.residual_length > 0:
             if flush == 1 and self._route("slide", None, None) is not None:
                 # The attention call that follows slides the window in its kernels: they encode

@@ -324,7 +324,8 @@ def plot(results: dict, path: Path) -> None:
 
 def register_serve_benchmark(benchmark_parser) -> None:
     """`veloxquant benchmark serve` under the `benchmark` command."""
-    sub = benchmark_parser.add_subparsers(dest="benchmark_command", metavar="serve")
+    sub = benchmark_parser.add_subparsers(dest="benchmark_command", metavar="serve",
+                                         help="`serve`: the operator's benchmark (without it: the cache benchmark)")
     serve = sub.add_parser("serve", help="concurrent serving: throughput, latency, memory and admitted requests "
                                          "per cache, real servers and HTTP clients")
     serve.add_argument("--model", default="smollm2",
