@@ -225,19 +225,24 @@ def ask(port: int, topic: str, max_tokens: int) -> list:
     return [entry["id"] for entry in reply["choices"][0]["logprobs"]["content"]]
 
 
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="31/32 on the merged code (a batch decoded in one call per layer, centering "
+                   "means from the first chunk's flush): one concurrent answer differs from its one-at-a-time answer")
 def test_pooled_prompt_caches_answer_as_fresh_ones(cli_shares_smollm2):
     """32 concurrent greedy requests, served from mlx-lm's prompt-cache pool filled by the same 32 asked
-    one at a time (each reuse a pooled cache trimmed to a shared prefix), answer with the same tokens."""
+    one at a time (each reuse a pooled cache trimmed to a shared prefix), answer with the same tokens. At
+    32 tokens an answer pushes a whole fp16 window of its prompt into codes, which a pool that trims back
+    without refilling then keeps (23/32 without `FreshPromptCache`; at 8 tokens such a pool still gave 32/32)."""
     httpd, generator = serve_in_thread(["--port", "0", "--log-level", "CRITICAL", "--kv", "vq4"])
     try:
         generator.request_limits()
         port = httpd.server_address[1]
-        alone = [ask(port, topic, 8) for topic in TOPICS]
+        alone = [ask(port, topic, 32) for topic in TOPICS]
         with ThreadPoolExecutor(len(TOPICS)) as pool:
-            together = list(pool.map(lambda topic: ask(port, topic, 8), TOPICS))
+            together = list(pool.map(lambda topic: ask(port, topic, 32), TOPICS))
     finally:
         httpd.shutdown()
         httpd.server_close()
         generator.stop_and_join()
-    assert all(len(tokens) == 8 for tokens in alone)
+    assert all(len(tokens) >= 8 for tokens in alone)  # an answer may end before 32 tokens
     assert sum(a == b for a, b in zip(alone, together)) == len(TOPICS)
