@@ -3,7 +3,7 @@
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import batch_generate, generate_step
-from mlx_lm.models.cache import BatchKVCache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from conftest import ALL_METHODS, config_for, tiny_llama
@@ -174,6 +174,24 @@ def _prefilled(model, config, prompts, settings=None, **build):
     return caches
 
 
+def _fp16_batch_noise(model, prompts, steps, seed=1):
+    """The largest logit gap between mlx-lm's own `BatchKVCache` and its per-sequence `KVCache`s, fed as
+    `_decode_both` feeds ours: the float noise of batching on this device (a GPU picks other matmul kernels
+    for a batch of rows than for one)."""
+    singles = [make_prompt_cache(model) for _ in prompts]
+    rows = [make_prompt_cache(model) for _ in prompts]
+    for prompt, single, row in zip(prompts, singles, rows):
+        for cache in (single, row):
+            mx.eval(model(mx.array([prompt]), cache=cache))
+    batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    return _decode_both(model, batch, singles, steps, seed)
+
+
+def _batch_tolerance(model, prompts, steps):
+    # Our batched attention adds its own reductions to the model's: 3x the fp16 gap, at least 1e-4.
+    return max(1e-4, 3 * _fp16_batch_noise(model, prompts, steps))
+
+
 def _decode_both(model, batch, singles, steps, seed=1):
     """Feed the same tokens to the batch and to each sequence's own caches; the largest logit gap."""
     mx.random.seed(seed)
@@ -197,7 +215,8 @@ def test_ragged_batch_decode_matches_per_sequence(model, backend):
     singles = _prefilled(model, config, prompts, settings)
     rows = _prefilled(model, config, prompts, settings)
     batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
-    assert _decode_both(model, batch, singles, 6) < 1e-4
+    tol = _batch_tolerance(model, prompts, 6)
+    assert _decode_both(model, batch, singles, 6) < tol
     decoder = batch[0]._decoder
     assert decoder.active and decoder.count.tolist() != decoder.count.tolist()[:1] * 3  # ragged codes
     expected = "batch_native" if settings.backend == "native" and native.module() is not None and hasattr(
@@ -207,13 +226,13 @@ def test_ragged_batch_decode_matches_per_sequence(model, backend):
     for c in batch:
         c.filter([2, 0])
     singles = [singles[2], singles[0]]
-    assert _decode_both(model, batch, singles, 3, seed=2) < 1e-4 and decoder.active
+    assert _decode_both(model, batch, singles, 3, seed=2) < tol and decoder.active
     newcomer = _prefilled(model, config, _ragged_prompts(3, [17]), settings)
     for c, n in zip(batch, newcomer[0]):
         c.extend(CompressedKVCache.merge([n]))
     singles.append(_prefilled(model, config, _ragged_prompts(3, [17]), settings)[0])
     assert decoder.active and len(decoder.rows) == 3  # joined the buffers
-    assert _decode_both(model, batch, singles, 3, seed=4) < 1e-4 and decoder.active
+    assert _decode_both(model, batch, singles, 3, seed=4) < tol and decoder.active
     extracted = batch[0].extract(1)
     assert extracted.offset == singles[1][0].offset and extracted.encoded == singles[1][0].encoded
     assert mx.allclose(extracted.dequantized()[0], singles[1][0].dequantized()[0], atol=1e-3).item()
@@ -232,8 +251,9 @@ def test_sliding_window_batch_matches_single_runs(model):
     empty = [KVCacheBuilder(config).for_model(model).build(max_kv_size=16) for _ in prompts]
     batch = [empty[0][i].merge([r[i] for r in empty]) for i in range(len(empty[0]))]
     assert all(isinstance(r, CompressedRotatingKVCache) for r in batch[0].rows)
-    assert mx.allclose(_last_logits_batched(model, batch, prompts), first, atol=1e-4).item()
-    assert _decode_both(model, batch, singles, 8) < 1e-4  # windows full, rows evicting at different points
+    tol = _batch_tolerance(model, prompts, 8)
+    assert mx.allclose(_last_logits_batched(model, batch, prompts), first, atol=tol).item()
+    assert _decode_both(model, batch, singles, 8) < tol  # windows full, rows evicting at different points
     assert [r.size() for r in batch[0].rows] == [16, 16, 16]
     extracted = batch[0].extract(1)
     assert isinstance(extracted, CompressedRotatingKVCache) and extracted.offset == singles[1][0].offset
@@ -292,5 +312,6 @@ def test_ragged_batch_decode_matches_per_sequence_for_presets(model, preset, bac
     singles = _prefilled(model, config, prompts, settings)
     rows = _prefilled(model, config, prompts, settings)
     batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
-    assert _decode_both(model, batch, singles, 40) < 1e-4  # every row's codes grow while batched
+    # every row's codes grow while batched
+    assert _decode_both(model, batch, singles, 40) < _batch_tolerance(model, prompts, 40)
     assert batch[0]._decoder.active

@@ -30,6 +30,7 @@ KL_BOUNDS = {
     "qjl": 3.5,  # measured 2.44: the sign sketch alone is far too noisy for this model
     "rabitq": 0.087,  # measured 0.0578 (4-bit extended codes + two fp16 scalars: 16 bits/token over turboquant_mse)
     "kivi": 0.03,  # measured 0.0185 (group 32: fp16 scale and min cost 1 bit/coordinate more)
+    "mlxq": 0.066,  # measured 0.0442 (mx.quantize affine on turboquant_mse's rotation)
 }
 
 
