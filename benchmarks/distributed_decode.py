@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from veloxquant_mlx.evaluation.benchmark import decode  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_list  # noqa: E402
+from veloxquant_mlx.evaluation.shapes import write_random_model_folder  # noqa: E402
 from veloxquant_mlx.footprint import footprint  # noqa: E402
 
 LLAMA_8B = dict(layers=32, kv_heads=8, head_dim=128, params=8.03e9, weight_bytes=2, max_context=131072)
@@ -41,29 +42,12 @@ GIB = 2**30
 
 def build_model_dir(target: Path) -> Path:
     """A random llama with SmolLM2's tokenizer and vocabulary, 30 layers of width 512, 8 heads, 4 KV heads."""
-    import shutil
-
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import llama
-
-    from veloxquant_mlx.models import default_model_dir
-
     if (target / "model.safetensors").is_file():
         return target
-    target.mkdir(parents=True, exist_ok=True)
-    source = default_model_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, target / name)
-    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    config = dict(model_type="llama", hidden_size=512, num_hidden_layers=30, intermediate_size=1536,
-                  num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5, vocab_size=vocab,
-                  max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=100000.0)
-    (target / "config.json").write_text(json.dumps(config))
-    mx.random.seed(0)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return target
+    return write_random_model_folder(target, dict(
+        model_type="llama", hidden_size=512, num_hidden_layers=30, intermediate_size=1536, num_attention_heads=8,
+        num_key_value_heads=4, rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_theta=100000.0))
 
 
 def filled_caches(model, spec, context: int, seed: int):

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 from pathlib import Path
 
 from mlx_lm.utils import save_model
 
-from veloxquant_mlx.evaluation.shapes import build_shape_model, shape_config
+from veloxquant_mlx.evaluation.shapes import build_shape_model, copy_tokenizer, shape_config
 from veloxquant_mlx.models import default_model_dir
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def main(argv=None):
@@ -41,16 +38,11 @@ def main(argv=None):
                               overrides={"vocab_size": vocab})
     if args.weights_bits and args.weights_bits < 16:
         config["quantization"] = {"group_size": 64, "bits": args.weights_bits}
-    for special in ("bos_token_id", "eos_token_id"):
-        value = json.loads((source / "config.json").read_text()).get(special)
-        if value is not None:
-            config[special] = value
     out.mkdir(parents=True)
+    source_config = copy_tokenizer(out, source)
+    config.update({k: source_config[k] for k in ("bos_token_id", "eos_token_id") if source_config.get(k) is not None})
     save_model(out, model)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copy(source / name, out / name)
     print(f"wrote {out}: {args.shape}, vocabulary {vocab}, weights {args.weights_bits}-bit")
 
 

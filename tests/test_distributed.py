@@ -10,7 +10,6 @@ does not repeat one token.
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -19,10 +18,10 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx.utils import tree_flatten, tree_map
 
 from veloxquant_mlx.cache import CacheFormatError
-from veloxquant_mlx.models import default_model_dir, load_model
+from veloxquant_mlx.evaluation.shapes import write_random_model_folder
+from veloxquant_mlx.models import load_model
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distributed_worker  # noqa: E402
@@ -69,27 +68,10 @@ def ring(tmp_path_factory):
 
 def tiny_model_dir(target: Path, model_type: str) -> Path:
     """A 4-layer random `model_type` with SmolLM2's tokenizer and a weight index (pipeline loading reads it)."""
-    from mlx_lm.models import llama, qwen2
-
-    module = {"llama": llama, "qwen2": qwen2}[model_type]
-    target.mkdir(parents=True, exist_ok=True)
-    source = default_model_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, target / name)
-    vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    config = dict(model_type=model_type, hidden_size=64, num_hidden_layers=4, intermediate_size=128,
-                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=vocab,
-                  max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=10000.0)
-    (target / "config.json").write_text(json.dumps(config))
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
-    weights = dict(tree_flatten(model.parameters()))
-    mx.save_safetensors(str(target / "model.safetensors"), weights)
-    index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}}
-    (target / "model.safetensors.index.json").write_text(json.dumps(index))
-    return target
+    return write_random_model_folder(target, dict(
+        model_type=model_type, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=True,
+        rope_theta=10000.0), scale=3, weight_index=True)
 
 
 def single_process(model_dir: Path) -> dict:

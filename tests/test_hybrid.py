@@ -5,8 +5,6 @@ prompt-cache files (the library's and mlx-lm's), trimming (refused, as mlx-lm re
 batch merge / extract, the footprint, `veloxquant chat` and `veloxquant serve`. Tiny random models."""
 
 import copy
-import json
-import shutil
 import warnings
 
 import mlx.core as mx
@@ -109,22 +107,10 @@ def test_footprint_reports_the_whole_cache(hybrid):
 @pytest.fixture(scope="module")
 def hybrid_dir(tmp_path_factory):
     """A tiny random Qwen3-Next with SmolLM2's tokenizer and chat template, as a model folder."""
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import qwen3_next
+    from veloxquant_mlx.evaluation.shapes import write_random_model_folder
 
-    from veloxquant_mlx.models import default_model_dir
-
-    target, source = tmp_path_factory.mktemp("tiny-qwen3-next"), default_model_dir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if (source / name).exists():
-            shutil.copy(source / name, target / name)
-    config = {**matrix.derive_config("qwen3_next"), "model_type": "qwen3_next",
-              "vocab_size": json.loads((source / "config.json").read_text())["vocab_size"]}
-    (target / "config.json").write_text(json.dumps(config))
-    mx.random.seed(0)
-    model = qwen3_next.Model(qwen3_next.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(target / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    return target
+    return write_random_model_folder(tmp_path_factory.mktemp("tiny-qwen3-next"),
+                                     {**matrix.derive_config("qwen3_next"), "model_type": "qwen3_next"})
 
 
 def test_chat_turns_match_a_fresh_prefill(tmp_path):

@@ -176,3 +176,52 @@ def build_shape_model(name: str, dtype: Optional[str] = None, weights_bits: Opti
     quantize_weights(model, weights_bits)
     model.eval()
     return model
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def copy_tokenizer(target, source=None) -> Dict[str, Any]:
+    """Copy the tokenizer files of `source` (SmolLM2's converted folder by default) into the folder `target`;
+    returns `source`'s config.json, whose vocabulary size and special token ids a model folder needs."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from ..models import default_model_dir
+
+    source, target = Path(source) if source else default_model_dir(), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, target / name)
+    return json.loads((source / "config.json").read_text())
+
+
+def write_random_model_folder(target, config: Dict[str, Any], seed: int = 0, scale: float = 1.0,
+                              weight_index: bool = False, tokenizer_from=None):
+    """A model folder that `mlx_lm.load` and the servers open: `config`'s architecture (its `model_type`'s own
+    mlx-lm class) with seeded random weights, 2-D weights multiplied by `scale`, and the tokenizer of
+    `tokenizer_from` (SmolLM2's by default) and its vocabulary size, which replaces `config`'s. `weight_index`
+    also writes `model.safetensors.index.json`, which pipeline loading reads."""
+    import json
+    from pathlib import Path
+
+    from mlx.utils import tree_map
+    from mlx_lm.utils import _get_classes
+
+    target = Path(target)
+    source_config = copy_tokenizer(target, tokenizer_from)
+    config = {**config, "vocab_size": source_config["vocab_size"]}
+    (target / "config.json").write_text(json.dumps(config))
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(seed)
+    model = model_class(args_class.from_dict(config))
+    if scale != 1.0:
+        model.update(tree_map(lambda p: p * scale if p.ndim == 2 else p, model.parameters()))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(target / "model.safetensors"), weights)
+    if weight_index:
+        index = {"metadata": {}, "weight_map": {name: "model.safetensors" for name in weights}}
+        (target / "model.safetensors.index.json").write_text(json.dumps(index))
+    return target
