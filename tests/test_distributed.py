@@ -35,6 +35,7 @@ SPECS = ("vq4", "kivi:4")
 # coordinate lands on the other side of a quantization boundary.
 LOGPROB_TOLERANCE = 2e-3
 LAUNCH_TIMEOUT = 240
+GREEDY_TOKENS = 12  # make test's launch; test_sharded_greedy_decoding_holds_for_64_tokens runs 64
 
 
 def launch(*args, timeout=LAUNCH_TIMEOUT, on_timeout=pytest.fail):
@@ -74,10 +75,10 @@ def tiny_model_dir(target: Path, model_type: str) -> Path:
         rope_theta=10000.0), scale=3, weight_index=True)
 
 
-def single_process(model_dir: Path) -> dict:
+def single_process(model_dir: Path, max_tokens: int = GREEDY_TOKENS, specs=SPECS) -> dict:
     model, _ = load_model(model_dir)
-    args = type("Args", (), {"prompt_tokens": 40, "max_tokens": 12, "die_after": None, "roundtrip": None})
-    return {spec: distributed_worker.run_spec(model, spec, args, 0) for spec in SPECS}
+    args = type("Args", (), {"prompt_tokens": 40, "max_tokens": max_tokens, "die_after": None, "roundtrip": None})
+    return {spec: distributed_worker.run_spec(model, spec, args, 0) for spec in specs}
 
 
 def ranks(out: Path, result) -> list:
@@ -92,7 +93,8 @@ def launched(ring, tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     models = {"tensor": tiny_model_dir(root / "llama", "llama"), "pipeline": tiny_model_dir(root / "qwen2", "qwen2")}
     result = launch(WORKER, *(f"--run={parallel}={path}" for parallel, path in models.items()),
-                    "--specs", ",".join(SPECS), "--out", root / "out", "--roundtrip", root / "saved")
+                    "--specs", ",".join(SPECS), "--max-tokens", str(GREEDY_TOKENS), "--out", root / "out",
+                    "--roundtrip", root / "saved")
     return ranks(root / "out", result), models, root / "saved"
 
 
@@ -113,6 +115,19 @@ def test_sharded_greedy_decoding_matches_the_single_process_compressed_run(shard
         assert got["tokens"] == reference["tokens"], f"{parallel} rank {shard['rank']} {spec}"
         difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
         assert difference <= LOGPROB_TOLERANCE, f"{parallel} rank {shard['rank']} {spec}: {difference}"
+
+
+@pytest.mark.slow  # a launch of its own (make test-all): half a minute on 2 cores
+def test_sharded_greedy_decoding_holds_for_64_tokens(ring, tmp_path):
+    model_dir = tiny_model_dir(tmp_path / "llama", "llama")
+    result = launch(WORKER, f"--run=tensor={model_dir}", "--specs", "vq4", "--max-tokens", "64", "--out", tmp_path / "out")
+    reference = single_process(model_dir, 64, ("vq4",))["vq4"]
+    assert len(reference["tokens"]) == 64
+    for shard in ranks(tmp_path / "out", result):
+        got = shard["runs"]["tensor"]["vq4"]
+        assert got["tokens"] == reference["tokens"], f"rank {shard['rank']}"
+        difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
+        assert difference <= LOGPROB_TOLERANCE, f"rank {shard['rank']}: {difference}"
 
 
 @pytest.mark.parametrize("spec", SPECS)

@@ -227,8 +227,8 @@ def ask(port: int, topic: str, max_tokens: int) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="31/32 on the merged code (a batch decoded in one call per layer, centering "
-                   "means from the first chunk's flush): one concurrent answer differs from its one-at-a-time answer")
+@pytest.mark.xfail(strict=True, reason="31/32: a pooled cache keeps the centering means of the prompt whose first "
+                   "flush made them, which a fresh prefill of another prompt does not (32/32 with --no-center)")
 def test_pooled_prompt_caches_answer_as_fresh_ones(cli_shares_smollm2):
     """32 concurrent greedy requests, served from mlx-lm's prompt-cache pool filled by the same 32 asked
     one at a time (each reuse a pooled cache trimmed to a shared prefix), answer with the same tokens. At

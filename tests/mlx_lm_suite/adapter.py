@@ -70,11 +70,6 @@ def _stand_ins(config):
     from veloxquant_mlx.cache import CompressedKVCache
     from veloxquant_mlx.rotating import CompressedRotatingKVCache
 
-    from veloxquant_mlx import rotating as rotating_module
-
-    batch_rotating = next((getattr(m, n) for m in (batch, rotating_module) for n in dir(m)
-                           if n.startswith("Batch") and "Rotating" in n and isinstance(getattr(m, n), type)), None)
-
     def plain(*args, **kwargs):  # KVCache(), QuantizedKVCache(group_size=, bits=): the spec's cache
         return CompressedKVCache(config)
 
@@ -92,12 +87,8 @@ def _stand_ins(config):
     def batch_plain(left_padding):
         return batch_of(batch.BatchCompressedKVCache, plain, left_padding)
 
-    def batch_rotating_of(max_size, left_padding, keep=0):
-        if batch_rotating is None:
-            raise NotImplementedError("the library has no batched compressed sliding-window cache")
-        if "left_padding" in inspect.signature(batch_rotating.__init__).parameters:
-            return batch_rotating(config, max_size=max_size, left_padding=left_padding, keep=keep)
-        cache = batch_rotating.merge([rotating(max_size, keep) for _ in left_padding])
+    def batch_rotating_of(max_size, left_padding, keep=0):  # a batch of sliding-window rows
+        cache = batch.BatchCompressedKVCache.merge([rotating(max_size, keep) for _ in left_padding])
         cache.prepare(left_padding=list(left_padding))
         return cache
 
@@ -106,13 +97,12 @@ def _stand_ins(config):
         return _Replacing(name, (), {"build": staticmethod(build), "target": staticmethod(lambda: targets[0]),
                                      "accepts": staticmethod(lambda: targets)})
 
-    rotating_batch = (batch_rotating,) if batch_rotating is not None else (CompressedRotatingKVCache,)
     return {
         "KVCache": stand_in("KVCache", plain, CompressedKVCache),
         "QuantizedKVCache": stand_in("QuantizedKVCache", plain, CompressedKVCache),
         "RotatingKVCache": stand_in("RotatingKVCache", rotating, CompressedRotatingKVCache),
         "BatchKVCache": stand_in("BatchKVCache", batch_plain, batch.BatchCompressedKVCache),
-        "BatchRotatingKVCache": stand_in("BatchRotatingKVCache", batch_rotating_of, rotating_batch),
+        "BatchRotatingKVCache": stand_in("BatchRotatingKVCache", batch_rotating_of, batch.BatchCompressedKVCache),
     }
 
 

@@ -28,24 +28,28 @@ MODEL = {
     "TestGenerate::test_stream_generate_input_embeddings": "model: asserts Qwen's generated words",
     "TestGenerate::test_stream_generate_input_embeddings_prefill": "model: asserts Qwen's generated words",
     "TestServer::test_handle_models": "model: lists the Hugging Face cache, which this machine does not have",
-    "TestGenerate::test_batch_max_kv_size_creates_rotating_cache": (
-        "model: SmolLM2's llama make_cache ignores max_kv_size in mlx-lm's make_prompt_cache; with the library's "
-        "caches, batch: batching compressed sliding-window caches is not supported yet"),
 }
-BATCH = "batch: batched caches (branch ragged)"
+# mlx-lm's side only: the library's caches pass it.
+MLX_LM_ONLY = {
+    "TestGenerate::test_batch_max_kv_size_creates_rotating_cache": (
+        "model: SmolLM2's llama make_cache ignores max_kv_size in mlx-lm's make_prompt_cache"),
+}
+BATCH = "batch protocol"
 LIBRARY = {
-    "TestPromptCache::test_batch_kv_cache": f"{BATCH}: BatchHistory has no shape",
+    "TestPromptCache::test_batch_kv_cache": f"{BATCH}: update_and_fetch of a left-padded batch returns the "
+                                            "history without mlx-lm's unused padding columns (shape 2 for 4)",
     "TestPromptCache::test_batch_kv_cache_offset_not_mutated_in_place": "refused: head dim 1 (the codes need 3 or more)",
-    "TestPromptCache::test_batch_rotating_kv_cache": f"{BATCH}: no batched compressed sliding-window cache",
-    "TestPromptCache::test_extend_with_empty_and_nonempty_batch_caches": f"{BATCH}: no batched sliding-window cache",
+    "TestPromptCache::test_batch_rotating_kv_cache": f"{BATCH}: make_mask of a batch of sliding-window rows returns "
+                                                     "'causal', not an array",
+    "TestPromptCache::test_extend_with_empty_and_nonempty_batch_caches": f"{BATCH}: reads the batch's .keys",
     "TestPromptCache::test_extend_with_empty_batch_cache_preserves_dtype": f"{BATCH}: reads the batch's .keys",
     "TestPromptCache::test_merge_with_empty_caches": f"{BATCH}: reads the batch's .keys",
-    "TestPromptCache::test_save_load_batch_caches": f"{BATCH}: no batched sliding-window cache",
-    "TestGenerate::test_batch_max_kv_size_limits_cache_growth": f"{BATCH}: no batched sliding-window cache",
-    "TestGenerate::test_batch_sliding_window": f"{BATCH}: no batched sliding-window cache",
+    "TestPromptCache::test_save_load_batch_caches": f"{BATCH}: an empty batch built for 2 rows is fed 4 "
+                                                    "(ValueError: batch of 4 sequences for a cache of 2)",
+    "TestGenerate::test_batch_sliding_window": f"{BATCH}: a batch of sliding-window rows differs from single runs "
+                                               "by more than the tolerance",
     "TestGenerate::test_batch_continued_generation": (
-        "chunk: a batch continued from extracted caches differs from single runs by more than the tolerance "
-        "(branch parity: chunk-invariant encoding)"),
+        "chunk: a batch continued from extracted caches differs from single runs by more than the tolerance"),
     "TestPromptCache::test_cache_copying": "layout: reads .keys, the fp16 keys a compressed cache does not hold",
     "TestPromptCache::test_cache_list": "layout: compares keys_and_values() as arrays (a compressed cache gives its "
                                         "history)",
@@ -60,7 +64,14 @@ LIBRARY = {
     "TestPromptCache::test_save_load_rotating_cache": "layout: reads RotatingKVCache.step and state arrays",
     "TestLRUPromptCache::test_caching": "refused: integer keys of head dim 1 (and compares keys_and_values as arrays)",
 }
-KNOWN_FAILURES = {None: MODEL, "turboquant_mse:4": {**MODEL, **LIBRARY}, "vq3": {**MODEL, **LIBRARY}}
+# Plain turboquant_mse:4 has no fp16 sinks or window: the batch's prefill chunks of 8 against stream_generate's
+# one chunk flip codes through float noise (docs/decisions.md, "Results independent of chunking").
+PLAIN_ONLY = {
+    "TestGenerate::test_many_batches": "chunk: prefill chunks of 8 against one chunk move log-probabilities by "
+                                       "up to 1.04 without fp16 sinks or window",
+}
+KNOWN_FAILURES = {None: {**MODEL, **MLX_LM_ONLY}, "turboquant_mse:4": {**MODEL, **LIBRARY, **PLAIN_ONLY},
+                  "vq3": {**MODEL, **LIBRARY}}
 
 
 def pytest_collection_modifyitems(config, items):
