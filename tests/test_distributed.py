@@ -117,17 +117,19 @@ def test_sharded_greedy_decoding_matches_the_single_process_compressed_run(shard
         assert difference <= LOGPROB_TOLERANCE, f"{parallel} rank {shard['rank']} {spec}: {difference}"
 
 
-@pytest.mark.slow  # a launch of its own (make test-all): half a minute on 2 cores
-def test_sharded_greedy_decoding_holds_for_64_tokens(ring, tmp_path):
-    model_dir = tiny_model_dir(tmp_path / "llama", "llama")
-    result = launch(WORKER, f"--run=tensor={model_dir}", "--specs", "vq4", "--max-tokens", "64", "--out", tmp_path / "out")
-    reference = single_process(model_dir, 64, ("vq4",))["vq4"]
-    assert len(reference["tokens"]) == 64
+@pytest.mark.slow  # a launch of its own (make test-all): half a minute each on 2 cores
+@pytest.mark.parametrize("parallel,model_type", [("tensor", "llama"), ("pipeline", "qwen2")])
+def test_sharded_greedy_decoding_holds_for_64_tokens(ring, tmp_path, parallel, model_type):
+    model_dir = tiny_model_dir(tmp_path / model_type, model_type)
+    result = launch(WORKER, f"--run={parallel}={model_dir}", "--specs", ",".join(SPECS), "--max-tokens", "64",
+                    "--out", tmp_path / "out")
+    whole = single_process(model_dir, 64)
     for shard in ranks(tmp_path / "out", result):
-        got = shard["runs"]["tensor"]["vq4"]
-        assert got["tokens"] == reference["tokens"], f"rank {shard['rank']}"
-        difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
-        assert difference <= LOGPROB_TOLERANCE, f"rank {shard['rank']}: {difference}"
+        for spec in SPECS:
+            got, reference = shard["runs"][parallel][spec], whole[spec]
+            assert len(reference["tokens"]) == 64 and got["tokens"] == reference["tokens"], (parallel, spec)
+            difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
+            assert difference <= LOGPROB_TOLERANCE, (parallel, spec, shard["rank"], difference)
 
 
 @pytest.mark.parametrize("spec", SPECS)
