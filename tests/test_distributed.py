@@ -106,15 +106,18 @@ def sharded_run(request, launched):
     return parallel, runs, single_process(models[parallel]), saved / parallel, models[parallel]
 
 
+def assert_same_greedy_run(got: dict, reference: dict, label: str):
+    """A rank's greedy tokens equal the single process's, its log-probabilities within the tolerance."""
+    assert got["tokens"] == reference["tokens"], label
+    difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
+    assert difference <= LOGPROB_TOLERANCE, f"{label}: {difference}"
+
+
 @pytest.mark.parametrize("spec", SPECS)
 def test_sharded_greedy_decoding_matches_the_single_process_compressed_run(sharded_run, spec):
     parallel, shards, whole, _, _ = sharded_run
-    reference = whole[spec]
     for shard in shards:
-        got = shard["specs"][spec]
-        assert got["tokens"] == reference["tokens"], f"{parallel} rank {shard['rank']} {spec}"
-        difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
-        assert difference <= LOGPROB_TOLERANCE, f"{parallel} rank {shard['rank']} {spec}: {difference}"
+        assert_same_greedy_run(shard["specs"][spec], whole[spec], f"{parallel} rank {shard['rank']} {spec}")
 
 
 @pytest.mark.slow  # a launch of its own (make test-all): half a minute each on 2 cores
@@ -124,12 +127,10 @@ def test_sharded_greedy_decoding_holds_for_64_tokens(ring, tmp_path, parallel, m
     result = launch(WORKER, f"--run={parallel}={model_dir}", "--specs", ",".join(SPECS), "--max-tokens", "64",
                     "--out", tmp_path / "out")
     whole = single_process(model_dir, 64)
+    assert all(len(whole[spec]["tokens"]) == 64 for spec in SPECS)
     for shard in ranks(tmp_path / "out", result):
         for spec in SPECS:
-            got, reference = shard["runs"][parallel][spec], whole[spec]
-            assert len(reference["tokens"]) == 64 and got["tokens"] == reference["tokens"], (parallel, spec)
-            difference = np.abs(np.array(got["logprobs"]) - np.array(reference["logprobs"])).max()
-            assert difference <= LOGPROB_TOLERANCE, (parallel, spec, shard["rank"], difference)
+            assert_same_greedy_run(shard["runs"][parallel][spec], whole[spec], f"{parallel} rank {shard['rank']} {spec}")
 
 
 @pytest.mark.parametrize("spec", SPECS)
@@ -160,9 +161,7 @@ def test_a_sharded_prompt_cache_file_round_trips(sharded_run, spec):
     for shard in shards:
         got = shard["specs"][spec]
         assert got["roundtrip"]["metadata"] == {"spec": spec}
-        assert got["roundtrip"]["tokens"] == got["tokens"]
-        difference = np.abs(np.array(got["roundtrip"]["logprobs"]) - np.array(got["logprobs"])).max()
-        assert difference <= LOGPROB_TOLERANCE
+        assert_same_greedy_run(got["roundtrip"], got, f"{parallel} rank {shard['rank']} {spec} reloaded")
 
 
 def test_a_sharded_prompt_cache_is_refused_at_another_world_size(sharded_run):
