@@ -12,30 +12,13 @@ answers have the same token ids as their one-at-a-time answer. Extra arguments g
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from veloxquant_mlx.cli import build_parser, config_from_args
+from veloxquant_mlx.evaluation.serving import pooled_answers
 from veloxquant_mlx.server import make_server, server_arguments
-
-SYSTEM = "You are a helpful assistant who answers in one short sentence about the topic asked."
-TOPICS = ["lighthouses", "bees", "volcanoes", "the moon", "bread", "rivers", "chess", "owls", "glass", "tides",
-          "maps", "salt", "clocks", "bridges", "coffee", "whales", "deserts", "paper", "kites", "snow",
-          "copper", "rain", "ants", "violins", "caves", "wheat", "comets", "sails", "honey", "fog", "trains", "ink"]
-
-
-def ask(port: int, topic: str, max_tokens: int) -> list[int]:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me about {topic}."}],
-            "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
-    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    reply = json.loads(connection.getresponse().read())
-    return [entry["id"] for entry in reply["choices"][0]["logprobs"]["content"]]
-
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -50,12 +33,10 @@ def main():
     generator.request_limits()
     port = httpd.server_address[1]
     start = time.time()
-    alone = [ask(port, topic, args.max_tokens) for topic in TOPICS]
-    with ThreadPoolExecutor(len(TOPICS)) as pool:
-        together = list(pool.map(lambda topic: ask(port, topic, args.max_tokens), TOPICS))
+    alone, together = pooled_answers(port, args.max_tokens)
     matches = sum(a == b for a, b in zip(alone, together))
     print(f"serve {' '.join(args.serve_args)}, {args.max_tokens} tokens: concurrent answers equal to one-at-a-time "
-          f"{matches}/{len(TOPICS)} ({time.time() - start:.0f} s)", flush=True)
+          f"{matches}/{len(alone)} ({time.time() - start:.0f} s)", flush=True)
     httpd.shutdown()
     generator.stop_and_join()
     os._exit(0)  # MLX may abort at interpreter exit after the generation thread ran compiled kernels

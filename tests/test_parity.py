@@ -3,9 +3,6 @@ chunks, into speculative decoding's verify blocks and their trims, or by a poole
 trimmed to a shared prefix (docs/decisions.md, "Results independent of chunking")."""
 
 import copy
-import http.client
-import json
-from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +12,7 @@ from mlx.utils import tree_map
 from conftest import serve_in_thread
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.cache import CompressedKVCache
+from veloxquant_mlx.evaluation.serving import pooled_answers
 from veloxquant_mlx.presets import KV_PRESETS, preset_config
 
 SPECS = [*KV_PRESETS, "turboquant_mse:4"]
@@ -211,21 +209,6 @@ def test_speculative_decoding_gives_the_greedy_tokens(smollm2, perturbed_draft, 
     assert speculative == plain
 
 
-SYSTEM = "You are a helpful assistant who answers in one short sentence about the topic asked."
-TOPICS = ["lighthouses", "bees", "volcanoes", "the moon", "bread", "rivers", "chess", "owls", "glass", "tides",
-          "maps", "salt", "clocks", "bridges", "coffee", "whales", "deserts", "paper", "kites", "snow",
-          "copper", "rain", "ants", "violins", "caves", "wheat", "comets", "sails", "honey", "fog", "trains", "ink"]
-
-
-def ask(port: int, topic: str, max_tokens: int) -> list:
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Tell me about {topic}."}],
-            "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
-    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
-    reply = json.loads(connection.getresponse().read())
-    return [entry["id"] for entry in reply["choices"][0]["logprobs"]["content"]]
-
-
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="31/32: a pooled cache keeps the centering means of the prompt whose first "
                    "flush made them, which a fresh prefill of another prompt does not (32/32 with --no-center)")
@@ -238,12 +221,10 @@ def test_pooled_prompt_caches_answer_as_fresh_ones(cli_shares_smollm2):
     try:
         generator.request_limits()
         port = httpd.server_address[1]
-        alone = [ask(port, topic, 32) for topic in TOPICS]
-        with ThreadPoolExecutor(len(TOPICS)) as pool:
-            together = list(pool.map(lambda topic: ask(port, topic, 32), TOPICS))
+        alone, together = pooled_answers(port, 32)
     finally:
         httpd.shutdown()
         httpd.server_close()
         generator.stop_and_join()
     assert all(len(tokens) >= 8 for tokens in alone)  # an answer may end before 32 tokens
-    assert sum(a == b for a, b in zip(alone, together)) == len(TOPICS)
+    assert sum(a == b for a, b in zip(alone, together)) == len(alone)

@@ -146,6 +146,37 @@ def run_round(port: int, prompts: List[str], clients: int, requests: int, max_to
                                                         if r["arrivals"]])}
 
 
+POOL_SYSTEM = "You are a helpful assistant who answers in one short sentence about the topic asked."
+POOL_TOPICS = ["lighthouses", "bees", "volcanoes", "the moon", "bread", "rivers", "chess", "owls", "glass", "tides",
+               "maps", "salt", "clocks", "bridges", "coffee", "whales", "deserts", "paper", "kites", "snow",
+               "copper", "rain", "ants", "violins", "caves", "wheat", "comets", "sails", "honey", "fog", "trains",
+               "ink"]
+
+
+def _greedy_answer(port: int, topic: str, max_tokens: int) -> List[int]:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    body = {"messages": [{"role": "system", "content": POOL_SYSTEM},
+                         {"role": "user", "content": f"Tell me about {topic}."}],
+            "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    reply = json.loads(connection.getresponse().read())
+    return [entry["id"] for entry in reply["choices"][0]["logprobs"]["content"]]
+
+
+def pooled_answers(port: int, max_tokens: int):
+    """Greedy token ids of 32 chat requests sharing a system prompt, asked of the server at `port` first one at a
+    time (filling mlx-lm's prompt-cache pool) and then all at once (reusing the pooled caches, trimmed to each
+    prompt): `(alone, together)`, one list per topic."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    alone = [_greedy_answer(port, topic, max_tokens) for topic in POOL_TOPICS]
+    with ThreadPoolExecutor(len(POOL_TOPICS)) as pool:
+        together = list(pool.map(lambda topic: _greedy_answer(port, topic, max_tokens), POOL_TOPICS))
+    return alone, together
+
+
 def _most_overlapping(spans) -> int:
     events = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans], key=lambda e: (e[0], e[1]))
     most = now = 0
