@@ -17,12 +17,14 @@ import threading
 import time
 
 from veloxquant_mlx.cli import build_parser, config_from_args
-from veloxquant_mlx.evaluation.serving import pooled_answers
+from veloxquant_mlx.evaluation.serving import POOL_SYSTEM, POOL_SYSTEM_LONG, pooled_answers
 from veloxquant_mlx.server import make_server, server_arguments
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--long-system", action="store_true",
+                        help="a system prompt of about 400 tokens (past the presets' centring span) for the short one")
     parser.add_argument("serve_args", nargs="*", help="arguments of `veloxquant serve`, after --")
     args = parser.parse_args()
     serve_args = build_parser().parse_args(["serve", "--model", "smollm2", "--port", "0", "--log-level", "ERROR",
@@ -33,10 +35,12 @@ def main():
     generator.request_limits()
     port = httpd.server_address[1]
     start = time.time()
-    alone, together = pooled_answers(port, args.max_tokens)
+    system = POOL_SYSTEM_LONG if args.long_system else POOL_SYSTEM
+    alone, together, reused = pooled_answers(port, args.max_tokens, system)
     matches = sum(a == b for a, b in zip(alone, together))
-    print(f"serve {' '.join(args.serve_args)}, {args.max_tokens} tokens: concurrent answers equal to one-at-a-time "
-          f"{matches}/{len(alone)} ({time.time() - start:.0f} s)", flush=True)
+    print(f"serve {' '.join(args.serve_args)}, {args.max_tokens} tokens, {'long' if args.long_system else 'short'} "
+          f"system prompt: concurrent answers equal to one-at-a-time "
+          f"{matches}/{len(alone)}, {reused} of them from a pooled cache ({time.time() - start:.0f} s)", flush=True)
     httpd.shutdown()
     generator.stop_and_join()
     os._exit(0)  # MLX may abort at interpreter exit after the generation thread ran compiled kernels

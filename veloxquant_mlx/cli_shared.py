@@ -37,6 +37,9 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "
                        help=f"first tokens kept in fp16 (default: {base.sink_tokens})")
     group.add_argument("--center", action=argparse.BooleanOptionalAction, default=None,
                        help="subtract each head's mean key/value before encoding (default: off)")
+    group.add_argument("--mean-tokens", type=int, default=None,
+                       help="estimate the centring means on at most this many of the first encoded tokens "
+                            "(default: every token of the first flush)")
     group.add_argument("--kv-seed", type=int, default=None, help=f"seed of rotations and sketches (default: {base.seed})")
     group.add_argument("--artifact-dir", default=None,
                        help="precomputed codebooks/rotations from `veloxquant precompute` (default: none)")
@@ -46,7 +49,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "
 
 _CACHE_FLAGS = {"method": "method", "bits": "bits", "value_bits": "value_bits", "group_size": "group_size",
                 "residual_length": "residual_length", "sink_tokens": "sink_tokens", "center": "center",
-                "kv_seed": "seed", "artifact_dir": "artifact_dir"}
+                "mean_tokens": "mean_tokens", "kv_seed": "seed", "artifact_dir": "artifact_dir"}
 
 
 def config_from_args(args, default_method: str = "turboquant_mse"):

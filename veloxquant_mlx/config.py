@@ -51,6 +51,10 @@ class KVCacheConfig:
     tokens that get encoded) before encoding; attention is unchanged by it in
     exact arithmetic, since softmax ignores a per-query shift of all scores and
     the probabilities sum to one, but the codes spend their range on what varies.
+    `mean_tokens` caps the tokens the means are estimated on: the first `mean_tokens`
+    encoded ones (None: all the first flush encodes), so that prompts sharing their first
+    `sink_tokens + mean_tokens` tokens, cut into any prefill chunks that reach that far past the
+    window, get the same means (docs/decisions.md, "Results independent of chunking").
     Method-specific settings go in `options` and are checked by the method.
     `artifact_dir` names a calibrated method's artifacts (`veloxquant calibrate`); "auto"
     calibrates once per model on first use and keeps them (`calibration.ensure_calibrated`).
@@ -71,6 +75,7 @@ class KVCacheConfig:
     seed: int = 0
     artifact_dir: Optional[str] = None
     options: Mapping[str, Any] = field(default_factory=dict)
+    mean_tokens: Optional[int] = None
 
     def __post_init__(self):
         if self.value_bits is None:
@@ -94,6 +99,9 @@ class KVCacheConfig:
                 raise TypeError(f"{name} must be an int, got {value!r}")
         if not isinstance(self.center, bool):
             raise TypeError(f"center must be a bool, got {self.center!r}")
+        if self.mean_tokens is not None and (not isinstance(self.mean_tokens, int)
+                                             or isinstance(self.mean_tokens, bool) or self.mean_tokens < 1):
+            raise ValueError(f"mean_tokens must be a positive int or None, got {self.mean_tokens!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if not 0 <= self.seed < 2**63:
@@ -152,7 +160,7 @@ class KVCacheConfig:
         if self.residual_length:
             text += f" window={self.residual_length}"
         if self.center:
-            text += " centered"
+            text += " centered" if self.mean_tokens is None else f" centered(means of {self.mean_tokens})"
         for key, value in sorted(self.options.items()):
             if key not in method.width_options:
                 text += f" {key}={value}"

@@ -23,11 +23,13 @@ from typing import Dict
 
 from .config import KVCacheConfig, register_presets
 
-# Every preset: 4 fp16 sink tokens, a short fp16 window of the newest tokens, centred keys and values,
+# Every preset: 4 fp16 sink tokens, a short fp16 window of the newest tokens, centred keys and values
+# (means of the first 256 encoded tokens, so prompts sharing their first 260 tokens share them:
+# docs/decisions.md, "Results independent of chunking"),
 # TurboQuant-MSE's `renorm` for keys (norms rescaled so the decoded key keeps the true norm) and
 # `unbiased_values` (each decoded value's projection on the true one is exact, so the errors of the
 # attention's weighted sum average out instead of shrinking it).
-_PROTECTED = dict(sink_tokens=4, center=True, options={"renorm": True, "unbiased_values": True})
+_PROTECTED = dict(sink_tokens=4, center=True, mean_tokens=256, options={"renorm": True, "unbiased_values": True})
 
 KV_PRESETS: Dict[str, dict] = {
     "vq4": dict(method="turboquant_mse", bits=4, value_bits=3, residual_length=32, **_PROTECTED),
@@ -35,8 +37,10 @@ KV_PRESETS: Dict[str, dict] = {
     "vq2": dict(method="turboquant_mse", bits=2, value_bits=1, residual_length=24, **_PROTECTED),
     # MLX's own quantized format, rotated (`methods/mlxq.py`): every back end runs it on MLX's kernels, and
     # `FALLBACK_PRESET` maps each preset above to one of these where the custom kernels are unusable.
-    "mlxq4": dict(method="mlxq", bits=4, value_bits=4, group_size=64, residual_length=32, sink_tokens=4, center=True),
-    "mlxq8": dict(method="mlxq", bits=8, value_bits=8, group_size=64, residual_length=32, sink_tokens=4, center=True),
+    "mlxq4": dict(method="mlxq", bits=4, value_bits=4, group_size=64, residual_length=32, sink_tokens=4, center=True,
+                  mean_tokens=256),
+    "mlxq8": dict(method="mlxq", bits=8, value_bits=8, group_size=64, residual_length=32, sink_tokens=4, center=True,
+                  mean_tokens=256),
 }
 
 # The most bits per coordinate each preset's caches hold at any context >= MIN_CONTEXT tokens.

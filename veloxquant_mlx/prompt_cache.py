@@ -131,7 +131,9 @@ class FreshPromptCache(mlx_cache.LRUPromptCache):
     the same tokens would. A pooled cache trimmed to a shared prefix keeps as codes the tokens a
     fresh cache holds in its fp16 window; so each is trimmed further, back to a code boundary a
     window before the prefix's end (`CompressedKVCache.refill_span`), and those tokens are fed
-    again with the rest of the prompt: about one window of extra prefill per reuse."""
+    again with the rest of the prompt: about one window of extra prefill per reuse. A cache whose
+    centring means a fresh prefill would not compute (`fresh_means`: uncapped means, or capped ones
+    from tokens past the shared prefix) is not reused: the prompt is prefilled afresh."""
 
     def fetch_nearest_cache(self, model, tokens: List[int]):
         cache, rest = super().fetch_nearest_cache(model, tokens)
@@ -142,4 +144,6 @@ class FreshPromptCache(mlx_cache.LRUPromptCache):
         if back:
             mlx_cache.trim_prompt_cache(cache, back)
             rest = tokens[held - back:]
+        if not all(c.fresh_means(len(tokens)) for c in cache if hasattr(c, "fresh_means")):
+            return None, tokens
         return cache, rest

@@ -40,6 +40,7 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         self.window_fill = None  # tokens of a fixed-capacity window buffer that hold tokens (`_tail_append`)
         self.incoming = None  # (keys, values) of a decode token that waits to enter the window (`flush`)
         self.key_mean = self.value_mean = None
+        self.mean_count = 0  # the tokens the means came from (`config.mean_tokens`)
         self.just_encoded = None  # (keys, values, first position) flushed by the last update
         self.shadow = None  # (keys, values, n): fp16 arrays whose first n tokens last left the window (`trim`)
         self.last_path: Optional[str] = None  # the attention path of the last call
@@ -110,7 +111,9 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         if not self.config.center:
             return keys, values
         if self.key_mean is None:
-            self.key_mean, self.value_mean = _finite_mean(keys), _finite_mean(values)
+            span = self.config.mean_tokens
+            self.key_mean, self.value_mean = _finite_mean(keys[..., :span, :]), _finite_mean(values[..., :span, :])
+            self.mean_count = min(keys.shape[2], span or keys.shape[2])
         return keys.astype(mx.float32) - self.key_mean, values.astype(mx.float32) - self.value_mean
 
     def _position_free(self, keys: mx.array) -> mx.array:

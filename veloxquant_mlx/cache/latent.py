@@ -69,7 +69,8 @@ class CompressedLatentCache(_BaseCache):
     def _encode(self, latent: mx.array, rope: mx.array) -> Dict[str, mx.array]:
         latent_codec, rope_bits = self._codecs
         if self.config.center and self.mean is None:
-            self.mean = mx.mean(latent.astype(mx.float32), axis=-2, keepdims=True).astype(mx.float16)
+            span = latent[..., : self.config.mean_tokens, :]
+            self.mean = mx.mean(span.astype(mx.float32), axis=-2, keepdims=True).astype(mx.float16)
         if self.mean is not None:
             latent = latent.astype(mx.float32) - self.mean.astype(mx.float32)
         fields = {f"latent_{k}": v for k, v in latent_codec.encode(latent).items()}

@@ -61,6 +61,7 @@ class CacheState:
                 shape=[self.batch, self.kv_heads, self.key_dim, self.value_dim],
                 window_dtype=str(self.window_dtype),
                 tokens_per_row=self.tokens_per_row,
+                mean_count=self.mean_count,
                 codecs={"keys": self.codecs.checksum("keys", self.key_dim),
                         "values": self.codecs.checksum("values", self.value_dim)},
             )
@@ -115,6 +116,7 @@ class CacheState:
             self.batch, self.kv_heads, self.key_dim, self.value_dim = (int(n) for n in header["shape"])
             dtype = {str(d): d for d in (mx.float16, mx.bfloat16, mx.float32)}[header["window_dtype"]]
             self.offset, encoded = int(header["offset"]), int(header["encoded"])
+            mean_count = int(header.get("mean_count", 0))
             expected_codecs = dict(header["codecs"])
         except Exception as error:
             raise CacheFormatError(f"{where}: unusable header ({error!r})") from None
@@ -132,6 +134,7 @@ class CacheState:
         for name in _DENSE_STATE:
             if name in arrays:
                 setattr(self, name, arrays[name])
+        self.mean_count = mean_count if self.key_mean is not None else 0
         saved = {group: dict(arrays.get(group) or {}) for group in ("keys", "values")}
         problems = self._check_fields(saved, encoded)
         if self.kept is not None:

@@ -270,6 +270,7 @@ class MlxCacheProtocol:
         if self.encoded == 0 and (span is None or self.offset < self.sinks + span):
             # A fresh cache this long would have no means yet: they come from tokens it lacks.
             self.key_mean = self.value_mean = None
+            self.mean_count = 0
 
     def _restore(self, role: str, block_start: int, stop: int) -> mx.array:
         """Decode the first tokens of a block back into fp16 (their originals are gone)."""

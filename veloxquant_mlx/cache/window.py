@@ -188,6 +188,19 @@ class WindowPositions:
             return 0
         return self.offset - self.sinks - min(self.encoded, fresh)
 
+    def fresh_means(self, prompt_tokens: int) -> bool:
+        """Whether this cache, holding the first `offset` tokens of a prompt of `prompt_tokens`, has the
+        centring means a fresh prefill of that prompt would compute (none, or the same tokens'). Capped
+        means (`config.mean_tokens`) are a fresh prefill's where they came from their full span of tokens,
+        the cache still holds those tokens, and the prompt is long enough that its first flush covers
+        them; uncapped means came from the first flush of the prompt that made them, which another
+        prompt's need not match."""
+        if self.key_mean is None:
+            return True
+        span = self.config.mean_tokens
+        return (span is not None and self.mean_count == span and self.offset >= self.sinks + span
+                and prompt_tokens >= self.config.sink_tokens + self.config.residual_length + span)
+
     def _recent_tokens(self):
         """(keys (centered), values, first position) of the tokens this update encoded followed by
         the window: one fp16 span, which the chunk's earlier queries still see in fp16."""

@@ -9,7 +9,8 @@ concurrency level by concurrency level. Per round: aggregate decode tok/s (compl
 round's wall time), time to first token and inter-token latency (p50/p95, from the stream's chunk
 arrivals), the server's peak resident memory and MLX's peak memory (the accelerator's on a GPU), and
 the admitted concurrency (the KV budget's most running requests, or the most streams seen decoding at
-once without a budget). With a budget (`--kv-memory-gb`, or `--budget-fp16-sequences N`: N sequences
+once without a budget). Each server first runs one unmeasured round at each concurrency and prompt length
+(8 tokens per completion), so that first-use compilation is not timed. With a budget (`--kv-memory-gb`, or `--budget-fp16-sequences N`: N sequences
 of mlx-lm's fp16 caches at the longest prompt), every cache is run once more at the highest
 concurrency under it.
 """
@@ -29,7 +30,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 BASELINES = {"none": [], "fp16": [], "mlx-q4": ["--kv-bits", "4"], "mlx-q8": ["--kv-bits", "8"]}
 
@@ -147,34 +148,60 @@ def run_round(port: int, prompts: List[str], clients: int, requests: int, max_to
 
 
 POOL_SYSTEM = "You are a helpful assistant who answers in one short sentence about the topic asked."
+# Longer than the presets' sinks and centring span (4 + 256 tokens), so that a pooled cache trimmed to it keeps
+# its means and is reused (`prompt_cache.FreshPromptCache`); the short one is not.
+POOL_SYSTEM_LONG = " ".join([
+    "You are a helpful assistant for a public library's information desk.",
+    "Visitors ask you about everyday things: animals, places, foods, tools, materials, weather and the sky.",
+    "Answer in one short sentence that a curious ten-year-old could follow, and never use lists or headings.",
+    "Prefer a concrete fact to a general remark: a size, a date, a place, a number or a name.",
+    "If a topic has a surprising detail, lead with it; if it has a common misconception, correct it gently.",
+    "Do not greet the visitor, do not repeat the question, and do not end with an offer of further help.",
+    "Avoid jargon; when a technical word is unavoidable, explain it in the same sentence with plain words.",
+    "Keep measurements in metric units, and give years as numbers rather than in words.",
+    "Stay neutral on matters of taste, and never invent a source, a quotation or a statistic.",
+    "When a topic names several different things, choose the most common meaning and answer about that one.",
+    "If the topic is a living thing, say where it lives or what it eats; if it is a made thing, say what it is for.",
+    "If the topic is a place or a natural feature, say where one can be found or how it formed.",
+    "If the topic is a food or a drink, say what it is made from or where it was first made.",
+    "If the topic is a material, say what it is made of or what it is used for.",
+    "If the topic is a tool or an instrument, say how it works or who uses it.",
+    "If the topic is weather or something in the sky, say what causes it or when it can be seen.",
+    "Write plainly, warmly and briefly, as a good librarian would speak to a young reader at the desk.",
+    "Remember that many visitors read your answers aloud, so avoid symbols, abbreviations and parentheses.",
+    "Every answer must be true today, must stand on its own, and must make sense without any picture.",
+])
 POOL_TOPICS = ["lighthouses", "bees", "volcanoes", "the moon", "bread", "rivers", "chess", "owls", "glass", "tides",
                "maps", "salt", "clocks", "bridges", "coffee", "whales", "deserts", "paper", "kites", "snow",
                "copper", "rain", "ants", "violins", "caves", "wheat", "comets", "sails", "honey", "fog", "trains",
                "ink"]
 
 
-def _greedy_answer(port: int, topic: str, max_tokens: int) -> List[int]:
+def _greedy_answer(port: int, topic: str, max_tokens: int, system: str) -> Tuple[List[int], int]:
+    """(token ids of the greedy answer, prompt tokens the server took from its prompt-cache pool)."""
     import http.client
 
     connection = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
-    body = {"messages": [{"role": "system", "content": POOL_SYSTEM},
+    body = {"messages": [{"role": "system", "content": system},
                          {"role": "user", "content": f"Tell me about {topic}."}],
             "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
     connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     reply = json.loads(connection.getresponse().read())
-    return [entry["id"] for entry in reply["choices"][0]["logprobs"]["content"]]
+    cached = reply.get("usage", {}).get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return [entry["id"] for entry in reply["choices"][0]["logprobs"]["content"]], cached
 
 
-def pooled_answers(port: int, max_tokens: int):
+def pooled_answers(port: int, max_tokens: int, system: str = POOL_SYSTEM):
     """Greedy token ids of 32 chat requests sharing a system prompt, asked of the server at `port` first one at a
     time (filling mlx-lm's prompt-cache pool) and then all at once (reusing the pooled caches, trimmed to each
-    prompt): `(alone, together)`, one list per topic."""
+    prompt): `(alone, together, reused)`, one list of ids per topic in each, and how many of the concurrent
+    requests the server served from a pooled cache."""
     from concurrent.futures import ThreadPoolExecutor
 
-    alone = [_greedy_answer(port, topic, max_tokens) for topic in POOL_TOPICS]
+    alone = [_greedy_answer(port, topic, max_tokens, system)[0] for topic in POOL_TOPICS]
     with ThreadPoolExecutor(len(POOL_TOPICS)) as pool:
-        together = list(pool.map(lambda topic: _greedy_answer(port, topic, max_tokens), POOL_TOPICS))
-    return alone, together
+        together = list(pool.map(lambda topic: _greedy_answer(port, topic, max_tokens, system), POOL_TOPICS))
+    return alone, [ids for ids, _ in together], sum(cached > 0 for _, cached in together)
 
 
 def _most_overlapping(spans) -> int:
@@ -251,10 +278,14 @@ def run_serve_benchmark(args) -> dict:
         if not args.sequential:  # every server up (and loading in parallel) before the first round
             for cache, budget in dict.fromkeys(last_use):
                 servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
+        warm = set()
         for i, (cache, budget, clients, length) in enumerate(plan):
             if (cache, budget) not in servers:
                 servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
             server = servers[(cache, budget)]
+            if (cache, budget, clients, length) not in warm:  # first use of these shapes: compiles, unmeasured
+                run_round(server.port, prompts[length], clients, 1, min(args.max_tokens, 8))
+                warm.add((cache, budget, clients, length))
             row = _round_row(server, cache, length, budget,
                              run_round(server.port, prompts[length], clients, args.requests, args.max_tokens))
             rows.append(row)

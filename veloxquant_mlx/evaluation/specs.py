@@ -36,6 +36,7 @@ CONFIG_KEYS = {
     "residual_length": "residual_length",
     "window": "residual_length",
     "sinks": "sink_tokens",
+    "mean_tokens": "mean_tokens",
     "sink_tokens": "sink_tokens",
     "vbits": "value_bits",
     "value_bits": "value_bits",
@@ -99,6 +100,7 @@ class MethodSpec:
                 "residual_length": self.config.residual_length,
                 "sink_tokens": self.config.sink_tokens,
                 "center": self.config.center,
+                "mean_tokens": self.config.mean_tokens,
                 "seed": self.config.seed,
                 "options": dict(self.config.options),
             }
