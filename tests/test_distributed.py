@@ -200,3 +200,56 @@ def test_a_rank_that_dies_mid_generation_stops_the_other_with_a_clear_error(laun
     assert ("rank 0 of 2: another rank stopped (exited or crashed), so this one stops too" in result.stderr
             or re.search(r"Node with rank 1 exited with code 3.*Node with rank 0 exited with code -15",
                          result.stderr, re.S)), result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("parallel,model_type", [pytest.param("tensor", "llama", marks=pytest.mark.slow),
+                                                 ("pipeline", "qwen2")])
+def test_serve_under_mlx_launch_answers_as_the_single_process_server(ring, tmp_path, parallel, model_type):
+    """`veloxquant serve` on two ranks (rank 0 serves HTTP, rank 1 follows its requests) gives the greedy
+    tokens the same server gives in one process, for tensor and pipeline parallelism. The pipelined server
+    batches its rows, and mlx-lm's pipelined models tie the send to the next rank onto the last layer's
+    batch cache (`sharding._PipelineTail.merge`)."""
+    import socket
+    import time
+    import urllib.request
+
+    from conftest import serve_in_thread
+    from veloxquant_mlx.evaluation.serving import POOL_SYSTEM, greedy_chat_answer
+
+    model_dir = tiny_model_dir(tmp_path / model_type, model_type)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    flags = ["--model", str(model_dir), "--kv", "vq4", "--log-level", "ERROR"]
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OPENBLAS_NUM_THREADS": "1", "VELOXQUANT_NO_PRELOAD": "1"}
+    command = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable,  # docs/distributed.md's line
+               "-m", "veloxquant_mlx.cli", "serve", *flags, "--port", str(port),
+               *(["--pipeline"] if parallel == "pipeline" else [])]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                               start_new_session=True)
+    try:
+        deadline = time.monotonic() + LAUNCH_TIMEOUT
+        while True:
+            assert process.poll() is None, f"the ranks exited: {process.stdout.read()[-3000:]}"
+            assert time.monotonic() < deadline, "the launched server was not ready in time"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                    break
+            except OSError:
+                time.sleep(0.5)
+        sharded = greedy_chat_answer(port, "bees", GREEDY_TOKENS, POOL_SYSTEM, timeout=LAUNCH_TIMEOUT)[0]
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+    httpd, generator = serve_in_thread([*flags, "--port", "0"])
+    try:
+        generator.request_limits()
+        single = greedy_chat_answer(httpd.server_address[1], "bees", GREEDY_TOKENS, POOL_SYSTEM)[0]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        generator.stop_and_join()
+    assert len(single) == GREEDY_TOKENS
+    assert sharded == single

@@ -188,8 +188,24 @@ class _PipelineTail:
     def state(self, value):
         super(_PipelineTail, type(self)).state.fset(self, value)
 
+    @classmethod
+    def merge(cls, caches):
+        """mlx-lm's batch generator merges each layer's rows through the first row's `merge`: the batch
+        of the last layer's rows is the tail the model then sends through."""
+        return _as_tail(super().merge(caches))
+
 
 _TAIL_CLASSES = {}
+
+
+def _as_tail(cache):
+    base = type(cache)
+    if not isinstance(cache, _PipelineTail) and hasattr(cache, "update_and_fetch") and not hasattr(cache, "keys"):
+        tail = _TAIL_CLASSES.get(base)
+        if tail is None:  # named as its base: a saved file names the base class, which mlx-lm loads
+            tail = _TAIL_CLASSES[base] = type(base.__name__, (_PipelineTail, base), {"__module__": base.__module__})
+        cache.__class__ = tail
+    return cache
 
 
 def mark_pipeline_tail(model, caches: list) -> list:
@@ -197,13 +213,7 @@ def mark_pipeline_tail(model, caches: list) -> list:
     sharding = model_sharding(model)
     if sharding is None or sharding.kind != PIPELINE or sharding.rank == 0 or not caches:
         return caches
-    last = caches[-1]
-    base = type(last)
-    if not isinstance(last, _PipelineTail) and hasattr(last, "update_and_fetch") and not hasattr(last, "keys"):
-        tail = _TAIL_CLASSES.get(base)
-        if tail is None:  # named as its base: a saved file names the base class, which mlx-lm loads
-            tail = _TAIL_CLASSES[base] = type(base.__name__, (_PipelineTail, base), {"__module__": base.__module__})
-        last.__class__ = tail
+    _as_tail(caches[-1])
     return caches
 
 

@@ -177,11 +177,12 @@ POOL_TOPICS = ["lighthouses", "bees", "volcanoes", "the moon", "bread", "rivers"
                "ink"]
 
 
-def _greedy_answer(port: int, topic: str, max_tokens: int, system: str) -> Tuple[List[int], int]:
+def greedy_chat_answer(port: int, topic: str, max_tokens: int, system: str,
+                       timeout: float = 3600) -> Tuple[List[int], int]:
     """(token ids of the greedy answer, prompt tokens the server took from its prompt-cache pool)."""
     import http.client
 
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     body = {"messages": [{"role": "system", "content": system},
                          {"role": "user", "content": f"Tell me about {topic}."}],
             "max_tokens": max_tokens, "temperature": 0, "logprobs": True}
@@ -198,9 +199,9 @@ def pooled_answers(port: int, max_tokens: int, system: str = POOL_SYSTEM):
     requests the server served from a pooled cache."""
     from concurrent.futures import ThreadPoolExecutor
 
-    alone = [_greedy_answer(port, topic, max_tokens, system)[0] for topic in POOL_TOPICS]
+    alone = [greedy_chat_answer(port, topic, max_tokens, system)[0] for topic in POOL_TOPICS]
     with ThreadPoolExecutor(len(POOL_TOPICS)) as pool:
-        together = list(pool.map(lambda topic: _greedy_answer(port, topic, max_tokens, system), POOL_TOPICS))
+        together = list(pool.map(lambda topic: greedy_chat_answer(port, topic, max_tokens, system), POOL_TOPICS))
     return alone, [ids for ids, _ in together], sum(cached > 0 for _, cached in together)
 
 
