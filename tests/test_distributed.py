@@ -253,3 +253,32 @@ def test_serve_under_mlx_launch_answers_as_the_single_process_server(ring, tmp_p
         generator.stop_and_join()
     assert len(single) == GREEDY_TOKENS
     assert sharded == single
+
+
+@pytest.mark.slow
+def test_chat_saves_and_loads_a_folder_per_rank_under_mlx_launch(ring, tmp_path):
+    """`veloxquant chat` pipelined on two ranks: `/save DIR` writes a rank file each and the manifest (a second
+    `/save` to it is refused on both ranks alike), and the turn after `/load DIR` replies as the same turn
+    with no save and load between."""
+    model_dir = tiny_model_dir(tmp_path / "qwen2", "qwen2")
+    saved = tmp_path / "chat"
+
+    def chat(lines):
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               "OPENBLAS_NUM_THREADS": "1", "VELOXQUANT_NO_PRELOAD": "1"}
+        command = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "-m", "veloxquant_mlx.cli",
+                   "chat", "--model", str(model_dir), "--kv", "vq4", "--pipeline", "--max-tokens", "8"]
+        result = subprocess.run(command, input="\n".join([*lines, "/quit", ""]), capture_output=True, text=True,
+                                env=env, timeout=LAUNCH_TIMEOUT)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    first, second = "Tell me about bees.", "And ants?"
+    with_files = chat([first, f"/save {saved}", f"/save {saved}", f"/load {saved}", second])
+    plain = chat([first, second])
+    assert sorted(p.name for p in saved.iterdir()) == ["manifest.json", "rank0-of-2.safetensors",
+                                                       "rank1-of-2.safetensors"]
+    assert with_files.count("saved to") == 1 and with_files.count("exists") == 1
+    assert "loaded from" in with_files
+    reply = lambda out: out.split(f">> {second}")[1].split("[cache:")[0]  # noqa: E731
+    assert reply(with_files) == reply(plain) and reply(plain).strip()

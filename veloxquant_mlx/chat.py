@@ -4,7 +4,8 @@ Each turn renders the whole conversation with the model's chat template, keeps t
 cache up to the longest prefix it shares with what the cache already holds (the
 template may spell an earlier reply differently from the tokens generated), and
 prefills only the rest. `/save FILE` and `/load FILE` write and read the cache with
-mlx-lm's prompt-cache format; the conversation rides along in its metadata.
+mlx-lm's prompt-cache format; the conversation rides along in its metadata. Under mlx.launch
+FILE is a folder: one checked file per rank and a manifest (`sharded_files.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from mlx_lm.models.cache import CacheList, can_trim_prompt_cache, trim_prompt_ca
 
 from .config import KVCacheConfig
 from .integration import KVCacheBuilder, load_prompt_cache, save_prompt_cache
-from .outputs import check_out_file, replacing_file
+from .outputs import OutputError, check_out_file, replacing_file
+from .sharded_files import load_sharded_prompt_cache, save_sharded_prompt_cache
+from .sharding import model_sharding
 
 HELP = ("commands: /save FILE (/save! FILE replaces one), /load FILE, /reset, /help, /quit (or end of input); "
         "Ctrl-C stops a reply, or at the prompt ends the chat")
@@ -126,13 +129,23 @@ class ChatSession:
         the path written. An existing file is replaced only with `force`."""
         metadata = {"model": self.model_name, "messages": json.dumps(self.messages),
                     "tokens": json.dumps(self.cached_tokens), "veloxquant_config": self.config.to_json()}
+        if model_sharding(self.model) is not None:  # under mlx.launch: a folder of rank files and a manifest
+            out = Path(path).expanduser()
+            try:
+                save_sharded_prompt_cache(out, self.caches, self.model, metadata, force=force)
+            except FileExistsError as error:
+                raise OutputError(f"/save {error}") from None
+            return out
         out = check_out_file(path, force, what="/save", suffix=".safetensors", append_suffix=True)
         with replacing_file(out, force) as temp:
             save_prompt_cache(temp, self.caches, metadata)
         return out
 
     def load(self, path: str):
-        caches, metadata = load_prompt_cache(path, self.config, return_metadata=True, model=self.model)
+        if model_sharding(self.model) is not None or Path(path).is_dir():
+            caches, metadata = load_sharded_prompt_cache(path, self.model, self.config)
+        else:
+            caches, metadata = load_prompt_cache(path, self.config, return_metadata=True, model=self.model)
         if "tokens" not in metadata or "messages" not in metadata:
             raise ValueError(f"{path} is a prompt cache but not a saved chat (no messages in its metadata)")
         if self.model_name and metadata.get("model") not in (None, "", self.model_name):

@@ -40,13 +40,21 @@ def _gathered_digests(digest: str, sharding) -> list:
     return [bytes(row).hex() for row in gather_small_ints(list(bytes.fromhex(digest)), sharding.group)]
 
 
-def save_sharded_prompt_cache(directory, caches: list, model, metadata: Optional[dict] = None) -> Path:
+def save_sharded_prompt_cache(directory, caches: list, model, metadata: Optional[dict] = None,
+                              force: bool = True) -> Path:
     """Write this rank's caches to DIRECTORY/rank{R}-of-{N}.safetensors and the manifest (a
-    collective: every rank calls it together). Returns the manifest's path."""
+    collective: every rank calls it together). Returns the manifest's path. Without `force`, a
+    DIRECTORY that exists on any rank's host is refused on every rank, before any rank writes."""
     sharding = model_sharding(model)
     rank, size = (sharding.rank, sharding.size) if sharding else (0, 1)
     kind = sharding.kind if sharding else "none"
     directory = Path(directory)
+    if not force:
+        exists = int(directory.exists())
+        if sharding is not None:
+            exists = sum(row[0] for row in gather_small_ints([exists], sharding.group))
+        if exists:
+            raise FileExistsError(f"{directory} exists; pass --force to replace it")
     directory.mkdir(parents=True, exist_ok=True)
     path = rank_file(directory, rank, size)
     shard_metadata = {**(metadata or {}), "shard_rank": str(rank), "shard_size": str(size), "shard_kind": kind}
