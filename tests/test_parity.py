@@ -158,26 +158,40 @@ def test_capped_means_do_not_depend_on_the_first_chunk(spec):
         assert not np.array_equal(states[None, first]["key_mean"], states[None, span]["key_mean"])
 
 
-@pytest.mark.parametrize("shared,expected", [(400, True), (200, False)])
-def test_the_pool_reuses_a_cache_only_with_a_fresh_prefills_means(shared, expected):
-    """`fresh_means`, which `FreshPromptCache` asks before it reuses a pooled cache: one prompt's vq4 cache
-    trimmed to the prefix it shares with another (and by its refill span) has the means a fresh prefill of
-    the other prompt computes where the prefix holds the sinks and the means' 256 tokens, and says not
-    otherwise."""
+@pytest.mark.parametrize("shared,first_chunk,expected", [
+    (400, 599, True),  # mlx-lm's generate: every prompt token but the last in one chunk
+    (200, 599, False),  # the shared prefix ends before the means' 256 tokens
+    (400, 100, False),  # the server prefills a 100-token system prompt first: a fresh cache's means of 64 tokens
+    (400, 292, True),  # sinks, window and 256: the first chunk just covers the span
+    (400, 291, False),
+])
+def test_the_pool_reuses_a_cache_only_with_a_fresh_prefills_means(shared, first_chunk, expected):
+    """`FreshPromptCache`, mlx-lm's prompt pool, reuses one prompt's pooled vq4 cache for another prompt only where
+    its means are those a fresh prefill of the other computes: the shared prefix holds the sinks and the means'
+    256 tokens, and the fresh prefill's first chunk (`first_chunk`, as the server cuts it) reaches past them and
+    the window. Where it does, the means are the fresh ones; uncapped means are never reused."""
+    from veloxquant_mlx.prompt_cache import FreshPromptCache
+
     mine, other = stream(600, seed=1), stream(600, seed=2)
     theirs = tuple(mx.concatenate([a[:, :, :shared], b[:, :, shared:]], axis=2) for a, b in zip(mine, other))
-    pooled, fresh = CompressedKVCache(config("vq4")), CompressedKVCache(config("vq4"))
-    feed(pooled, mine, 0, 600)
-    feed(fresh, theirs, 0, 600)
-    pooled.trim(600 - shared)
-    pooled.trim(pooled.refill_span())
-    assert pooled.fresh_means(600) is expected
-    same = np.array_equal(np.array(pooled.key_mean), np.array(fresh.key_mean))
-    assert same is expected
-    uncapped = CompressedKVCache(config("vq4").replace(mean_tokens=None))
-    feed(uncapped, mine, 0, 600)
-    uncapped.trim(600 - shared)
-    assert not uncapped.fresh_means(600)
+    tokens_mine, tokens_theirs = list(range(600)), [*range(shared), *range(1000, 1600 - shared)]
+    fresh = CompressedKVCache(config("vq4"))
+    feed(fresh, theirs, 0, first_chunk)
+    feed(fresh, theirs, first_chunk, 600)
+    for cap in (config("vq4").mean_tokens, None):
+        pooled = CompressedKVCache(config("vq4").replace(mean_tokens=cap))
+        feed(pooled, mine, 0, 600)
+        pool = FreshPromptCache(max_size=4)
+        pool.insert_cache("model", tokens_mine, [pooled])
+        pool.first_chunk = first_chunk
+        cache, rest = pool.fetch_nearest_cache("model", tokens_theirs)
+        reused = cache is not None
+        assert reused is (expected and cap is not None)
+        if reused:
+            assert len(rest) < 600 - shared + 64  # the shared prefix, less the refilled window, came from the pool
+            assert np.array_equal(np.array(cache[0].key_mean), np.array(fresh.key_mean))
+        else:
+            assert rest == tokens_theirs
 
 
 # ---- on SmolLM2 -------------------------------------------------------------------------------------

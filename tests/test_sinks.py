@@ -51,19 +51,13 @@ def _close(out, ref, tol=2e-5):
     assert err <= tol * max(1.0, float(mx.max(mx.abs(ref)))), err
 
 
-def _fused_attention_noise(queries, n_keys=300):
-    """How far MLX's fused attention lands from the same softmax written in plain ops, on this device and these
-    shapes, relative to the output's size. On the CPU both run the same ops (about 1e-7); a GPU's fused kernel
-    sums in its own order."""
-    k = mx.random.normal((1, 2, n_keys, 64), key=mx.random.key(11))
-    v = mx.random.normal((1, 2, n_keys, 64), key=mx.random.key(12))
-    fused = mx.fast.scaled_dot_product_attention(queries, k, v, scale=SCALE, sinks=SINKS)
-    rep = queries.shape[1] // k.shape[1]
-    scores = (queries * SCALE) @ mx.repeat(k, rep, axis=1).swapaxes(-1, -2)
-    sink_column = mx.broadcast_to(SINKS[None, :, None, None], scores.shape[:-1] + (1,))
-    weights = mx.softmax(mx.concatenate([scores, sink_column], axis=-1), axis=-1)[..., :-1]
-    explicit = weights @ mx.repeat(v, rep, axis=1)
-    return float(mx.max(mx.abs(fused - explicit))) / max(1.0, float(mx.max(mx.abs(explicit))))
+def _device_noise(compute):
+    """How far `compute()` on the default device lands from the same computation on the CPU, relative to
+    its size: 0 on the CPU; on a GPU its kernels' own summation order and matmul precision."""
+    on_device = compute()
+    with mx.stream(mx.cpu):
+        on_cpu = compute()
+    return float(mx.max(mx.abs(on_device - on_cpu))) / max(1.0, float(mx.max(mx.abs(on_cpu))))
 
 
 @pytest.mark.parametrize("protected", [False, True], ids=["plain", "protected"])
@@ -121,8 +115,9 @@ def test_gpu_style_prefill_adds_sinks_as_the_generic_path(method, protected):
     ref = _generic(cache, q, "causal")
     out = cache.attend(q, SCALE, mask="causal", sinks=SINKS)
     assert cache.last_path == "sdpa_prefill"
-    # The fused kernel against plain ops; on a GPU its own summation order sets the floor (3x for headroom).
-    _close(out, ref, max(2e-5, 3 * _fused_attention_noise(q)))
+    # On a GPU the generic path itself moves from its CPU result by the device's arithmetic: that sets the floor
+    # (3x for headroom).
+    _close(out, ref, max(2e-5, 3 * _device_noise(lambda: _generic(cache, q, "causal"))))
 
 
 @needs_cxx

@@ -142,7 +142,8 @@ class ChatSession:
         return out
 
     def load(self, path: str):
-        if model_sharding(self.model) is not None or Path(path).is_dir():
+        path = Path(path).expanduser()
+        if model_sharding(self.model) is not None or path.is_dir():
             caches, metadata = load_sharded_prompt_cache(path, self.model, self.config)
         else:
             caches, metadata = load_prompt_cache(path, self.config, return_metadata=True, model=self.model)

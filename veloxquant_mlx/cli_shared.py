@@ -39,7 +39,7 @@ def add_cache_arguments(parser: argparse.ArgumentParser, default_method: str = "
                        help="subtract each head's mean key/value before encoding (default: off)")
     group.add_argument("--mean-tokens", type=int, default=None,
                        help="estimate the centring means on at most this many of the first encoded tokens "
-                            "(default: every token of the first flush)")
+                            "(default: a preset's, 256; without a preset, every token of the first flush)")
     group.add_argument("--kv-seed", type=int, default=None, help=f"seed of rotations and sketches (default: {base.seed})")
     group.add_argument("--artifact-dir", default=None,
                        help="precomputed codebooks/rotations from `veloxquant precompute` (default: none)")

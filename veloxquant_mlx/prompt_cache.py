@@ -133,9 +133,14 @@ class FreshPromptCache(mlx_cache.LRUPromptCache):
     window before the prefix's end (`CompressedKVCache.refill_span`), and those tokens are fed
     again with the rest of the prompt: about one window of extra prefill per reuse. A cache whose
     centring means a fresh prefill would not compute (`fresh_means`: uncapped means, or capped ones
-    from tokens past the shared prefix) is not reused: the prompt is prefilled afresh."""
+    from tokens past the shared prefix or past the fresh prefill's first chunk) is not reused: the
+    prompt is prefilled afresh. `first_chunk` is that chunk's length for the next fetch (the server
+    sets it from its segments; None: every token but the last, as mlx-lm's generate prefills)."""
+
+    first_chunk = None
 
     def fetch_nearest_cache(self, model, tokens: List[int]):
+        first_chunk, self.first_chunk = self.first_chunk, None
         cache, rest = super().fetch_nearest_cache(model, tokens)
         held = len(tokens) - len(rest)
         if cache is None or not held:
@@ -144,6 +149,25 @@ class FreshPromptCache(mlx_cache.LRUPromptCache):
         if back:
             mlx_cache.trim_prompt_cache(cache, back)
             rest = tokens[held - back:]
+        first_chunk = len(tokens) - 1 if first_chunk is None else first_chunk
+        if not all(_fresh_means(c, first_chunk) for c in cache):
+            return None, tokens
+        return cache, rest
+        back = min(held, max((c.refill_span() for c in cache if hasattr(c, "refill_span")), default=0))
+        if back:
+            mlx_cache.trim_prompt_cache(cache, back)
+            rest = tokens[held - back:]
         if not all(c.fresh_means(len(tokens)) for c in cache if hasattr(c, "fresh_means")):
             return None, tokens
         return cache, rest
+
+
+def _fresh_means(cache, first_chunk: int) -> bool:
+    """Whether a layer's cache has the centring means a fresh prefill with this first chunk computes; a
+    centred cache that cannot tell (the MLA latent cache) is taken as not."""
+    if hasattr(cache, "fresh_means"):
+        return cache.fresh_means(first_chunk)
+    if isinstance(cache, mlx_cache.CacheList):  # a hybrid layer's attention and state caches
+        return all(_fresh_means(c, first_chunk) for c in cache.caches)
+    config = getattr(cache, "config", None)
+    return not (config is not None and getattr(config, "center", False))

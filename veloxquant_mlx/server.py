@@ -207,6 +207,12 @@ class VeloxResponseGenerator(mlx_server.ResponseGenerator):
         if limit and len(prompt) > limit:
             raise RequestError(f"the prompt has {len(prompt)} tokens, more than this server's context limit "
                                f"of {limit} (--max-context)", 400)
+        if isinstance(self.prompt_cache, FreshPromptCache):
+            # A fresh prefill's first chunk: the first segment (a chat's system prompt is prefilled on its own,
+            # and the prompt's last token is held back for generation), at most one prefill step.
+            segments = result[1]
+            first = len(segments[0]) - (len(segments) == 1)
+            self.prompt_cache.first_chunk = min(first, self.cli_args.prefill_step_size)
         return result
 
     def request_limits(self) -> RequestLimits:

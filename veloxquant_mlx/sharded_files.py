@@ -55,11 +55,15 @@ def save_sharded_prompt_cache(directory, caches: list, model, metadata: Optional
             exists = sum(row[0] for row in gather_small_ints([exists], sharding.group))
         if exists:
             raise FileExistsError(f"{directory} exists; pass --force to replace it")
-    directory.mkdir(parents=True, exist_ok=True)
     path = rank_file(directory, rank, size)
     shard_metadata = {**(metadata or {}), "shard_rank": str(rank), "shard_size": str(size), "shard_kind": kind}
-    save_prompt_cache(path, caches, shard_metadata)
-    digests = _gathered_digests(_sha256(path), sharding)
+
+    def write():
+        directory.mkdir(parents=True, exist_ok=True)
+        save_prompt_cache(path, caches, shard_metadata)
+        return _sha256(path)
+
+    digests = _gathered_digests(on_every_rank(write, sharding, f"write {directory}"), sharding)
     manifest = {"format": MANIFEST_FORMAT, "world_size": size, "sharding": kind,
                 "files": [{"rank": r, "file": rank_file(directory, r, size).name, "sha256": d}
                           for r, d in enumerate(digests)],
@@ -86,8 +90,30 @@ def read_manifest(directory) -> dict:
 
 def load_sharded_prompt_cache(directory, model, config=None) -> Tuple[list, dict]:
     """(caches, metadata) of this rank's file in DIRECTORY, refusing a cache saved at another world
-    size or sharding, a file that fails the manifest's digest, and anything `load_prompt_cache` refuses."""
+    size or sharding, a file that fails the manifest's digest, and anything `load_prompt_cache` refuses,
+    on every rank where any rank refuses (a collective)."""
     sharding = model_sharding(model)
+    return on_every_rank(lambda: _load_rank_file(directory, model, config, sharding), sharding, f"load {directory}")
+
+
+def on_every_rank(action, sharding, what: str):
+    """`action()`'s result where it succeeds on every rank of `sharding`; its error on the rank where it failed,
+    and on the others an error naming that rank, so that no rank goes on while another does not (one all_sum)."""
+    try:
+        result, error = action(), None
+    except Exception as failure:  # noqa: BLE001 (re-raised below, on this rank and, named, on the others)
+        result, error = None, failure
+    if sharding is not None:
+        failed = [r for r, row in enumerate(gather_small_ints([int(error is not None)], sharding.group)) if row[0]]
+        if failed and error is None:
+            raise CacheFormatError(f"could not {what}: rank(s) {', '.join(map(str, failed))} failed (their error "
+                                   "is on their own output)")
+    if error is not None:
+        raise error
+    return result
+
+
+def _load_rank_file(directory, model, config, sharding) -> Tuple[list, dict]:
     rank, size = (sharding.rank, sharding.size) if sharding else (0, 1)
     kind = sharding.kind if sharding else "none"
     manifest = read_manifest(directory)

@@ -188,18 +188,17 @@ class WindowPositions:
             return 0
         return self.offset - self.sinks - min(self.encoded, fresh)
 
-    def fresh_means(self, prompt_tokens: int) -> bool:
-        """Whether this cache, holding the first `offset` tokens of a prompt of `prompt_tokens`, has the
-        centring means a fresh prefill of that prompt would compute (none, or the same tokens'). Capped
-        means (`config.mean_tokens`) are a fresh prefill's where they came from their full span of tokens,
-        the cache still holds those tokens, and the prompt is long enough that its first flush covers
-        them; uncapped means came from the first flush of the prompt that made them, which another
-        prompt's need not match."""
+    def fresh_means(self, first_chunk: int) -> bool:
+        """Whether this cache, holding the first `offset` tokens of a prompt, has the centring means a fresh
+        prefill of that prompt whose first chunk holds `first_chunk` tokens computes (none, or the same
+        tokens'). Capped means (`config.mean_tokens`) are where they came from their whole span, the cache
+        still holds it, and that first chunk's flush covers it; uncapped means came from the first flush of
+        the prompt that made them, which another prompt's need not match."""
         if self.key_mean is None:
             return True
         span = self.config.mean_tokens
-        return (span is not None and self.mean_count == span and self.offset >= self.sinks + span
-                and prompt_tokens >= self.config.sink_tokens + self.config.residual_length + span)
+        flushed = (first_chunk - self.config.sink_tokens - self.config.residual_length) // self.block * self.block
+        return span is not None and self.mean_count == span and self.offset >= self.sinks + span and flushed >= span
 
     def _recent_tokens(self):
         """(keys (centered), values, first position) of the tokens this update encoded followed by
