@@ -38,11 +38,16 @@ LAUNCH_TIMEOUT = 240
 GREEDY_TOKENS = 12  # make test's launch; test_sharded_greedy_decoding_holds_for_64_tokens runs 64
 
 
-def launch(*args, timeout=LAUNCH_TIMEOUT, on_timeout=pytest.fail):
-    """`mlx.launch` two ranks; on a timeout its whole process group (the ranks too) is killed and the test fails."""
+def ring_launch(*args):
+    """(command, environment) that run `args` (a script and its arguments, or `-m module ...`) on two ring ranks."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OPENBLAS_NUM_THREADS": "1", "VELOXQUANT_NO_PRELOAD": "1"}
-    command = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, *map(str, args)]
+    return [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, *map(str, args)], env
+
+
+def launch(*args, timeout=LAUNCH_TIMEOUT, on_timeout=pytest.fail):
+    """`mlx.launch` two ranks; on a timeout its whole process group (the ranks too) is killed and the test fails."""
+    command, env = ring_launch(*args)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                start_new_session=True)
     try:
@@ -221,11 +226,8 @@ def test_serve_under_mlx_launch_answers_as_the_single_process_server(ring, tmp_p
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     flags = ["--model", str(model_dir), "--kv", "vq4", "--log-level", "ERROR"]
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OPENBLAS_NUM_THREADS": "1", "VELOXQUANT_NO_PRELOAD": "1"}
-    command = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable,  # docs/distributed.md's line
-               "-m", "veloxquant_mlx.cli", "serve", *flags, "--port", str(port),
-               *(["--pipeline"] if parallel == "pipeline" else [])]
+    command, env = ring_launch("-m", "veloxquant_mlx.cli", "serve", *flags, "--port", port,  # docs/distributed.md
+                               *(["--pipeline"] if parallel == "pipeline" else []))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
     try:
@@ -264,10 +266,8 @@ def test_chat_saves_and_loads_a_folder_per_rank_under_mlx_launch(ring, tmp_path)
     saved = tmp_path / "chat"
 
     def chat(lines):
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "OPENBLAS_NUM_THREADS": "1", "VELOXQUANT_NO_PRELOAD": "1"}
-        command = [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, "-m", "veloxquant_mlx.cli",
-                   "chat", "--model", str(model_dir), "--kv", "vq4", "--pipeline", "--max-tokens", "8"]
+        command, env = ring_launch("-m", "veloxquant_mlx.cli", "chat", "--model", model_dir, "--kv", "vq4",
+                                   "--pipeline", "--max-tokens", "8")
         result = subprocess.run(command, input="\n".join([*lines, "/quit", ""]), capture_output=True, text=True,
                                 env=env, timeout=LAUNCH_TIMEOUT)
         assert result.returncode == 0, result.stderr[-3000:]
