@@ -194,6 +194,26 @@ def test_the_pool_reuses_a_cache_only_with_a_fresh_prefills_means(shared, first_
             assert rest == tokens_theirs
 
 
+def test_a_sliding_window_cache_keeps_fresh_means_after_eviction():
+    """A compressed sliding-window cache (Gemma 3's local layers) evicts the tokens its means came from but keeps
+    the means; where a prompt's first 256 encoded tokens are shared, the pool may reuse it (`fresh_means`), and
+    a cache of the other prompt holds the same means. Uncapped means are never reused."""
+    from veloxquant_mlx.rotating import CompressedRotatingKVCache
+
+    mine, other = stream(600, seed=1), stream(600, seed=2)
+    theirs = tuple(mx.concatenate([a[:, :, :400], b[:, :, 400:]], axis=2) for a, b in zip(mine, other))
+    pooled, fresh = (CompressedRotatingKVCache(config("vq4"), max_size=128) for _ in range(2))
+    pooled.update_and_fetch(mine[0], mine[1])
+    pooled.update_and_fetch(other[0][:, :, :1], other[1][:, :, :1])  # a decode step: the window evicts
+    fresh.update_and_fetch(theirs[0], theirs[1])
+    assert pooled.inner.offset <= 128 and pooled.fresh_means(599)  # evicted, means kept
+    assert np.array_equal(np.array(pooled.inner.key_mean), np.array(fresh.inner.key_mean))
+    assert not pooled.fresh_means(200)
+    uncapped = CompressedRotatingKVCache(config("vq4").replace(mean_tokens=None), max_size=128)
+    uncapped.update_and_fetch(mine[0], mine[1])
+    assert not uncapped.fresh_means(599)
+
+
 # ---- on SmolLM2 -------------------------------------------------------------------------------------
 
 PROMPT = "The history of the city begins in the twelfth century, when a small market town grew up around it. " * 3

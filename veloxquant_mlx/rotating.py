@@ -164,6 +164,10 @@ class CompressedRotatingKVCache(_BaseCache):
         self.offset += keys.shape[2]
         return self.inner._update_checked(keys, values)
 
+    def fresh_means(self, first_chunk: int) -> bool:
+        """`CompressedKVCache.fresh_means` over the tokens this cache has taken: evicted ones made its means too."""
+        return self.inner.fresh_means(first_chunk, seen=self.offset)
+
     def keys_and_values(self):
         """What mlx-lm's KV-sharing layers read (`CompressedKVCache.keys_and_values`)."""
         return self.inner.history()

@@ -188,17 +188,19 @@ class WindowPositions:
             return 0
         return self.offset - self.sinks - min(self.encoded, fresh)
 
-    def fresh_means(self, first_chunk: int) -> bool:
+    def fresh_means(self, first_chunk: int, seen: Optional[int] = None) -> bool:
         """Whether this cache, holding the first `offset` tokens of a prompt, has the centring means a fresh
         prefill of that prompt whose first chunk holds `first_chunk` tokens computes (none, or the same
         tokens'). Capped means (`config.mean_tokens`) are where they came from their whole span, the cache
         still holds it, and that first chunk's flush covers it; uncapped means came from the first flush of
-        the prompt that made them, which another prompt's need not match."""
+        the prompt that made them, which another prompt's need not match. `seen`: the tokens the cache has
+        taken, where that is more than it holds (a sliding-window cache evicts; its means stay)."""
         if self.key_mean is None:
             return True
         span = self.config.mean_tokens
         flushed = (first_chunk - self.config.sink_tokens - self.config.residual_length) // self.block * self.block
-        return span is not None and self.mean_count == span and self.offset >= self.sinks + span and flushed >= span
+        seen = self.offset if seen is None else seen
+        return span is not None and self.mean_count == span and seen >= self.sinks + span and flushed >= span
 
     def _recent_tokens(self):
         """(keys (centered), values, first position) of the tokens this update encoded followed by
