@@ -214,32 +214,21 @@ def test_serve_under_mlx_launch_answers_as_the_single_process_server(ring, tmp_p
     tokens the same server gives in one process, for tensor and pipeline parallelism. The pipelined server
     batches its rows, and mlx-lm's pipelined models tie the send to the next rank onto the last layer's
     batch cache (`sharding._PipelineTail.merge`)."""
-    import socket
-    import time
-    import urllib.request
-
     from conftest import serve_in_thread
-    from veloxquant_mlx.evaluation.serving import POOL_SYSTEM, greedy_chat_answer
+    from veloxquant_mlx.evaluation.serving import POOL_SYSTEM, free_port, greedy_chat_answer, wait_for_health
 
     model_dir = tiny_model_dir(tmp_path / model_type, model_type)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     flags = ["--model", str(model_dir), "--kv", "vq4", "--log-level", "ERROR"]
     command, env = ring_launch("-m", "veloxquant_mlx.cli", "serve", *flags, "--port", port,  # docs/distributed.md
                                *(["--pipeline"] if parallel == "pipeline" else []))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                                start_new_session=True)
     try:
-        deadline = time.monotonic() + LAUNCH_TIMEOUT
-        while True:
-            assert process.poll() is None, f"the ranks exited: {process.stdout.read()[-3000:]}"
-            assert time.monotonic() < deadline, "the launched server was not ready in time"
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        try:
+            wait_for_health(port, process, LAUNCH_TIMEOUT, "two ranks of veloxquant serve")
+        except RuntimeError as error:
+            pytest.fail(f"{error}: {process.stdout.read()[-3000:]}")
         sharded = greedy_chat_answer(port, "bees", GREEDY_TOKENS, POOL_SYSTEM, timeout=LAUNCH_TIMEOUT)[0]
     finally:
         if process.poll() is None:

@@ -111,9 +111,9 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         if not self.config.center:
             return keys, values
         if self.key_mean is None:
-            span = self.config.mean_tokens
-            self.key_mean, self.value_mean = _finite_mean(keys[..., :span, :]), _finite_mean(values[..., :span, :])
-            self.mean_count = min(keys.shape[2], span or keys.shape[2])
+            head_keys, head_values = keys[..., : self.config.mean_tokens, :], values[..., : self.config.mean_tokens, :]
+            self.key_mean, self.value_mean = _finite_mean(head_keys), _finite_mean(head_values)
+            self.mean_count = head_keys.shape[2]
         return keys.astype(mx.float32) - self.key_mean, values.astype(mx.float32) - self.value_mean
 
     def _position_free(self, keys: mx.array) -> mx.array:

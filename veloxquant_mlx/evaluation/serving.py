@@ -52,17 +52,32 @@ def percentile(values: List[float], q: float) -> Optional[float]:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_health(port: int, process: subprocess.Popen, timeout: float, what: str):
+    """Return once the server on `port` answers /health; an error naming `what` if `process` exits first or
+    `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with status {process.returncode}: {what}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5):
+                return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    raise TimeoutError(f"server not ready after {timeout:.0f} s: {what}")
 
 
 class ServerProcess:
     """One `veloxquant serve` process, its log in `log_path`."""
 
     def __init__(self, model: str, flags: List[str], log_path: Path, max_tokens: int, concurrency: int):
-        self.port = _free_port()
+        self.port = free_port()
         command = [sys.executable, "-m", "veloxquant_mlx.cli", "serve", "--model", model, "--port", str(self.port),
                    "--served-model-name", "bench", "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
                    "--decode-concurrency", str(max(concurrency, 1)), "--log-level", "INFO", *flags]
@@ -71,17 +86,7 @@ class ServerProcess:
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 900.0):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited with status {self.process.returncode}: {' '.join(self.command)} "
-                                   f"(log: {self.log.name})")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5):
-                    return
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.5)
-        raise TimeoutError(f"server not ready after {timeout:.0f} s: {' '.join(self.command)}")
+        wait_for_health(self.port, self.process, timeout, f"{' '.join(self.command)} (log: {self.log.name})")
 
     def stats(self) -> dict:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/veloxquant/stats", timeout=30) as reply:
