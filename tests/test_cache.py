@@ -75,7 +75,7 @@ def test_no_attribute_escapes_nbytes(method):
     counted = sum(_held_bytes(v) for v in vars(cache).values() if not hasattr(v, "__dict__"))
     counted += sum(_held_bytes(v) for v in vars(cache.store).values())
     assert counted == cache.nbytes
-    assert cache.window_keys.dtype == mx.float16 and cache.window == 16 + (200 - 4 - 16) % cache.block
+    assert cache.window_keys.dtype == k.dtype and cache.window == 16 + (200 - 4 - 16) % cache.block
     assert cache.sinks == 4 and cache.encoded == 200 - 4 - cache.window
 
 
@@ -145,7 +145,6 @@ def test_chunk_prefill_rule_sees_the_chunk_and_the_window_in_fp16(method):
     attention; under the "decode" rule its earlier queries see flushed tokens from their codes."""
     config = config_for(method, 3, sink_tokens=2, residual_length=16)
     k, v = random_kv(120, heads=2, dim=64, seed=5)
-    k, v = k.astype(mx.float16).astype(mx.float32), v.astype(mx.float16).astype(mx.float32)  # as the window holds them
     q = mx.random.normal((1, 4, 120, 64), key=mx.random.key(6))
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
     outs = {}
@@ -399,7 +398,7 @@ def test_block_format_decode_tokens_fill_a_fixed_capacity_window(residual, sinks
         a, b = stepped.store.fields(role), whole.store.fields(role)
         assert all(mx.array_equal(a[name], b[name]) for name in b)
     # nbytes counts the whole buffer, used_nbytes its filled part.
-    spare = (residual + 16 - stepped.window) * 2 * 32 * 2 * 2  # tokens x heads x dim x fp16 x (keys, values)
+    spare = (residual + 16 - stepped.window) * 2 * 32 * k.itemsize * 2  # tokens x heads x dim x bytes x (keys, values)
     assert stepped.nbytes - stepped.used_nbytes - (stepped.store.nbytes - stepped.store.used_nbytes) == spare
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(9))
     assert mx.allclose(stepped.attend(q, 0.17), whole.attend(q, 0.17), atol=1e-5)

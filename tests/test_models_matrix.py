@@ -8,7 +8,8 @@ matrix's 128-token sliding windows wrap) and 2 decode steps. The thresholds are 
 the llama family at these settings (k times its KL), and the llama family's KL itself must stay under the
 table's threshold; as this short run is noisier than the table's (an MoE router flip weighs more), a file
 fails past `MARGIN` times its threshold. mlx-lm's state-space caches (Jamba) take no multi-token call after
-a prefill, so the hybrid group compares 4 decode steps instead. One model is built per file; files are grouped by the caches mlx-lm makes for them, and a wrapper file whose language
+a prefill, so the hybrid group compares 4 decode steps instead, whose llama calibration is the noisiest
+(its kivi:4 KL is the smallest, and moves most with float rounding), hence a margin of 3. One model is built per file; files are grouped by the caches mlx-lm makes for them, and a wrapper file whose language
 model is another file's (Gemma 3 of gemma3_text, Mistral 3 of llama, ...) is checked through that file."""
 
 import json
@@ -21,8 +22,9 @@ from veloxquant_mlx.evaluation import models_matrix as matrix
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TABLE = os.path.join(ROOT, "benchmarks", "results", "models-matrix", "matrix.json")
-PREFILL, MARGIN = 128, 2.0
+PREFILL = 128
 RUNS = {"chunked": dict(decode=12, chunk=10), "decode": dict(decode=4, chunk=0)}  # decode: tokens compared
+MARGIN = {"chunked": 2.0, "decode": 3.0}
 
 
 def run_of(group: str) -> str:
@@ -54,7 +56,7 @@ def thresholds():
         for spec, kl in llama.kl.items():
             assert kl <= COMMITTED["thresholds"][spec], f"the llama family's {spec} KL {kl:.3g} regressed"
         k = COMMITTED["settings"]["k"]
-        out[run] = {spec: MARGIN * t for spec, t in matrix.thresholds_from(llama, k).items()}
+        out[run] = {spec: MARGIN[run] * t for spec, t in matrix.thresholds_from(llama, k).items()}
     return out
 
 

@@ -437,3 +437,25 @@ def test_sigint_stops_the_server_with_status_0(model_dir):
     assert process.returncode == 0, rest
     assert "terminate called" not in rest and "Traceback" not in rest, rest
     assert b"[DONE]" not in tail
+
+
+@pytest.mark.parametrize("system", ["short", "long"])
+def test_concurrent_greedy_answers_are_the_one_at_a_time_answers(model_dir, system):
+    """32 greedy requests sharing a system prompt, asked one at a time (filling the prompt pool) and then all
+    at once (served from pooled caches trimmed to each prompt, decoded in batches), give the same tokens
+    under `--kv vq4`. The short prompts (35 tokens) start decoding before they hold codes, so their rows join
+    the batch's shared buffers steps later; the long ones (417 tokens) reuse their pooled means."""
+    from veloxquant_mlx.evaluation.serving import POOL_SYSTEM, POOL_SYSTEM_LONG, pooled_answers
+
+    httpd, generator = serve_in_thread(["--model", str(model_dir), "--port", "0", "--log-level", "CRITICAL",
+                                        "--kv", "vq4"])
+    try:
+        generator.request_limits()
+        alone, together, reused = pooled_answers(httpd.server_address[1], 32,
+                                                 POOL_SYSTEM if system == "short" else POOL_SYSTEM_LONG)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        generator.stop_and_join()
+    assert all(len(tokens) == 32 for tokens in alone) and reused == len(alone)
+    assert [a == b for a, b in zip(alone, together)] == [True] * len(alone)

@@ -12,10 +12,13 @@ protocol's left padding (`prepare(left_padding=)`) and right padding
 chunk belong to no sequence.
 
 The projections and MLPs run on the whole batch. A decode step (one query per
-sequence) attends over every row in one call where the rows allow it
-(`batch_decode.py`: the rows' codes in shared batch-shaped buffers, each row's length
-and fp16 window masked); anything else (a prefill chunk, formats without a batched
-path) runs row by row, each row with its own causal or sliding-window mask.
+sequence) attends over the rows that allow it in one call (`batch_decode.py`: their
+codes in shared batch-shaped buffers, each row's length and fp16 window masked), a batch
+of one included; the other rows (too young to hold codes, formats without a batched
+path) and anything else (a prefill chunk) run row by row, each with its own causal or
+sliding-window mask. Which way a row runs depends on that row alone, and on the CPU the
+model's matmuls treat rows independently, so a sequence decodes to the same bits whichever
+sequences share its batch: a server's concurrent answers are its one-at-a-time answers.
 
 `offset` is an array of each sequence's next position (what RoPE needs, as with
 `BatchKVCache`). `make_mask` returns the mask kind ("causal" or None), or with
@@ -35,7 +38,7 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
-from .batch_decode import BatchDecoder
+from .batch_decode import BatchDecoder, eligible
 from .cache import CacheFormatError, CompressedKVCache, register_batch, run_on_load
 from .rotating import CompressedRotatingKVCache, register_rotating_batch
 
@@ -70,6 +73,8 @@ class BatchCompressedKVCache(_BaseCache):
         self._spans = None  # (start, count) of each row's real tokens in the last chunk
         self._masks = None  # each row's mask for the last chunk's queries
         self._decoder = BatchDecoder()
+        self._members: List[int] = []  # the rows the decoder holds, in its buffers' order
+        self._decoded = False  # the last update was a decode step
 
     # ---- mlx-lm batch protocol --------------------------------------------------------------
     @classmethod
@@ -83,12 +88,10 @@ class BatchCompressedKVCache(_BaseCache):
     def extend(self, other: "BatchCompressedKVCache"):
         if other._real is not None or self._real is not None:
             raise ValueError("cannot extend a batch in the middle of a right-padded prefill")
-        other._decoder.release()
+        other._release()
         if self.rows and other.rows:
             type(self)(self.rows[:1] + other.rows[:1])  # the same kind and window, or refused
-        if any(other._skip) or not self._decoder.extend(other.rows):
-            self._decoder.release()
-        self.rows += other.rows
+        self.rows += other.rows  # they join the decoder's buffers on their first decode step
         self._skip += other._skip
 
     def filter(self, batch_indices):
@@ -97,12 +100,15 @@ class BatchCompressedKVCache(_BaseCache):
         self._skip = [self._skip[i] for i in indices]
         if self._real is not None:
             self._real = [self._real[i] for i in indices]
-        self._decoder.filter(indices)
+        held = {row: b for b, row in enumerate(self._members)}
+        kept = [(new, held[old]) for new, old in enumerate(indices) if old in held]
+        self._decoder.filter([b for _, b in kept])
+        self._members = [new for new, _ in kept] if self._decoder.active else []
 
     def extract(self, idx: int) -> Row:
         """An independent copy of sequence `idx`'s cache (codes, never dequantized values)."""
-        if self._decoder.active:
-            return self._decoder.extract(idx)
+        if idx in self._members:
+            return self._decoder.extract(self._members.index(idx))
         return copy.deepcopy(self.rows[idx])
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
@@ -120,7 +126,7 @@ class BatchCompressedKVCache(_BaseCache):
     def left_padding(self) -> mx.array:
         """Per row, the columns of `make_mask`'s array before its first token (as `BatchKVCache`'s:
         rows right-aligned on the longest), padding still to come included."""
-        self._decoder.release()
+        self._release()
         held = [_held(cache) for cache in self.rows]
         longest = max(held, default=0)
         return mx.array([longest - n + skip for n, skip in zip(held, self._skip)])
@@ -128,19 +134,19 @@ class BatchCompressedKVCache(_BaseCache):
     # ---- what the model calls ---------------------------------------------------------------
     @property
     def offset(self) -> mx.array:
-        if self._decoder.active:
-            return self._decoder.offset()
-        return mx.array([cache.offset - skip for cache, skip in zip(self.rows, self._skip)])
+        offsets = [cache.offset - skip for cache, skip in zip(self.rows, self._skip)]
+        for b, row in enumerate(self._members):
+            offsets[row] = self._decoder.row_offset(b)
+        return mx.array(offsets)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         if keys.shape[0] != len(self.rows):
             raise ValueError(f"batch of {keys.shape[0]} sequences for a cache of {len(self.rows)}")
         length = keys.shape[2]
-        if length == 1 and self._real is None and not any(self._skip) and self._decoder.takes(self.rows):
-            self._spans, self._masks = [(0, 1)] * len(self.rows), [None] * len(self.rows)
-            self._decoder.step(keys, values)
+        if length == 1 and self._real is None and not any(self._skip):
+            self._decode_step(keys, values)
             return BatchHistory(self, "keys"), BatchHistory(self, "values")
-        self._decoder.release()
+        self._release()
         self._spans, self._masks = [], []
         for i, cache in enumerate(self.rows):
             start = min(self._skip[i], length)
@@ -167,8 +173,10 @@ class BatchCompressedKVCache(_BaseCache):
                 "batched compressed caches apply each sequence's causal mask themselves; this model "
                 "passed an explicit mask array, which they cannot apply row by row"
             )
-        if sinks is None and self._decoder.ready(self.rows, queries):
-            return self._decoder.attend(queries, scale)
+        if sinks is not None:
+            self._release()  # the shared-buffer decode takes no learned sinks
+        if self._decoded and self._members:
+            return self._decode_attend(queries, scale)
         batch, heads, length, _ = queries.shape
         outputs = []
         for i, (cache, (start, count)) in enumerate(zip(self.rows, self._spans)):
@@ -184,12 +192,48 @@ class BatchCompressedKVCache(_BaseCache):
             outputs.append(parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2))
         return mx.concatenate(outputs, axis=0)
 
+    # ---- decode steps: the rows the decoder holds in one call, the others row by row ----------------
+    def _decode_step(self, keys: mx.array, values: mx.array):
+        self._decoded = True
+        self._spans, self._masks = [(0, 1)] * len(self.rows), [None] * len(self.rows)
+        held = set(self._members)
+        joining = [b for b, cache in enumerate(self.rows) if b not in held and eligible(cache)]
+        if joining:
+            joined = (self._decoder.extend if self._decoder.active else self._decoder.takes)(
+                [self.rows[b] for b in joining])
+            if joined:
+                self._members += joining
+        if self._members:
+            self._decoder.step(*(_rows(x, self._members) for x in (keys, values)))
+        for b in self._outside():
+            self.rows[b].update_and_fetch(keys[b : b + 1], values[b : b + 1])
+
+    def _decode_attend(self, queries: mx.array, scale: float) -> mx.array:
+        held = self._decoder.attend(_rows(queries, self._members), scale)
+        if len(self._members) == len(self.rows) and self._members == sorted(self._members):
+            return held
+        out = [None] * len(self.rows)
+        for b, row in enumerate(self._members):
+            out[row] = held[b : b + 1]
+        for b in self._outside():
+            out[b] = self.rows[b].attend(queries[b : b + 1], scale=scale, mask=None).astype(queries.dtype)
+        return mx.concatenate(out, axis=0)
+
+    def _outside(self) -> List[int]:
+        held = set(self._members)
+        return [b for b in range(len(self.rows)) if b not in held]
+
+    def _release(self):
+        """The decoder's buffers written back into their rows."""
+        self._decoder.release()
+        self._members, self._decoded = [], False
+
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
         """The mask kind; with `return_array`, `BatchKVCache`'s (B, 1, N, longest + N) boolean array.
         Each row applies its own mask (a sliding-window row its window, `rotating.py`)."""
         if not return_array:
             return "causal" if N > 1 else None
-        self._decoder.release()
+        self._release()
         held = mx.array([_held(cache) for cache in self.rows])
         total = int(held.max().item()) + N if self.rows else N
         query = mx.arange(total - N, total)[:, None]
@@ -203,7 +247,7 @@ class BatchCompressedKVCache(_BaseCache):
     # ---- the rest of the cache protocol ------------------------------------------------------
     @property
     def state(self):
-        self._decoder.release()
+        self._release()
         header = {"format": BATCH_FORMAT_VERSION, "skip": self._skip,
                   "rows": [type(cache).__name__ for cache in self.rows]}
         return [json.dumps(header), [cache.state for cache in self.rows]]
@@ -243,19 +287,19 @@ class BatchCompressedKVCache(_BaseCache):
         return sum(cache.nbytes for cache in self.rows) + self._decoder.nbytes
 
     def size(self) -> int:
-        self._decoder.release()
+        self._release()
         return max((cache.offset for cache in self.rows), default=0)
 
     def empty(self) -> bool:
-        self._decoder.release()
+        self._release()
         return all(cache.empty() for cache in self.rows)
 
     def is_trimmable(self) -> bool:
-        self._decoder.release()
+        self._release()
         return all(cache.is_trimmable() for cache in self.rows)
 
     def trim(self, n: int) -> int:
-        self._decoder.release()
+        self._release()
         return max((cache.trim(n) for cache in self.rows), default=0)
 
 
@@ -269,7 +313,7 @@ class BatchHistory:
     @property
     def shape(self):
         """(B, kv heads, the longest row's held tokens, head dim), as `BatchKVCache`'s keys would be."""
-        self.batch._decoder.release()
+        self.batch._release()
         rows = [_inner(cache) for cache in self.batch.rows]
         shaped = next((c for c in rows if c.key_codec is not None), None)
         held = max((_held(cache) for cache in self.batch.rows), default=0)
@@ -287,6 +331,13 @@ class BatchHistory:
 
     def __repr__(self):
         return f"BatchHistory({self.role}, {len(self.batch.rows)} sequences)"
+
+
+def _rows(x: mx.array, rows: List[int]) -> mx.array:
+    """`x`'s batch rows `rows`, in that order (`x` itself when they are all, in order)."""
+    if rows == list(range(x.shape[0])):
+        return x
+    return x[mx.array(rows, dtype=mx.int32)]
 
 
 def _inner(cache: Row) -> CompressedKVCache:

@@ -21,9 +21,10 @@ written back into the rows (`release`) before anything else reads or changes the
 (a prefill chunk, `trim`, `state`); `filter`, `extend` with rows that can join, and `extract`
 (a copy of one row) keep them.
 
-It takes a batch whose rows are plain caches of one row-store format coding tokens one by one
-(turboquant_mse, the presets), with a fp16 window, full sinks, fixed means (codes exist
-where centring is on) and no positional codec or kept tokens; other batches decode row by row.
+It takes the rows of a batch that are plain caches of one row-store format coding tokens one
+by one (turboquant_mse, the presets), with a fp16 window, full sinks, fixed means (codes exist
+where centring is on) and no positional codec or kept tokens (`eligible`); a row joins the
+buffers on the first decode step it qualifies, and the others decode row by row.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class BatchDecoder:
         """Whether this decode step runs batched (taking the rows over if not yet done)."""
         if self.active:
             return True
-        if len(rows) < 2 or not _compatible(rows):
+        if not rows or not _compatible(rows):
             return False
         first = rows[0]
         self.key_codec, self.value_codec, self.layout = first.key_codec, first.value_codec, first.store.layout
@@ -133,8 +134,8 @@ class BatchDecoder:
         self.nbytes = sum(a.nbytes for a in arrays if a is not None)
 
     # ---- a decode step -------------------------------------------------------------------------
-    def offset(self) -> mx.array:
-        return mx.array(self.offsets) + self.steps
+    def row_offset(self, b: int) -> int:
+        return self.offsets[b] + self.steps
 
     def step(self, keys: mx.array, values: mx.array):
         """Every row's new token (keys, values (B, H, 1, D)) into its window; the leaving ones encoded."""
@@ -179,15 +180,11 @@ class BatchDecoder:
                                self.settings.compile_step)
         return fn(queries, self.codes, self.count, *fp16, value_mean)
 
-    def ready(self, rows: List, queries: mx.array) -> bool:
-        """Whether `attend` answers this call: a decode step that `step` took."""
-        return self.active and queries.shape[2] == 1 and rows is not None and len(rows) == queries.shape[0]
-
 
 def _compatible(rows: List, first: Optional[CompressedKVCache] = None) -> bool:
     """Whether `rows` can share buffers (with `first`'s, when given): each eligible, one config,
     codecs, layout and shape."""
-    if not all(_eligible(cache) for cache in rows):
+    if not all(eligible(cache) for cache in rows):
         return False
     first = first or rows[0]
     shape = (first.kv_heads, first.key_dim, first.value_dim, first.window_dtype)
@@ -223,7 +220,8 @@ def _stacked(rows: List[CompressedKVCache], steps: int):
     return list(rows), offsets, stacked
 
 
-def _eligible(cache) -> bool:
+def eligible(cache) -> bool:
+    """Whether a row can join the shared buffers (its own state and format alone decide)."""
     return (type(cache) is CompressedKVCache and cache.key_codec is not None and isinstance(cache.store, RowStore)
             and cache.block == 1 and cache.kept is None and not cache.key_codec.positional
             and cache.config.residual_length > 0 and cache.sinks == cache.config.sink_tokens

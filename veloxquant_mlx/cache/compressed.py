@@ -75,7 +75,10 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
     def _setup(self, keys: mx.array, values: mx.array):
         self.batch, self.kv_heads, _, self.key_dim = keys.shape
         self.value_dim = values.shape[-1]
-        self.window_dtype = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16) else mx.float16
+        # The uncompressed sinks and window keep the model's float type, as mlx-lm's KVCache does: rounding a float32
+        # model's keys to float16 turns its float noise (matmul order, batch shape) into float16 ulp flips, and a
+        # sequence's answer would depend on what it was batched with (docs/decisions.md).
+        self.window_dtype = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float16
         try:
             key_codec, value_codec = self.codecs.get("keys", self.key_dim), self.codecs.get("values", self.value_dim)
         except ValueError as error:
