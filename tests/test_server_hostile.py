@@ -439,7 +439,7 @@ def test_sigint_stops_the_server_with_status_0(model_dir):
     assert b"[DONE]" not in tail
 
 
-@pytest.mark.parametrize("system", ["short", "long"])
+@pytest.mark.parametrize("system", ["short", pytest.param("long", marks=pytest.mark.slow)])
 def test_concurrent_greedy_answers_are_the_one_at_a_time_answers(model_dir, system):
     """32 greedy requests sharing a system prompt, asked one at a time (filling the prompt pool) and then all
     at once (served from pooled caches trimmed to each prompt, decoded in batches), give the same tokens
