@@ -398,7 +398,9 @@ def test_block_format_decode_tokens_fill_a_fixed_capacity_window(residual, sinks
         a, b = stepped.store.fields(role), whole.store.fields(role)
         assert all(mx.array_equal(a[name], b[name]) for name in b)
     # nbytes counts the whole buffer, used_nbytes its filled part.
-    spare = (residual + 16 - stepped.window) * 2 * 32 * k.itemsize * 2  # tokens x heads x dim x bytes x (keys, values)
+    # Held bytes count the fp16 tokens at 2 bytes a value (footprint.py), the buffers at the inputs' float type.
+    per_token = 2 * 32 * 2  # heads x dim x (keys, values)
+    spare = per_token * ((sinks + residual + 16) * k.itemsize - (sinks + stepped.window) * 2)
     assert stepped.nbytes - stepped.used_nbytes - (stepped.store.nbytes - stepped.store.used_nbytes) == spare
     q = mx.random.normal((1, 4, 1, 32), key=mx.random.key(9))
     assert mx.allclose(stepped.attend(q, 0.17), whole.attend(q, 0.17), atol=1e-5)

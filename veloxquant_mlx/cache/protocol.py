@@ -304,9 +304,13 @@ class MlxCacheProtocol:
         # The shadow (fp16 copies for `trim`, at most a window's worth until the next update) holds no
         # token of its own: like the store's spare capacity, `used` leaves it out.
         shadow = () if used or self.shadow is None else self.shadow[:2]
-        arrays = (self.sink_keys, self.sink_values, *window, *shadow, self.key_mean, self.value_mean)
+        plain = [a for a in (self.sink_keys, self.sink_values, *window, *shadow) if a is not None]
+        means = [a for a in (self.key_mean, self.value_mean) if a is not None]
         kept = 0 if self.kept is None else self.kept.nbytes
-        return sum(a.nbytes for a in arrays if a is not None) + kept
+        # Held bytes count the fp16 tokens at 2 bytes a value whatever the model's float type (footprint.py: as in a
+        # float16 run), so that a float32 model's footprint is the one its float16 twin would have.
+        plain_bytes = sum(a.size * min(a.itemsize, 2) if used else a.nbytes for a in plain)
+        return plain_bytes + sum(a.nbytes for a in means) + kept
 
     @property
     def nbytes(self) -> int:
