@@ -16,9 +16,9 @@ sequence) attends over the rows that allow it in one call (`batch_decode.py`: th
 codes in shared batch-shaped buffers, each row's length and fp16 window masked), a batch
 of one included; the other rows (too young to hold codes, formats without a batched
 path) and anything else (a prefill chunk) run row by row, each with its own causal or
-sliding-window mask. Which way a row runs depends on that row alone, and on the CPU the
-model's matmuls treat rows independently, so a sequence decodes to the same bits whichever
-sequences share its batch: a server's concurrent answers are its one-at-a-time answers.
+sliding-window mask. Which way a row runs depends on that row alone, so a decode step gives
+a row the same bits whichever sequences share its batch (on the CPU, whose decode matmuls
+treat rows independently); a batched prefill's matmuls still round by batch shape.
 
 `offset` is an array of each sequence's next position (what RoPE needs, as with
 `BatchKVCache`). `make_mask` returns the mask kind ("causal" or None), or with
@@ -196,8 +196,7 @@ class BatchCompressedKVCache(_BaseCache):
     def _decode_step(self, keys: mx.array, values: mx.array):
         self._decoded = True
         self._spans, self._masks = [(0, 1)] * len(self.rows), [None] * len(self.rows)
-        held = set(self._members)
-        joining = [b for b, cache in enumerate(self.rows) if b not in held and eligible(cache)]
+        joining = [b for b in self._outside() if eligible(self.rows[b])]
         if joining:
             joined = (self._decoder.extend if self._decoder.active else self._decoder.takes)(
                 [self.rows[b] for b in joining])
