@@ -219,8 +219,9 @@ def test_ragged_batch_decode_matches_per_sequence(model, backend):
     assert _decode_both(model, batch, singles, 6) < tol
     decoder = batch[0]._decoder
     assert decoder.active and decoder.count.tolist() != decoder.count.tolist()[:1] * 3  # ragged codes
-    expected = "batch_native" if settings.backend == "native" and native.module() is not None and hasattr(
-        native.module(), "mse_attention_partials_ragged") else "batch_ops"
+    expected = "batch_kernel" if settings.backend in ("cuda", "metal") else "batch_native" if (
+        settings.backend == "native" and native.module() is not None
+        and hasattr(native.module(), "mse_attention_partials_ragged")) else "batch_ops"
     assert decoder.last_path == expected
     # filter keeps the shared buffers; extend and extract give the rows back, and decoding resumes batched
     for c in batch:
@@ -239,6 +240,37 @@ def test_ragged_batch_decode_matches_per_sequence(model, backend):
     assert decoder.active  # extract copies a row out of the buffers
     batch[0].trim(2)  # anything else writes them back first
     assert not decoder.active and batch[0].rows[1].offset == singles[1][0].offset - 2
+
+
+@pytest.mark.skipif(__import__("veloxquant_mlx.kernels.emulator").kernels.emulator.compiler() is None,
+                    reason="no C++20 compiler for the kernel emulator")
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_gpu_ragged_kernel_matches_each_sequence_on_its_own(model, tensor_cores):
+    """The GPU partial kernel's ragged form (one launch for the batch, one token count per sequence),
+    run as C++ by the emulator, against the single-sequence kernel on each row copied out (the same
+    arithmetic) and against the generic path (the tensor-core kernel takes fp16 operands)."""
+    from veloxquant_mlx import kernels
+    from veloxquant_mlx.settings import EngineSettings
+
+    config = config_for("turboquant_mse", 4, value_bits=3, residual_length=4, sink_tokens=2, center=True)
+    rows = _prefilled(model, config, _ragged_prompts())
+    batch = [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
+    model(mx.array([[1], [2], [3]]), cache=batch)
+    decoder = batch[0]._decoder
+    assert decoder.active and len(set(decoder.count.tolist())) == 3
+    mx.random.seed(5)
+    queries = mx.random.normal((3, 8, 1, 32))
+    decoder.settings = EngineSettings.resolve(backend="emulator", tensor_cores=tensor_cores)
+    out = decoder.attend(queries, 0.2)
+    assert decoder.last_path == "batch_kernel"
+    for b in range(3):
+        row = decoder.extract(b)
+        row.settings = row.settings.replace(tensor_cores=tensor_cores)
+        alone = kernels.decode_attention(row, queries[b : b + 1], 0.2, using="emulator")
+        assert mx.allclose(out[b : b + 1], alone, atol=1e-6).item()
+    decoder.settings = EngineSettings.resolve(backend="portable")
+    assert mx.allclose(out, decoder.attend(queries, 0.2), atol=1e-3 if tensor_cores else 1e-5).item()
+    assert decoder.last_path == "batch_ops"
 
 
 def test_sliding_window_batch_matches_single_runs(model):

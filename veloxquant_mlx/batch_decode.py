@@ -12,8 +12,8 @@ rows at or past `count[b]` and of empty window slots are -inf. Nothing is dequan
 fp16 and nothing loops over sequences. The codes are scored split by split with the codecs'
 MLX ops in one compiled graph (`engine.compiled_decode`'s math with a per-row count); on the
 CPU, where `veloxquant_mlx._native` has the ragged kernel, that kernel scores them
-(`kernels.native.mse_partials_ragged`). The GPU kernels take one length per launch, so on
-a GPU the batch runs the MLX-ops graph.
+(`kernels.native.mse_partials_ragged`); on a GPU the partial kernel's ragged form does, one
+launch per layer with one token count per sequence (`kernels.step.ragged`).
 
 What a decode step of the per-sequence caches would do, it does: the same encoder, the same
 window rule (a token leaves once `residual_length` wait), the same means. The buffers are
@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from . import engine
 from .cache import CompressedKVCache
-from .kernels import native, native_ragged_supported
+from .kernels import kernel_ragged_supported, native, native_ragged_supported, step
 from .storage import STEP, RowStore
 
 
@@ -47,7 +47,8 @@ class BatchDecoder:
     def __init__(self):
         self.active = False
         self.nbytes = 0
-        self.last_path: Optional[str] = None  # "batch_native" (the C++ ragged kernel) or "batch_ops"
+        # "batch_kernel" (the GPU kernels' ragged form), "batch_native" (the C++ one) or "batch_ops"
+        self.last_path: Optional[str] = None
 
     # ---- taking the rows over and giving them back ---------------------------------------
     def takes(self, rows: List) -> bool:
@@ -168,6 +169,11 @@ class BatchDecoder:
         sinks = () if self.sink_keys is None else (self.sink_keys, self.sink_values)
         fp16 = _fp16_fn(len(sinks) > 0, self.key_mean is not None)(self.window_keys, self.window_values, self.fill,
                                                                     key_mean, *sinks)
+        if kernel_ragged_supported(self.settings, self.key_codec, self.value_codec, self.layout,
+                                   queries.shape[1] // self.codes.shape[1]):
+            self.last_path = "batch_kernel"
+            return step.ragged(self.settings.backend, self.settings, self.key_codec, self.value_codec, self.codes,
+                               self.count, queries, scale, fp16, value_mean if self.key_mean is not None else None)
         if _native_ragged(self):
             self.last_path = "batch_native"
             o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes,

@@ -109,6 +109,15 @@ def native_ragged_supported(key_codec, value_codec, layout) -> bool:
             and kernel_supported(keys, value_codec))
 
 
+def kernel_ragged_supported(settings, key_codec, value_codec, layout, rep: int) -> bool:
+    """Whether the GPU kernels' ragged form (`step.ragged`: a batch of sequences of different
+    lengths in one launch, `batch_decode.py`) takes these rows: turboquant_mse's in `layout`
+    (not the codes behind a key map), on a usable kernel back end, in a shape its kernel takes."""
+    name = settings.backend
+    return (name in KERNEL_BACKENDS and mse_rows(layout) is not None and ops.codes_codec(key_codec) is key_codec
+            and check.usable(name) and _decode_kernel_ok(key_codec, value_codec, rep, name))
+
+
 def _mse_codes(h) -> bool:
     """mse rows, as the codecs' formats lay them out or as those of the codes behind a map (smoothed
     keys, `ops.codes_codec`), which the C++ kernel and the decode steps (`step.py`) apply themselves."""

@@ -109,9 +109,11 @@ def _key_scale_constants(heads: int, rotate_query: bool) -> list:
 @lru_cache(maxsize=4096)
 def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, tokens: int,
                  capacity: int, *, rotate_query: bool, q_dtype: str,
-                 chunk: Optional[int] = None, threads: int = PARTIAL_THREADS, key_scale_heads: int = 0) -> Plan:
+                 chunk: Optional[int] = None, threads: int = PARTIAL_THREADS, key_scale_heads: int = 0,
+                 ragged_heads: int = 0) -> Plan:
     """`key_scale_heads`: the kv heads of smoothed keys' scales, which the query takes before its
-    in-kernel rotation (0: none)."""
+    in-kernel rotation (0: none). `ragged_heads`: a batch of sequences of different lengths, this many
+    kv rows each, whose token counts follow the four fixed entries of meta (0: one count for all)."""
     if dim % 32:
         raise ValueError(f"mse_partial needs dim % 32 == 0, got {dim}")
     if rotate_query and not is_power_of_two(dim):
@@ -125,7 +127,7 @@ def partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: in
         ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
         ("NT", threads), ("G", g), ("NDG", dim // g), ("TL", threads // (dim // g)),
         ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", row_words),
-    ] + _key_scale_constants(key_scale_heads, rotate_query)
+    ] + _key_scale_constants(key_scale_heads, rotate_query) + [("RAG", ragged_heads)]
     return Plan(
         "mse_partial", template, (splits * threads, kv_rows, 1), (threads, 1, 1),
         [(kv_rows, splits, rep, dim), (kv_rows, splits, rep, 2)], ["float32", "float32"],
@@ -173,7 +175,7 @@ def decode_partial_plan(mma: bool, *args, **kwargs) -> Plan:
 @lru_cache(maxsize=4096)
 def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits: int, tokens: int,
                      capacity: int, *, rotate_query: bool, q_dtype: str, chunk: Optional[int] = None,
-                     threads: int = PARTIAL_THREADS, key_scale_heads: int = 0) -> Plan:
+                     threads: int = PARTIAL_THREADS, key_scale_heads: int = 0, ragged_heads: int = 0) -> Plan:
     """`partial_plan` for the tensor-core kernel: the same grid, inputs and outputs."""
     if not mma_fits(dim, rep, key_bits, value_bits, 48 * 1024):
         raise ValueError(f"mse_partial_mma takes dim % 16 == 0 up to {MMA_MAX_DIM}, at most {MMA_MAX_REP} query "
@@ -188,7 +190,7 @@ def mma_partial_plan(kv_rows: int, rep: int, dim: int, key_bits: int, value_bits
     template = [
         ("D", dim), ("KB", key_bits), ("VB", value_bits), ("KW", kw), ("VW", vw), ("REP", rep),
         ("NT", threads), ("ROTQ", bool(rotate_query)), ("TQ", q_dtype), ("RW", kw + vw + 1),
-    ] + _key_scale_constants(key_scale_heads, rotate_query)
+    ] + _key_scale_constants(key_scale_heads, rotate_query) + [("RAG", ragged_heads)]
     return Plan(
         "mse_partial_mma", template, (splits * threads, kv_rows, 1), (threads, 1, 1),
         [(kv_rows, splits, rep, dim), (kv_rows, splits, rep, 2)], ["float32", "float32"],

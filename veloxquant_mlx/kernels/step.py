@@ -155,3 +155,44 @@ def fused(runner_name: str, h, queries: mx.array, keys: mx.array, values: mx.arr
         return out, store(h.store.rows, row, h.count)
     out, row, window_keys, window_values = _run_step("fused", runner_name, h, queries, scale, keys, values, slide=True)
     return out, store(h.store.rows, row, h.count), (window_keys, window_values)
+
+
+@functools.lru_cache(maxsize=CODEC_KEYED)
+def _ragged_fn(runner_name: str, key_codec, value_codec, out_shape, out_dtype, q_dtype: str, scale: float,
+               kv_rows: int, capacity: int, centered: bool, mma: bool, chunk=None):
+    """(plan, function) of `ragged`'s attention, planned from the buffers' capacity."""
+    run = ops.runner(runner_name)
+    batch = out_shape[0]
+    rotate_query = ops.constants(key_codec)["signs"] is not None
+    plan = launch.decode_partial_plan(mma, kv_rows, out_shape[1] // (kv_rows // batch), key_codec.dim,
+                                      key_codec.bits, value_codec.bits, capacity, capacity,
+                                      rotate_query=rotate_query, q_dtype=q_dtype if rotate_query else "float32",
+                                      chunk=chunk, ragged_heads=kv_rows // batch)
+
+    def attend(queries, rows, meta, counts, keys, values, bias, value_mean):
+        o, ml = ops.run_partials(run, plan, queries, key_codec, value_codec, rows, scale,
+                                 mx.concatenate([meta, counts]))
+        return ops.merge(run, o, ml, value_codec, out_shape, out_dtype, plain=plain_partial(queries, keys, values,
+                                                                                            scale, bias),
+                         value_mean=value_mean if centered else None)
+
+    return plan, (attend if runner_name == "emulator" else mx.compile(attend))
+
+
+def ragged(runner_name: str, settings, key_codec, value_codec, rows: mx.array, counts: mx.array,
+           queries: mx.array, scale: float, fp16, value_mean) -> mx.array:
+    """Decode attention of a batch of sequences of different lengths (`batch_decode.py`) in one
+    launch of the partial kernel: sequence b's query (`queries` (B, Hq, 1, D)) over the first
+    `counts[b]` code rows of `rows` (B, H, capacity, RW) and its fp16 tokens `fp16` = (keys
+    centred, values, additive bias (B, 1, 1, n): -inf on empty slots)."""
+    q_dtype = attention_dtype(queries)
+    kv_rows, capacity = rows.shape[0] * rows.shape[1], rows.shape[2]
+    mma = launch.use_mma(runner_name, settings.tensor_cores, key_codec.dim, queries.shape[1] // rows.shape[1],
+                         key_codec.bits, value_codec.bits)
+    plan, fn = _ragged_fn(runner_name, key_codec, value_codec, tuple(queries.shape), queries.dtype,
+                          launch.dtype_name(q_dtype), float(scale), kv_rows, capacity, value_mean is not None, mma,
+                          settings.split_tokens)
+    _, chunk, _, splits = plan.meta["meta"]
+    none = small_array((0.0,), mx.float32)
+    return fn(queries.astype(q_dtype), rows, small_array((capacity, chunk, capacity, splits)), counts, *fp16,
+              none if value_mean is None else value_mean)

@@ -465,10 +465,11 @@ PARTIAL_RESULT = r"""
 """
 
 # Both partial kernels: block (s, bh) takes tokens [start, end) of kv row bh; meta = [tokens,
-# tokens per split, rows' capacity, splits].
+# tokens per split, rows' capacity, splits]. RAG > 0: a batch of sequences of different lengths
+# (`batch_decode.py`) of RAG kv rows each, sequence b's tokens at meta[4 + b] (meta[0] unused).
 _SPLIT_RANGE = r"""  const int s = vq_bx;
   const int bh = vq_by;
-  const int T = meta[0];
+  const int T = RAG ? meta[4 + bh / (RAG ? RAG : 1)] : meta[0];
   const int CH = meta[1];
   const int CAP = meta[2];
   const int S = meta[3];
