@@ -55,6 +55,9 @@ KEY_TRANSFORMING_MODELS = {
                           "measured a KL over the model matrix's threshold on a random afm7",
     "mlx_lm.models.plamo": "repeats the cached keys and values with mx.tile before attention, which a compressed "
                            "cache cannot give",
+    "mlx_lm.models.phi3small": "computes its block-sparse layers' attention itself on the cached keys and values, "
+                               "without mlx-lm's shared scaled_dot_product_attention, so a compressed cache cannot "
+                               "attach to them",
 }
 
 

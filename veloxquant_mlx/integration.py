@@ -38,6 +38,13 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `max_kv_size` tokens (and the first 4) in a rotating cache. `tokenizer`: for a config with
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     base = base_caches(model)
+    own = sorted({type(cache).__name__ for cache in base if type(cache).__module__ != mlx_cache.__name__})
+    if own:
+        # DeepSeek-V4.1's LayerCache (a sliding window and compressed KV groups, attended by the file's own sparse
+        # attention): not a state cache to keep, and not one VeloxQuant can compress; kept, it would run uncompressed.
+        raise UnsupportedModelError(
+            f"{type(model).__module__} keeps its layers in its own cache class ({', '.join(own)}), not mlx-lm's, "
+            "which VeloxQuant cannot replace")
     latent = uses_latent_attention(model)
     sparse_indexer = latent and any(hasattr(m, "indexer") for m in model.modules())
     if not latent and not any(attention_cache(cache) or single_attention_member(cache) is not None for cache in base):

@@ -60,7 +60,11 @@ SIZES = {
     "kv_lora_rank": 64, "q_lora_rank": 64, "first_k_dense_replace": 0,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
     "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+    "ffn_hidden_size": FFN, "expert_ffn_hidden_size": FFN, "ff_intermediate_size": FFN,
+    "num_attention_groups": KV_HEADS,
 }
+# A top-k of experts whose default is over EXPERTS (it would pick more experts than are built) is cut to 2.
+TOP_K_PATTERN = re.compile(r"experts_per_tok|^(moe_)?top_?k$")
 HIDDEN_NAMES = ("hidden_size", "d_model", "n_embd", "dim", "model_dim", "embed_dim")
 HEAD_DIM_NAMES = ("head_dim", "head_size", "kv_channels", "attention_head_dim")
 WINDOW_NAMES = ("sliding_window", "sliding_window_size", "window_size", "attention_window_size")
@@ -135,6 +139,41 @@ OVERRIDES: Dict[str, Dict[str, Any]] = {
     "lfm2": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2, "block_dim": HEADS * HEAD_DIM,
              "block_ff_dim": FFN, "block_auto_adjust_ff_dim": False, "conv_L_cache": 3},
     "llama4": {"text_config": {"num_experts_per_tok": 1, "no_rope_layers": [1, 1, 1, 0], "num_hidden_layers": 4}},
+    # DeepSeek-V4.1: the output LoRA keeps its 8 x 1024 default (17M parameters a layer) unless sized here; the
+    # per-layer roles are id lists, which derivation leaves empty (then every layer is window-only). As the
+    # released config in small: window only, a ratio-2 and a ratio-1 compressing KV source, one reusing layer,
+    # the ratio-1 source picking candidate blocks; top-k's small enough to choose among 300 tokens.
+    "deepseek_v41": {"num_hidden_layers": 4, "o_groups": 2, "o_lora_rank": 64, "compress_ratios": [0, 2, 1, 1],
+                     "kv_source_layer_ids": [1, 2], "index_source_layer_ids": [1, 2], "candidate_source_layer_id": 2,
+                     "candidate_topk_blocks": 8, "index_topk": 16},
+    # LongCat-Flash reads these scales only when true, as its config sets them (false: an attribute error).
+    "longcat_flash": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True, "zero_expert_type": "identity"},
+    "longcat_flash_ngram": {"mla_scale_q_lora": True, "mla_scale_kv_lora": True},
+    # One block config per layer (a list derivation leaves empty): attention, no-op attention, attention
+    # replaced by a linear layer, attention, as Nemotron-NAS's pruned layers are.
+    "nemotron-nas": {"num_hidden_layers": 4, "block_configs": [
+        {"attention": {"n_heads_in_group": HEADS // KV_HEADS}, "ffn": {"ffn_mult": 1.0}},
+        {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}},
+        {"attention": {"replace_with_linear": True}, "ffn": {"ffn_mult": 1.0}},
+        {"attention": {"n_heads_in_group": HEADS // KV_HEADS}, "ffn": {"ffn_mult": 1.0}}]},
+    "spark2_5": {"layer_types": _SLIDING_FULL, "num_hidden_layers": 2,
+                 "rope_parameters": {"sliding_attention": _ROPE, "full_attention": _ROPE}},
+    # The block list is optional (two spellings in the 2B and 9B configs), so derivation leaves it None; the
+    # soft cap and conv width as RecurrentGemma's config (a derived cap of 1 would squash every logit).
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "logits_soft_cap": 30.0, "conv1d_width": 4},
+    # A Hadamard pack must name its schema and list its packed modules: one, layer 0's MLP down projection
+    # (its shared expert's; 2-bit codes, zero at init, so that projection gives zeros; attention is Qwen3.5's).
+    "prism_hadamard_qwen35": {"schema_version": 1, "tensor_namespace": "mlx-lm-text",
+                              "quantization": {"bits": 2, "group_size": 128, "mode": "affine"},
+                              "modules": [{"path": "model.layers.0.mlp.shared_expert.down_proj", "embedding": False,
+                                           "dtype": "float16", "block": 0}]},
+    # A linear-attention layer, then a softmax one (derived 1: every layer softmax, and the GLA mask asks the
+    # KV cache for an SSM mask).
+    "bailing_moe_linear": {"layer_group_size": 2},
+    # Every 2nd layer dense and the GeGELU limit as Phi-3-small (derived 1: every layer block-sparse); the file
+    # sets the logits of fixed token ids up to 100351 to -inf, which at a smaller vocabulary writes out of
+    # bounds and kills the process.
+    "phi3small": {"dense_attention_every_n_layers": 2, "gegelu_limit": 20.0, "vocab_size": 100352},
 }
 
 
@@ -275,6 +314,8 @@ def derive_fields(cls, name: str, module) -> Dict[str, Any]:
                 config[key] = inner_config.get(key, inner_config)  # a wrapper of a wrapper (Qwen3.5-MoE)
         elif default is dataclasses.MISSING:
             config[key] = _filler(key, hints.get(key, f.type))
+        elif TOP_K_PATTERN.search(key) and type(default) is int and default > EXPERTS:
+            config[key] = 2
     head_dim = next((_default(fields[k]) for k in HEAD_DIM_NAMES if k in fields
                      and isinstance(_default(fields[k]), int)), None) or HEAD_DIM
     for key in HEAD_DIM_NAMES:
@@ -332,7 +373,8 @@ def fold_unit_attention_scale(model) -> int:
     count = 0
     for module in model.modules():
         norm = getattr(module, "q_norm", None)
-        if getattr(module, "scale", None) == 1.0 and isinstance(getattr(norm, "weight", None), mx.array):
+        scale = getattr(module, "scale", None)  # a norm's scale can be an array (PLaMo 3)
+        if isinstance(scale, (int, float)) and scale == 1.0 and isinstance(getattr(norm, "weight", None), mx.array):
             head_dim = getattr(module, "head_dim", norm.weight.shape[-1])
             norm.weight = norm.weight * head_dim**-0.5
             count += 1
@@ -654,7 +696,17 @@ def markdown(result: dict) -> str:
         "Learned attention sinks (GPT-OSS, MiMo-V2-Flash: one logit per query head in the softmax's denominator) run "
         "on every attention path; GPT-OSS's sliding layers hold compressed rotating caches. A hybrid layer's "
         "`CacheList` (Falcon-H1, Baichuan-M1) has its attention cache compressed and its state cache kept; "
-        "MiniMax-M3's sparse layers, whose indexer reads its cached keys, keep theirs.",
+        "MiniMax-M3's sparse layers, whose indexer reads its cached keys, keep theirs. DeepSeek-V4.1 (learned "
+        "sinks too) keeps its layers in a cache class of its own file (`LayerCache`: a sliding window and "
+        "compressed KV groups read by its own sparse attention), which the library refuses rather than run "
+        "uncompressed.",
+        "",
+        "MoE routing: on a random MoE model a tiny change of the keys can send a token to other experts, a jump "
+        "of the model rather than of the cache. `laguna` is over its `kivi:4` threshold this way: with mlx-lm's "
+        "expert choices replayed, its KL falls from 0.0204 to 0.0046 (`vq4`: 0.036 to 0.015), and the steps that "
+        "carry it are those where routing flipped (`benchmarks/moe_routing_flips.py`, "
+        "[results](../benchmarks/results/models-matrix-laguna-routing/results.md)). Its status stays a bug by "
+        "the rule above.",
         "",
         "Generated by `veloxquant models` (`veloxquant_mlx/evaluation/models_matrix.py`); the JSON is in "
         "`benchmarks/results/models-matrix/`. `tests/test_models_matrix.py` fails if a supported file regresses.",
