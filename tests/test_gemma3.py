@@ -45,6 +45,7 @@ def _perplexity(model, tokens, cache=None, chunk=256):
     return math.exp(total / (x.shape[1] - 1))
 
 
+@pytest.mark.slow  # make test-all: test_gemma3_gguf_matches_llama_cpp checks the conversion in make test
 def test_gemma3_gguf_gives_a_sane_perplexity(gemma3, passage):
     model, _ = gemma3
     # A broken import (norm shift, RoPE bases, tokenizer) lands in the thousands.
