@@ -153,13 +153,6 @@ class FreshPromptCache(mlx_cache.LRUPromptCache):
         if not all(_fresh_means(c, first_chunk) for c in cache):
             return None, tokens
         return cache, rest
-        back = min(held, max((c.refill_span() for c in cache if hasattr(c, "refill_span")), default=0))
-        if back:
-            mlx_cache.trim_prompt_cache(cache, back)
-            rest = tokens[held - back:]
-        if not all(c.fresh_means(len(tokens)) for c in cache if hasattr(c, "fresh_means")):
-            return None, tokens
-        return cache, rest
 
 
 def _fresh_means(cache, first_chunk: int) -> bool:
