@@ -194,6 +194,43 @@ def test_the_pool_reuses_a_cache_only_with_a_fresh_prefills_means(shared, first_
             assert rest == tokens_theirs
 
 
+def test_the_pool_continues_from_a_stored_prefix_rather_than_refill():
+    """Where the nearest pooled cache would need a refill (trimmed into its codes), `FreshPromptCache` takes the
+    entry that is a prefix of the prompt as it was stored (the server's snapshot at the end of a system prompt,
+    which mlx-lm's pool drops once a longer cache of a trimmable kind arrives): the prompt then continues from the
+    cache an earlier prefill of that prefix made, and holds what a fresh prefill cut the same way holds, bit for
+    bit. Without such an entry the nearest cache is trimmed and refilled."""
+    from veloxquant_mlx.prompt_cache import FreshPromptCache
+
+    system, shared = 300, 320  # the system prompt; the common prefix with the pooled prompt runs 20 tokens past it
+    mine, other = stream(600, seed=1), stream(600, seed=2)
+    theirs = tuple(mx.concatenate([a[:, :, :shared], b[:, :, shared:]], axis=2) for a, b in zip(mine, other))
+    tokens_mine, tokens_theirs = list(range(600)), [*range(shared), *range(1000, 1130)]
+    fresh = CompressedKVCache(config("vq4"))
+    feed(fresh, theirs, 0, system)
+    feed(fresh, theirs, system, 450)
+    snapshot, pooled = CompressedKVCache(config("vq4")), CompressedKVCache(config("vq4"))
+    for cache in (snapshot, pooled):
+        feed(cache, mine, 0, system)
+    feed(pooled, mine, system, 600)
+    for with_snapshot in (True, False):
+        pool = FreshPromptCache(max_size=4)
+        if with_snapshot:
+            pool.insert_cache("model", tokens_mine[:system], [copy.deepcopy(snapshot)], cache_type="system")
+        pool.insert_cache("model", tokens_mine[:450], [copy.deepcopy(snapshot)])  # an earlier answer's cache
+        pool.insert_cache("model", tokens_mine, [copy.deepcopy(pooled)])
+        assert len(pool) == 1 + with_snapshot  # the snapshot stays beside its longer cache; the answer's goes
+        pool.first_chunk = system
+        cache, rest = pool.fetch_nearest_cache("model", tokens_theirs)
+        if with_snapshot:
+            assert rest == tokens_theirs[system:]
+        else:
+            assert len(tokens_theirs) - len(rest) <= shared - config("vq4").residual_length  # trimmed and refilled
+        feed(cache[0], theirs, 450 - len(rest), 450)
+        if with_snapshot:
+            assert_same_state(held(cache[0]), held(fresh))
+
+
 def test_a_sliding_window_cache_keeps_fresh_means_after_eviction():
     """A compressed sliding-window cache (Gemma 3's local layers) evicts the tokens its means came from but keeps
     the means; where a prompt's first 256 encoded tokens are shared, the pool may reuse it (`fresh_means`), and

@@ -9,6 +9,8 @@ is mlx-lm's prompt-cache format (safetensors) holding codes, not dequantized val
 
 from __future__ import annotations
 
+import copy
+
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
@@ -128,16 +130,43 @@ def load_document_cache(path, model_name: Optional[str] = None,
 
 class FreshPromptCache(mlx_cache.LRUPromptCache):
     """mlx-lm's prompt-cache pool (`mlx_lm.server`), whose reused caches hold what a fresh prefill of
-    the same tokens would. A pooled cache trimmed to a shared prefix keeps as codes the tokens a
-    fresh cache holds in its fp16 window; so each is trimmed further, back to a code boundary a
-    window before the prefix's end (`CompressedKVCache.refill_span`), and those tokens are fed
-    again with the rest of the prompt: about one window of extra prefill per reuse. A cache whose
+    the same tokens would.
+
+    A pooled cache trimmed into its codes keeps as codes the tokens a fresh cache holds in its fp16
+    window, and a refill (trim back to a code boundary a window before the prefix's end,
+    `CompressedKVCache.refill_span`, and feed those tokens again) encodes them once more from a chunk
+    of another length, whose float noise can move a code. So the pool keeps the server's segment snapshots
+    (the end of a system prompt) that mlx-lm's pool drops as prefixes of a longer trimmable cache, and
+    where the nearest cache would need a refill, an entry that is a prefix of the prompt is taken
+    instead, as it was stored: the prompt then continues from exactly the cache an earlier prefill of
+    that prefix made. Only without one is the nearest cache trimmed and refilled. A cache whose
     centring means a fresh prefill would not compute (`fresh_means`: uncapped means, or capped ones
     from tokens past the shared prefix or past the fresh prefill's first chunk) is not reused: the
     prompt is prefilled afresh. `first_chunk` is that chunk's length for the next fetch (the server
     sets it from its segments; None: every token but the last, as mlx-lm's generate prefills)."""
 
     first_chunk = None
+
+    def insert_cache(self, model, tokens: List[int], prompt_cache: List, *, cache_type: str = "assistant"):
+        if not any(hasattr(c, "refill_span") for c in prompt_cache):
+            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        self._trie.pop_prefixes = self._pop_superseded
+        try:
+            return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
+        finally:
+            del self._trie.pop_prefixes
+
+    def _pop_superseded(self, model, tokens: List[int]):
+        """mlx-lm's `pop_prefixes` (the entries on `tokens`' path, which this insert makes redundant for a
+        cache that trims exactly), less the server's segment snapshots (cache types other than "assistant":
+        the end of a system prompt, or of the context before a thinking tail), which are kept (see the class)."""
+        popped, node = [], self._trie._trie[model]
+        for length, token in enumerate(tokens):
+            entry = node.get("__value__")
+            if entry is not None and entry.cache_type == "assistant":
+                popped.append((length, node.pop("__value__")))
+            node = node[token]
+        return popped
 
     def fetch_nearest_cache(self, model, tokens: List[int]):
         first_chunk, self.first_chunk = self.first_chunk, None
@@ -146,6 +175,11 @@ class FreshPromptCache(mlx_cache.LRUPromptCache):
         if cache is None or not held:
             return cache, rest
         back = min(held, max((c.refill_span() for c in cache if hasattr(c, "refill_span")), default=0))
+        if back:
+            prefix = self._trie.search(model, tokens).shorter
+            if prefix:
+                cache, held, back = copy.deepcopy(self._trie.get(model, prefix).prompt_cache), len(prefix), 0
+                rest = tokens[held:]
         if back:
             mlx_cache.trim_prompt_cache(cache, back)
             rest = tokens[held - back:]
