@@ -60,6 +60,7 @@ class BatchDecoder:
         first = rows[0]
         self.key_codec, self.value_codec, self.layout = first.key_codec, first.value_codec, first.store.layout
         self.encoder, self.settings, self.residual = first._row_encoder, first.settings, first.config.residual_length
+        self.gpu_kernel: Optional[bool] = None
         self.steps = 0
         self.rows, self.offsets, stacked = _stacked(rows, 0)
         for name, array in stacked.items():
@@ -169,11 +170,13 @@ class BatchDecoder:
         sinks = () if self.sink_keys is None else (self.sink_keys, self.sink_values)
         fp16 = _fp16_fn(len(sinks) > 0, self.key_mean is not None)(self.window_keys, self.window_values, self.fill,
                                                                     key_mean, *sinks)
-        if kernel_ragged_supported(self.settings, self.key_codec, self.value_codec, self.layout,
-                                   queries.shape[1] // self.codes.shape[1]):
+        if self.gpu_kernel is None:  # decided once while the buffers are held: asked per layer and step
+            self.gpu_kernel = kernel_ragged_supported(self.settings, self.key_codec, self.value_codec, self.layout,
+                                                      queries.shape[1] // self.codes.shape[1])
+        if self.gpu_kernel:
             self.last_path = "batch_kernel"
-            return step.ragged(self.settings.backend, self.settings, self.key_codec, self.value_codec, self.codes,
-                               self.count, queries, scale, fp16, value_mean if self.key_mean is not None else None)
+            return step.ragged(self.settings, self.key_codec, self.value_codec, self.codes, self.count, queries,
+                               scale, fp16, value_mean if self.key_mean is not None else None)
         if _native_ragged(self):
             self.last_path = "batch_native"
             o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes,

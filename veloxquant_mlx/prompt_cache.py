@@ -10,7 +10,6 @@ is mlx-lm's prompt-cache format (safetensors) holding codes, not dequantized val
 from __future__ import annotations
 
 import copy
-
 import time
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple

@@ -179,12 +179,13 @@ def _ragged_fn(runner_name: str, key_codec, value_codec, out_shape, out_dtype, q
     return plan, (attend if runner_name == "emulator" else mx.compile(attend))
 
 
-def ragged(runner_name: str, settings, key_codec, value_codec, rows: mx.array, counts: mx.array,
-           queries: mx.array, scale: float, fp16, value_mean) -> mx.array:
+def ragged(settings, key_codec, value_codec, rows: mx.array, counts: mx.array, queries: mx.array, scale: float,
+           fp16, value_mean) -> mx.array:
     """Decode attention of a batch of sequences of different lengths (`batch_decode.py`) in one
     launch of the partial kernel: sequence b's query (`queries` (B, Hq, 1, D)) over the first
     `counts[b]` code rows of `rows` (B, H, capacity, RW) and its fp16 tokens `fp16` = (keys
     centred, values, additive bias (B, 1, 1, n): -inf on empty slots)."""
+    runner_name = settings.backend
     q_dtype = attention_dtype(queries)
     kv_rows, capacity = rows.shape[0] * rows.shape[1], rows.shape[2]
     mma = launch.use_mma(runner_name, settings.tensor_cores, key_codec.dim, queries.shape[1] // rows.shape[1],
