@@ -209,7 +209,7 @@ class BatchCompressedKVCache(_BaseCache):
 
     def _decode_attend(self, queries: mx.array, scale: float) -> mx.array:
         held = self._decoder.attend(_rows(queries, self._members), scale)
-        if len(self._members) == len(self.rows) and self._members == sorted(self._members):
+        if self._members == list(range(len(self.rows))):
             return held
         out = [None] * len(self.rows)
         for b, row in enumerate(self._members):
