@@ -26,6 +26,7 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx import kernels  # noqa: E402
+from veloxquant_mlx.kvlayout import cache_arrays  # noqa: E402
 from veloxquant_mlx.evaluation.benchmark import decode  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_list  # noqa: E402
 from veloxquant_mlx.models import load_model  # noqa: E402
@@ -41,7 +42,7 @@ def filled_caches(model, spec, context: int, dtype, seed: int = 0):
         v = mx.random.normal((1, n_kv, context, dim), key=mx.random.split(key)[0]).astype(dtype)
         for start in range(0, context, 2048):
             cache.update_and_fetch(k[..., start:start + 2048, :], v[..., start:start + 2048, :])
-        mx.eval([a for a in (getattr(cache, "keys", None), getattr(cache, "values", None)) if a is not None])
+        mx.eval(cache_arrays([cache]))  # a compressed cache's `keys` would be a decoded copy
         if hasattr(cache, "key_fields"):
             mx.eval(cache.key_fields, cache.value_fields)
     return caches

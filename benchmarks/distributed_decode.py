@@ -35,6 +35,7 @@ from veloxquant_mlx.evaluation.benchmark import decode  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_list  # noqa: E402
 from veloxquant_mlx.evaluation.shapes import write_random_model_folder  # noqa: E402
 from veloxquant_mlx.footprint import footprint  # noqa: E402
+from veloxquant_mlx.kvlayout import cache_arrays  # noqa: E402
 
 LLAMA_8B = dict(layers=32, kv_heads=8, head_dim=128, params=8.03e9, weight_bytes=2, max_context=131072)
 GIB = 2**30
@@ -61,9 +62,7 @@ def filled_caches(model, spec, context: int, seed: int):
         v = mx.random.normal((1, heads, context, dim), key=mx.random.split(key)[0])
         for start in range(0, context, 2048):
             cache.update_and_fetch(k[..., start:start + 2048, :], v[..., start:start + 2048, :])
-        mx.eval([a for a in (getattr(cache, "keys", None), getattr(cache, "values", None)) if a is not None])
-        if hasattr(cache, "store"):
-            mx.eval(cache.state)
+        mx.eval(cache_arrays([cache]))  # a compressed cache's `keys` would be a decoded copy
     return caches
 
 

@@ -9,6 +9,7 @@ from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 from conftest import ALL_METHODS, config_for
 from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, KVCacheConfig
+from veloxquant_mlx.cache_integrity import split_state
 from veloxquant_mlx.integration import install_attention_hook
 from veloxquant_mlx.storage import stored_bits_per_token
 
@@ -305,7 +306,7 @@ def test_corrupted_states_are_refused():
     cache = CompressedKVCache(config_for("turboquant_mse", 4))
     k, v = random_kv(50)
     cache.update_and_fetch(k, v)
-    header, arrays = cache.state  # with every tensor's checksums, whichever API saves it
+    header, arrays = split_state(cache.state)  # with every tensor's checksums, whichever API saves it
     with pytest.raises(CacheFormatError, match="header"):
         CompressedKVCache.from_state(["{not json", arrays])
     broken = {**arrays, "keys": {name: a[..., :10, :] for name, a in arrays["keys"].items()}}
@@ -324,12 +325,32 @@ def test_corrupted_states_are_refused():
         CompressedKVCache.from_state([header, {**arrays, "keys": codes}])
 
 
+def test_state_lays_out_arrays_first_and_reads_format_3():
+    """`state` is the layer's arrays, then its header naming them (mlx-lm's caches put their arrays first too);
+    a layer written as format 3 ([header, arrays]) still loads, to the same tokens."""
+    from veloxquant_mlx.checksums import metadata_digest
+
+    cache = CompressedKVCache(config_for("turboquant_mse", 4, sink_tokens=2, residual_length=4))
+    cache.update_and_fetch(*random_kv(20))
+    state = cache.state
+    header = json.loads(state[-1])
+    assert all(isinstance(a, mx.array) for a in state[:-1]) and len(header["arrays"]) == len(state) - 1
+    restored = CompressedKVCache.from_state(state)
+    assert mx.array_equal(restored.keys, cache.keys).item() and restored.state[-1] == state[-1]
+    _, arrays = split_state(state)
+    old = {k: v for k, v in header.items() if k not in ("arrays", "digest")}
+    old["format"] = 3
+    old["digest"] = metadata_digest(old)
+    written_as_3 = CompressedKVCache.from_state([json.dumps(old), arrays])
+    assert mx.array_equal(written_as_3.keys, cache.keys).item() and written_as_3.offset == 20
+
+
 def test_state_carries_its_checksums():
     """mlx-lm's save_prompt_cache saves `state` as it is: it carries every tensor's description
     (in the header, under its digest) and checksums (an MLX array, computed with the state)."""
     cache = CompressedKVCache(config_for("turboquant_mse", 4))
     cache.update_and_fetch(*random_kv(50))
-    header, arrays = cache.state
+    header, arrays = split_state(cache.state)
     listed = json.loads(header)["tensors"]
     assert isinstance(arrays["checksums"], mx.array) and arrays["checksums"].shape == (len(listed), 2)
     assert {f"keys.{name}" for name in arrays["keys"]} <= set(listed)

@@ -1,5 +1,6 @@
 """The rest of mlx-lm's cache contract on the library's caches: `to_quantized` (mlx-lm's --kv-bits),
-`keys_and_values` (KV-sharing layers), head dims the codes cannot take, models with no attention layer, and
+`keys_and_values` (KV-sharing layers), `keys`/`values` and `mx.array(history)` (decoded copies), a batch's
+padding columns, head dims the codes cannot take, models with no attention layer, and
 the non-finite policy (`settings.check_inputs`)."""
 
 import math
@@ -66,6 +67,69 @@ def test_keys_and_values_is_the_history_attention_reads(model):
     queries = mx.random.normal((1, 8, 1, 32), key=mx.random.key(1))
     shared = scaled_dot_product_attention(queries, keys, values, cache=None, scale=0.2, mask=None)
     assert mx.allclose(shared, caches[1].attend(queries, 0.2), atol=1e-5).item()
+
+
+@pytest.mark.parametrize("rotating", [False, True])
+def test_keys_and_values_decode_what_attention_reads(rotating):
+    """mlx-lm's `KVCache.keys`/`.values`, and `mx.array(history)` of what `update_and_fetch` returns, are the
+    tokens held, decoded into the model's float type: `dequantized()`'s, the fp16 window bit for bit."""
+    config = KVCacheConfig.preset("vq3")
+    cache = CompressedRotatingKVCache(config, max_size=64, keep=4) if rotating else CompressedKVCache(config)
+    assert cache.keys is None and cache.values is None
+    keys, values = kv(90)
+    history_keys, history_values = cache.update_and_fetch(keys, values)
+    reference_keys, reference_values = cache.dequantized()
+    for got in (cache.keys, mx.array(history_keys)) if not rotating else (cache.keys,):
+        assert got.dtype == mx.float16 and mx.array_equal(got, reference_keys.astype(mx.float16)).item()
+    assert mx.array_equal(cache.values, reference_values.astype(mx.float16)).item()
+    window = config.residual_length
+    assert mx.array_equal(cache.keys[..., -window:, :], keys[..., -window:, :]).item()
+    assert mx.array_equal(mx.array(history_values)[..., -window:, :], values[..., -window:, :]).item()
+    assert cache.step == (64 if rotating else 256)
+
+
+def test_a_batch_keeps_mlx_lm_padding_columns():
+    """A batch's history has `BatchKVCache`'s columns (left padding taken, rows right-aligned), `filter` drops
+    the columns every kept row pads, `extend` right-aligns both batches, and `keys` decodes each row into its
+    columns with zeros before it."""
+    from veloxquant_mlx.batch import BatchCompressedKVCache
+
+    config = config_for("turboquant_mse", 4)
+    batch = BatchCompressedKVCache([CompressedKVCache(config) for _ in range(3)])
+    batch.prepare(left_padding=[2, 3, 4])
+    assert batch.left_padding.tolist() == [2, 3, 4] and batch.columns == 0
+    keys, values = kv(4, dim=8)
+    keys, values = mx.concatenate([keys] * 3), mx.concatenate([values] * 3)
+    history, _ = batch.update_and_fetch(keys, values)
+    assert history.shape == (3, 2, 4, 8) and batch.offset.tolist() == [2, 1, 0]
+    decoded = batch.keys
+    assert decoded.shape == (3, 2, 4, 8) and not mx.any(decoded[1, :, :3]).item()
+    assert mx.array_equal(decoded[1:2, :, 3:], batch.rows[1].keys).item()
+    batch.filter([0, 1])
+    assert batch.left_padding.tolist() == [0, 1] and batch.keys.shape == (2, 2, 2, 8)
+    assert batch.make_mask(1, return_array=True)[:, 0, 0].tolist() == [[True] * 3, [False, True, True]]
+    other = BatchCompressedKVCache([CompressedKVCache(config) for _ in range(2)])
+    other.prepare(left_padding=[3, 0])
+    other.update_and_fetch(*(mx.concatenate([x[:, :, :1]] * 2) for x in kv(1, dim=8)))
+    other.update_and_fetch(*(mx.concatenate([x] * 2) for x in kv(3, dim=8)))
+    batch.extend(other)
+    assert batch.columns == 4 and batch.left_padding.tolist() == [2, 3, 3, 0]
+    assert batch.offset.tolist() == [2, 1, 1, 4]
+
+
+def test_a_pipeline_tail_is_made_of_the_library_caches_only():
+    """mlx-lm's pipelined models tie the send onto `cache[-1].keys`: a compressed cache (whose `keys` is a
+    decoded copy) becomes a tail that keeps that array; mlx-lm's own caches hold `keys` and are left alone."""
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx.sharding import _as_tail, _PipelineTail
+
+    tail = _as_tail(CompressedKVCache(KVCacheConfig.preset("vq4")))
+    assert isinstance(tail, _PipelineTail) and isinstance(tail, CompressedKVCache)
+    marker = mx.array(3)
+    tail.keys = marker
+    assert tail.keys is marker
+    assert not isinstance(_as_tail(KVCache()), _PipelineTail)
 
 
 @pytest.mark.parametrize("dim", [1, 2])

@@ -11,6 +11,7 @@ from veloxquant_mlx import CacheFormatError, CompressedKVCache, EngineSettings, 
 from veloxquant_mlx import engine
 from veloxquant_mlx.batch import BatchCompressedKVCache
 from veloxquant_mlx.cache import CacheInputError
+from veloxquant_mlx.cache_integrity import split_state
 from veloxquant_mlx.kept import EMPTY, MIN_TOKENS, KeptTokens
 from veloxquant_mlx.rotating import CompressedRotatingKVCache
 
@@ -138,7 +139,7 @@ def test_state_round_trip_and_refusals():
         c.update_and_fetch(k[..., N - 1 :, :], v[..., N - 1 :, :])
         outs.append(c.attend(q[..., N - 1 :, :], 1 / 8))
     assert mx.array_equal(outs[0], outs[1]).item() and mx.array_equal(outs[0], outs[2]).item()
-    header, arrays = cache.state
+    header, arrays = split_state(cache.state)
     arrays = dict(arrays, kept_keys=arrays["kept_keys"][:, :, :-1])
     with pytest.raises(CacheFormatError, match="kept.keys"):  # the header check or the checksums' shape check
         CompressedKVCache.from_state([header, arrays])

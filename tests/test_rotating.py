@@ -158,14 +158,14 @@ def test_saved_and_copied_caches_keep_the_window(tmp_path):
     copied.update_and_fetch(*_tokens(1)[:2])
     assert copied.offset == cache.offset + 1  # independent of the original
 
-    header, inner_header, arrays = cache.state
+    *inner_state, header = cache.state
     broken = header.replace(f'"offset": {cache.offset}', '"offset": 3')
     with pytest.raises(CacheFormatError, match="fails its digest"):
-        CompressedRotatingKVCache.from_state([broken, inner_header, arrays])
+        CompressedRotatingKVCache.from_state([*inner_state, broken])
     edited = json.loads(broken)
     edited["digest"] = header_digest(edited)  # a deliberate, self-consistent edit
     with pytest.raises(CacheFormatError, match="corrupted rotating"):
-        CompressedRotatingKVCache.from_state([json.dumps(edited), inner_header, arrays])
+        CompressedRotatingKVCache.from_state([*inner_state, json.dumps(edited)])
 
 
 @pytest.mark.parametrize("max_size,keep", [(8, 0), (8, 4), (5, 4), (2, 0), (1, 0)])

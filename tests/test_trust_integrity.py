@@ -72,7 +72,7 @@ def _mutate_file(rng, data: bytes, path, tmp_path, config):
         return label, rng.choice([None, config])
     # edit a layer header's field, with or without a recomputed digest
     layer = rng.choice(["0", "1"])
-    key = f"{layer}.0"
+    key = _entry(arrays, layer)
     header = json.loads("".join(chr(c) for c in arrays[key].tolist()))
     field = rng.choice(["bits", "value_bits", "seed", "group_size", "center", "sink_tokens", "residual_length",
                         "offset", "encoded", "layer", "artifact"])
@@ -89,6 +89,16 @@ def _mutate_file(rng, data: bytes, path, tmp_path, config):
     arrays[key] = mx.array([ord(c) for c in json.dumps(header)])
     mx.save_safetensors(str(path), arrays, metadata)
     return f"edit {field}{' redigested' if redigest else ''}", config if redigest else rng.choice([None, config])
+
+
+def _entry(arrays, layer, pick=None) -> str:
+    """The file key of layer `layer`'s header (its state's last entry), or with `pick` (names -> name) of the
+    tensor `pick` chooses from the names the header lists in order."""
+    last = f"{layer}.{max(int(k.split('.')[1]) for k in arrays if k.split('.')[0] == str(layer))}"
+    if pick is None:
+        return last
+    names = json.loads("".join(chr(c) for c in arrays[last].tolist()))["arrays"]
+    return f"{layer}.{names.index(pick(names))}"
 
 
 @pytest.mark.parametrize("method", ALL_METHODS)
@@ -124,7 +134,7 @@ def test_mismatch_names_layer_and_tensor(tmp_path):
     path = tmp_path / "c.safetensors"
     save_prompt_cache(path, caches)
     arrays, metadata = mx.load(str(path), return_metadata=True)
-    name = next(k for k in arrays if k.startswith("1.1.keys."))
+    name = _entry(arrays, 1, lambda names: next(n for n in names if n.startswith("keys.")))
     data = np.array(arrays[name])
     flipped = data.reshape(-1).view(np.uint8).copy()
     flipped[0] ^= 1  # one bit
@@ -162,14 +172,15 @@ def test_edited_header_is_refused_with_and_without_config(tmp_path, field, value
     path = tmp_path / "c.safetensors"
     save_prompt_cache(path, caches)
     arrays, metadata = mx.load(str(path), return_metadata=True)
-    header = json.loads("".join(chr(c) for c in arrays["0.0"].tolist()))
+    key = _entry(arrays, 0)
+    header = json.loads("".join(chr(c) for c in arrays[key].tolist()))
     header["config"][field] = value
-    arrays["0.0"] = mx.array([ord(c) for c in json.dumps(header)])
+    arrays[key] = mx.array([ord(c) for c in json.dumps(header)])
     mx.save_safetensors(str(path), arrays, metadata)
     with pytest.raises(CacheFormatError, match="fails its digest"):
         load_prompt_cache(path)
     header["digest"] = metadata_digest(header)  # a deliberate, self-consistent edit
-    arrays["0.0"] = mx.array([ord(c) for c in json.dumps(header)])
+    arrays[key] = mx.array([ord(c) for c in json.dumps(header)])
     mx.save_safetensors(str(path), arrays, metadata)
     with pytest.raises(CacheFormatError, match="written with .* not turboquant_mse K4/V4"):
         load_prompt_cache(path, config=config)

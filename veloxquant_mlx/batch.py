@@ -69,6 +69,7 @@ class BatchCompressedKVCache(_BaseCache):
                 raise ValueError(f"a batch is made of batch-1 caches, got one of batch {inner.batch}")
         self.rows = list(rows)
         self._skip = [0] * len(self.rows)  # left padding still to come, per row
+        self._pad = [0] * len(self.rows)  # padding columns before each row's tokens (`columns`)
         self._real = None  # real tokens still to come per row (right padding), or None
         self._spans = None  # (start, count) of each row's real tokens in the last chunk
         self._masks = None  # each row's mask for the last chunk's queries
@@ -91,6 +92,9 @@ class BatchCompressedKVCache(_BaseCache):
         other._release()
         if self.rows and other.rows:
             type(self)(self.rows[:1] + other.rows[:1])  # the same kind and window, or refused
+        # Right-aligned on the longer batch's columns, as mlx-lm's `BatchKVCache.extend` pads them.
+        columns = max(self.columns, other.columns)
+        self._pad = [p + columns - self.columns for p in self._pad] + [p + columns - other.columns for p in other._pad]
         self.rows += other.rows  # they join the decoder's buffers on their first decode step
         self._skip += other._skip
 
@@ -98,12 +102,17 @@ class BatchCompressedKVCache(_BaseCache):
         indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
         self.rows = [self.rows[i] for i in indices]
         self._skip = [self._skip[i] for i in indices]
+        self._pad = [self._pad[i] for i in indices]
         if self._real is not None:
             self._real = [self._real[i] for i in indices]
         held = {row: b for b, row in enumerate(self._members)}
         kept = [(new, held[old]) for new, old in enumerate(indices) if old in held]
         self._decoder.filter([b for _, b in kept])
         self._members = [new for new, _ in kept] if self._decoder.active else []
+        # The padding columns every kept row has are dropped, as mlx-lm's `BatchKVCache.filter` shifts them out.
+        columns, visible = self.columns, self._visible()
+        unused = min((columns - n for n in visible), default=0)
+        self._pad = [columns - n - unused for n in visible]
 
     def extract(self, idx: int) -> Row:
         """An independent copy of sequence `idx`'s cache (codes, never dequantized values)."""
@@ -123,13 +132,57 @@ class BatchCompressedKVCache(_BaseCache):
         self._real = None
 
     @property
+    def columns(self) -> int:
+        """The columns of mlx-lm's `BatchKVCache` buffers for these rows: each row's tokens right-aligned, after
+        the padding columns the batch took (left padding, a right-padded prefill's, an `extend`'s alignment)."""
+        return max((p + n for p, n in zip(self._pad, self._visible())), default=0)
+
+    def _visible(self) -> List[int]:
+        """Tokens each row's attention sees (`_held`), the decoder's rows counted where it holds them."""
+        held = [_held(cache) for cache in self.rows]
+        for b, row in enumerate(self._members):
+            held[row] = int(self._decoder.row_offset(b))
+        return held
+
+    @property
     def left_padding(self) -> mx.array:
         """Per row, the columns of `make_mask`'s array before its first token (as `BatchKVCache`'s:
-        rows right-aligned on the longest), padding still to come included."""
+        rows right-aligned on `columns`), padding still to come included."""
+        columns = self.columns
+        return mx.array([columns - n + skip for n, skip in zip(self._visible(), self._skip)])
+
+    def decoded(self):
+        """(keys, values) of every row, decoded (`CompressedKVCache.decoded`) and left-padded with zeros into
+        mlx-lm's `BatchKVCache` layout; (None, None) while every row is empty. A copy, for reading."""
         self._release()
-        held = [_held(cache) for cache in self.rows]
-        longest = max(held, default=0)
-        return mx.array([longest - n + skip for n, skip in zip(held, self._skip)])
+        rows = [cache.decoded() for cache in self.rows]
+        shaped = next((pair for pair in rows if pair[0] is not None), None)
+        if shaped is None:
+            return None, None
+        columns = max(max(p + (0 if k is None else k.shape[2]) for p, (k, _) in zip(self._pad, rows)), self.columns)
+        out = []
+        for role in (0, 1):
+            like = shaped[role]
+            padded = []
+            for pair in rows:
+                held = pair[role]
+                n = 0 if held is None else held.shape[2]
+                parts = [mx.zeros((1, like.shape[1], columns - n, like.shape[3]), dtype=like.dtype)]
+                padded.append(mx.concatenate(parts + [held.astype(like.dtype)], axis=2) if n else parts[0])
+            out.append(mx.concatenate(padded, axis=0))
+        return tuple(out)
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        """mlx-lm's `BatchKVCache.keys`, decoded (`decoded`)."""
+        return self.decoded()[0]
+
+    @property
+    def values(self) -> Optional[mx.array]:
+        return self.decoded()[1]
+
+    def keys_and_values(self):
+        return BatchHistory(self, "keys"), BatchHistory(self, "values")
 
     # ---- what the model calls ---------------------------------------------------------------
     @property
@@ -155,6 +208,7 @@ class BatchCompressedKVCache(_BaseCache):
             if self._real is not None:
                 count = min(count, self._real[i])
                 self._real[i] -= count
+            self._pad[i] += length - count
             self._spans.append((start, count))
             mask = ("causal" if count > 1 else None)
             if count and isinstance(cache, CompressedRotatingKVCache):
@@ -232,9 +286,7 @@ class BatchCompressedKVCache(_BaseCache):
         Each row applies its own mask (a sliding-window row its window, `rotating.py`)."""
         if not return_array:
             return "causal" if N > 1 else None
-        self._release()
-        held = mx.array([_held(cache) for cache in self.rows])
-        total = int(held.max().item()) + N if self.rows else N
+        total = self.columns + N
         query = mx.arange(total - N, total)[:, None]
         key = mx.arange(total)[None]
         mask = (query >= key) & (key >= mx.expand_dims(self.left_padding, (1, 2, 3)))
@@ -247,7 +299,7 @@ class BatchCompressedKVCache(_BaseCache):
     @property
     def state(self):
         self._release()
-        header = {"format": BATCH_FORMAT_VERSION, "skip": self._skip,
+        header = {"format": BATCH_FORMAT_VERSION, "skip": self._skip, "pad": self._pad,
                   "rows": [type(cache).__name__ for cache in self.rows]}
         return [json.dumps(header), [cache.state for cache in self.rows]]
 
@@ -268,11 +320,13 @@ class BatchCompressedKVCache(_BaseCache):
         for kind, row_state in zip(kinds, row_states):
             if kind not in classes:
                 raise CacheFormatError(f"batch cache row of unknown kind {kind!r}")
-            if kind == CompressedRotatingKVCache.__name__ and len(row_state) == 2:
-                row_state = [*row_state, {}]  # an empty row: mlx-lm's save drops its empty arrays
             rows.append(classes[kind].from_state(row_state))
         self.__init__(rows)
         self._skip = skip
+        pad = header.get("pad", [0] * len(rows))
+        if not isinstance(pad, list) or len(pad) != len(rows) or not all(isinstance(p, int) and p >= 0 for p in pad):
+            raise CacheFormatError(f"corrupted batch cache: padding {pad!r} for {len(rows)} rows")
+        self._pad = pad
 
     @classmethod
     def from_state(cls, state):
@@ -311,14 +365,13 @@ class BatchHistory:
 
     @property
     def shape(self):
-        """(B, kv heads, the longest row's held tokens, head dim), as `BatchKVCache`'s keys would be."""
-        self.batch._release()
+        """(B, kv heads, `columns`, head dim), as `BatchKVCache`'s keys would be."""
+        columns = self.batch.columns
         rows = [_inner(cache) for cache in self.batch.rows]
         shaped = next((c for c in rows if c.key_codec is not None), None)
-        held = max((_held(cache) for cache in self.batch.rows), default=0)
         if shaped is None:
-            return (len(rows), 0, held, 0)
-        return (len(rows), shaped.kv_heads, held, shaped.key_dim if self.role == "keys" else shaped.value_dim)
+            return (len(rows), 0, columns, 0)
+        return (len(rows), shaped.kv_heads, columns, shaped.key_dim if self.role == "keys" else shaped.value_dim)
 
     @property
     def dtype(self):
@@ -327,6 +380,11 @@ class BatchHistory:
     def astype(self, dtype) -> "BatchHistory":
         """Itself: attention over it runs in float32 whatever the cast."""
         return self
+
+    def __mlx_array__(self) -> mx.array:
+        """`mx.array(history)`: every row decoded, in `BatchKVCache`'s layout (`BatchCompressedKVCache.decoded`)."""
+        keys, values = self.batch.decoded()
+        return keys if self.role == "keys" else values
 
     def __repr__(self):
         return f"BatchHistory({self.role}, {len(self.batch.rows)} sequences)"

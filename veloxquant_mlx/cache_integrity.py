@@ -127,10 +127,38 @@ def verify_sealed(header: dict, arrays: dict, where: str, error) -> dict:
     return arrays
 
 
+def flat_state(header: dict, arrays: dict, digest) -> list:
+    """A sealed layer's `state` as mlx-lm lays its caches' out, arrays first: the tensors in the order
+    `header["arrays"]` names them, then the header (with its digest, `digest(header)`) as JSON text."""
+    from mlx.utils import tree_flatten
+
+    flat = tree_flatten(arrays)
+    header["arrays"] = [name for name, _ in flat]
+    header["digest"] = digest(header)
+    return [*(array for _, array in flat), json.dumps(header)]
+
+
+def split_state(state) -> tuple:
+    """(header text, arrays) of a layer's `state`: `flat_state`'s layout, or the [header, arrays] of format 3.
+    Raises ValueError where neither fits."""
+    from mlx.utils import tree_unflatten
+
+    if not isinstance(state, (list, tuple)) or not state:
+        raise ValueError(f"a layer's state is a list, got {type(state).__name__}")
+    if not isinstance(state[-1], str):
+        header_text, arrays = state  # format 3: [header, arrays]
+        return header_text, arrays
+    header_text, values = state[-1], list(state[:-1])
+    names = json.loads(header_text).get("arrays", [])
+    if not isinstance(names, list) or len(names) != len(values):
+        raise ValueError(f"the header names {names!r} for {len(values)} arrays")
+    return header_text, tree_unflatten(list(zip(names, values))) if values else {}
+
+
 def sealed_digest(state) -> str:
-    """A digest of a sealed layer's `state` ([header, arrays]): its header's digest and checksums
+    """A digest of a sealed layer's `state` (`split_state`): its header's digest and checksums
     (the index a file keeps, so that swapped layers are refused)."""
-    header_text, arrays = state[0], state[1] if len(state) > 1 else {}
+    header_text, arrays = split_state(state)
     digest = json.loads(header_text)["digest"]
     stored = (arrays or {}).get(CHECKSUMS)
     sums = "" if stored is None else f"{zlib.crc32(np.array(stored).tobytes()):08x}"

@@ -34,11 +34,12 @@ from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
 from .cache import _LOADING, CacheFormatError, CompressedKVCache, run_on_load
 from .cache.protocol import quantized_config
-from .cache_integrity import header_digest
+from .cache_integrity import header_digest, split_state
 from .codec_set import CodecSet
 from .config import KVCacheConfig
 from .methods import get_method
 from .settings import EngineSettings
+from .storage import STEP
 
 ROTATING_FORMAT_VERSION = 2  # 2: the header's digest
 
@@ -172,6 +173,26 @@ class CompressedRotatingKVCache(_BaseCache):
         """What mlx-lm's KV-sharing layers read (`CompressedKVCache.keys_and_values`)."""
         return self.inner.history()
 
+    @property
+    def step(self) -> int:
+        """Tokens the code buffers grow by: mlx-lm's `RotatingKVCache.step`, at most the window."""
+        return min(STEP, self.max_size)
+
+    def decoded(self):
+        """(keys, values) held in time order, decoded into the window's float type (`CompressedKVCache.decoded`)."""
+        if self.inner.empty():
+            return None, None
+        dtype = self.inner.window_dtype
+        return tuple(x.astype(dtype) for x in self.dequantized())
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        return self.decoded()[0]
+
+    @property
+    def values(self) -> Optional[mx.array]:
+        return self.decoded()[1]
+
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """mlx-lm's `--kv-bits` (`CompressedKVCache.to_quantized`): the tokens held, re-encoded in a
         sliding-window cache of the config nearest `bits`, at the same positions; or itself."""
@@ -256,13 +277,12 @@ class CompressedRotatingKVCache(_BaseCache):
         header = {"format": ROTATING_FORMAT_VERSION, "max_size": self.max_size, "keep": self.keep,
                   "offset": self.offset, "stale": self.stale, "config": self.config.to_json()}
         header["digest"] = header_digest(header)
-        inner_header, arrays = self.inner.state
-        return [json.dumps(header), inner_header, arrays]
+        return [*self.inner.state, json.dumps(header)]  # the inner layer's arrays and header, then this one's
 
     @state.setter
     def state(self, state):
         try:
-            header_text, inner_header, arrays = state
+            header_text, inner_state = _split(state)
             header = json.loads(header_text)
             version = header["format"]
             config = KVCacheConfig.from_json(header["config"])
@@ -280,10 +300,10 @@ class CompressedRotatingKVCache(_BaseCache):
                 raise CacheFormatError(f"rotating cache layer was written with {config.describe()}, "
                                        f"not {caller_config.describe()}")
             # The inner cache's fp16 window may be shorter than the config's (`_fit_window`), never longer.
-            window = _inner_window(inner_header, caller_config.residual_length)
+            window = _inner_window(split_state(inner_state)[0], caller_config.residual_length)
             token = _LOADING.set((caller_config.replace(sink_tokens=header["keep"], residual_length=window), codecs))
         try:
-            self.inner.state = [inner_header, arrays]
+            self.inner.state = inner_state
         finally:
             if caller is not None:
                 _LOADING.reset(token)
@@ -302,6 +322,15 @@ class CompressedRotatingKVCache(_BaseCache):
         cache.state = state
         run_on_load()  # the attention hook (cache.register_on_load)
         return cache
+
+
+def _split(state) -> tuple:
+    """(this cache's header text, the inner layer's state) of a saved rotating layer: [inner state..., header];
+    or, as written before, [header, inner header, inner arrays] ([header, inner header] when empty)."""
+    last = json.loads(state[-1]) if isinstance(state[-1], str) else None
+    if isinstance(last, dict) and "max_size" in last:
+        return state[-1], list(state[:-1])
+    return state[0], list(state[1:])
 
 
 def _inner_window(inner_header: str, config_window: int) -> int:

@@ -22,6 +22,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .artifacts import CodecSet, load_artifacts, model_fingerprint, model_identity
+from .batch import BatchCompressedKVCache
+from .cache import CompressedKVCache
+from .rotating import CompressedRotatingKVCache
 
 TENSOR, PIPELINE = "tensor", "pipeline"
 PER_HEAD_PARAMS = ("heads.", "outliers.", "smooth.")  # calibrated per-head arrays: kv heads on axis 0
@@ -164,8 +167,8 @@ def refuse_first_use_calibration(config, model) -> None:
 class _PipelineTail:
     """Mixin for a pipeline rank's last cache. mlx-lm's pipelined models tie the send of the
     hidden state to the next rank onto `cache[-1].keys` (`mx.depends`), so that evaluating the
-    caches during prefill also sends; a compressed cache has no `keys`, so it keeps that array
-    and evaluates it whenever its state is read."""
+    caches during prefill also sends; a compressed cache's `keys` is a decoded copy, so it keeps that
+    array instead and evaluates it whenever its state is read."""
 
     _pipeline_marker = None
 
@@ -196,11 +199,13 @@ class _PipelineTail:
 
 
 _TAIL_CLASSES = {}
+# The caches whose `keys` is decoded rather than held (an MLA latent cache's `keys` is its newest array).
+_CODED = (CompressedKVCache, CompressedRotatingKVCache, BatchCompressedKVCache)
 
 
 def _as_tail(cache):
     base = type(cache)
-    if not isinstance(cache, _PipelineTail) and hasattr(cache, "update_and_fetch") and not hasattr(cache, "keys"):
+    if not isinstance(cache, _PipelineTail) and isinstance(cache, _CODED):
         tail = _TAIL_CLASSES.get(base)
         if tail is None:  # named as its base: a saved file names the base class, which mlx-lm loads
             tail = _TAIL_CLASSES[base] = type(base.__name__, (_PipelineTail, base), {"__module__": base.__module__})

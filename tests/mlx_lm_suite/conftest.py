@@ -36,42 +36,31 @@ MLX_LM_ONLY = {
 }
 BATCH = "batch protocol"
 LIBRARY = {
-    "TestPromptCache::test_batch_kv_cache": f"{BATCH}: update_and_fetch of a left-padded batch returns the "
-                                            "history without mlx-lm's unused padding columns (shape 2 for 4)",
+    "TestPromptCache::test_batch_kv_cache": f"{BATCH}: make_mask(1) returns None (the mask kind) where mlx-lm's "
+                                            "batch returns an array; a batch applies each row's mask itself",
     "TestPromptCache::test_batch_kv_cache_offset_not_mutated_in_place": "refused: head dim 1 (the codes need 3 or more)",
     "TestPromptCache::test_batch_rotating_kv_cache": f"{BATCH}: make_mask of a batch of sliding-window rows returns "
                                                      "'causal', not an array",
-    "TestPromptCache::test_extend_with_empty_and_nonempty_batch_caches": f"{BATCH}: reads the batch's .keys",
-    "TestPromptCache::test_extend_with_empty_batch_cache_preserves_dtype": f"{BATCH}: reads the batch's .keys",
-    "TestPromptCache::test_merge_with_empty_caches": f"{BATCH}: reads the batch's .keys",
     "TestPromptCache::test_save_load_batch_caches": f"{BATCH}: an empty batch built for 2 rows is fed 4 "
                                                     "(ValueError: batch of 4 sequences for a cache of 2)",
-    "TestGenerate::test_batch_sliding_window": f"{BATCH}: a batch of sliding-window rows differs from single runs "
-                                               "by more than the tolerance",
     "TestGenerate::test_batch_continued_generation": (
         "chunk: a batch continued from extracted caches differs from single runs by more than the tolerance"),
-    "TestPromptCache::test_cache_copying": "layout: reads .keys, the fp16 keys a compressed cache does not hold",
-    "TestPromptCache::test_cache_list": "layout: compares keys_and_values() as arrays (a compressed cache gives its "
-                                        "history)",
     "TestPromptCache::test_rotating_cache_mask": "layout: asserts mlx-lm's ring order in the mask; the library's "
                                                  "sliding-window cache holds its tokens in time order",
     "TestPromptCache::test_rotating_cache_updates": "refused: head dim 1",
-    "TestPromptCache::test_save_load": "layout: compares state[0] as an array (the library's state is a checked "
-                                       "header and its arrays)",
-    "TestPromptCache::test_save_load_cache_list": "layout: compares update_and_fetch's results as arrays",
-    "TestPromptCache::test_save_load_mixed_cache": "layout: compares update_and_fetch's results as arrays",
-    "TestPromptCache::test_save_load_quantized_cache": "layout: compares state[0] as QuantizedKVCache's arrays",
-    "TestPromptCache::test_save_load_rotating_cache": "layout: reads RotatingKVCache.step and state arrays",
-    "TestLRUPromptCache::test_caching": "refused: integer keys of head dim 1 (and compares keys_and_values as arrays)",
+    "TestPromptCache::test_save_load_quantized_cache": "layout: indexes state[0] as QuantizedKVCache's (weights, "
+                                                       "scales, biases)",
+    "TestLRUPromptCache::test_caching": "refused: integer keys of head dim 1 (and compares keys_and_values with ==)",
 }
-# Plain turboquant_mse:4 has no fp16 sinks or window: the batch's prefill chunks of 8 against stream_generate's
-# one chunk flip codes through float noise (docs/decisions.md, "Results independent of chunking").
-PLAIN_ONLY = {
-    "TestGenerate::test_many_batches": "chunk: prefill chunks of 8 against one chunk move log-probabilities by "
-                                       "up to 1.04 without fp16 sinks or window",
+# vq3 centres its codes on means from the first tokens a prefill encodes (docs/decisions.md, "Results independent of
+# chunking"): the batch prefills in chunks of 8, the single run in one chunk, so a 4-token sliding window's means come
+# from 5 tokens in one and from the whole prompt less the window in the other (largest difference 3.73).
+VQ3_ONLY = {
+    "TestGenerate::test_batch_sliding_window": "chunk: a batch of sliding-window rows, prefilled in chunks of 8, has "
+                                               "other centring means than the single run's one chunk",
 }
-KNOWN_FAILURES = {None: {**MODEL, **MLX_LM_ONLY}, "turboquant_mse:4": {**MODEL, **LIBRARY, **PLAIN_ONLY},
-                  "vq3": {**MODEL, **LIBRARY}}
+KNOWN_FAILURES = {None: {**MODEL, **MLX_LM_ONLY}, "turboquant_mse:4": {**MODEL, **LIBRARY},
+                  "vq3": {**MODEL, **LIBRARY, **VQ3_ONLY}}
 
 
 def pytest_collection_modifyitems(config, items):

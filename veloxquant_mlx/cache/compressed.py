@@ -15,7 +15,7 @@ from ..codec_set import CodecSet
 from ..config import KVCacheConfig
 from ..kept import KeptTokens
 from ..settings import EngineSettings
-from ..storage import RowStore, store_for
+from ..storage import STEP, RowStore, store_for
 from .attending import CacheAttention
 from .errors import CacheInputError
 from .persistence import CacheState
@@ -25,6 +25,8 @@ from .window import WindowPositions
 
 class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, CacheState, _BaseCache):
     """One layer's keys and values as packed codes, with fp16 sinks and window (`cache/__init__.py`)."""
+
+    step = STEP  # tokens the code buffers grow by (mlx-lm's `KVCache.step`)
 
     def __init__(self, config: KVCacheConfig, codecs: Optional[CodecSet] = None,
                  settings: Optional[EngineSettings] = None):

@@ -1,6 +1,7 @@
 """Saving and restoring a compressed cache layer (`state`), with every check a saved file must pass.
 
-A saved layer is [header JSON, arrays]. The header holds the format version, the full config, the
+A saved layer is its arrays then its header JSON, which names them (`cache_integrity.flat_state`: mlx-lm's
+caches put their arrays first too). The header holds the format version, the full config, the
 model identity and layer index (when the cache was made for a model), the checksums of the codecs'
 constant arrays, every tensor's checksums (`cache_integrity`), and a digest of itself: a flipped,
 truncated, swapped or edited file is refused with the layer and tensor named.
@@ -13,13 +14,16 @@ import json
 
 import mlx.core as mx
 
-from ..cache_integrity import seal, verify_sealed
+from ..cache_integrity import flat_state, seal, split_state, verify_sealed
 from ..checksums import metadata_digest
 from ..codec_set import CodecSet
 from ..config import KVCacheConfig
 from .errors import CacheFormatError
 
-FORMAT_VERSION = 3  # 2: checksums, layer index, model identity; 3: checksums in `state` (cache_integrity)
+# 2: checksums, layer index, model identity; 3: checksums in `state` (cache_integrity); 4: arrays first, named by
+# the header (3 is still read).
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (3, 4)
 _DENSE_STATE = ("sink_keys", "sink_values", "window_keys", "window_values", "key_mean", "value_mean")
 
 # (config, codecs) of the caller of `integration.load_prompt_cache`, for the layers it restores.
@@ -75,8 +79,7 @@ class CacheState:
                 header["kept"], kept_arrays = self.kept.state()
                 arrays.update(kept_arrays)
         seal(header, arrays)  # checksums in `state` itself: mlx-lm's save_prompt_cache is checked too
-        header["digest"] = metadata_digest(header)
-        return [json.dumps(header), arrays]
+        return flat_state(header, arrays, metadata_digest)
 
     @state.setter
     def state(self, state):
@@ -199,16 +202,14 @@ class CacheState:
 def _read_state(state):
     """(header, arrays) of a saved layer, its header's digest verified."""
     try:
-        if isinstance(state, (list, tuple)) and len(state) == 1:
-            state = [state[0], {}]  # an empty cache: mlx-lm's save drops its empty arrays
-        header_text, arrays = state
+        header_text, arrays = split_state(state)
         header = json.loads(header_text)
         version = header["format"]
     except Exception as error:
         raise CacheFormatError(f"not a VeloxQuant cache layer (unreadable header: {error!r})") from None
-    if version != FORMAT_VERSION:
-        raise CacheFormatError(f"cache format {version!r} is not supported (expected {FORMAT_VERSION}); "
-                               "save the cache again with this version")
+    if version not in READABLE_VERSIONS:
+        raise CacheFormatError(f"cache format {version!r} is not supported (this version reads "
+                               f"{', '.join(map(str, READABLE_VERSIONS))}); save the cache again with this version")
     if header.get("digest") != metadata_digest(header):
         layer = header.get("layer")
         raise CacheFormatError(f"cache layer{'' if layer is None else f' {layer}'}: the header fails its digest "

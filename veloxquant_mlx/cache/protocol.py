@@ -46,6 +46,11 @@ class CompressedHistory:
         """Itself: attention over it runs in float32 whatever the cast (Phi and StableLM cast keys first)."""
         return self
 
+    def __mlx_array__(self) -> mx.array:
+        """`mx.array(history)`: the tokens held, decoded (`MlxCacheProtocol.decoded`). Attention never calls it."""
+        keys, values = self.cache.decoded()
+        return keys if self.role == "keys" else values
+
     def __repr__(self):
         return f"CompressedHistory({self.role}, shape={self.shape}, {self.cache.config.describe()})"
 
@@ -174,10 +179,27 @@ class MlxCacheProtocol:
     def history(self):
         return CompressedHistory(self, "keys"), CompressedHistory(self, "values")
 
+    def decoded(self):
+        """(keys, values) held, decoded into the window's float type: what mlx-lm's `KVCache.keys` and `.values`
+        hold. A copy of the whole history, for reading and comparing; attention reads the codes."""
+        if self.empty():
+            return None, None
+        keys, values = self.dequantized()
+        return keys.astype(self.window_dtype), values.astype(self.window_dtype)
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        """mlx-lm's `KVCache.keys`, decoded (`decoded`); None while empty."""
+        return self.decoded()[0]
+
+    @property
+    def values(self) -> Optional[mx.array]:
+        return self.decoded()[1]
+
     def keys_and_values(self):
         """What mlx-lm's KV-sharing layers read from another layer's cache (gemma3n's shared layers, afm7's
         KV-reuse layers) and hand to attention: this cache's `history()`, which the attention hook
-        attends over (`attention_hook.py`); `dequantized()` gives the arrays."""
+        attends over (`attention_hook.py`); `mx.array(history)` gives the arrays."""
         return self.history()
 
     @property
