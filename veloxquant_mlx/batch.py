@@ -39,7 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from .batch_decode import BatchDecoder, eligible
-from .cache import CacheFormatError, CompressedKVCache, register_batch, run_on_load
+from .cache import CacheFormatError, CompressedKVCache, DecodedReads, register_batch, run_on_load
 from .rotating import CompressedRotatingKVCache, register_rotating_batch
 
 BATCH_FORMAT_VERSION = 1
@@ -49,7 +49,7 @@ Row = Union[CompressedKVCache, CompressedRotatingKVCache]
 _OWN_MASKS: "weakref.WeakValueDictionary[int, mx.array]" = weakref.WeakValueDictionary()
 
 
-class BatchCompressedKVCache(_BaseCache):
+class BatchCompressedKVCache(DecodedReads, _BaseCache):
     """B compressed caches decoded as one batch; the mlx-lm batch cache protocol
     (`merge`, `extend`, `filter`, `extract`, `prepare`, `finalize`, `trim`, `make_mask`, `state`)."""
 
@@ -171,15 +171,6 @@ class BatchCompressedKVCache(_BaseCache):
                 padded.append(mx.concatenate(parts + [held.astype(like.dtype)], axis=2) if n else parts[0])
             out.append(mx.concatenate(padded, axis=0))
         return tuple(out)
-
-    @property
-    def keys(self) -> Optional[mx.array]:
-        """mlx-lm's `BatchKVCache.keys`, decoded (`decoded`)."""
-        return self.decoded()[0]
-
-    @property
-    def values(self) -> Optional[mx.array]:
-        return self.decoded()[1]
 
     def keys_and_values(self):
         return BatchHistory(self, "keys"), BatchHistory(self, "values")

@@ -32,7 +32,7 @@ from typing import Optional
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache, create_causal_mask
 
-from .cache import _LOADING, CacheFormatError, CompressedKVCache, run_on_load
+from .cache import _LOADING, CacheFormatError, CompressedKVCache, DecodedReads, run_on_load
 from .cache.protocol import quantized_config
 from .cache_integrity import header_digest, split_state
 from .codec_set import CodecSet
@@ -52,7 +52,7 @@ def register_rotating_batch(cls: type) -> None:
     _BATCH = cls
 
 
-class CompressedRotatingKVCache(_BaseCache):
+class CompressedRotatingKVCache(DecodedReads, _BaseCache):
     def __init__(self, config: KVCacheConfig, max_size: int, keep: int = 0, codecs: Optional[CodecSet] = None,
                  settings: Optional[EngineSettings] = None):
         if isinstance(max_size, bool) or not isinstance(max_size, int) or max_size < 1:
@@ -184,14 +184,6 @@ class CompressedRotatingKVCache(_BaseCache):
             return None, None
         dtype = self.inner.window_dtype
         return tuple(x.astype(dtype) for x in self.dequantized())
-
-    @property
-    def keys(self) -> Optional[mx.array]:
-        return self.decoded()[0]
-
-    @property
-    def values(self) -> Optional[mx.array]:
-        return self.decoded()[1]
 
     def to_quantized(self, group_size: int = 64, bits: int = 4):
         """mlx-lm's `--kv-bits` (`CompressedKVCache.to_quantized`): the tokens held, re-encoded in a

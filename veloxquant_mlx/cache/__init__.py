@@ -38,7 +38,7 @@ settings (`settings.EngineSettings`) resolved once when the cache is made.
 from .compressed import CompressedKVCache
 from .errors import FP16_MAX, CacheFormatError, CacheInputError
 from .persistence import _DENSE_STATE, _LOADING, FORMAT_VERSION, register_on_load, run_on_load  # noqa: F401  (rotating, attention_hook)
-from .protocol import CompressedHistory, register_batch
+from .protocol import CompressedHistory, DecodedReads, register_batch
 
 __all__ = ["FORMAT_VERSION", "FP16_MAX", "CacheFormatError", "CacheInputError", "CompressedHistory",
-           "CompressedKVCache", "register_batch", "register_on_load"]
+           "CompressedKVCache", "DecodedReads", "register_batch", "register_on_load"]

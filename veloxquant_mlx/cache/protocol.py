@@ -55,7 +55,20 @@ class CompressedHistory:
         return f"CompressedHistory({self.role}, shape={self.shape}, {self.cache.config.describe()})"
 
 
-class MlxCacheProtocol:
+class DecodedReads:
+    """mlx-lm's `keys` and `values` of a cache that holds codes: its `decoded()` arrays (None while empty), copies
+    for reading; attention reads the codes (a mixin of every compressed cache class)."""
+
+    @property
+    def keys(self) -> Optional[mx.array]:
+        return self.decoded()[0]
+
+    @property
+    def values(self) -> Optional[mx.array]:
+        return self.decoded()[1]
+
+
+class MlxCacheProtocol(DecodedReads):
     """What mlx-lm calls on a cache (a mixin of `CompressedKVCache`)."""
 
     def _check_update(self, keys, values):
@@ -186,15 +199,6 @@ class MlxCacheProtocol:
             return None, None
         keys, values = self.dequantized()
         return keys.astype(self.window_dtype), values.astype(self.window_dtype)
-
-    @property
-    def keys(self) -> Optional[mx.array]:
-        """mlx-lm's `KVCache.keys`, decoded (`decoded`); None while empty."""
-        return self.decoded()[0]
-
-    @property
-    def values(self) -> Optional[mx.array]:
-        return self.decoded()[1]
 
     def keys_and_values(self):
         """What mlx-lm's KV-sharing layers read from another layer's cache (gemma3n's shared layers, afm7's
