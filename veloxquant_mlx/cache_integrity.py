@@ -19,6 +19,7 @@ from typing import Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 CHECKSUMS = "checksums"
 
@@ -130,8 +131,6 @@ def verify_sealed(header: dict, arrays: dict, where: str, error) -> dict:
 def flat_state(header: dict, arrays: dict, digest) -> list:
     """A sealed layer's `state` as mlx-lm lays its caches' out, arrays first: the tensors in the order
     `header["arrays"]` names them, then the header (with its digest, `digest(header)`) as JSON text."""
-    from mlx.utils import tree_flatten
-
     flat = tree_flatten(arrays)
     header["arrays"] = [name for name, _ in flat]
     header["digest"] = digest(header)
@@ -141,8 +140,6 @@ def flat_state(header: dict, arrays: dict, digest) -> list:
 def split_state(state) -> tuple:
     """(header text, arrays) of a layer's `state`: `flat_state`'s layout, or the [header, arrays] of format 3.
     Raises ValueError where neither fits."""
-    from mlx.utils import tree_unflatten
-
     if not isinstance(state, (list, tuple)) or not state:
         raise ValueError(f"a layer's state is a list, got {type(state).__name__}")
     if not isinstance(state[-1], str):
