@@ -110,7 +110,8 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
         self._decoder.filter([b for _, b in kept])
         self._members = [new for new, _ in kept] if self._decoder.active else []
         # The padding columns every kept row has are dropped, as mlx-lm's `BatchKVCache.filter` shifts them out.
-        columns, visible = self.columns, self._visible()
+        visible = self._visible()
+        columns = self._columns(visible)
         unused = min((columns - n for n in visible), default=0)
         self._pad = [columns - n - unused for n in visible]
 
@@ -135,7 +136,10 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
     def columns(self) -> int:
         """The columns of mlx-lm's `BatchKVCache` buffers for these rows: each row's tokens right-aligned, after
         the padding columns the batch took (left padding, a right-padded prefill's, an `extend`'s alignment)."""
-        return max((p + n for p, n in zip(self._pad, self._visible())), default=0)
+        return self._columns(self._visible())
+
+    def _columns(self, visible: List[int]) -> int:
+        return max((p + n for p, n in zip(self._pad, visible)), default=0)
 
     def _visible(self) -> List[int]:
         """Tokens each row's attention sees (`_held`), the decoder's rows counted where it holds them."""
@@ -148,8 +152,9 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
     def left_padding(self) -> mx.array:
         """Per row, the columns of `make_mask`'s array before its first token (as `BatchKVCache`'s:
         rows right-aligned on `columns`), padding still to come included."""
-        columns = self.columns
-        return mx.array([columns - n + skip for n, skip in zip(self._visible(), self._skip)])
+        visible = self._visible()
+        columns = self._columns(visible)
+        return mx.array([columns - n + skip for n, skip in zip(visible, self._skip)])
 
     def decoded(self):
         """(keys, values) of every row, decoded (`CompressedKVCache.decoded`) and left-padded with zeros into

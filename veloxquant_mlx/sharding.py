@@ -22,9 +22,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .artifacts import CodecSet, load_artifacts, model_fingerprint, model_identity
-from .batch import BatchCompressedKVCache
-from .cache import CompressedKVCache
-from .rotating import CompressedRotatingKVCache
+from .cache import DecodedReads
 
 TENSOR, PIPELINE = "tensor", "pipeline"
 PER_HEAD_PARAMS = ("heads.", "outliers.", "smooth.")  # calibrated per-head arrays: kv heads on axis 0
@@ -199,13 +197,12 @@ class _PipelineTail:
 
 
 _TAIL_CLASSES = {}
-# The caches whose `keys` is decoded rather than held (an MLA latent cache's `keys` is its newest array).
-_CODED = (CompressedKVCache, CompressedRotatingKVCache, BatchCompressedKVCache)
 
 
 def _as_tail(cache):
     base = type(cache)
-    if not isinstance(cache, _PipelineTail) and isinstance(cache, _CODED):
+    # The caches whose `keys` is decoded rather than held (an MLA latent cache's `keys` is its newest array).
+    if not isinstance(cache, _PipelineTail) and isinstance(cache, DecodedReads):
         tail = _TAIL_CLASSES.get(base)
         if tail is None:  # named as its base: a saved file names the base class, which mlx-lm loads
             tail = _TAIL_CLASSES[base] = type(base.__name__, (_PipelineTail, base), {"__module__": base.__module__})
