@@ -133,11 +133,28 @@ def test_a_pipeline_tail_is_made_of_the_library_caches_only():
 
 
 @pytest.mark.parametrize("dim", [1, 2])
-def test_head_dims_the_codes_cannot_take_are_refused_by_name(dim):
+def test_head_dims_too_small_to_code_are_held_in_fp16_with_a_warning(dim):
+    """Below head dim 3 a vector's fp16 norm alone costs as much as its values: the cache holds them in fp16, says so,
+    and reads them back exactly; attention over them matches mlx-lm's."""
+    cache = CompressedKVCache(config_for("turboquant_mse", 4, seed=100 + dim))  # a codec set of its own: its warning is new
+    keys, values = kv(40, dim=dim)
+    with pytest.warns(UserWarning, match=f"head dim {dim} are held in fp16"):
+        history = cache.update_and_fetch(keys, values)
+    assert mx.array_equal(cache.keys, keys).item() and mx.array_equal(cache.values, values).item()
+    queries = mx.random.normal((1, 4, 1, dim)).astype(mx.float16)
+    ours = scaled_dot_product_attention(queries, *history, cache=cache, scale=1.0, mask=None)
+    reference = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=1.0)
+    assert mx.allclose(ours, reference, atol=2e-3).item()
+
+
+def test_integer_keys_are_held_as_float16_with_a_warning():
     cache = CompressedKVCache(config_for("turboquant_mse", 4))
-    with pytest.raises(CacheInputError, match=f"head dim {dim}"):
-        cache.update_and_fetch(*kv(4, dim=dim))
-    assert cache.offset == 0 and cache.key_codec is None
+    keys = mx.arange(24).reshape(1, 1, 24, 1)
+    with pytest.warns(UserWarning, match="integer keys and values .* are held as float16"):
+        cache.update_and_fetch(keys, keys)
+    assert cache.keys.dtype == mx.float16 and mx.array_equal(cache.keys, keys).item()
+    with pytest.raises(CacheInputError, match="floating point or integers"):
+        CompressedKVCache(config_for("turboquant_mse", 4)).update_and_fetch(keys > 3, keys > 3)
 
 
 def test_a_model_without_attention_layers_passes_through_with_the_warning():

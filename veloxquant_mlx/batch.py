@@ -21,10 +21,9 @@ a row the same bits whichever sequences share its batch (on the CPU, whose decod
 treat rows independently); a batched prefill's matmuls still round by batch shape.
 
 `offset` is an array of each sequence's next position (what RoPE needs, as with
-`BatchKVCache`). `make_mask` returns the mask kind ("causal" or None), or with
-`return_array` an array in `BatchKVCache`'s layout (rows right-aligned,
-`left_padding` columns of padding), which `attend` recognises as its own and replaces
-with each row's mask. A mask array the model built itself cannot be applied row by
+`BatchKVCache`). `make_mask` returns, as `BatchKVCache`'s does, an array in its layout
+(rows right-aligned, `left_padding` columns of padding), which `attend` recognises as its
+own and replaces with each row's mask. A mask array the model built itself cannot be applied row by
 row, and `attend` refuses it rather than ignore it.
 """
 
@@ -278,10 +277,9 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
         self._members, self._decoded = [], False
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
-        """The mask kind; with `return_array`, `BatchKVCache`'s (B, 1, N, longest + N) boolean array.
-        Each row applies its own mask (a sliding-window row its window, `rotating.py`)."""
-        if not return_array:
-            return "causal" if N > 1 else None
+        """`BatchKVCache`'s (B, 1, N, columns + N) boolean array, whatever `return_array` says (a batch
+        has no mask kind that says where each row starts). `attend` applies each row's own mask instead
+        (a sliding-window row its window, `rotating.py`)."""
         total = self.columns + N
         query = mx.arange(total - N, total)[:, None]
         key = mx.arange(total)[None]

@@ -36,21 +36,18 @@ MLX_LM_ONLY = {
 }
 BATCH = "batch protocol"
 LIBRARY = {
-    "TestPromptCache::test_batch_kv_cache": f"{BATCH}: make_mask(1) returns None (the mask kind) where mlx-lm's "
-                                            "batch returns an array; a batch applies each row's mask itself",
-    "TestPromptCache::test_batch_kv_cache_offset_not_mutated_in_place": "refused: head dim 1 (the codes need 3 or more)",
-    "TestPromptCache::test_batch_rotating_kv_cache": f"{BATCH}: make_mask of a batch of sliding-window rows returns "
-                                                     "'causal', not an array",
+    "TestPromptCache::test_batch_rotating_kv_cache": "layout: asserts mlx-lm's ring order and buffer length in a "
+                                                     "batch of sliding-window rows' masks and keys",
     "TestPromptCache::test_save_load_batch_caches": f"{BATCH}: an empty batch built for 2 rows is fed 4 "
                                                     "(ValueError: batch of 4 sequences for a cache of 2)",
     "TestGenerate::test_batch_continued_generation": (
         "chunk: a batch continued from extracted caches differs from single runs by more than the tolerance"),
     "TestPromptCache::test_rotating_cache_mask": "layout: asserts mlx-lm's ring order in the mask; the library's "
                                                  "sliding-window cache holds its tokens in time order",
-    "TestPromptCache::test_rotating_cache_updates": "refused: head dim 1",
+    "TestLRUPromptCache::test_caching": "history: compares what keys_and_values() returns with == (histories that "
+                                        "attention reads from the codes; mx.array(history) gives the arrays)",
     "TestPromptCache::test_save_load_quantized_cache": "layout: indexes state[0] as QuantizedKVCache's (weights, "
                                                        "scales, biases)",
-    "TestLRUPromptCache::test_caching": "refused: integer keys of head dim 1 (and compares keys_and_values with ==)",
 }
 # vq3 centres its codes on means from the first tokens a prefill encodes (docs/decisions.md, "Results independent of
 # chunking"): the batch prefills in chunks of 8, the single run in one chunk, so a 4-token sliding window's means come

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from typing import Optional
 
 import mlx.core as mx
@@ -81,15 +82,10 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         # model's keys to float16 turns its float noise (matmul order, batch shape) into float16 ulp flips, and a
         # sequence's answer would depend on what it was batched with (docs/decisions.md).
         self.window_dtype = keys.dtype if keys.dtype in (mx.float16, mx.bfloat16, mx.float32) else mx.float16
-        try:
-            key_codec, value_codec = self.codecs.get("keys", self.key_dim), self.codecs.get("values", self.value_dim)
-        except ValueError as error:
-            if min(self.key_dim, self.value_dim) >= 3:
-                raise
-            raise CacheInputError(
-                f"{self.config.describe()} cannot code head dim {self.key_dim} (keys) / {self.value_dim} (values): "
-                f"{error}. Keep such a layer in mlx-lm's own KVCache") from None
-        self.key_codec, self.value_codec = key_codec, value_codec
+        if mx.issubdtype(keys.dtype, mx.integer):
+            warnings.warn(f"veloxquant_mlx: integer keys and values ({keys.dtype}) are held as float16, exact up "
+                          "to 2048 in magnitude", stacklevel=3)
+        self.key_codec, self.value_codec = self.codecs.get("keys", self.key_dim), self.codecs.get("values", self.value_dim)
         self.block = math.lcm(self.key_codec.token_block, self.value_codec.token_block)
         self._immediate = (self.block == 1 and self.config.sink_tokens == 0 and self.config.residual_length == 0)
         if self.kept is not None and (self.block != 1 or self.batch != 1):

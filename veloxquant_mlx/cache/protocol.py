@@ -78,8 +78,9 @@ class MlxCacheProtocol(DecodedReads):
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise CacheInputError(f"keys and values must be (batch, kv_heads, tokens, head_dim) with the same first "
                                   f"three sizes, got {tuple(keys.shape)} and {tuple(values.shape)}")
-        if not (mx.issubdtype(keys.dtype, mx.floating) and mx.issubdtype(values.dtype, mx.floating)):
-            raise CacheInputError(f"keys and values must be floating point, got {keys.dtype} and {values.dtype}")
+        if not all(mx.issubdtype(x.dtype, mx.floating) or mx.issubdtype(x.dtype, mx.integer) for x in (keys, values)):
+            raise CacheInputError(f"keys and values must be floating point or integers, got {keys.dtype} and "
+                                  f"{values.dtype}")
         if self.key_codec is not None:
             got = (keys.shape[0], keys.shape[1], keys.shape[3], values.shape[3])
             held = (self.batch, self.kv_heads, self.key_dim, self.value_dim)
