@@ -4,8 +4,10 @@ mlx-lm models call `update_and_fetch` on their cache, then the shared
 `mlx_lm.models.base.scaled_dot_product_attention`. We route that function to
 `CompressedKVCache.attend` when the cache is ours and leave every other cache
 untouched. Model modules import the function by name, so the hook is installed
-in each loaded `mlx_lm.models.*` module; a model whose module does not use the
-shared function is refused with a clear error instead of crashing inside. A restored cache installs
+in each loaded `mlx_lm.models.*` module. A file that calls MLX's own
+`mx.fast.scaled_dot_product_attention` on what its cache returned (`DIRECT_ATTENTION_MODELS`)
+gets a module-local `mx` whose attention routes a compressed history the same way. A model
+whose module uses neither is refused with a clear error instead of crashing inside. A restored cache installs
 the hook too (`cache.register_on_load`), so mlx-lm's `load_prompt_cache` followed by its `generate`
 works without building a cache or patching a model first.
 """
@@ -18,7 +20,7 @@ import mlx.core as mx
 import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
-from .batch import BatchCompressedKVCache
+from .batch import BatchCompressedKVCache, BatchHistory
 from .cache import CompressedHistory, CompressedKVCache, register_on_load
 from .cache.latent import CompressedLatentCache
 from .errors import UnsupportedModelError
@@ -61,11 +63,51 @@ KEY_TRANSFORMING_MODELS = {
 }
 
 
+# Model files that call `mx.fast.scaled_dot_product_attention` on their cache's keys and values.
+DIRECT_ATTENTION_MODELS = ("mlx_lm.models.plamo2",)
+
+
+class _RoutedFast:
+    """`mx.fast`, but its attention hands a compressed history to its cache (`scaled_dot_product_attention`)."""
+
+    def __getattr__(self, name):
+        return getattr(mx.fast, name)
+
+    @staticmethod
+    def scaled_dot_product_attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
+        if isinstance(keys, CompressedHistory):
+            return scaled_dot_product_attention(queries, keys, values, keys.cache, scale, mask, sinks)
+        if isinstance(keys, BatchHistory):
+            return scaled_dot_product_attention(queries, keys, values, keys.batch, scale, mask, sinks)
+        if sinks is not None:
+            kwargs["sinks"] = sinks
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, **kwargs)
+
+
+class _RoutedMx:
+    """`mlx.core` for a module of `DIRECT_ATTENTION_MODELS`: everything MLX's, but `fast` is `_RoutedFast`."""
+
+    fast = _RoutedFast()
+
+    def __getattr__(self, name):
+        return getattr(mx, name)
+
+
+_ROUTED_MX = _RoutedMx()
+
+
+def _hooked(module) -> bool:
+    return (getattr(module, "scaled_dot_product_attention", None) is scaled_dot_product_attention
+            or getattr(module, "mx", None) is _ROUTED_MX)
+
+
 def install_attention_hook(model=None) -> None:
     """Route mlx-lm's shared attention to compressed caches (idempotent)."""
     for name, module in list(sys.modules.items()):
         if name.startswith("mlx_lm.models") and getattr(module, "scaled_dot_product_attention", None) is _original_sdpa:
             module.scaled_dot_product_attention = scaled_dot_product_attention
+        if name in DIRECT_ATTENTION_MODELS and getattr(module, "mx", None) is mx:
+            module.mx = _ROUTED_MX
     # mlx-lm's load_prompt_cache finds cache classes by name in its own module.
     mlx_cache.CompressedKVCache = CompressedKVCache
     mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
@@ -76,8 +118,7 @@ def install_attention_hook(model=None) -> None:
         names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}
         for name in sorted(names & set(KEY_TRANSFORMING_MODELS)):
             raise UnsupportedModelError(f"{name} {KEY_TRANSFORMING_MODELS[name]}")
-        if not any(getattr(sys.modules.get(name), "scaled_dot_product_attention", None)
-                   is scaled_dot_product_attention for name in names):
+        if not any(_hooked(sys.modules.get(name)) for name in names):
             raise UnsupportedModelError(
                 f"{type(model).__module__} computes attention without mlx-lm's shared "
                 "scaled_dot_product_attention, so a compressed cache cannot attach to it"

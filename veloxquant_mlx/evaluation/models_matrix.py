@@ -713,7 +713,9 @@ def markdown(result: dict, routing: Optional[dict] = None) -> str:
         "Learned attention sinks (GPT-OSS, MiMo-V2-Flash: one logit per query head in the softmax's denominator) run "
         "on every attention path; GPT-OSS's sliding layers hold compressed rotating caches. A hybrid layer's "
         "`CacheList` (Falcon-H1, Baichuan-M1) has its attention cache compressed and its state cache kept; "
-        "MiniMax-M3's sparse layers, whose indexer reads its cached keys, keep theirs. DeepSeek-V4.1 (learned "
+        "MiniMax-M3's sparse layers, whose indexer reads its cached keys, keep theirs. PLaMo 2's attention layers "
+        "call MLX's own `mx.fast.scaled_dot_product_attention` on what their cache returns; their module gets an "
+        "`mx` whose attention routes a compressed history to its cache (`attention_hook.py`). DeepSeek-V4.1 (learned "
         "sinks too) keeps its layers in a cache class of its own file (`LayerCache`: a sliding window and "
         "compressed KV groups read by its own sparse attention), which the library refuses rather than run "
         "uncompressed.",
