@@ -21,11 +21,16 @@ from veloxquant_mlx.sharding import RankLostError, rank_loss_is_an_error
 VOCAB_USED = 1000  # prompt tokens drawn below this id
 
 
-def spec_config(spec: str) -> KVCacheConfig:
+CALIBRATED = "spectralquant:4"  # per-head calibrated bases: a tensor-parallel rank keeps its heads' slice
+ARTIFACTS = "artifacts"  # a model folder's artifact dir for CALIBRATED (test_distributed.py writes it)
+
+
+def spec_config(spec: str, model_dir=None) -> KVCacheConfig:
     if spec in KV_PRESETS:
         return preset_config(spec)
     method, bits = spec.split(":")
-    return KVCacheConfig(method=method, bits=int(bits))
+    artifact_dir = str(Path(model_dir) / ARTIFACTS) if spec == CALIBRATED else None
+    return KVCacheConfig(method=method, bits=int(bits), artifact_dir=artifact_dir)
 
 
 def prompt_tokens(count: int) -> mx.array:
@@ -46,8 +51,8 @@ def greedy(model, caches, prompt, max_tokens: int, die_after=None, rank: int = 0
     return tokens, logprobs
 
 
-def run_spec(model, spec: str, args, rank: int) -> dict:
-    config = spec_config(spec)
+def run_spec(model, spec: str, args, rank: int, model_dir=None) -> dict:
+    config = spec_config(spec, model_dir)
     prompt = prompt_tokens(args.prompt_tokens)
     caches = KVCacheBuilder(config).for_model(model).build()
     tokens, logprobs = greedy(model, caches, prompt, args.max_tokens, args.die_after, rank)
@@ -85,7 +90,8 @@ def main() -> None:
                 model, _ = load_model(model_dir, group=group, parallel=parallel)
                 roundtrip = args.roundtrip
                 args.roundtrip = None if roundtrip is None else str(Path(roundtrip) / parallel)
-                records[parallel] = {spec: run_spec(model, spec, args, group.rank()) for spec in args.specs.split(",")}
+                records[parallel] = {spec: run_spec(model, spec, args, group.rank(), model_dir)
+                                     for spec in args.specs.split(",")}
                 args.roundtrip = roundtrip
     except RankLostError as error:
         print(f"error: {error}", file=sys.stderr, flush=True)

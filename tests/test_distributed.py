@@ -4,7 +4,8 @@
 Each launch runs tests/distributed_worker.py on both ranks. SmolLM2 has 3 KV heads, which two
 tensor-parallel ranks cannot split, and llama has no pipeline: so a tiny random llama (tensor
 parallel) and a tiny random qwen2 (pipeline), their weights scaled so that greedy decoding
-does not repeat one token.
+does not repeat one token. Each runs `vq4`, `kivi:4` and a calibrated method whose artifact dir, calibrated
+once on the whole model, every rank slices (`distributed_worker.CALIBRATED`).
 """
 
 import json
@@ -20,6 +21,8 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.cache import CacheFormatError
+from veloxquant_mlx.calibration import calibrate
+from veloxquant_mlx.config import KVCacheConfig
 from veloxquant_mlx.evaluation.shapes import write_random_model_folder
 from veloxquant_mlx.models import load_model
 
@@ -29,7 +32,7 @@ import distributed_worker  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).parent / "distributed_worker.py"
 LAUNCH = Path(sys.executable).parent / "mlx.launch"
-SPECS = ("vq4", "kivi:4")
+SPECS = ("vq4", "kivi:4", distributed_worker.CALIBRATED)
 # Tensor parallelism sums the output projection's partial products across ranks in another order
 # than one matmul does; the log-probabilities then differ by float32 rounding, amplified where a
 # coordinate lands on the other side of a quantization boundary.
@@ -73,17 +76,24 @@ def ring(tmp_path_factory):
 
 
 def tiny_model_dir(target: Path, model_type: str) -> Path:
-    """A 4-layer random `model_type` with SmolLM2's tokenizer and a weight index (pipeline loading reads it)."""
-    return write_random_model_folder(target, dict(
+    """A 4-layer random `model_type` with SmolLM2's tokenizer and a weight index (pipeline loading reads it), and
+    the whole model's calibrated artifact dir for `distributed_worker.CALIBRATED`, which every rank loads."""
+    folder = write_random_model_folder(target, dict(
         model_type=model_type, hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=True,
         rope_theta=10000.0), scale=3, weight_index=True)
+    model, _ = load_model(folder)
+    method, bits = distributed_worker.CALIBRATED.split(":")
+    sequences = [mx.random.randint(0, distributed_worker.VOCAB_USED, (128,), key=mx.random.key(s)) for s in (1, 2)]
+    calibrate(model, KVCacheConfig(method=method, bits=int(bits)), sequences, folder / distributed_worker.ARTIFACTS,
+              progress=False)
+    return folder
 
 
 def single_process(model_dir: Path, max_tokens: int = GREEDY_TOKENS, specs=SPECS) -> dict:
     model, _ = load_model(model_dir)
     args = type("Args", (), {"prompt_tokens": 40, "max_tokens": max_tokens, "die_after": None, "roundtrip": None})
-    return {spec: distributed_worker.run_spec(model, spec, args, 0) for spec in specs}
+    return {spec: distributed_worker.run_spec(model, spec, args, 0, model_dir) for spec in specs}
 
 
 def ranks(out: Path, result) -> list:

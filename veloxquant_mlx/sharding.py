@@ -20,6 +20,7 @@ from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import generation_stream
 
 from .artifacts import CodecSet, load_artifacts, model_fingerprint, model_identity
 from .cache import DecodedReads
@@ -84,6 +85,9 @@ def gather_small_ints(values: list, group) -> list:
         raise ValueError(f"gather_small_ints takes ints in [0, 2**24), got {values}")
     rows = mx.zeros((group.size(), len(values)), dtype=mx.float32)
     rows[group.rank()] = mx.array(values, dtype=mx.float32)
+    # mlx-lm evaluates a generation step ahead on its own stream, and a sharded model's step holds collectives:
+    # ours must not run beside them, or the ranks pair one's step with the other's gather (it summed to zeros).
+    mx.synchronize(generation_stream)
     summed = mx.distributed.all_sum(rows, group=group, stream=mx.cpu)
     return [[int(v) for v in row] for row in summed.tolist()]
 
