@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 from typing import Dict, Mapping, Optional, Tuple
@@ -19,7 +20,11 @@ import mlx.core as mx
 from .checksums import checksums, metadata_digest, verify_checksums
 from .config import KVCacheConfig
 from .method_registry import get_method
+from .methods.fp16 import Fp16Codec
 
+# Below this head dim every method's codes cost at least the values' own fp16 bits (a vector's fp16
+# norm or scale alone is 16 bits), so such heads are held in fp16.
+MIN_CODED_DIM = 3
 ARTIFACT_FORMAT = 2  # 2: every tensor and the metadata carry a CRC32 (`save_artifact_dir`)
 ARTIFACT_JSON = "artifacts.json"
 ARTIFACT_ARRAYS = "codecs.safetensors"
@@ -146,6 +151,11 @@ class CodecSet:
                     f"(it has: {have}...); rerun `veloxquant precompute` / `calibrate` for this model"
                 )
             params = self._params[key]
+        if dim < MIN_CODED_DIM:
+            warnings.warn(f"veloxquant_mlx: {role} of head dim {dim} are held in fp16, not coded with "
+                          f"{self.config.method}: below head dim {MIN_CODED_DIM} a code costs as many bits as the "
+                          "values", stacklevel=4)
+            return Fp16Codec(dim)
         codec = get_method(self.config.method).codec(role, self.config, dim, params)
         mx.eval(_arrays_of(codec))
         return codec

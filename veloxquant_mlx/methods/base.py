@@ -17,16 +17,10 @@ tokens.
 
 from __future__ import annotations
 
-import warnings
 from typing import ClassVar, Dict, Optional
 
 from ..method_registry import _REGISTRY, available_methods, get_method, register_method  # noqa: F401  (re-exported)
 from .codec import POSITIONS, Codec, Fields, Params, at_positions, split_width_centroid  # noqa: F401  (re-exported)
-
-
-# Below this head dim every method's codes cost at least the values' own fp16 bits (a vector's fp16
-# norm or scale alone is 16 bits), so such heads are held in fp16.
-MIN_CODED_DIM = 3
 
 
 class Method:
@@ -135,14 +129,7 @@ class Method:
     def codec(cls, role: str, config, dim: int, params: Optional[Params] = None) -> Codec:
         """The codec of `role` with the generic options applied: `outliers=K` (keys) and
         `value_outliers=K` (values) wrap it in `outliers.OutlierCodec`, then `smooth_keys=ALPHA`
-        wraps the key codec in `smoothing.SmoothedKeyCodec` (both need calibration). A head dim under
-        `MIN_CODED_DIM` gets `fp16.Fp16Codec`, with a warning."""
-        if dim < MIN_CODED_DIM:
-            from .fp16 import Fp16Codec
-
-            warnings.warn(f"veloxquant_mlx: {role} of head dim {dim} are held in fp16, not coded with {cls.name}: "
-                          f"below head dim {MIN_CODED_DIM} a code costs as many bits as the values", stacklevel=2)
-            return Fp16Codec(dim)
+        wraps the key codec in `smoothing.SmoothedKeyCodec` (both need calibration)."""
         from .outliers import OUTLIER_PREFIX, outlier_codec
         from .smoothing import SMOOTH_PREFIX, smoothed_key_codec
 
