@@ -8,7 +8,8 @@ import sys
 from typing import Optional
 
 import mlx.core as mx
-from mlx_lm.generate import generation_stream
+
+from .sharding import before_own_collective
 
 
 def world():
@@ -38,7 +39,7 @@ def share_text(text: Optional[str], group=None) -> Optional[str]:
     group = group or world()
     if group.size() == 1:
         return text
-    mx.synchronize(generation_stream)  # no collective of a generation step still in flight beside these
+    before_own_collective()
     if group.rank() == 0:
         data = mx.array(list(text.encode()) if text is not None else [], dtype=mx.uint8)
         size = mx.distributed.all_sum(mx.array(data.size + 1 if text is not None else 0), stream=mx.cpu).item()

@@ -77,6 +77,13 @@ def first_layer(model) -> int:
 SMALL_INT_LIMIT = 1 << 24  # integers a float32 sum holds exactly
 
 
+def before_own_collective() -> None:
+    """Wait for mlx-lm's generation stream. It evaluates a generation step ahead, and a sharded model's step holds
+    collectives: one of ours issued beside them gets paired by the other rank with one of the step's (a gather
+    summed to zeros), so every collective outside the model waits for the stream first."""
+    mx.synchronize(generation_stream)
+
+
 def gather_small_ints(values: list, group) -> list:
     """Every rank's list of `values` (ints in [0, 2**24), the same length on every rank), rank by rank.
     Gathered as a float32 `all_sum` of one row per rank: the sum every back end has (the ring back
@@ -85,9 +92,7 @@ def gather_small_ints(values: list, group) -> list:
         raise ValueError(f"gather_small_ints takes ints in [0, 2**24), got {values}")
     rows = mx.zeros((group.size(), len(values)), dtype=mx.float32)
     rows[group.rank()] = mx.array(values, dtype=mx.float32)
-    # mlx-lm evaluates a generation step ahead on its own stream, and a sharded model's step holds collectives:
-    # ours must not run beside them, or the ranks pair one's step with the other's gather (it summed to zeros).
-    mx.synchronize(generation_stream)
+    before_own_collective()
     summed = mx.distributed.all_sum(rows, group=group, stream=mx.cpu)
     return [[int(v) for v in row] for row in summed.tolist()]
 
