@@ -38,6 +38,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         return owner.attend(queries, scale=scale, mask=mask, sinks=sinks)
     if isinstance(keys, CompressedHistory):  # a KV-shared layer (Gemma 4) attends over an earlier layer's cache
         return scaled_dot_product_attention(queries, keys, values, keys.cache, scale, mask, sinks)
+    if isinstance(keys, BatchHistory):
+        return keys.batch.attend(queries, scale=scale, mask=mask, sinks=sinks)
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -74,14 +76,8 @@ class _RoutedFast:
         return getattr(mx.fast, name)
 
     @staticmethod
-    def scaled_dot_product_attention(queries, keys, values, *, scale, mask=None, sinks=None, **kwargs):
-        if isinstance(keys, CompressedHistory):
-            return scaled_dot_product_attention(queries, keys, values, keys.cache, scale, mask, sinks)
-        if isinstance(keys, BatchHistory):
-            return scaled_dot_product_attention(queries, keys, values, keys.batch, scale, mask, sinks)
-        if sinks is not None:
-            kwargs["sinks"] = sinks
-        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask, **kwargs)
+    def scaled_dot_product_attention(queries, keys, values, *, scale, mask=None, sinks=None):
+        return scaled_dot_product_attention(queries, keys, values, None, scale, mask, sinks)
 
 
 class _RoutedMx:
