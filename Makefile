@@ -14,8 +14,10 @@ demo: setup
 	$(RUN)$(VENV)/bin/veloxquant demo $(ARGS)
 
 # `make test` leaves out the tests marked `slow` (the long end-to-end sweeps); `make test-all` runs every test.
+# Both run test files on two pytest-xdist workers, each with one OpenBLAS thread (docs/architecture.md, Tests).
+PYTEST := OPENBLAS_NUM_THREADS=1 $(VENV)/bin/python -m pytest -q -n 2 --dist loadfile
 test: setup
-	$(RUN)$(VENV)/bin/python -m pytest -q -m "not slow" $(ARGS)
+	$(RUN)$(PYTEST) -m "not slow" $(ARGS)
 
 test-all: setup
-	$(RUN)$(VENV)/bin/python -m pytest -q $(ARGS)
+	$(RUN)$(PYTEST) $(ARGS)

@@ -32,6 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from veloxquant_mlx.evaluation.benchmark import decode  # noqa: E402
+from veloxquant_mlx.evaluation import launcher  # noqa: E402
+from veloxquant_mlx.evaluation.launcher import idle_stdin  # noqa: E402
 from veloxquant_mlx.evaluation.specs import parse_method_list  # noqa: E402
 from veloxquant_mlx.evaluation.shapes import write_random_model_folder  # noqa: E402
 from veloxquant_mlx.footprint import footprint  # noqa: E402
@@ -111,9 +113,9 @@ def launch(args, world_size: int, out: Path) -> list:
     if world_size == 1:
         command = [sys.executable, *child]
     else:
-        command = [str(Path(sys.executable).parent / "mlx.launch"), "--backend", "ring", "-n", str(world_size),
-                   "--python", sys.executable, *child]
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
+        command = launcher.command("--backend", "ring", "-n", world_size, "--python", sys.executable, *child)
+    with idle_stdin() as stdin:
+        result = subprocess.run(command, env=env, stdin=stdin, capture_output=True, text=True)
     files = [out / f"rank{r}.json" for r in range(world_size)]
     if not all(f.is_file() for f in files):
         raise RuntimeError(f"world size {world_size} failed:\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}")

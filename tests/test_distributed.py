@@ -23,6 +23,8 @@ import pytest
 from veloxquant_mlx.cache import CacheFormatError
 from veloxquant_mlx.calibration import calibrate
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.evaluation import launcher
+from veloxquant_mlx.evaluation.launcher import idle_stdin
 from veloxquant_mlx.evaluation.shapes import write_random_model_folder
 from veloxquant_mlx.models import load_model
 
@@ -45,20 +47,21 @@ def ring_launch(*args):
     """(command, environment) that run `args` (a script and its arguments, or `-m module ...`) on two ring ranks."""
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OPENBLAS_NUM_THREADS": "1", "VELOXQUANT_NO_PRELOAD": "1"}
-    return [str(LAUNCH), "--backend", "ring", "-n", "2", "--python", sys.executable, *map(str, args)], env
+    return launcher.command("--backend", "ring", "-n", "2", "--python", sys.executable, *args), env
 
 
 def launch(*args, timeout=LAUNCH_TIMEOUT, on_timeout=pytest.fail):
     """`mlx.launch` two ranks; on a timeout its whole process group (the ranks too) is killed and the test fails."""
     command, env = ring_launch(*args)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                               start_new_session=True)
-    try:
-        stdout, stderr = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        stdout, stderr = process.communicate()
-        on_timeout(f"two ranks did not finish in {timeout} s (a hang):\n{stdout[-2000:]}\n{stderr[-3000:]}")
+    with idle_stdin() as stdin:
+        process = subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env=env, start_new_session=True)
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            stdout, stderr = process.communicate()
+            on_timeout(f"two ranks did not finish in {timeout} s (a hang):\n{stdout[-2000:]}\n{stderr[-3000:]}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
@@ -232,18 +235,19 @@ def test_serve_under_mlx_launch_answers_as_the_single_process_server(ring, tmp_p
     flags = ["--model", str(model_dir), "--kv", "vq4", "--log-level", "ERROR"]
     command, env = ring_launch("-m", "veloxquant_mlx.cli", "serve", *flags, "--port", port,  # docs/distributed.md
                                *(["--pipeline"] if parallel == "pipeline" else []))
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               start_new_session=True)
-    try:
+    with idle_stdin() as stdin:
+        process = subprocess.Popen(command, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                   env=env, start_new_session=True)
         try:
-            wait_for_health(port, process, LAUNCH_TIMEOUT, "two ranks of veloxquant serve")
-        except RuntimeError as error:
-            pytest.fail(f"{error}: {process.stdout.read()[-3000:]}")
-        sharded = greedy_chat_answer(port, "bees", GREEDY_TOKENS, POOL_SYSTEM, timeout=LAUNCH_TIMEOUT)[0]
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+            try:
+                wait_for_health(port, process, LAUNCH_TIMEOUT, "two ranks of veloxquant serve")
+            except RuntimeError as error:
+                pytest.fail(f"{error}: {process.stdout.read()[-3000:]}")
+            sharded = greedy_chat_answer(port, "bees", GREEDY_TOKENS, POOL_SYSTEM, timeout=LAUNCH_TIMEOUT)[0]
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
     httpd, generator = serve_in_thread([*flags, "--port", "0"])
     try:
         generator.request_limits()
@@ -281,3 +285,15 @@ def test_chat_saves_and_loads_a_folder_per_rank_under_mlx_launch(ring, tmp_path)
     assert "loaded from" in with_files
     reply = lambda out: out.split(f">> {second}")[1].split("[cache:")[0]  # noqa: E731
     assert reply(with_files) == reply(plain) and reply(plain).strip()
+
+
+def test_the_launchers_select_returns_what_is_ready_after_waiting_on_readers_alone():
+    read, write = os.pipe()
+    try:
+        assert launcher.patient_select([read], [write], [], 1.0) == ([], [write], [])
+        os.write(write, b"x")
+        assert launcher.patient_select([read], [write], [], 1.0) == ([read], [write], [])
+        assert launcher.patient_select([read], [], [], 0) == ([read], [], [])
+    finally:
+        os.close(read)
+        os.close(write)
