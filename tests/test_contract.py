@@ -88,6 +88,23 @@ def test_keys_and_values_decode_what_attention_reads(rotating):
     assert cache.step == (64 if rotating else 256)
 
 
+def test_a_history_compares_and_takes_array_methods_on_its_decoded_tokens():
+    """Code written for mlx-lm's arrays (its LRU prompt cache's tests) compares what `keys_and_values()` returns
+    with `==` and calls array methods on it: both act on the decoded tokens; the history stays hashable."""
+    cache = CompressedKVCache(KVCacheConfig.preset("vq3"))
+    keys, values = kv(60)
+    cache.update_and_fetch(keys, values)
+    history_keys, history_values = cache.keys_and_values()
+    decoded_keys, decoded_values = mx.array(history_keys), mx.array(history_values)
+    assert mx.array_equal(history_keys == decoded_keys, mx.ones(decoded_keys.shape, dtype=mx.bool_)).item()
+    assert not (history_keys == history_values).all().item()  # two histories: their decoded tokens, elementwise
+    assert mx.array_equal(history_keys.flatten(), decoded_keys.flatten()).item()
+    assert history_values.sum().item() == pytest.approx(decoded_values.sum().item())
+    assert len({history_keys, history_values}) == 2
+    with pytest.raises(AttributeError):
+        history_keys._no_such_member
+
+
 def test_a_batch_keeps_mlx_lm_padding_columns():
     """A batch's history has `BatchKVCache`'s columns (left padding taken, rows right-aligned), `filter` drops
     the columns every kept row pads, `extend` right-aligns both batches, and `keys` decodes each row into its

@@ -44,8 +44,6 @@ LIBRARY = {
         "chunk: a batch continued from extracted caches differs from single runs by more than the tolerance"),
     "TestPromptCache::test_rotating_cache_mask": "layout: asserts mlx-lm's ring order in the mask; the library's "
                                                  "sliding-window cache holds its tokens in time order",
-    "TestLRUPromptCache::test_caching": "history: compares what keys_and_values() returns with == (histories that "
-                                        "attention reads from the codes; mx.array(history) gives the arrays)",
     "TestPromptCache::test_save_load_quantized_cache": "layout: indexes state[0] as QuantizedKVCache's (weights, "
                                                        "scales, biases)",
 }
@@ -58,6 +56,9 @@ VQ3_ONLY = {
 }
 KNOWN_FAILURES = {None: {**MODEL, **MLX_LM_ONLY}, "turboquant_mse:4": {**MODEL, **LIBRARY},
                   "vq3": {**MODEL, **LIBRARY, **VQ3_ONLY}}
+# Cases whose outcome depends on the BLAS's rounding: non-strict xfails, counted as failures. vq3's continued batch
+# passes with one OpenBLAS thread (make test-all's setting) and fails with two (largest difference 0.222).
+BY_ROUNDING = {"vq3": {"TestGenerate::test_batch_continued_generation"}}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -70,7 +71,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
         reason = KNOWN_FAILURES.get(spec, {}).get(name)
         if reason:
-            item.add_marker(pytest.mark.xfail(strict=True, reason=reason))
+            strict = name not in BY_ROUNDING.get(spec, ())
+            item.add_marker(pytest.mark.xfail(strict=strict, reason=reason if strict else f"{reason}; by BLAS rounding"))
 
 
 @pytest.fixture(autouse=True, scope="module")

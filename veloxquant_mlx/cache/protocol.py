@@ -51,6 +51,19 @@ class CompressedHistory:
         keys, values = self.cache.decoded()
         return keys if self.role == "keys" else values
 
+    def __getattr__(self, name: str):
+        """An array method attention does not use (`flatten`, `sum`, `tolist`, ...): that of the decoded tokens, as
+        code written for mlx-lm's arrays expects of what `keys_and_values()` returns."""
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.__mlx_array__(), name)
+
+    def __eq__(self, other):
+        """Elementwise, on the decoded tokens, as an mx.array's `==` is."""
+        return self.__mlx_array__() == (other.__mlx_array__() if isinstance(other, CompressedHistory) else other)
+
+    __hash__ = object.__hash__
+
     def __repr__(self):
         return f"CompressedHistory({self.role}, shape={self.shape}, {self.cache.config.describe()})"
 
