@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 from mlx_lm.models.cache import BatchKVCache
 
 from veloxquant_mlx.cache import CompressedKVCache
+from veloxquant_mlx.evaluation.results import write_json_and_markdown
 from veloxquant_mlx.presets import usable_preset_config
 
 QUERY_HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -116,17 +115,13 @@ def main():
             "device": str(mx.default_device()), "machine": platform.processor(), "mlx": mx.__version__,
             "mlx_lm": mlx_lm.__version__, "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows = [{"run": name, "median_ms": median[name], "ms": times[name]} for name in runs]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     base = median["fp16 batch"]
     lines = [f"One attention layer's cache work in a batched prefill: {B} sequences of {P} tokens in chunks of {C}, "
              f"Llama-3.1-8B's attention shape, `{p}` ({meta['device']}, attention paths "
              f"{', '.join(meta['attention_paths'])}; mlx {meta['mlx']}, {meta['when']}; median of {args.repeats}).", "",
              "| run | median ms per layer | vs fp16 batch |", "|---|---:|---:|"]
     lines += [f"| {name} | {median[name]:.2f} | {median[name] / base:.2f}x |" for name in runs]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_json_and_markdown(args.out, {"meta": meta, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, save_prompt_cache
 
 from veloxquant_mlx.cli import build_parser, config_from_args
+from veloxquant_mlx.evaluation.results import write_json_and_markdown
 from veloxquant_mlx.models import load_model
 from veloxquant_mlx.prompt_cache import cache_prompt, document_tokens, prefill
 
@@ -62,16 +63,12 @@ def main():
                          "used_bytes": sum(c.used_nbytes for c in written["caches"])})
             print(rows[-1], flush=True)
     base = rows[0]["bytes"]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     meta = {"model": args.model, "document": Path(args.document).name, "tokens": len(tokens),
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [f"Prompt-cache files for one document of {len(tokens)} tokens, model `{args.model}` ({meta['when']}).", "",
              "| cache | file MB | vs mlx-lm |", "|---|---|---|"]
     lines += [f"| {r['cache']} | {r['bytes'] / 1e6:.3f} | {base / r['bytes']:.2f}x smaller |" for r in rows]
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_json_and_markdown(args.out, {"meta": meta, "rows": rows}, lines)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import mlx.core as mx
 
@@ -142,3 +142,12 @@ def kv_fields(kv: Footprint) -> Dict[str, Any]:
     return dict(kv_bytes=kv.held, kv_allocated_bytes=kv.allocated, kv_tokens=kv.tokens, fp16_kv_bytes=kv.fp16_bytes,
                 bits_per_coord=finite(kv.bits), compression_vs_fp16=finite(kv.smaller), state_bytes=kv.state,
                 whole_cache_compression_vs_fp16=finite(kv.whole_smaller))
+
+
+def write_json_and_markdown(out, record: Dict[str, Any], lines: List[str]) -> None:
+    """A benchmark's results folder: `record` as results.json, `lines` as results.md, and the lines printed."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULTS_JSON).write_text(json.dumps(record, indent=2) + "\n")
+    (out / RESULTS_MD).write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
