@@ -13,17 +13,16 @@ other; the per-sequence batch has the shared buffers turned off. Both wall time 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 
 from veloxquant_mlx import KVCacheBuilder, batch_decode
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.evaluation.results import write_json_and_markdown
 from veloxquant_mlx.models import load_model
 
 
@@ -75,9 +74,6 @@ def main():
     rows_out = [{"run": name, "median_ms": median[name], "median_cpu_ms": median_cpu[name],
                  "step_ms": [t * 1e3 for t in times[name]], "step_cpu_ms": [t * 1e3 for t in cpu[name]]}
                 for name in times]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=2))
     lines = [f"Decode-step time of a batch of {len(lengths)} sequences of {args.lengths} tokens, `{args.preset}` on "
              f"`{args.model}`, {args.steps} steps each, alternated in one process ({meta['device']}, batched path "
              f"`{meta['path']}`, mlx {meta['mlx']}, {meta['when']}).", "",
@@ -86,8 +82,7 @@ def main():
     for name in times:
         lines.append(f"| {name} | {median[name]:.1f} | {median['per-sequence'] / median[name]:.2f}x | "
                      f"{median_cpu[name]:.1f} | {median_cpu['per-sequence'] / median_cpu[name]:.2f}x |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_json_and_markdown(args.out, {"meta": meta, "rows": rows_out}, lines)
 
 
 if __name__ == "__main__":

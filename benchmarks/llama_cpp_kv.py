@@ -14,7 +14,6 @@ its models are created with use_extra_bufts=False (the AMX path crashes on some 
 """
 
 import argparse
-import json
 import math
 import os
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from veloxquant_mlx.evaluation.results import write_json_and_markdown
 from veloxquant_mlx.texts import load_text, tokenize_prefix
 from veloxquant_mlx.models import gemma3_gguf_path, smollm2_gguf_path
 
@@ -125,11 +125,8 @@ def main():
                         "kl_p99": float(np.quantile(kl, 0.99)),
                         "top1_agreement": float(np.concatenate(tally["agree"]).mean()),
                         "scored_tokens": int(nll.shape[0]), "seconds": round(tally["seconds"], 1)})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     result = {"command": "python benchmarks/llama_cpp_kv.py", "args": vars(args), "gguf": gguf.name,
               "llama_cpp_version": llama_cpp.__version__, "records": records}
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = [f"llama.cpp {llama_cpp.__version__} on `{gguf.name}`, {Path(args.text).name}: {args.windows} window(s) "
              f"of {args.ctx} tokens from token {args.skip_tokens}, chunks of {args.chunk}, second half scored. "
              "ΔPPL, KL and top-1 are against llama.cpp's own f16 cache; bits from ggml's block layouts.", "",
@@ -139,8 +136,7 @@ def main():
         lines.append(f"| {r['type_k']}/{r['type_v']} | {'yes' if r['rotation'] else 'no'} | {r['bits_per_coord']:.2f} "
                      f"| {r['perplexity']:.2f} | {100 * r['delta_ppl']:+.2f}% | {r['kl_mean']:.4f} | {r['kl_p99']:.4f} "
                      f"| {100 * r['top1_agreement']:.1f}% |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_json_and_markdown(args.out, result, lines)
 
 
 if __name__ == "__main__":

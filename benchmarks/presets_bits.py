@@ -9,9 +9,8 @@ steps); `allocated` (what `veloxquant eval ppl` reports) includes it.
 """
 
 import argparse
-import json
-from pathlib import Path
 
+from veloxquant_mlx.evaluation.results import write_json_and_markdown
 from veloxquant_mlx.evaluation.specs import parse_method_list
 from veloxquant_mlx.models import load_model
 from veloxquant_mlx.presets import PRESET_BITS, measured_bits
@@ -33,9 +32,6 @@ def main():
                         "bits_used": {str(c): round(b, 4) for c, b in bits.items()},
                         "max_from_2048": round(max(b for c, b in bits.items() if c >= 2048), 4)})
         print(records[-1], flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "records": records}, indent=2) + "\n")
     lines = [f"Bits per coordinate from the caches' used bytes (`{args.model}` layout, random fill), by context.", "",
              "| preset/spec | config | stated | " + " | ".join(str(c) for c in contexts) + " | max over >= 2048 |",
              "|---" * (len(contexts) + 4) + "|"]
@@ -43,8 +39,7 @@ def main():
         stated = "—" if r["stated_bits"] is None else f"<= {r['stated_bits']:g}"
         lines.append(f"| `{r['spec']}` | {r['config']} | {stated} | "
                      + " | ".join(f"{r['bits_used'][str(c)]:.3f}" for c in contexts) + f" | {r['max_from_2048']:.3f} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_json_and_markdown(args.out, {"args": vars(args), "records": records}, lines)
 
 
 if __name__ == "__main__":
