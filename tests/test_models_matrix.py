@@ -79,7 +79,7 @@ def test_table_lists_every_model_file_and_docs_match_it():
     if same_mlx_lm():
         assert sorted(RECORDS) == matrix.model_files()
     with open(os.path.join(ROOT, "docs", "models.md")) as handle:
-        assert handle.read() == matrix.table(COMMITTED, os.path.dirname(TABLE)), \
+        assert handle.read() == matrix.markdown(COMMITTED), \
             "docs/models.md is not the generator's (veloxquant models)"
 
 
@@ -94,3 +94,16 @@ def test_a_kl_over_the_threshold_is_a_bug():
     record = matrix.Record(file="x", kl={"vq4": 0.5}, spec_status={"vq4": matrix.SUPPORTED})
     record = matrix.apply_thresholds(record, {"vq4": 0.1})
     assert record.status == matrix.BUG and "over the threshold" in record.reason
+
+
+def test_a_replayed_router_decides_the_status_and_replaying_mlx_lms_own_run_flips_nothing():
+    record = matrix.Record(file="x", kl={"vq4": 0.5}, kl_routing_replayed={"vq4": 0.01},
+                           spec_status={"vq4": matrix.SUPPORTED})
+    assert matrix.apply_thresholds(record, {"vq4": 0.1}).status == matrix.SUPPORTED
+    record.kl_routing_replayed["vq4"], record.spec_status["vq4"] = 0.2, matrix.SUPPORTED
+    judged = matrix.apply_thresholds(record, {"vq4": 0.1})
+    assert judged.status == matrix.BUG and "with routing replayed" in judged.reason
+    # mlx-lm's caches against themselves: no routing flips, and replaying gives the same logits.
+    record = matrix.check_file("laguna", prefill=64, decode=4, specs=("fp16",))
+    assert record.routings_flipped["fp16"] == "0/" + record.routings_flipped["fp16"].split("/")[1]
+    assert record.kl["fp16"] == 0 and record.kl_routing_replayed["fp16"] == 0

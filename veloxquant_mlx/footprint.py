@@ -94,8 +94,8 @@ def layer_footprint(cache) -> Footprint:
         arrays = [a for a in cache.cache if a is not None]
         return Footprint(0, int(cache.nbytes), 0, 0, sum(a.size * _element_bytes(a) for a in arrays))
     inner = getattr(cache, "inner", cache)
-    if hasattr(cache, "latent_coordinates"):  # an MLA latent cache (cache/latent.py)
-        return Footprint(int(cache.used_nbytes), int(cache.nbytes), cache.latent_coordinates, int(cache.offset))
+    if hasattr(cache, "held_coordinates"):  # an MLA latent cache (cache/latent.py), DeepSeek-V4.1's layers
+        return Footprint(int(cache.used_nbytes), int(cache.nbytes), cache.held_coordinates, int(cache.offset))
     if getattr(inner, "key_codec", None) is not None:
         held_tokens = cache.size()
         coordinates = held_tokens * inner.batch * inner.kv_heads * (inner.key_dim + inner.value_dim)

@@ -39,9 +39,9 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     `artifact_dir="auto"` that this model has not been calibrated for yet (`ensure_calibrated`)."""
     base = base_caches(model)
     own = sorted({type(cache).__name__ for cache in base if type(cache).__module__ != mlx_cache.__name__})
+    if own == ["LayerCache"] and type(model).__module__ == "mlx_lm.models.deepseek_v41":
+        return _microscaled_layer_caches(base, config)
     if own:
-        # DeepSeek-V4.1's LayerCache (a sliding window and compressed KV groups, attended by the file's own sparse
-        # attention): not a state cache to keep, and not one VeloxQuant can compress; kept, it would run uncompressed.
         raise UnsupportedModelError(
             f"{type(model).__module__} keeps its layers in its own cache class ({', '.join(own)}), not mlx-lm's, "
             "which VeloxQuant cannot replace")
@@ -108,6 +108,18 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
             )
     _warn_kept(kept)
     return mark_pipeline_tail(model, caches)
+
+
+def _microscaled_layer_caches(base: list, config: KVCacheConfig) -> list:
+    """DeepSeek-V4.1 rounds its own cache to FP8 and FP4; its layers keep exactly those values in MLX's
+    microscaling formats (`cache/microscaled_layer.py`), whatever the spec."""
+    from .cache.microscaled_layer import MicroscaledLayerCache
+
+    warnings.warn(
+        f"mlx_lm.models.deepseek_v41 rounds its own cache (an FP8 window, FP4 key groups): VeloxQuant stores "
+        f"those values exactly in MLX's mxfp8/mxfp4 formats instead of the spec's codes ({config.method} at "
+        f"{config.bits} bits does not apply)", stacklevel=3)
+    return [MicroscaledLayerCache(cache.window_size) for cache in base]
 
 
 def _warn_kept(kept: List[str]) -> None:

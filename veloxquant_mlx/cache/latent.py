@@ -221,7 +221,7 @@ class CompressedLatentCache(_BaseCache):
         return sum(a.nbytes for a in arrays) + (self.mean.nbytes if self.mean is not None else 0)
 
     @property
-    def latent_coordinates(self) -> int:
+    def held_coordinates(self) -> int:
         """Cached coordinates (latent and RoPE part of every token), as mlx-lm's cache of this layer holds them."""
         if self._codecs is None:
             return 0

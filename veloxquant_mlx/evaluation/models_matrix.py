@@ -32,6 +32,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from ..integration import UnsupportedModelError
+from .moe_routing import REPLAYABLE, RouterReplay
 from .specs import parse_method_spec
 
 SPECS = ("vq4", "kivi:4")
@@ -192,6 +193,10 @@ class Record:
     max_dlogit: Dict[str, Optional[float]] = field(default_factory=dict)
     bytes_ratio: Dict[str, Optional[float]] = field(default_factory=dict)  # every layer's cache
     attention_bytes_ratio: Dict[str, Optional[float]] = field(default_factory=dict)  # the attention layers' only
+    # A file in `moe_routing.REPLAYABLE`: the KL with mlx-lm's expert choices replayed, which decides the status,
+    # and the routings that flipped when routing freely ("flipped/routed").
+    kl_routing_replayed: Dict[str, float] = field(default_factory=dict)
+    routings_flipped: Dict[str, str] = field(default_factory=dict)
     spec_status: Dict[str, str] = field(default_factory=dict)
     spec_reason: Dict[str, str] = field(default_factory=dict)
     tracebacks: Dict[str, str] = field(default_factory=dict)
@@ -444,14 +449,30 @@ def short_error(error: BaseException) -> str:
     return text[:200]
 
 
+class _NoRouter:
+    enabled = False
+
+    def restart(self, mode: str) -> None:
+        pass
+
+
 def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, seed: int = 0, stage=None,
                chunk: int = 0) -> Record:
     """One file's record: KL, largest logit difference and bytes ratio per spec; `apply_thresholds` gives the
     statuses of the KLs. `chunk`: the first `chunk` of the `decode` tokens in one call (`run_caches`).
     `stage(text)` is told what runs next (a worker's parent names a crash with it)."""
     stage = stage or (lambda text: None)
+    if name in REPLAYABLE:
+        with RouterReplay(name) as router:
+            return _check_file(name, prefill, decode, specs, seed, stage, chunk, router)
+    return _check_file(name, prefill, decode, specs, seed, stage, chunk, None)
+
+
+def _check_file(name: str, prefill: int, decode: int, specs, seed: int, stage, chunk: int,
+                router: Optional[RouterReplay]) -> Record:
     start = time.perf_counter()
     record = Record(file=name)
+    router = router or _NoRouter()
     stage("mlx-lm's caches")
     try:
         model, config = build_model(name, seed)
@@ -460,7 +481,9 @@ def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, see
         tokens = mx.random.randint(0, vocab, (prefill + decode,), key=mx.random.key(seed + 1))
         reference_caches = mlx_cache.make_prompt_cache(model)
         record.caches = cache_kinds(reference_caches)
+        router.restart("record")
         reference = run_caches(model, reference_caches, tokens, prefill, chunk)
+        router.restart("free")
         reference_bytes = cache_bytes(reference_caches)
         reference_attention = attention_bytes(reference_caches)
         record.group = group_of(record, config)
@@ -478,8 +501,15 @@ def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, see
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
+                router.restart("count")
                 caches = parse_method_spec(spec).make_caches(model)
                 logits = run_caches(model, caches, tokens, prefill, chunk)
+                if router.enabled:
+                    record.routings_flipped[spec] = f"{router.flipped}/{router.routed}"
+                    router.restart("replay")
+                    replayed = run_caches(model, parse_method_spec(spec).make_caches(model), tokens, prefill, chunk)
+                    record.kl_routing_replayed[spec] = kl_and_max(reference, replayed)[0]
+                router.restart("free")
             if logits.shape != reference.shape:
                 raise ValueError(f"logits of shape {logits.shape}, mlx-lm's {reference.shape}")
             if not bool(mx.all(mx.isfinite(logits)).item()):
@@ -524,11 +554,15 @@ def thresholds_from(record: Record, k: float = K) -> Dict[str, float]:
 
 
 def apply_thresholds(record: Record, thresholds: Dict[str, float]) -> Record:
-    """Mark a spec whose KL is over its threshold a bug, and set the file's status from its specs'."""
+    """Mark a spec whose KL is over its threshold a bug, and set the file's status from its specs'. A file whose
+    router is replayed is judged on its KL with mlx-lm's expert choices (`moe_routing`)."""
     for spec, kl in record.kl.items():
+        replayed = spec in record.kl_routing_replayed
+        kl = record.kl_routing_replayed.get(spec, kl)
         if record.spec_status.get(spec) == SUPPORTED and not kl <= thresholds[spec]:
             record.spec_status[spec] = BUG
-            record.spec_reason[spec] = f"{spec}: KL {kl:.3g} over the threshold {thresholds[spec]:.3g}"
+            record.spec_reason[spec] = (f"{spec}: KL {kl:.3g}{' with routing replayed' if replayed else ''} over "
+                                        f"the threshold {thresholds[spec]:.3g}")
     statuses = set(record.spec_status.values())
     if record.spec_status:
         record.status = BUG if BUG in statuses else REFUSED if REFUSED in statuses else SUPPORTED
@@ -633,24 +667,23 @@ def _number(value, fmt="{:.2g}") -> str:
     return "" if value is None else fmt.format(value)
 
 
-ROUTING_RESULTS = "models-matrix-laguna-routing"  # beside the matrix's folder (`benchmarks/moe_routing_flips.py`)
-
-
-def _routing_paragraph(routing: Optional[dict]) -> List[str]:
-    """The lines on `laguna`'s MoE routing, from `benchmarks/moe_routing_flips.py`'s results (none without them)."""
-    if not routing:
+def _routing_paragraph(records: List[dict]) -> List[str]:
+    """The lines on the files whose MoE router the matrix replays (`moe_routing.REPLAYABLE`)."""
+    replayed = [r for r in records if r.get("kl_routing_replayed")]
+    if not replayed:
         return []
-    kl = {(r["spec"], r["routing"]): r["kl"] for r in routing["records"]}
-    specs = sorted({spec for spec, _ in kl})
-    change = "; ".join(f"`{spec}` {kl[spec, 'free']:.2g} to {kl[spec, 'replayed']:.2g}" for spec in specs)
+    files = "; ".join(
+        f"`{r['file']}`: " + ", ".join(
+            f"`{spec}` {r['kl'][spec]:.2g} routing freely ({r['routings_flipped'][spec]} routings flipped), "
+            f"{kl:.2g} replayed" for spec, kl in r["kl_routing_replayed"].items()) for r in replayed)
     return ["MoE routing: on a random MoE model a tiny change of the keys can send a token to other experts, a "
-            "jump of the model rather than of the cache. With mlx-lm's expert choices replayed in `laguna`, its KL "
-            f"falls ({change}), and the steps that carry it are those where routing flipped "
-            f"(`benchmarks/moe_routing_flips.py`, [results](../benchmarks/results/{ROUTING_RESULTS}/results.md)). "
-            "Its status follows the rule above all the same.", ""]
+            "jump of the model rather than of the cache. For the files whose gate it can replay "
+            "(`veloxquant_mlx/evaluation/moe_routing.py`), the matrix also runs each spec with mlx-lm's expert "
+            "choices replayed (the weights from the run's own router scores), and that KL decides the status; "
+            f"the KL column shows both ({files}).", ""]
 
 
-def markdown(result: dict, routing: Optional[dict] = None) -> str:
+def markdown(result: dict) -> str:
     settings, thresholds = result["settings"], result["thresholds"]
     specs = settings["specs"]
     tally = counts(result)
@@ -716,11 +749,14 @@ def markdown(result: dict, routing: Optional[dict] = None) -> str:
         "MiniMax-M3's sparse layers, whose indexer reads its cached keys, keep theirs. PLaMo 2's attention layers "
         "call MLX's own `mx.fast.scaled_dot_product_attention` on what their cache returns; their module gets an "
         "`mx` whose attention routes a compressed history to its cache (`attention_hook.py`). DeepSeek-V4.1 (learned "
-        "sinks too) keeps its layers in a cache class of its own file (`LayerCache`: a sliding window and "
-        "compressed KV groups read by its own sparse attention), which the library refuses rather than run "
-        "uncompressed.",
+        "sinks too) keeps its layers in a cache class of its own file (`LayerCache`: a sliding window rounded to "
+        "FP8, pooled key groups and index keys rounded to FP4, read by its own sparse attention). It rounds them "
+        "itself, so the library holds exactly those values in MLX's microscaling formats "
+        "(`MicroscaledLayerCache`, `veloxquant_mlx/cache/microscaled_layer.py`): 8.25 bits per window value, 4.75 "
+        "per group value and 4.25 per index-key value, against the model's float type; its logits are mlx-lm's "
+        "bit for bit, whatever the spec, and a warning says that the spec's codes are not used.",
         "",
-        *_routing_paragraph(routing),
+        *_routing_paragraph(result["records"]),
         "Generated by `veloxquant models` (`veloxquant_mlx/evaluation/models_matrix.py`); the JSON is in "
         "`benchmarks/results/models-matrix/`. `tests/test_models_matrix.py` fails if a supported file regresses.",
         "",
@@ -729,7 +765,9 @@ def markdown(result: dict, routing: Optional[dict] = None) -> str:
         "|---|---|---|---|" + "---|" * len(specs) + "---|---|---|---|",
     ]
     for r in result["records"]:
-        kls = [_number(r["kl"].get(s)) for s in specs]
+        replayed = r.get("kl_routing_replayed") or {}
+        kls = [_number(r["kl"].get(s)) + (f" ({_number(replayed[s])} replayed)" if s in replayed else "")
+               for s in specs]
         worst = "/".join(_number(r["max_dlogit"].get(s), "{:.2f}") for s in specs if s in r["max_dlogit"])
         ratio = "/".join(_number(r["bytes_ratio"].get(s), "{:.2f}") for s in specs if s in r["bytes_ratio"])
         attention = r.get("attention_bytes_ratio") or {}
@@ -748,17 +786,7 @@ def write_outputs(result: dict, docs_path: str, results_dir: str) -> None:
         handle.write("\n")
     os.makedirs(os.path.dirname(docs_path) or ".", exist_ok=True)
     with open(docs_path, "w") as handle:
-        handle.write(table(result, results_dir))
-
-
-def table(result: dict, results_dir: str) -> str:
-    """docs/models.md for `result`, with the routing results beside `results_dir` where they exist."""
-    routing_path = os.path.join(os.path.dirname(os.path.abspath(results_dir)), ROUTING_RESULTS, "results.json")
-    routing = None
-    if os.path.isfile(routing_path):
-        with open(routing_path) as handle:
-            routing = json.load(handle)
-    return markdown(result, routing)
+        handle.write(markdown(result))
 
 
 def run_models_command(args) -> dict:
