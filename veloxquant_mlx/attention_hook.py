@@ -57,12 +57,21 @@ mlx_cache.CompressedLatentCache = CompressedLatentCache
 KEY_TRANSFORMING_MODELS = {
     "mlx_lm.models.afm7": "attends its KV-reuse layers over the last layer's cache (keys_and_values), where kivi:4 "
                           "measured a KL over the model matrix's threshold on a random afm7",
-    "mlx_lm.models.plamo": "repeats the cached keys and values with mx.tile before attention, which a compressed "
-                           "cache cannot give",
-    "mlx_lm.models.phi3small": "computes its block-sparse layers' attention itself on the cached keys and values, "
-                               "without mlx-lm's shared scaled_dot_product_attention, so a compressed cache cannot "
-                               "attach to them",
 }
+
+# Model files that compute on the fetched keys and values themselves (gemma2 its soft-capped scores, phi3small its
+# block-sparse layers, plamo tiles them over its shared heads): their caches hand back the held tokens decoded, for
+# that call only (`fetch_decoded`), and hold only codes between calls.
+DECODED_FETCH_MODELS = ("mlx_lm.models.gemma2", "mlx_lm.models.phi3small", "mlx_lm.models.plamo")
+
+
+def fetches_decoded(model) -> bool:
+    return bool(_module_names(model) & set(DECODED_FETCH_MODELS))
+
+
+def _module_names(model) -> set:
+    """The modules of the model's class and of its layers' (a wrapper attends in its language model's)."""
+    return {type(model).__module__} | {type(m).__module__ for m in model.modules()}
 
 
 # Model files that call `mx.fast.scaled_dot_product_attention` on their cache's keys and values.
@@ -110,11 +119,10 @@ def install_attention_hook(model=None) -> None:
     mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
     mlx_cache.CompressedLatentCache = CompressedLatentCache
     if model is not None:
-        # A wrapper (a vision-language file) attends in the modules of its language model's layers.
-        names = {type(model).__module__} | {type(m).__module__ for m in model.modules()}
+        names = _module_names(model)
         for name in sorted(names & set(KEY_TRANSFORMING_MODELS)):
             raise UnsupportedModelError(f"{name} {KEY_TRANSFORMING_MODELS[name]}")
-        if not any(_hooked(sys.modules.get(name)) for name in names):
+        if not any(_hooked(sys.modules.get(name)) for name in names) and not fetches_decoded(model):
             raise UnsupportedModelError(
                 f"{type(model).__module__} computes attention without mlx-lm's shared "
                 "scaled_dot_product_attention, so a compressed cache cannot attach to it"

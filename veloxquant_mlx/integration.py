@@ -14,7 +14,7 @@ import mlx_lm.models.cache as mlx_cache
 
 from .artifacts import CodecSet, cache_identity, checksums, identity_difference, metadata_digest
 from .attention_hook import (  # noqa: F401  (re-exported)
-    KEY_TRANSFORMING_MODELS, _original_sdpa, attention_cache, base_caches, install_attention_hook,
+    KEY_TRANSFORMING_MODELS, _original_sdpa, attention_cache, base_caches, fetches_decoded, install_attention_hook,
     scaled_dot_product_attention, single_attention_member, uses_latent_attention)
 from .settings import EngineSettings
 from .calibration import AUTO, ensure_calibrated
@@ -60,16 +60,17 @@ def compressed_caches(model, config: KVCacheConfig, codecs: Optional[CodecSet] =
     settings = settings or EngineSettings.resolve()
     caches, kept = [], []
     identity = cache_identity(model)
+    decoded = fetches_decoded(model)
 
     def compressed(cache, i: int):
         if type(cache) is mlx_cache.KVCache and max_kv_size is not None:
             cache = mlx_cache.RotatingKVCache(max_size=max_kv_size, keep=4)
         if type(cache) is mlx_cache.KVCache:
             made = CompressedKVCache(config, codecs.layer(i), settings)
-            made.layer, made.model_identity = i, identity
+            made.layer, made.model_identity, made.fetch_decoded = i, identity, decoded
             return made
         rotating = CompressedRotatingKVCache(config, cache.max_size, cache.keep, codecs.layer(i), settings)
-        rotating.inner.layer, rotating.inner.model_identity = i, identity
+        rotating.inner.layer, rotating.inner.model_identity, rotating.inner.fetch_decoded = i, identity, decoded
         return rotating
 
     for i, cache in enumerate(base):

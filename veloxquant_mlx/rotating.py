@@ -163,7 +163,8 @@ class CompressedRotatingKVCache(DecodedReads, _BaseCache):
             self.inner.store.step = min(self.inner.store.step, self.max_size)
         self._evict()
         self.offset += keys.shape[2]
-        return self.inner._update_checked(keys, values)
+        history = self.inner._update_checked(keys, values)
+        return self.decoded() if self.inner.fetch_decoded else history
 
     def fresh_means(self, first_chunk: int) -> bool:
         """`CompressedKVCache.fresh_means` over the tokens this cache has taken: evicted ones made its means too."""

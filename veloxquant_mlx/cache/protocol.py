@@ -128,9 +128,14 @@ class MlxCacheProtocol(DecodedReads):
                                   "unchanged. (EngineSettings(check_inputs='off') or VELOXQUANT_CHECK_INPUTS=off "
                                   "skips this check)")
 
+    # Set for a model that computes on the fetched keys itself (`attention_hook.DECODED_FETCH_MODELS`):
+    # `update_and_fetch` then returns the held tokens decoded, for this call only.
+    fetch_decoded = False
+
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         self._check_update(keys, values)
-        return self._update_checked(keys, values)
+        history = self._update_checked(keys, values)
+        return self.decoded() if self.fetch_decoded else history
 
     def _update_checked(self, keys: mx.array, values: mx.array):
         """`update_and_fetch` of keys and values `_check_update` took."""

@@ -1,4 +1,6 @@
-"""DeepSeek-V4.1's layer cache in MLX's microscaling formats holds exactly what mlx-lm's `LayerCache` holds."""
+"""Models whose attention does not go through mlx-lm's shared attention: DeepSeek-V4.1's layer cache in MLX's
+microscaling formats holds exactly what mlx-lm's `LayerCache` holds, and a model that computes on its fetched keys
+gets them decoded."""
 
 import mlx.core as mx
 import pytest
@@ -61,3 +63,17 @@ def test_deepseek_v41_runs_on_microscaled_caches_with_mlx_lm_logits_bit_for_bit(
     held = footprint(ours)
     assert held.held == sum(c.nbytes for c in ours)
     assert held.coordinates == sum(a.size for c in theirs for a in c.state[:-1] if a is not None)
+
+
+@pytest.mark.parametrize("name", ["gemma2", "plamo"])
+def test_a_model_that_computes_on_its_fetched_keys_gets_them_decoded_and_holds_codes(name):
+    model, _ = models_matrix.build_model(name)
+    caches = compressed_caches(model, KVCacheConfig(method="turboquant_mse", bits=4))
+    tokens = mx.random.randint(0, 512, (1, 48), key=mx.random.key(2))
+    mx.eval(model(tokens, cache=caches))
+    layer = caches[0]
+    assert layer.fetch_decoded and layer.used_nbytes < 0.3 * 2 * layer.decoded()[0].nbytes
+    step = mx.random.normal((1, layer.kv_heads, 1, layer.key_dim))
+    fetched = layer.update_and_fetch(step, step)
+    assert all(isinstance(a, mx.array) for a in fetched)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(fetched, layer.decoded()))
