@@ -162,8 +162,9 @@ def markdown(result: dict) -> str:
              f"own KV heads); {result['tokens']} greedy tokens, median of {result['repeats']} interleaved runs. "
              f"`fp16` is mlx-lm's own `KVCache` on the same sharded model. Peak memory includes the weights. "
              f"{result.get('cpu_count')} CPU cores, load average {result.get('load_average_at_start', float('nan')):.1f} "
-             f"at the start and {result.get('load_average_at_end', float('nan')):.1f} at the end (other work shared "
-             f"the cores: compare methods within one world size, not across).", "",
+             f"at the start and {result.get('load_average_at_end', float('nan')):.1f} at the end (the ranks at world size "
+             f"2 share the cores, and a load over the core count means they shared them with other work: compare "
+             f"methods within one world size, not across).", "",
              "| world size | rank | method | cache MB held | bits/coord | decode tok/s | vs fp16 same world | peak MB |",
              "|---:|---:|---|---:|---:|---:|---:|---:|"]
     for world in result["worlds"]:
