@@ -122,3 +122,27 @@ def test_a_latent_without_rope_part_is_cached():
     cache.update_and_fetch(latent, mx.zeros((1, 1, 20, 0)))
     got_latent, got_rope = cache.fetch()
     assert got_rope.shape == (1, 1, 20, 0) and relative_error(got_latent, latent) < 0.12
+
+
+def test_the_librarys_checked_files_round_trip_a_latent_and_refuse_another_config_or_an_edit(
+        tiny_deepseek_v3, tmp_path):
+    from veloxquant_mlx.cache.errors import CacheFormatError
+    from veloxquant_mlx.integration import load_prompt_cache, save_prompt_cache
+
+    model = tiny_deepseek_v3
+    caches = compressed_caches(model, KVCacheConfig.preset("vq4"))
+    mx.eval(model(mx.random.randint(0, 512, (1, 60), key=mx.random.key(4)), cache=caches))
+    path = str(tmp_path / "latent.safetensors")
+    save_prompt_cache(path, caches, {"note": "x"})
+    loaded = load_prompt_cache(path, KVCacheConfig.preset("vq4"), model=model)
+    step = mx.array([[7]])
+    assert mx.array_equal(model(step, cache=loaded), model(step, cache=caches)).item()
+    with pytest.raises(CacheFormatError, match="latent cache made with"):
+        load_prompt_cache(path, KVCacheConfig.preset("vq3"), model=model)
+    arrays, metadata = mx.load(path, return_metadata=True)
+    name = next(k for k in arrays if "coded" in k)
+    arrays[name] = arrays[name] + 1
+    edited = str(tmp_path / "edited.safetensors")
+    mx.save_safetensors(edited, arrays, metadata)
+    with pytest.raises(CacheFormatError, match="is not the layer saved in that position"):
+        load_prompt_cache(edited, KVCacheConfig.preset("vq4"), model=model)

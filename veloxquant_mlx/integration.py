@@ -335,6 +335,12 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
         if index is not None and _saved_digest(cache) != index["layers"][i]:
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
                                    "(layers swapped, or the file corrupted)")
+        latent = next((c for c in getattr(cache, "caches", (cache,)) if isinstance(c, CompressedLatentCache)), None)
+        if latent is not None:  # an MLA layer's latent (DeepSeek-V3.2's beside its indexer's keys)
+            if config is not None and latent.config != config:
+                raise CacheFormatError(f"{path} layer {i} holds a latent cache made with {latent.config.describe()}, "
+                                       f"not {config.describe()}")
+            continue
         compressed = _compressed_of(cache)
         # A hybrid model's state caches (no update_and_fetch: `compressed_caches` keeps them) load as they are.
         state = not hasattr(compressed, "update_and_fetch") and single_attention_member(compressed) is None
