@@ -103,39 +103,37 @@ class PackedRows:
         return 0 if self.parts is None else sum(a.nbytes for a in self.parts)
 
 
+class PackedField:
+    """A `LayerCache` field held as the cache's `PackedRows` of the same name with a leading underscore: reads
+    decode it; writes pack it, only the new rows where the file only appends to it (`appended`)."""
+
+    def __init__(self, appended: bool):
+        self.appended = appended
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, cache, owner=None):
+        return self if cache is None else getattr(cache, self.slot).get()
+
+    def __set__(self, cache, value: Optional[mx.array]) -> None:
+        rows = getattr(cache, self.slot)
+        rows.extend(value) if self.appended and value is not None else rows.set(value)
+
+
 class MicroscaledLayerCache(LayerCache):
     """`LayerCache` with its window, groups and index keys packed (`PackedRows`); the open group's rows
     (fewer than its pooling ratio) stay as the model makes them."""
+
+    window = PackedField(appended=False)
+    compress_kv = PackedField(appended=True)
+    index_k = PackedField(appended=True)
 
     def __init__(self, window_size: int):
         self._window = PackedRows("mxfp8")
         self._compress_kv = PackedRows("fp4_e4m3")
         self._index_k = PackedRows("mxfp4")
         super().__init__(window_size)
-
-    @property
-    def window(self) -> Optional[mx.array]:
-        return self._window.get()
-
-    @window.setter
-    def window(self, value: Optional[mx.array]) -> None:
-        self._window.set(value)
-
-    @property
-    def compress_kv(self) -> Optional[mx.array]:
-        return self._compress_kv.get()
-
-    @compress_kv.setter
-    def compress_kv(self, value: Optional[mx.array]) -> None:
-        self._compress_kv.extend(value) if value is not None else self._compress_kv.set(None)
-
-    @property
-    def index_k(self) -> Optional[mx.array]:
-        return self._index_k.get()
-
-    @index_k.setter
-    def index_k(self, value: Optional[mx.array]) -> None:
-        self._index_k.extend(value) if value is not None else self._index_k.set(None)
 
     @property
     def state(self):
