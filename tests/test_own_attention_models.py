@@ -77,3 +77,22 @@ def test_a_model_that_computes_on_its_fetched_keys_gets_them_decoded_and_holds_c
     fetched = layer.update_and_fetch(step, step)
     assert all(isinstance(a, mx.array) for a in fetched)
     assert all(mx.array_equal(a, b).item() for a, b in zip(fetched, layer.decoded()))
+
+
+def test_a_batch_of_decoded_fetch_rows_decodes_as_its_rows_do_alone():
+    # PLaMo; Gemma 2's batched mask is broadcast against its grouped scores wrongly in mlx-lm itself (its own
+    # BatchKVCache gives another next token than its KVCache), so it is no reference.
+    from veloxquant_mlx.batch import BatchCompressedKVCache
+
+    model, _ = models_matrix.build_model("plamo")
+    rows = []
+    for n, seed in ((50, 1), (70, 2)):
+        caches = compressed_caches(model, KVCacheConfig.preset("vq4"))
+        mx.eval(model(mx.random.randint(0, 512, (1, n), key=mx.random.key(seed)), cache=caches))
+        rows.append(caches)
+    batch = [BatchCompressedKVCache.merge(layer) for layer in zip(*rows)]
+    step = mx.array([[3], [4]])
+    together = model(step, cache=batch)[:, -1]
+    for i, caches in enumerate(rows):
+        alone = model(step[i:i + 1], cache=caches)[0, -1]
+        assert mx.allclose(together[i], alone, atol=1e-4).item()

@@ -193,7 +193,7 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
         length = keys.shape[2]
         if length == 1 and self._real is None and not any(self._skip):
             self._decode_step(keys, values)
-            return BatchHistory(self, "keys"), BatchHistory(self, "values")
+            return self._fetched()
         self._release()
         self._spans, self._masks = [], []
         for i, cache in enumerate(self.rows):
@@ -212,6 +212,13 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
             if count:
                 cache.update_and_fetch(keys[i : i + 1, :, start : start + count],
                                        values[i : i + 1, :, start : start + count])
+        return self._fetched()
+
+    def _fetched(self):
+        """What `update_and_fetch` returns: the batch's history, or its tokens decoded into `BatchKVCache`'s
+        columns for a model that computes on them itself (`fetch_decoded`)."""
+        if any(getattr(cache, "inner", cache).fetch_decoded for cache in self.rows):
+            return self.decoded()
         return BatchHistory(self, "keys"), BatchHistory(self, "values")
 
     def attend(self, queries: mx.array, scale: float, mask=None, sinks=None) -> mx.array:
