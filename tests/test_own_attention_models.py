@@ -96,3 +96,16 @@ def test_a_batch_of_decoded_fetch_rows_decodes_as_its_rows_do_alone():
     for i, caches in enumerate(rows):
         alone = model(step[i:i + 1], cache=caches)[0, -1]
         assert mx.allclose(together[i], alone, atol=1e-4).item()
+
+
+def test_a_loaded_cache_of_a_decoded_fetch_model_still_fetches_decoded(tmp_path):
+    from veloxquant_mlx.integration import load_prompt_cache, save_prompt_cache
+
+    model, _ = models_matrix.build_model("gemma2")
+    caches = compressed_caches(model, KVCacheConfig.preset("vq4"))
+    mx.eval(model(mx.random.randint(0, 512, (1, 40), key=mx.random.key(5)), cache=caches))
+    path = str(tmp_path / "gemma2.safetensors")
+    save_prompt_cache(path, caches)
+    loaded = load_prompt_cache(path, KVCacheConfig.preset("vq4"), model=model)
+    step = mx.array([[9]])
+    assert mx.array_equal(model(step, cache=loaded), model(step, cache=caches)).item()

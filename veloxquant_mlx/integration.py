@@ -331,6 +331,7 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
     metadata = dict(metadata or {})
     index = _verified_index(path, metadata, len(caches), headers)
     identity = None if model is None else cache_identity(model)
+    decoded = model is not None and fetches_decoded(model)
     for i, cache in enumerate(caches):
         if index is not None and _saved_digest(cache) != index["layers"][i]:
             raise CacheFormatError(f"{path} layer {i} is not the layer saved in that position "
@@ -356,6 +357,7 @@ def load_prompt_cache(path, config: Optional[KVCacheConfig] = None, return_metad
                 and compressed.model_identity != identity):
             raise CacheFormatError(f"{path} was saved from the caches of another model: "
                                    f"{identity_difference(compressed.model_identity, identity)}")
+        compressed.fetch_decoded = decoded
     if model is not None and len(caches) != len(model.layers):
         raise CacheFormatError(f"{path} holds {len(caches)} layers; the model has {len(model.layers)}")
     if model is not None:
