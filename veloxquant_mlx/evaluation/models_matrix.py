@@ -32,7 +32,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from ..integration import UnsupportedModelError
-from .moe_routing import REPLAYABLE, RouterReplay
+from .moe_routing import RouterReplay
 from .specs import parse_method_spec
 
 SPECS = ("vq4", "kivi:4")
@@ -449,30 +449,20 @@ def short_error(error: BaseException) -> str:
     return text[:200]
 
 
-class _NoRouter:
-    enabled = False
-
-    def restart(self, mode: str) -> None:
-        pass
-
-
 def check_file(name: str, prefill: int = 300, decode: int = 20, specs=SPECS, seed: int = 0, stage=None,
                chunk: int = 0) -> Record:
     """One file's record: KL, largest logit difference and bytes ratio per spec; `apply_thresholds` gives the
     statuses of the KLs. `chunk`: the first `chunk` of the `decode` tokens in one call (`run_caches`).
     `stage(text)` is told what runs next (a worker's parent names a crash with it)."""
     stage = stage or (lambda text: None)
-    if name in REPLAYABLE:
-        with RouterReplay(name) as router:
-            return _check_file(name, prefill, decode, specs, seed, stage, chunk, router)
-    return _check_file(name, prefill, decode, specs, seed, stage, chunk, None)
+    with RouterReplay(name) as router:  # a file in moe_routing.REPLAYABLE: its router recorded and replayed
+        return _check_file(name, prefill, decode, specs, seed, stage, chunk, router)
 
 
 def _check_file(name: str, prefill: int, decode: int, specs, seed: int, stage, chunk: int,
-                router: Optional[RouterReplay]) -> Record:
+                router: RouterReplay) -> Record:
     start = time.perf_counter()
     record = Record(file=name)
-    router = router or _NoRouter()
     stage("mlx-lm's caches")
     try:
         model, config = build_model(name, seed)

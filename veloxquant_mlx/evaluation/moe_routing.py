@@ -28,30 +28,32 @@ REPLAYABLE: Dict[str, Tuple[str, Callable]] = {"laguna": ("MoEGate", _laguna_wei
 
 
 class RouterReplay:
-    """A context that wraps a file's gate. `mode`: "free" (the gate as it is), "record" (keep its choices),
-    "count" (route freely, count the calls whose choices differ from the recorded ones) or "replay" (route
-    as recorded, counting as "count" does)."""
-
-    enabled = True
+    """A context that wraps a file's gate (`enabled`: the file is in `REPLAYABLE`; otherwise it wraps nothing).
+    `mode`: "free" (the gate as it is), "record" (keep its choices), "count" (route freely, count the calls
+    whose choices differ from the recorded ones) or "replay" (route as recorded, counting as "count" does)."""
 
     def __init__(self, file: str):
-        class_name, self.weights = REPLAYABLE[file]
-        self.gate_class = getattr(importlib.import_module(f"mlx_lm.models.{file}"), class_name)
-        self.mode, self.choices = "free", []
+        self.enabled = file in REPLAYABLE
+        if self.enabled:
+            class_name, self.weights = REPLAYABLE[file]
+            self.gate_class = getattr(importlib.import_module(f"mlx_lm.models.{file}"), class_name)
+        self.choices: List[mx.array] = []
         self.restart("free")
 
     def restart(self, mode: str) -> None:
         self.mode, self.at, self.flipped, self.routed = mode, 0, 0, 0
         if mode == "record":
-            self.choices: List[mx.array] = []
+            self.choices = []
 
     def __enter__(self) -> "RouterReplay":
-        self.original = self.gate_class.__call__
-        self.gate_class.__call__ = lambda gate, x: self._gate(gate, x)
+        if self.enabled:
+            self.original = self.gate_class.__call__
+            self.gate_class.__call__ = lambda gate, x: self._gate(gate, x)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.gate_class.__call__ = self.original
+        if self.enabled:
+            self.gate_class.__call__ = self.original
 
     def _gate(self, gate, x: mx.array):
         indices, weights = self.original(gate, x)
