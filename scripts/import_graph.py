@@ -26,7 +26,7 @@ LAYERS = {
     # 3. storage and engine with kernels
     "storage": 3, "engine": 3, "kept": 3, "kernels": 3, "history": 3, "codec_set": 3,
     # 4. cache, batch and rotating
-    "cache": 4, "batch": 4, "batch_decode": 4, "rotating": 4, "kernel_cases": 4, "cache_integrity": 4,
+    "cache": 4, "batch": 4, "batch_columns": 4, "batch_latent": 4, "batch_decode": 4, "rotating": 4, "kernel_cases": 4, "cache_integrity": 4,
     # 5. integration, artifacts, calibration, presets
     "integration": 5, "attention_hook": 5, "artifacts": 5, "calibration": 5, "presets": 5, "prompt_cache": 5, "kvlayout": 5,
     "sharding": 5, "sharded_files": 5,

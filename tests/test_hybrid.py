@@ -13,6 +13,7 @@ from mlx_lm.models import cache as mlx_cache
 
 from veloxquant_mlx import KVCacheBuilder, KVCacheConfig
 from veloxquant_mlx.cache import CompressedKVCache
+from veloxquant_mlx.cache.latent import CompressedLatentCache
 from veloxquant_mlx.evaluation import models_matrix as matrix
 from veloxquant_mlx.footprint import footprint
 from veloxquant_mlx.integration import load_prompt_cache, save_prompt_cache
@@ -21,9 +22,10 @@ CONFIG = KVCacheConfig(method="turboquant_mse", bits=4)
 PROMPT = mx.random.randint(0, matrix.VOCAB, (48,), key=mx.random.key(1))
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "falcon_h1"])
+@pytest.fixture(scope="module", params=["qwen3_next", "falcon_h1", "kimi_linear"])
 def hybrid(request):
-    """(file, model): Qwen3-Next (an ArraysCache per linear layer), Falcon-H1 (a CacheList per layer)."""
+    """(file, model): Qwen3-Next (an ArraysCache per linear layer), Falcon-H1 (a CacheList per layer), Kimi-Linear
+    (ArraysCaches beside MLA latent caches)."""
     model, _ = matrix.build_model(request.param)
     return request.param, model
 
@@ -52,9 +54,10 @@ def test_attention_layers_compressed_state_kept_logits_follow_mlx_lm(hybrid):
     name, model = hybrid
     caches, reference = _caches(model), mlx_cache.make_prompt_cache(model)
     members, own = _attention_members(caches), _attention_members(reference)
-    assert any(isinstance(m, CompressedKVCache) for m in members)
+    ours_kinds = (CompressedKVCache, CompressedLatentCache)
+    assert any(isinstance(m, ours_kinds) for m in members)
     for ours, theirs in zip(members, own):  # a state cache stays mlx-lm's, an attention cache becomes ours
-        assert type(ours) is type(theirs) if isinstance(theirs, mlx_cache.ArraysCache) else isinstance(ours, CompressedKVCache)
+        assert type(ours) is type(theirs) if isinstance(theirs, mlx_cache.ArraysCache) else isinstance(ours, ours_kinds)
     ours = model(PROMPT[None], cache=caches)[0, -8:].astype(mx.float32)
     theirs = model(PROMPT[None], cache=reference)[0, -8:].astype(mx.float32)
     kl, _ = matrix.kl_and_max(theirs, ours)

@@ -146,3 +146,101 @@ def test_the_librarys_checked_files_round_trip_a_latent_and_refuse_another_confi
     mx.save_safetensors(edited, arrays, metadata)
     with pytest.raises(CacheFormatError, match="is not the layer saved in that position"):
         load_prompt_cache(edited, KVCacheConfig.preset("vq4"), model=model)
+
+
+# ---- batches of latent caches (batch_latent.py), as mlx-lm's BatchGenerator and server make them ------------
+
+def _histories(model, lengths, seed):
+    rows = []
+    for i, n in enumerate(lengths):
+        caches = compressed_caches(model, KVCacheConfig.preset("vq4"))
+        mx.eval(model(mx.random.randint(0, 512, (1, n), key=mx.random.key(seed + i)), cache=caches))
+        rows.append(caches)
+    return rows
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "kimi_linear", "plamo"])
+def test_a_batch_with_histories_and_right_padded_prompts_decodes_as_its_rows_alone(name):
+    """Rows with different histories merged, then new prompts of different lengths right-padded into one chunk
+    (`prepare` / `finalize`, as `BatchGenerator` feeds them), then two decode steps: each row's logits are its
+    own alone. Kimi-Linear mixes the latent batch with mlx-lm's batched `ArraysCache`; PLaMo, whose batch of
+    compressed rows returns decoded arrays too (`fetch_decoded`), gets the same padded columns."""
+    import copy
+
+    from mlx_lm.generate import _merge_caches
+
+    from veloxquant_mlx.batch_latent import BatchLatentCache
+    from veloxquant_mlx.evaluation.models_matrix import build_model
+
+    model, _ = build_model(name)
+    rows = _histories(model, [20, 35, 50], seed=10)
+    alone = copy.deepcopy(rows)
+    batch = _merge_caches(rows)
+    assert any(isinstance(layer, BatchLatentCache) for layer in batch) == (name != "plamo")
+    lengths = [30, 12, 21]
+    prompts = [mx.random.randint(0, 512, (1, n), key=mx.random.key(20 + i)) for i, n in enumerate(lengths)]
+    padding = [max(lengths) - n for n in lengths]
+    chunk = mx.concatenate([mx.pad(p, [(0, 0), (0, pad)]) for p, pad in zip(prompts, padding)])
+    for layer in batch:
+        layer.prepare(lengths=lengths, right_padding=padding)
+    mx.eval(model(chunk, cache=batch))
+    for layer in batch:
+        layer.finalize()
+    steps = [mx.array([[3], [4], [5]]), mx.array([[7], [8], [9]])]
+    together = [model(step, cache=batch)[:, -1] for step in steps]
+    for i, caches in enumerate(alone):
+        mx.eval(model(prompts[i], cache=caches))
+        for step, logits in zip(steps, together):
+            assert mx.allclose(logits[i], model(step[i : i + 1], cache=caches)[0, -1], atol=1e-4).item()
+    extracted = [layer.extract(1) for layer in batch]  # a row's own cache back, as a prompt cache
+    step = mx.array([[11]])
+    assert mx.allclose(model(step, cache=extracted), model(step, cache=alone[1]), atol=1e-4).item()
+
+
+def test_batch_generate_on_latent_caches_matches_each_sequence_alone(tiny_deepseek_v3):
+    """mlx-lm's `batch_generate` (merge, right padding, `filter` as sequences stop, `extract` into prompt
+    caches): each sequence's tokens are those it generates alone."""
+    from mlx_lm.generate import batch_generate, generate_step
+    from mlx_lm.sample_utils import make_sampler
+
+    from veloxquant_mlx.integration import patch_model, unpatch_model
+
+    class Tok:
+        eos_token_ids = {511}
+        eos_token_id = 511
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    model = tiny_deepseek_v3
+    prompts = [mx.random.randint(0, 500, (n,), key=mx.random.key(30 + n)).tolist() for n in (40, 13, 27)]
+    limits = [6, 3, 5]
+    theirs = batch_generate(model, Tok(), prompts, max_tokens=limits, return_prompt_caches=True).caches
+    patch_model(model, KVCacheConfig.preset("vq4"))
+    try:
+        response = batch_generate(model, Tok(), prompts, max_tokens=limits, return_token_ids=True,
+                                  return_prompt_caches=True)
+        for prompt, ids, limit, cache, own in zip(prompts, response.token_ids, limits, response.caches, theirs):
+            steps = generate_step(mx.array(prompt), model, prompt_cache=model.make_cache(), sampler=make_sampler(0.0))
+            assert ids == [int(token) for (token, _), _ in zip(steps, range(limit))]
+            assert all(type(layer) is CompressedLatentCache for layer in cache)
+            assert [layer.offset for layer in cache] == [layer.offset for layer in own]
+    finally:
+        unpatch_model(model)
+
+
+def test_a_latent_batch_file_state_round_trips_and_a_corrupt_header_is_refused(tiny_deepseek_v3):
+    from veloxquant_mlx.batch_latent import BatchLatentCache
+    from veloxquant_mlx.cache.errors import CacheFormatError
+
+    model = tiny_deepseek_v3
+    rows = _histories(model, [25, 40], seed=40)
+    batch = [CompressedLatentCache.merge(layer) for layer in zip(*rows)]
+    loaded = [BatchLatentCache.from_state(layer.state) for layer in batch]
+    step = mx.array([[3], [4]])
+    assert mx.array_equal(model(step, cache=loaded), model(step, cache=batch)).item()
+    header, states = batch[0].state
+    with pytest.raises(CacheFormatError, match="corrupted latent batch"):
+        BatchLatentCache.from_state([header, states[:1]])
+    with pytest.raises(CacheFormatError, match="unreadable header"):
+        BatchLatentCache.from_state(["{", states])

@@ -21,6 +21,7 @@ import mlx_lm.models.base as mlx_base
 import mlx_lm.models.cache as mlx_cache
 
 from .batch import BatchCompressedKVCache, BatchHistory
+from .batch_latent import BatchLatentCache
 from .cache import CompressedHistory, CompressedKVCache, register_on_load
 from .cache.latent import CompressedLatentCache
 from .errors import UnsupportedModelError
@@ -48,6 +49,7 @@ mlx_cache.CompressedKVCache = CompressedKVCache
 mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
 mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
 mlx_cache.CompressedLatentCache = CompressedLatentCache
+mlx_cache.BatchLatentCache = BatchLatentCache
 
 
 # Model files that compute on the fetched keys/values before attention, which a compressed cache cannot give.
@@ -118,6 +120,7 @@ def install_attention_hook(model=None) -> None:
     mlx_cache.CompressedRotatingKVCache = CompressedRotatingKVCache
     mlx_cache.BatchCompressedKVCache = BatchCompressedKVCache
     mlx_cache.CompressedLatentCache = CompressedLatentCache
+    mlx_cache.BatchLatentCache = BatchLatentCache
     if model is not None:
         names = _module_names(model)
         for name in sorted(names & set(KEY_TRANSFORMING_MODELS)):

@@ -37,6 +37,7 @@ from typing import List, Optional, Sequence, Union
 import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
+from .batch_columns import RowColumns
 from .batch_decode import BatchDecoder, eligible
 from .cache import CacheFormatError, CompressedKVCache, DecodedReads, register_batch, run_on_load
 from .rotating import CompressedRotatingKVCache, register_rotating_batch
@@ -48,7 +49,7 @@ Row = Union[CompressedKVCache, CompressedRotatingKVCache]
 _OWN_MASKS: "weakref.WeakValueDictionary[int, mx.array]" = weakref.WeakValueDictionary()
 
 
-class BatchCompressedKVCache(DecodedReads, _BaseCache):
+class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
     """B compressed caches decoded as one batch; the mlx-lm batch cache protocol
     (`merge`, `extend`, `filter`, `extract`, `prepare`, `finalize`, `trim`, `make_mask`, `state`)."""
 
@@ -67,10 +68,7 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
             if inner.key_codec is not None and inner.batch != 1:
                 raise ValueError(f"a batch is made of batch-1 caches, got one of batch {inner.batch}")
         self.rows = list(rows)
-        self._skip = [0] * len(self.rows)  # left padding still to come, per row
-        self._pad = [0] * len(self.rows)  # padding columns before each row's tokens (`columns`)
-        self._real = None  # real tokens still to come per row (right padding), or None
-        self._spans = None  # (start, count) of each row's real tokens in the last chunk
+        self._start_columns(len(self.rows))
         self._masks = None  # each row's mask for the last chunk's queries
         self._decoder = BatchDecoder()
         self._members: List[int] = []  # the rows the decoder holds, in its buffers' order
@@ -86,59 +84,27 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
         return cls([copy.deepcopy(cache) for cache in caches])
 
     def extend(self, other: "BatchCompressedKVCache"):
-        if other._real is not None or self._real is not None:
-            raise ValueError("cannot extend a batch in the middle of a right-padded prefill")
         other._release()
         if self.rows and other.rows:
             type(self)(self.rows[:1] + other.rows[:1])  # the same kind and window, or refused
-        # Right-aligned on the longer batch's columns, as mlx-lm's `BatchKVCache.extend` pads them.
-        columns = max(self.columns, other.columns)
-        self._pad = [p + columns - self.columns for p in self._pad] + [p + columns - other.columns for p in other._pad]
+        self._extend_columns(other)
         self.rows += other.rows  # they join the decoder's buffers on their first decode step
-        self._skip += other._skip
 
     def filter(self, batch_indices):
         indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
         self.rows = [self.rows[i] for i in indices]
-        self._skip = [self._skip[i] for i in indices]
-        self._pad = [self._pad[i] for i in indices]
-        if self._real is not None:
-            self._real = [self._real[i] for i in indices]
+        self._keep_columns(indices)
         held = {row: b for b, row in enumerate(self._members)}
         kept = [(new, held[old]) for new, old in enumerate(indices) if old in held]
         self._decoder.filter([b for _, b in kept])
         self._members = [new for new, _ in kept] if self._decoder.active else []
-        # The padding columns every kept row has are dropped, as mlx-lm's `BatchKVCache.filter` shifts them out.
-        visible = self._visible()
-        columns = self._columns(visible)
-        unused = min((columns - n for n in visible), default=0)
-        self._pad = [columns - n - unused for n in visible]
+        self._shift_out_padding()
 
     def extract(self, idx: int) -> Row:
         """An independent copy of sequence `idx`'s cache (codes, never dequantized values)."""
         if idx in self._members:
             return self._decoder.extract(self._members.index(idx))
         return copy.deepcopy(self.rows[idx])
-
-    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
-        if left_padding is not None:
-            if any(not cache.empty() for cache in self.rows):
-                raise ValueError("left padding can only be added to an empty batch cache")
-            self._skip = [s + int(p) for s, p in zip(self._skip, left_padding)]
-        if right_padding is not None and max(right_padding) > 0:
-            self._real = [int(n) for n in lengths]
-
-    def finalize(self):
-        self._real = None
-
-    @property
-    def columns(self) -> int:
-        """The columns of mlx-lm's `BatchKVCache` buffers for these rows: each row's tokens right-aligned, after
-        the padding columns the batch took (left padding, a right-padded prefill's, an `extend`'s alignment)."""
-        return self._columns(self._visible())
-
-    def _columns(self, visible: List[int]) -> int:
-        return max((p + n for p, n in zip(self._pad, visible)), default=0)
 
     def _visible(self) -> List[int]:
         """Tokens each row's attention sees (`_held`), the decoder's rows counted where it holds them."""
@@ -147,34 +113,15 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
             held[row] = int(self._decoder.row_offset(b))
         return held
 
-    @property
-    def left_padding(self) -> mx.array:
-        """Per row, the columns of `make_mask`'s array before its first token (as `BatchKVCache`'s:
-        rows right-aligned on `columns`), padding still to come included."""
-        visible = self._visible()
-        columns = self._columns(visible)
-        return mx.array([columns - n + skip for n, skip in zip(visible, self._skip)])
-
     def decoded(self):
         """(keys, values) of every row, decoded (`CompressedKVCache.decoded`) and left-padded with zeros into
-        mlx-lm's `BatchKVCache` layout; (None, None) while every row is empty. A copy, for reading."""
+        mlx-lm's `BatchKVCache` layout (`RowColumns._padded`); (None, None) while every row is empty. A copy, for
+        reading."""
         self._release()
         rows = [cache.decoded() for cache in self.rows]
-        shaped = next((pair for pair in rows if pair[0] is not None), None)
-        if shaped is None:
+        if all(keys is None for keys, _ in rows):
             return None, None
-        columns = max(max(p + (0 if k is None else k.shape[2]) for p, (k, _) in zip(self._pad, rows)), self.columns)
-        out = []
-        for role in (0, 1):
-            like = shaped[role]
-            padded = []
-            for pair in rows:
-                held = pair[role]
-                n = 0 if held is None else held.shape[2]
-                parts = [mx.zeros((1, like.shape[1], columns - n, like.shape[3]), dtype=like.dtype)]
-                padded.append(mx.concatenate(parts + [held.astype(like.dtype)], axis=2) if n else parts[0])
-            out.append(mx.concatenate(padded, axis=0))
-        return tuple(out)
+        return tuple(self._padded([pair[role] for pair in rows]) for role in (0, 1))
 
     def keys_and_values(self):
         return BatchHistory(self, "keys"), BatchHistory(self, "values")
@@ -195,16 +142,8 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
             self._decode_step(keys, values)
             return self._fetched()
         self._release()
-        self._spans, self._masks = [], []
-        for i, cache in enumerate(self.rows):
-            start = min(self._skip[i], length)
-            self._skip[i] -= start
-            count = length - start
-            if self._real is not None:
-                count = min(count, self._real[i])
-                self._real[i] -= count
-            self._pad[i] += length - count
-            self._spans.append((start, count))
+        self._masks = []
+        for i, (cache, (start, count)) in enumerate(zip(self.rows, self._take_chunk(length))):
             mask = ("causal" if count > 1 else None)
             if count and isinstance(cache, CompressedRotatingKVCache):
                 mask = cache.make_mask(count)  # before the update: its window as the update leaves it
@@ -284,15 +223,9 @@ class BatchCompressedKVCache(DecodedReads, _BaseCache):
         self._members, self._decoded = [], False
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None, **kwargs):
-        """`BatchKVCache`'s (B, 1, N, columns + N) boolean array, whatever `return_array` says (a batch
-        has no mask kind that says where each row starts). `attend` applies each row's own mask instead
-        (a sliding-window row its window, `rotating.py`)."""
-        total = self.columns + N
-        query = mx.arange(total - N, total)[:, None]
-        key = mx.arange(total)[None]
-        mask = (query >= key) & (key >= mx.expand_dims(self.left_padding, (1, 2, 3)))
-        if window_size is not None:
-            mask = mask & (query < key + window_size)
+        """`RowColumns.make_mask`'s array, which `attend` recognises and replaces with each row's own mask
+        (a sliding-window row's its window, `rotating.py`)."""
+        mask = super().make_mask(N, return_array, window_size)
         _OWN_MASKS[id(mask)] = mask
         return mask
 

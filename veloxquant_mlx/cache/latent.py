@@ -28,6 +28,7 @@ tokens come back decoded.
 
 from __future__ import annotations
 
+import copy
 from typing import Dict, Optional
 
 import mlx.core as mx
@@ -40,6 +41,15 @@ STEP = 256
 # The RoPE part's codes by default; why 8 bits and not the latent's bits or fp16: docs/models.md.
 ROPE_BITS = 8
 ROPE_FORMATS = (None, 8)
+
+# The batch class `merge` builds (mlx-lm's `BatchGenerator`): `batch_latent.py` registers it, since it holds
+# latent caches itself.
+_BATCH: Optional[type] = None
+
+
+def register_latent_batch(cls: type) -> None:
+    global _BATCH
+    _BATCH = cls
 
 
 class CompressedLatentCache(_BaseCache):
@@ -58,6 +68,17 @@ class CompressedLatentCache(_BaseCache):
         self.mean: Optional[mx.array] = None
         self.dtype = mx.float16
         self._codecs = None
+
+    # Immutable or shared by every cache of a config: not copied.
+    _SHARED_ON_COPY = ("config", "dtype", "_codecs", "widths")
+
+    def __deepcopy__(self, memo):
+        """An independent cache holding the same tokens (mlx-lm's server deep-copies prompt caches)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
+        return new
 
     # Codecs, built from the widths of the first tokens.
     def _build(self, latent_dim: int, rope_dim: int) -> None:
@@ -180,6 +201,13 @@ class CompressedLatentCache(_BaseCache):
 
     def make_mask(self, *args, **kwargs):
         return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @classmethod
+    def merge(cls, caches):
+        """A `batch_latent.BatchLatentCache` of copies of `caches` (each of batch 1)."""
+        if _BATCH is None:
+            raise RuntimeError("no latent batch class is registered: import veloxquant_mlx (batch_latent.py registers it)")
+        return _BATCH.merge(caches)
 
     def size(self) -> int:
         return self.offset
