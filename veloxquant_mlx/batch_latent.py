@@ -20,7 +20,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import _BaseCache
 
 from .batch_columns import RowColumns
-from .cache import CacheFormatError, run_on_load
+from .cache import CacheFormatError
 from .cache.latent import CompressedLatentCache, register_latent_batch
 
 BATCH_FORMAT_VERSION = 1
@@ -114,13 +114,6 @@ class BatchLatentCache(RowColumns, _BaseCache):
                                    f"padding {pad!r}, skip {skip!r}")
         self.__init__([CompressedLatentCache.from_state(row_state) for row_state in row_states])
         self._skip, self._pad = skip, pad
-
-    @classmethod
-    def from_state(cls, state):
-        cache = cls.__new__(cls)
-        cache.state = state
-        run_on_load()
-        return cache
 
     @property
     def nbytes(self) -> int:
