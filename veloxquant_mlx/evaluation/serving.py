@@ -280,6 +280,7 @@ def run_serve_benchmark(args) -> dict:
     servers: Dict[tuple, ServerProcess] = {}
     rows = []
     signal.signal(signal.SIGTERM, _interrupted)  # stop the servers on the way out
+    complete = False
     try:
         if not args.sequential:  # every server up (and loading in parallel) before the first round
             for cache, budget in dict.fromkeys(last_use):
@@ -298,21 +299,25 @@ def run_serve_benchmark(args) -> dict:
             _progress(row)
             if args.sequential and last_use[(cache, budget)] == i:
                 servers.pop((cache, budget)).stop()
+        complete = True
     finally:
         for server in servers.values():
             server.stop()
-    results = {"command": "benchmark serve",
-               "settings": {"model": args.model, "caches": caches, "concurrency": levels, "prompt_tokens": lengths,
-                            "max_tokens": args.max_tokens, "requests_per_client": args.requests,
-                            "kv_budget_gb": budget_gb, "budget_fp16_sequences": args.budget_fp16_sequences,
-                            "interleaved": not args.sequential},
-               "environment": {"device": str(mx.default_device()), "machine": platform.machine(),
-                               "processor": platform.processor(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
-                               "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
-               "rows": rows}
-    (out / "results.json").write_text(json.dumps(results, indent=2))
-    (out / "results.md").write_text(markdown(results))
-    plot(results, out / "throughput_vs_concurrency.png")
+        # An interrupted run keeps the rounds it finished, marked incomplete.
+        results = {"command": "benchmark serve",
+                   "settings": {"model": args.model, "caches": caches, "concurrency": levels,
+                                "prompt_tokens": lengths, "max_tokens": args.max_tokens,
+                                "requests_per_client": args.requests, "kv_budget_gb": budget_gb,
+                                "budget_fp16_sequences": args.budget_fp16_sequences, "interleaved": not args.sequential},
+                   "environment": {"device": str(mx.default_device()), "machine": platform.machine(),
+                                   "processor": platform.processor(), "mlx": mx.__version__,
+                                   "mlx_lm": mlx_lm.__version__,
+                                   "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                   "complete": complete, "rows": rows}
+        if rows:
+            (out / "results.json").write_text(json.dumps(results, indent=2))
+            (out / "results.md").write_text(markdown(results))
+            plot(results, out / "throughput_vs_concurrency.png")
     print(markdown(results))
     return results
 
@@ -352,7 +357,8 @@ def markdown(results: dict) -> str:
     lines = [f"`veloxquant benchmark serve`: model `{s['model']}`, {s['requests_per_client']} streamed completion(s) "
              f"per client of up to {s['max_tokens']} tokens, greedy; one {'interleaved ' if s.get('interleaved', True) else ''}run ({env['device']}, mlx "
              f"{env['mlx']}, mlx-lm {env['mlx_lm']}, {env['when']}). `none` is mlx-lm's own caches; `mlx-qN` its "
-             "QuantizedKVCache (served one request at a time by mlx-lm's server).", "",
+             "QuantizedKVCache (served one request at a time by mlx-lm's server)."
+             + ("" if results.get("complete", True) else " **Incomplete run**: interrupted after these rounds."), "",
              "| cache | KV budget GB | clients | prompt tokens | tok/s | vs none | TTFT p50/p95 s | ITL p50/p95 ms "
              "| admitted | queued | server peak RSS GB | MLX peak GB | failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
