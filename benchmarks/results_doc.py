@@ -56,7 +56,12 @@ SECTIONS = [
     ("Kernel self-test (H200)", "`python -m veloxquant_mlx.kernels.selftest --backend cuda`: every case against the "
      "portable path, the generic path and float64 attention.",
      ["gpu/thirtyfirst-selftest/selftest.txt"]),
-    ("Serving", "Made by `benchmarks/serve_throughput.py`.", ["serve-throughput-smollm2-cpu"]),
+    ("Serving", "Made by `benchmarks/serve_throughput.py` and `veloxquant benchmark serve`.",
+     ["serve-throughput-smollm2-cpu", "benchmark-serve-smollm2-cpu"]),
+    ("MLX's own quantized formats", "Made by `veloxquant eval ppl`, `benchmarks/cpu_decode.py` and "
+     "`benchmarks/mlx_native_decode.py`.",
+     ["mlxq-kl-smollm2-cpu", "mlxq-decode-smollm2-cpu/cpu_decode_float32.md",
+      "mlxq-decode-llama8b-h100/mlx-native-run1", "mlxq-decode-llama8b-h100/mlx-native-run2"]),
     ("Weights", "Made by `benchmarks/weights_quality.py` and `benchmarks/weights_gpu_model_decode.py`.",
      ["weights-quality-smollm2", "weights-quality-gaffine-smollm2", "gpu/weights-model-decode-blocks-third"]),
 ]
