@@ -88,8 +88,9 @@ class RowColumns:
         `BatchKVCache.extend` pads them (before `other`'s rows join `self.rows`)."""
         if other._real is not None or self._real is not None:
             raise ValueError("cannot extend a batch in the middle of a right-padded prefill")
-        columns = max(self.columns, other.columns)
-        self._pad = [p + columns - self.columns for p in self._pad] + [p + columns - other.columns for p in other._pad]
+        own, theirs = self.columns, other.columns
+        columns = max(own, theirs)
+        self._pad = [p + columns - own for p in self._pad] + [p + columns - theirs for p in other._pad]
         self._skip += other._skip
 
     def _keep_columns(self, indices: Sequence[int]) -> None:

@@ -34,9 +34,8 @@ class BatchLatentCache(RowColumns, _BaseCache):
         for row in rows:
             if not isinstance(row, CompressedLatentCache):
                 raise TypeError(f"cannot batch a {type(row).__name__} with latent caches")
-            held = next(iter({**row.sinks, **row.window, **row.coded}.values()), None)
-            if held is not None and held.shape[0] != 1:
-                raise ValueError(f"a batch is made of batch-1 caches, got one of batch {held.shape[0]}")
+            if row.batch not in (None, 1):
+                raise ValueError(f"a batch is made of batch-1 caches, got one of batch {row.batch}")
         self.rows = list(rows)
         self._start_columns(len(self.rows))
 

@@ -249,12 +249,17 @@ class CompressedLatentCache(_BaseCache):
         return sum(a.nbytes for a in arrays) + (self.mean.nbytes if self.mean is not None else 0)
 
     @property
+    def batch(self) -> Optional[int]:
+        """The sequences this cache holds (None while it holds no array)."""
+        held = next(iter({**self.sinks, **self.window, **self.coded}.values()), None)
+        return None if held is None else held.shape[0]
+
+    @property
     def held_coordinates(self) -> int:
         """Cached coordinates (latent and RoPE part of every token), as mlx-lm's cache of this layer holds them."""
-        if self._codecs is None:
+        if self._codecs is None or self.batch is None:
             return 0
-        batch = next(iter({**self.sinks, **self.window, **self.coded}.values())).shape[0]
-        return self.offset * batch * sum(self.widths)
+        return self.offset * self.batch * sum(self.widths)
 
     @property
     def state(self):
