@@ -98,3 +98,19 @@ def test_budget_queues_requests_that_do_not_fit_and_refuses_one_that_never_can(t
         assert status == 400 and "--kv-memory-gb" in body["error"]["message"]
     finally:
         _stop(httpd, generator)
+
+
+def test_round_summary_separates_decode_throughput_from_prefill():
+    from veloxquant_mlx.evaluation.serving import round_summary
+
+    # Two streams: one answered at 1.0 s then every 0.5 s (5 tokens), one at 2.75 s then every 0.5 s (3 tokens).
+    streams = [{"start": 0.0, "arrivals": [1.0, 1.5, 2.0, 2.5, 3.0], "tokens": 5, "end": 3.0},
+               {"start": 0.0, "arrivals": [2.75, 3.25, 3.75], "tokens": 3, "end": 4.0},
+               {"start": 0.0, "arrivals": [], "tokens": 0, "end": 4.0}]
+    summary = round_summary(streams, seconds=4.0)
+    assert summary["completion_tokens"] == 8 and summary["tok_per_s"] == pytest.approx(2.0)
+    assert summary["decode_tokens"] == 6 and summary["decode_seconds"] == pytest.approx(2.75)
+    assert summary["decode_tok_per_s"] == pytest.approx(6 / 2.75)
+    assert summary["ttft_p50_s"] in (1.0, 2.75) and summary["itl_p50_s"] == pytest.approx(0.5)
+    assert summary["most_decoding_at_once"] == 2
+    assert round_summary([streams[2]], seconds=1.0)["decode_tok_per_s"] is None

@@ -140,16 +140,27 @@ def run_round(port: int, prompts: List[str], clients: int, requests: int, max_to
         thread.start()
     for thread in threads:
         thread.join()
-    seconds = time.perf_counter() - started
-    tokens = sum(r["tokens"] for r in results)
-    ttft = [r["arrivals"][0] - r["start"] for r in results if r["arrivals"]]
-    itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
     return {"clients": clients, "requests": clients * requests, "failed": len(errors), "errors": errors[:3],
-            "completion_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+            **round_summary(results, time.perf_counter() - started)}
+
+
+def round_summary(streams: List[dict], seconds: float) -> dict:
+    """A round's figures from its streams (`stream_completion`'s records). Two throughputs: end to end (every
+    completion token over the round's wall time, prefills included) and decode (the tokens after each stream's
+    first, over the span from the round's first first token to its last token; TTFT reports the prefill)."""
+    tokens = sum(r["tokens"] for r in streams)
+    answered = [r for r in streams if r["arrivals"]]
+    ttft = [r["arrivals"][0] - r["start"] for r in answered]
+    itl = [b - a for r in answered for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    decode_tokens = sum(max(0, r["tokens"] - 1) for r in answered)
+    decode_span = (max(r["arrivals"][-1] for r in answered) - min(r["arrivals"][0] for r in answered)
+                   if answered else 0.0)
+    return {"completion_tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+            "decode_tokens": decode_tokens, "decode_seconds": decode_span,
+            "decode_tok_per_s": decode_tokens / decode_span if decode_span > 0 else None,
             "ttft_p50_s": percentile(ttft, 0.5), "ttft_p95_s": percentile(ttft, 0.95),
             "itl_p50_s": percentile(itl, 0.5), "itl_p95_s": percentile(itl, 0.95),
-            "most_decoding_at_once": _most_overlapping([(r["arrivals"][0], r["arrivals"][-1]) for r in results
-                                                        if r["arrivals"]])}
+            "most_decoding_at_once": _most_overlapping([(r["arrivals"][0], r["arrivals"][-1]) for r in answered])}
 
 
 POOL_SYSTEM = "You are a helpful assistant who answers in one short sentence about the topic asked."
@@ -343,7 +354,7 @@ def _interrupted(signum, frame):
 def _progress(row):
     budget = f" budget {row['kv_budget_gb']:.4g} GB" if row["kv_budget_gb"] else ""
     print(f"{row['cache']:>10s} clients={row['clients']} prompt={row['prompt_tokens']}{budget}: "
-          f"{row['tok_per_s']:.2f} tok/s, admitted {row['admitted']}, failed {row['failed']}", flush=True)
+          f"decode {_fmt(row.get('decode_tok_per_s'))} tok/s, end to end {row['tok_per_s']:.2f} tok/s, admitted {row['admitted']}, failed {row['failed']}", flush=True)
 
 
 def _fmt(value, scale=1.0, digits=2):
@@ -352,21 +363,26 @@ def _fmt(value, scale=1.0, digits=2):
 
 def markdown(results: dict) -> str:
     rows, s, env = results["rows"], results["settings"], results["environment"]
-    base = {(r["clients"], r["prompt_tokens"], r["kv_budget_gb"]): r["tok_per_s"] for r in rows
-            if r["cache"] in ("none", "fp16")}
+    base = {(r["clients"], r["prompt_tokens"], r["kv_budget_gb"]): r for r in rows if r["cache"] in ("none", "fp16")}
+
+    def versus(r, key):
+        ref = base.get((r["clients"], r["prompt_tokens"], r["kv_budget_gb"]), {}).get(key)
+        return f"{r[key] / ref:.2f}x" if ref and r.get(key) else "-"
+
     lines = [f"`veloxquant benchmark serve`: model `{s['model']}`, {s['requests_per_client']} streamed completion(s) "
              f"per client of up to {s['max_tokens']} tokens, greedy; one {'interleaved ' if s.get('interleaved', True) else ''}run ({env['device']}, mlx "
              f"{env['mlx']}, mlx-lm {env['mlx_lm']}, {env['when']}). `none` is mlx-lm's own caches; `mlx-qN` its "
-             "QuantizedKVCache (served one request at a time by mlx-lm's server)."
+             "QuantizedKVCache (served one request at a time by mlx-lm's server). Decode tok/s: the tokens after each "
+             "stream's first, over the span from the round's first first token to its last token; end-to-end tok/s: "
+             "every completion token over the round's wall time, prefills included."
              + ("" if results.get("complete", True) else " **Incomplete run**: interrupted after these rounds."), "",
-             "| cache | KV budget GB | clients | prompt tokens | tok/s | vs none | TTFT p50/p95 s | ITL p50/p95 ms "
-             "| admitted | queued | server peak RSS GB | MLX peak GB | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cache | KV budget GB | clients | prompt tokens | decode tok/s | vs none | end-to-end tok/s | vs none "
+             "| TTFT p50/p95 s | ITL p50/p95 ms | admitted | queued | server peak RSS GB | MLX peak GB | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        ref = base.get((r["clients"], r["prompt_tokens"], r["kv_budget_gb"]))
-        ratio = f"{r['tok_per_s'] / ref:.2f}x" if ref else "-"
         lines.append(f"| {r['cache']} | {_fmt(r['kv_budget_gb'], digits=4)} | {r['clients']} | {r['prompt_tokens']} | "
-                     f"{r['tok_per_s']:.2f} | {ratio} | {_fmt(r['ttft_p50_s'])}/{_fmt(r['ttft_p95_s'])} | "
+                     f"{_fmt(r.get('decode_tok_per_s'))} | {versus(r, 'decode_tok_per_s')} | "
+                     f"{r['tok_per_s']:.2f} | {versus(r, 'tok_per_s')} | {_fmt(r['ttft_p50_s'])}/{_fmt(r['ttft_p95_s'])} | "
                      f"{_fmt(r['itl_p50_s'], 1e3, 0)}/{_fmt(r['itl_p95_s'], 1e3, 0)} | {r['admitted']} | {r['queued']} | "
                      f"{_fmt(r['server_peak_rss_bytes'], 1e-9)} | {_fmt(r['mlx_peak_memory_bytes'], 1e-9)} | "
                      f"{r['failed']} |")
@@ -383,8 +399,8 @@ def plot(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for cache in results["settings"]["caches"]:
         for length in results["settings"]["prompt_tokens"]:
-            points = sorted((r["clients"], r["tok_per_s"]) for r in rows
-                            if r["cache"] == cache and r["prompt_tokens"] == length)
+            points = sorted((r["clients"], r["decode_tok_per_s"]) for r in rows
+                            if r["cache"] == cache and r["prompt_tokens"] == length and r.get("decode_tok_per_s"))
             if points:
                 ax.plot(*zip(*points), marker="o", label=f"{cache}, {length}-token prompts")
     ax.set_xlabel("concurrent clients")
