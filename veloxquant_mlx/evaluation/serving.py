@@ -272,7 +272,8 @@ def run_serve_benchmark(args) -> dict:
     lengths = [int(p) for p in args.prompt_tokens.split(",")]
     model, tokenizer = load_model(args.model)
     text = load_text(args.text) if args.text else sample_text_path().read_text()
-    prompts = {p: make_prompts(tokenizer, text, p, max(levels) * args.requests) for p in lengths}
+    warmup_lengths = [min(p, args.warmup_prompt_tokens) for p in lengths] if args.warmup_prompt_tokens else []
+    prompts = {p: make_prompts(tokenizer, text, p, max(levels) * args.requests) for p in {*lengths, *warmup_lengths}}
     budget_gb = args.kv_memory_gb
     if args.budget_fp16_sequences:
         budget_gb = args.budget_fp16_sequences * fp16_sequence_bytes(model, max(lengths) + args.max_tokens + 16) / 1e9
@@ -302,7 +303,8 @@ def run_serve_benchmark(args) -> dict:
                 servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
             server = servers[(cache, budget)]
             if (cache, budget, clients, length) not in warm:  # first use of these shapes: compiles, unmeasured
-                run_round(server.port, prompts[length], clients, 1, min(args.max_tokens, 8))
+                warmup = prompts[min(length, args.warmup_prompt_tokens or length)]
+                run_round(server.port, warmup, clients, 1, min(args.max_tokens, 8))
                 warm.add((cache, budget, clients, length))
             row = _round_row(server, cache, length, budget,
                              run_round(server.port, prompts[length], clients, args.requests, args.max_tokens))
@@ -319,6 +321,7 @@ def run_serve_benchmark(args) -> dict:
                    "settings": {"model": args.model, "caches": caches, "concurrency": levels,
                                 "prompt_tokens": lengths, "max_tokens": args.max_tokens,
                                 "requests_per_client": args.requests, "kv_budget_gb": budget_gb,
+                                "warmup_prompt_tokens": args.warmup_prompt_tokens,
                                 "budget_fp16_sequences": args.budget_fp16_sequences, "interleaved": not args.sequential},
                    "environment": {"device": str(mx.default_device()), "machine": platform.machine(),
                                    "processor": platform.processor(), "mlx": mx.__version__,
@@ -438,6 +441,10 @@ def register_serve_benchmark(benchmark_parser) -> None:
     serve.add_argument("--sequential", action="store_true",
                        help="one server process at a time, each cache's rounds together (a model too large for "
                             "one process per cache at once); default: all up, rounds alternating between caches")
+    serve.add_argument("--warmup-prompt-tokens", type=int, default=None,
+                       help="prompt length of the unmeasured warm-up round before each cache's first round at a "
+                            "concurrency and length (default: that length; shorter saves a long prompt's prefill, "
+                            "and leaves the longer shapes' first compiles in the measured round)")
     serve.add_argument("--text", default=None, help="text the prompts come from (default: the packaged sample)")
     serve.add_argument("--out", default="results/benchmark-serve", help="results folder (default: "
                                                                         "results/benchmark-serve)")
