@@ -140,3 +140,32 @@ def test_load_8_clients_50_requests_each(client, server):
     assert server[1].prompt_cache.nbytes <= POOL_BYTES
     # Memory is bounded: a second round of 400 new prompts does not keep what the first left.
     assert mx.get_active_memory() <= 1.5 * active_after_first + POOL_BYTES
+
+
+def test_connections_wait_in_the_backlog_while_accepts_fall_behind(tiny_model_dir):
+    """Many clients connecting while the accept loop is held up (the generation thread holding the
+    interpreter) all complete their handshakes; with Python's backlog of 5 the rest were dropped or reset."""
+    import socket
+
+    from veloxquant_mlx.cli import build_parser, config_from_args
+    from veloxquant_mlx.server import make_server, server_arguments
+
+    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--port", "0", "--kv", "vq4"])
+    config = config_from_args(args)
+    httpd, generator = make_server(server_arguments(args, config), config)  # bound and listening, never accepting
+    connected = []
+    try:
+        for _ in range(64):
+            sock = socket.socket()
+            sock.settimeout(0.5)
+            try:
+                sock.connect(httpd.server_address[:2])
+                connected.append(sock)
+            except OSError:
+                sock.close()
+        assert len(connected) == 64
+    finally:
+        for sock in connected:
+            sock.close()
+        httpd.server_close()
+        generator.stop_and_join()

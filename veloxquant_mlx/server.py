@@ -521,13 +521,21 @@ def _mlx_kv_bits(args, kv_config) -> Optional[int]:
     return bits
 
 
+class _HTTPServer(mlx_server.ThreadingHTTPServer):
+    """mlx-lm's threading server with a listen backlog for many clients at once: Python's default of 5 let
+    concurrent clients' connections be reset while the generation thread held the interpreter and accepts
+    fell behind (docs/serving.md); the kernel caps it at net.core.somaxconn."""
+
+    request_queue_size = 1024
+
+
 def make_server(cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig]):
     """(HTTP server, response generator), the server bound but not yet serving (tests and `serve`)."""
     provider = VeloxModelProvider(cli_args, kv_config)
     budget = getattr(cli_args, "kv_memory_gb", None)
     response_generator = VeloxResponseGenerator(provider, FreshPromptCache(cli_args.prompt_cache_size),
                                                 None if budget is None else int(budget * 1e9))
-    httpd = mlx_server.ThreadingHTTPServer(
+    httpd = _HTTPServer(
         (cli_args.host, cli_args.port),
         lambda *a, **k: VeloxAPIHandler(response_generator, *a,
                                          system_fingerprint=mlx_server.get_system_fingerprint(), **k),
