@@ -5,14 +5,16 @@ loader): `none` is mlx-lm's own fp16 caches (the activations' dtype), `mlx-q4` /
 QuantizedKVCache (`--kv none --kv-bits`, which mlx-lm's server serves one request at a time), any
 other name a preset (`vq4`, `mlxq4`) or `method:bits`. Real HTTP clients (one thread each) send
 streamed completions of prompts of the given token lengths; rounds alternate between the caches,
-concurrency level by concurrency level. Per round: aggregate decode tok/s (completion tokens over the
-round's wall time), time to first token and inter-token latency (p50/p95, from the stream's chunk
-arrivals), the server's peak resident memory and MLX's peak memory (the accelerator's on a GPU), and
-the admitted concurrency (the KV budget's most running requests, or the most streams seen decoding at
-once without a budget). Each server first runs one unmeasured round at each concurrency and prompt length
-(8 tokens per completion), so that first-use compilation is not timed. With a budget (`--kv-memory-gb`, or `--budget-fp16-sequences N`: N sequences
-of mlx-lm's fp16 caches at the longest prompt), every cache is run once more at the highest
-concurrency under it.
+concurrency level by concurrency level. Per round: aggregate decode tok/s (the tokens after each
+stream's first, over the span from the round's first first token to its last token) and end-to-end tok/s
+(every completion token over the round's wall time, prefills included), time to first token and
+inter-token latency (p50/p95, from the stream's chunk arrivals), the server's peak resident memory and
+MLX's peak memory (the accelerator's on a GPU), the admitted concurrency (the most streams the clients
+saw decoding at once) and the requests a KV budget queued. Each server first runs one unmeasured round at
+each concurrency and prompt length (prompts `--warmup-prompt-tokens` long, by default the round's; 8 tokens
+per completion), so that first-use compilation is not timed. With a budget (`--kv-memory-gb`, or
+`--budget-fp16-sequences N`: N sequences of mlx-lm's fp16 caches at the longest prompt), every cache is
+run once more at the highest concurrency under it.
 """
 
 from __future__ import annotations
@@ -247,15 +249,23 @@ def fp16_sequence_bytes(model, tokens: int) -> int:
     return CacheBytes(model, lambda: make_prompt_cache(model))(tokens)
 
 
-def _round_row(server: ServerProcess, cache: str, prompt_tokens: int, budget_gb, round_result: dict) -> dict:
+def _round_row(server: ServerProcess, cache: str, prompt_tokens: int, budget_gb, round_result: dict,
+               queued_before: int) -> dict:
+    """A round's row. `admitted`: the most streams decoding at once, seen by the clients (the server's own
+    count of live requests is a peak over its life, warm-up rounds included); `queued`: the requests its KV
+    budget held back during this round."""
     stats = server.stats()
     admission = stats.get("admission")
-    row = {"cache": cache, "prompt_tokens": prompt_tokens, "kv_budget_gb": budget_gb, **round_result,
-           "server_peak_rss_bytes": stats.get("peak_rss_bytes"),
-           "mlx_peak_memory_bytes": stats.get("mlx_peak_memory_bytes"),
-           "admitted": admission["most_live"] if admission else round_result["most_decoding_at_once"],
-           "queued": admission["queued"] if admission else 0}
-    return row
+    return {"cache": cache, "prompt_tokens": prompt_tokens, "kv_budget_gb": budget_gb, **round_result,
+            "server_peak_rss_bytes": stats.get("peak_rss_bytes"),
+            "mlx_peak_memory_bytes": stats.get("mlx_peak_memory_bytes"),
+            "admitted": round_result["most_decoding_at_once"],
+            "queued": admission["queued"] - queued_before if admission else 0}
+
+
+def _queued(server: ServerProcess) -> int:
+    admission = server.stats().get("admission")
+    return admission["queued"] if admission else 0
 
 
 def run_serve_benchmark(args) -> dict:
@@ -306,8 +316,10 @@ def run_serve_benchmark(args) -> dict:
                 warmup = prompts[min(length, args.warmup_prompt_tokens or length)]
                 run_round(server.port, warmup, clients, 1, min(args.max_tokens, 8))
                 warm.add((cache, budget, clients, length))
+            queued_before = _queued(server)
             row = _round_row(server, cache, length, budget,
-                             run_round(server.port, prompts[length], clients, args.requests, args.max_tokens))
+                             run_round(server.port, prompts[length], clients, args.requests, args.max_tokens),
+                             queued_before)
             rows.append(row)
             _progress(row)
             if args.sequential and last_use[(cache, budget)] == i:
