@@ -57,7 +57,9 @@ SECTIONS = [
      "portable path, the generic path and float64 attention.",
      ["gpu/thirtyfirst-selftest/selftest.txt"]),
     ("Serving", "Made by `benchmarks/serve_throughput.py` and `veloxquant benchmark serve`.",
-     ["serve-throughput-smollm2-cpu", "benchmark-serve-smollm2-cpu"]),
+     ["serve-throughput-smollm2-cpu", "benchmark-serve-smollm2-cpu",
+      "benchmark-serve-llama8b-h100/decode-throughput-4k-run1", "benchmark-serve-llama8b-h100/decode-throughput-4k-run2",
+      "benchmark-serve-llama8b-h100/sequential-32-clients-4k", "benchmark-serve-llama8b-h100/budget-8k-32-clients"]),
     ("MLX's own quantized formats", "Made by `veloxquant eval ppl`, `benchmarks/cpu_decode.py` and "
      "`benchmarks/mlx_native_decode.py`.",
      ["mlxq-kl-smollm2-cpu", "mlxq-decode-smollm2-cpu/cpu_decode_float32.md",
