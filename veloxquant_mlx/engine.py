@@ -780,8 +780,11 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
             recent_pos = mx.arange(first, h.offset)[None]
             band_mask = mx.concatenate([mx.arange(s)[None] <= qpos, (codes_pos < fp16_from) & (codes_pos <= qpos),
                                         (recent_pos >= fp16_from) & (recent_pos <= qpos)], axis=1)
+            # Additive, not boolean: MLX's CUDA attention runs an additive mask fused and a boolean one
+            # several times slower (docs/decisions.md, "The band mask is additive").
+            band_bias = mx.where(band_mask, mx.array(0.0, q.dtype), mx.array(-mx.inf, q.dtype))
             outs.append(mx.fast.scaled_dot_product_attention(q[..., a : a + group, :], keys, values, scale=scale,
-                                                             mask=band_mask, sinks=_sdpa_sinks(h, q)))
+                                                             mask=band_bias, sinks=_sdpa_sinks(h, q)))
             if len(outs) > 1 and h.settings.on_gpu:
                 mx.eval(outs[-1])  # one group's scores at a time
         return _from_value_domain(h, mx.concatenate(outs, axis=2) if len(outs) > 1 else outs[0], queries, centered)
