@@ -8,8 +8,9 @@ in chunks of `--chunk`, as mlx-lm's server prefills. The runs:
   under the default `prefill_rule` "decode" (and under "chunk");
 - `<preset> rows`: one cache per sequence, one after another;
 - `<preset> update only`: the rows' `update_and_fetch` and encoding, no attention;
-- `fp16 band-masked sdpa`: per row, the fused attention over the chunk's keys twice over (once where codes would
-  be, once as the fp16 band) with a boolean band mask: what MLX's attention costs with such a mask.
+- `fp16 band-masked sdpa` (and `, additive mask`): per row, the fused attention over the chunk's keys twice over
+  (once where codes would be, once as the fp16 band) with a boolean (an additive) band mask: what MLX's attention
+  costs with such a mask.
 
     PYTHONPATH=. python benchmarks/batch_prefill_layer.py --batch 8 --prompt 4096 --chunk 2048 \
         --out benchmarks/results/batch-prefill-layer-h100
@@ -86,10 +87,12 @@ def main():
                     cache.flush()
                     mx.eval([x for x in cache.state[:-1] if isinstance(x, mx.array)])
 
-    def band_masked_sdpa():
+    def band_masked_sdpa(additive=False):
         position = mx.arange(P)
         q, j = position[:, None], position[None]
         mask = mx.concatenate([j < q - BAND, (j >= q - BAND) & (j <= q)], axis=1)
+        if additive:
+            mask = mx.where(mask, mx.array(0.0, mx.bfloat16), mx.array(-mx.inf, mx.bfloat16))
         for r in range(B):
             k2, v2 = (mx.concatenate([x[r:r + 1], x[r:r + 1]], axis=2) for x in (keys, values))
             for a, b in chunks:
@@ -99,7 +102,8 @@ def main():
     p = args.preset
     runs = {"fp16 batch": fp16_batch, f"{p} batch": compressed_batch,
             f"{p} batch, chunk rule": lambda: compressed_batch("chunk"), f"{p} rows": compressed_rows,
-            f"{p} update only": lambda: compressed_rows(attend=False), "fp16 band-masked sdpa": band_masked_sdpa}
+            f"{p} update only": lambda: compressed_rows(attend=False), "fp16 band-masked sdpa": band_masked_sdpa,
+            "fp16 band-masked sdpa, additive mask": lambda: band_masked_sdpa(additive=True)}
     for run in runs.values():
         run()
     times = {name: [] for name in runs}
