@@ -296,16 +296,21 @@ def tiny_llama_dir(target: Path, context: int) -> Path:
         rope_theta=10000.0))
 
 
-def serve_in_thread(argv):
-    """`veloxquant serve ARGV` on a thread of this process: (its HTTP server, its generator)."""
-    import threading
-
+def bound_server(argv):
+    """`veloxquant serve ARGV`'s (HTTP server, generator), bound and listening but not yet accepting."""
     from veloxquant_mlx.cli import build_parser, config_from_args
     from veloxquant_mlx.server import make_server, server_arguments
 
     args = build_parser().parse_args(["serve", *argv])
     config = config_from_args(args)
-    httpd, generator = make_server(server_arguments(args, config), config)
+    return make_server(server_arguments(args, config), config)
+
+
+def serve_in_thread(argv):
+    """`veloxquant serve ARGV` on a thread of this process: (its HTTP server, its generator)."""
+    import threading
+
+    httpd, generator = bound_server(argv)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd, generator
 

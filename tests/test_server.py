@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 
-from conftest import serve_in_thread, tiny_llama_dir
+from conftest import bound_server, serve_in_thread, tiny_llama_dir
 
 openai = pytest.importorskip("openai")
 
@@ -147,12 +147,7 @@ def test_connections_wait_in_the_backlog_while_accepts_fall_behind(tiny_model_di
     interpreter) all complete their handshakes; with Python's backlog of 5 the rest were dropped or reset."""
     import socket
 
-    from veloxquant_mlx.cli import build_parser, config_from_args
-    from veloxquant_mlx.server import make_server, server_arguments
-
-    args = build_parser().parse_args(["serve", "--model", str(tiny_model_dir), "--port", "0", "--kv", "vq4"])
-    config = config_from_args(args)
-    httpd, generator = make_server(server_arguments(args, config), config)  # bound and listening, never accepting
+    httpd, generator = bound_server(["--model", str(tiny_model_dir), "--port", "0", "--kv", "vq4"])  # never accepts
     connected = []
     try:
         for _ in range(64):

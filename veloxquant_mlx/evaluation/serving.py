@@ -282,8 +282,11 @@ def run_serve_benchmark(args) -> dict:
     lengths = [int(p) for p in args.prompt_tokens.split(",")]
     model, tokenizer = load_model(args.model)
     text = load_text(args.text) if args.text else sample_text_path().read_text()
-    warmup_lengths = [min(p, args.warmup_prompt_tokens) for p in lengths] if args.warmup_prompt_tokens else []
-    prompts = {p: make_prompts(tokenizer, text, p, max(levels) * args.requests) for p in {*lengths, *warmup_lengths}}
+    def warmup_length(length: int) -> int:
+        return min(length, args.warmup_prompt_tokens or length)
+
+    prompts = {p: make_prompts(tokenizer, text, p, max(levels) * args.requests)
+               for p in {*lengths, *map(warmup_length, lengths)}}
     budget_gb = args.kv_memory_gb
     if args.budget_fp16_sequences:
         budget_gb = args.budget_fp16_sequences * fp16_sequence_bytes(model, max(lengths) + args.max_tokens + 16) / 1e9
@@ -313,8 +316,7 @@ def run_serve_benchmark(args) -> dict:
                 servers[(cache, budget)] = _start(args, out, cache, budget, max(levels))
             server = servers[(cache, budget)]
             if (cache, budget, clients, length) not in warm:  # first use of these shapes: compiles, unmeasured
-                warmup = prompts[min(length, args.warmup_prompt_tokens or length)]
-                run_round(server.port, warmup, clients, 1, min(args.max_tokens, 8))
+                run_round(server.port, prompts[warmup_length(length)], clients, 1, min(args.max_tokens, 8))
                 warm.add((cache, budget, clients, length))
             queued_before = _queued(server)
             row = _round_row(server, cache, length, budget,
