@@ -114,3 +114,34 @@ def test_round_summary_separates_decode_throughput_from_prefill():
     assert summary["ttft_p50_s"] in (1.0, 2.75) and summary["itl_p50_s"] == pytest.approx(0.5)
     assert summary["most_decoding_at_once"] == 2
     assert round_summary([streams[2]], seconds=1.0)["decode_tok_per_s"] is None
+
+
+@pytest.mark.parametrize("ending", [b'data: {"error": {"message": "out of memory", "code": 500}}\n\n', b""])
+def test_a_stream_that_ends_in_an_error_or_before_done_counts_as_failed(ending):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from veloxquant_mlx.evaluation.serving import StreamFailed, run_round, stream_completion
+
+    class Failing(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.wfile.write(b'data: {"choices": [{"text": "a"}]}\n\n' + ending)
+            self.close_connection = True
+
+        def log_message(self, *args):
+            pass
+
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        port = httpd.server_address[1]
+        with pytest.raises(StreamFailed, match="out of memory" if ending else "without"):
+            stream_completion(port, "prompt", 4)
+        round_result = run_round(port, ["prompt"], clients=3, requests=1, max_tokens=4)
+        assert round_result["failed"] == 3 and round_result["completion_tokens"] == 0
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

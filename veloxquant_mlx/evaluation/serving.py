@@ -78,11 +78,13 @@ def wait_for_health(port: int, process: subprocess.Popen, timeout: float, what: 
 class ServerProcess:
     """One `veloxquant serve` process, its log in `log_path`."""
 
-    def __init__(self, model: str, flags: List[str], log_path: Path, max_tokens: int, concurrency: int):
+    def __init__(self, model: str, flags: List[str], log_path: Path, max_tokens: int, concurrency: int,
+                 prompt_concurrency: int = 8):
         self.port = free_port()
         command = [sys.executable, "-m", "veloxquant_mlx.cli", "serve", "--model", model, "--port", str(self.port),
                    "--served-model-name", "bench", "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
-                   "--decode-concurrency", str(max(concurrency, 1)), "--log-level", "INFO", *flags]
+                   "--decode-concurrency", str(max(concurrency, 1)), "--prompt-concurrency", str(prompt_concurrency),
+                   "--log-level", "INFO", *flags]
         self.command = command
         self.log = open(log_path, "w")
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
@@ -103,25 +105,34 @@ class ServerProcess:
         self.log.close()
 
 
+class StreamFailed(RuntimeError):
+    """A completion stream that ended in an error or before its end marker."""
+
+
 def stream_completion(port: int, prompt: str, max_tokens: int) -> dict:
     """One streamed completion: its start, first-token and per-chunk arrival times and its token count."""
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                        "stream": True, "stream_options": {"include_usage": True}}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                      {"Content-Type": "application/json"})
-    start, arrivals, tokens = time.perf_counter(), [], None
+    start, arrivals, tokens, done = time.perf_counter(), [], None, False
     with urllib.request.urlopen(request, timeout=3600) as reply:
         for raw in reply:
             line = raw.decode().strip()
             if line == "data: [DONE]":  # the server keeps the connection open: the stream ends here
+                done = True
                 break
             if not line.startswith("data:"):
                 continue
             chunk = json.loads(line[5:])
+            if chunk.get("error"):  # the server ends a stream that failed after its 200 with the error
+                raise StreamFailed(chunk["error"].get("message", str(chunk["error"])))
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices"):
                 arrivals.append(time.perf_counter())
+    if not done:
+        raise StreamFailed("the stream ended without [DONE]")
     return {"start": start, "arrivals": arrivals, "tokens": tokens if tokens is not None else len(arrivals),
             "end": time.perf_counter()}
 
@@ -335,6 +346,7 @@ def run_serve_benchmark(args) -> dict:
                    "settings": {"model": args.model, "caches": caches, "concurrency": levels,
                                 "prompt_tokens": lengths, "max_tokens": args.max_tokens,
                                 "requests_per_client": args.requests, "kv_budget_gb": budget_gb,
+                                "prompt_concurrency": args.prompt_concurrency,
                                 "warmup_prompt_tokens": args.warmup_prompt_tokens,
                                 "budget_fp16_sequences": args.budget_fp16_sequences, "interleaved": not args.sequential},
                    "environment": {"device": str(mx.default_device()), "machine": platform.machine(),
@@ -354,7 +366,8 @@ def _start(args, out: Path, cache: str, budget, concurrency: int) -> ServerProce
     """A ready, warmed-up server of `cache` (under `budget` GB of KV, or none)."""
     flags = cache_flags(cache) + (["--kv-memory-gb", repr(budget)] if budget else [])
     label = cache.replace(":", "-") + ("-budget" if budget else "")
-    server = ServerProcess(args.model, flags, out / f"server-{label}.log", args.max_tokens, concurrency)
+    server = ServerProcess(args.model, flags, out / f"server-{label}.log", args.max_tokens, concurrency,
+                           args.prompt_concurrency)
     try:
         server.wait_ready()
         run_round(server.port, ["Warm up: compile the model's graphs."], 1, 1, 4)
@@ -387,7 +400,8 @@ def markdown(results: dict) -> str:
         return f"{r[key] / ref:.2f}x" if ref and r.get(key) else "-"
 
     lines = [f"`veloxquant benchmark serve`: model `{s['model']}`, {s['requests_per_client']} streamed completion(s) "
-             f"per client of up to {s['max_tokens']} tokens, greedy; one {'interleaved ' if s.get('interleaved', True) else ''}run ({env['device']}, mlx "
+             f"per client of up to {s['max_tokens']} tokens, greedy, prompts prefilled "
+             f"{s.get('prompt_concurrency', 8)} at a time; one {'interleaved ' if s.get('interleaved', True) else ''}run ({env['device']}, mlx "
              f"{env['mlx']}, mlx-lm {env['mlx_lm']}, {env['when']}). `none` is mlx-lm's own caches; `mlx-qN` its "
              "QuantizedKVCache (served one request at a time by mlx-lm's server). Decode tok/s: the tokens after each "
              "stream's first, over the span from the round's first first token to its last token; end-to-end tok/s: "
@@ -444,6 +458,8 @@ def register_serve_benchmark(benchmark_parser) -> None:
     serve.add_argument("--prompt-tokens", default="2048", help="prompt lengths in tokens (default: 2048)")
     serve.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default: 64)")
     serve.add_argument("--requests", type=int, default=1, help="requests per client per round (default: 1)")
+    serve.add_argument("--prompt-concurrency", type=int, default=8,
+                       help="prompts each server prefills in one batch (serve's flag; default: 8, mlx-lm's)")
     budget = serve.add_mutually_exclusive_group()
     budget.add_argument("--kv-memory-gb", type=float, default=None,
                         help="also run every cache at the highest concurrency under this KV budget (default: none)")
