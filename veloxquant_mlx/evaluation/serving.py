@@ -417,6 +417,10 @@ def markdown(results: dict) -> str:
                      f"{_fmt(r['itl_p50_s'], 1e3, 0)}/{_fmt(r['itl_p95_s'], 1e3, 0)} | {r['admitted']} | {r['queued']} | "
                      f"{_fmt(r['server_peak_rss_bytes'], 1e-9)} | {_fmt(r['mlx_peak_memory_bytes'], 1e-9)} | "
                      f"{r['failed']} |")
+    failures = [f"- `{r['cache']}`, {r['clients']} clients, {r['prompt_tokens']}-token prompts: {r['errors'][0]}"
+                for r in rows if r["failed"] and r.get("errors")]
+    if failures:
+        lines += ["", "First error of each round with failed requests:", *failures]
     return "\n".join(lines) + "\n"
 
 
@@ -437,7 +441,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("aggregate decode tok/s")
     ax.set_title(f"veloxquant serve, {results['settings']['model']}")
-    ax.legend(fontsize=7)
+    if ax.lines:
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
