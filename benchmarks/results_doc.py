@@ -60,6 +60,7 @@ SECTIONS = [
      ["serve-throughput-smollm2-cpu", "benchmark-serve-smollm2-cpu",
       "benchmark-serve-smollm2-cpu-decode/8-clients-run1", "benchmark-serve-smollm2-cpu-decode/8-clients-run2",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients",
+      "benchmark-serve-llama8b-h100/additive-band-4k", "benchmark-serve-llama8b-h100/prompts-32k-8-clients",
       "benchmark-serve-llama8b-h100/decode-throughput-4k-run1", "benchmark-serve-llama8b-h100/decode-throughput-4k-run2",
       "benchmark-serve-llama8b-h100/sequential-32-clients-4k", "benchmark-serve-llama8b-h100/budget-8k-32-clients",
       "benchmark-serve-llama8b-h100/prefill-rules-4k/decode-rule", "benchmark-serve-llama8b-h100/prefill-rules-4k/chunk-rule"]),
