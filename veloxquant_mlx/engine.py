@@ -546,11 +546,7 @@ def capacity_fields(h: History):
     """The store's fields over its whole capacity, as compiled decode steps take them:
     (names (key field names, value field names), tokens per row (keys, values), key buffers,
     value buffers), buffers in the order of the names."""
-    store = h.store
-    key_fields, value_fields = store.fields("keys", 0, store.capacity), store.fields("values", 0, store.capacity)
-    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
-    per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
-    return names, per_row, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]]
+    return h.store.capacity_inputs()
 
 
 @register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0, takes_kept=True, takes_sinks=True)
