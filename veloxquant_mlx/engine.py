@@ -256,10 +256,10 @@ def _registered_encoder(layout, key_codec, value_codec, settings: EngineSettings
     return None
 
 
-class RowEncoder:
-    """`many(keys, values)`: rows of a chunk (already centered). `one(keys, values, key_mean,
-    value_mean)`: rows of one decode token, centering included, replayed from one compiled
-    graph (shared by every layer of that layout) where the settings allow."""
+class TokenEncoder:
+    """`many(keys, values)`: a chunk's rows, or fields (already centered). `one(keys, values, key_mean,
+    value_mean)`: one decode token's, centering included, replayed from one compiled graph (shared
+    by every layer of those codecs) where the settings allow."""
 
     def __init__(self, encode: Callable, compiled: bool):
         def centered(keys, values, key_mean, value_mean):
@@ -276,22 +276,26 @@ class RowEncoder:
 
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
-def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> RowEncoder:
+def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> TokenEncoder:
     encode = _registered_encoder(layout, key_codec, value_codec, settings)
     if encode is None:
         def encode(keys, values):
             return layout.pack(key_codec.encode(keys), value_codec.encode(values))
-    return RowEncoder(encode, settings.compile_step and settings.backend != "emulator")
+    return TokenEncoder(encode, _compiles_encoder(settings))
 
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
-def field_encoder(key_codec, value_codec, settings: EngineSettings) -> Callable:
-    """(keys, values) (already centered) -> (key fields, value fields) for a `FieldStore`."""
+def field_encoder(key_codec, value_codec, settings: EngineSettings) -> TokenEncoder:
+    """(keys, values) -> (key fields, value fields) for a `FieldStore`."""
     encode = _registered_encoder(None, key_codec, value_codec, settings)
     if encode is None:
         def encode(keys, values):
             return key_codec.encode(keys), value_codec.encode(values)
-    return encode
+    return TokenEncoder(encode, _compiles_encoder(settings))
+
+
+def _compiles_encoder(settings: EngineSettings) -> bool:
+    return settings.compile_step and settings.backend != "emulator"
 
 
 # ---- small shared constants ----------------------------------------------------------------
