@@ -523,10 +523,13 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
             m = mx.max(scores, axis=-1, keepdims=True)
             p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
             o = value_codec.weighted_sum(mx.expand_dims(p, 3), _slice_fields(value_fields, value_per_row, start, stop))
-            outs.append(o.squeeze(3))
+            outs.append(o)  # (B, H, REP, 1, Dv)
             stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))
-        o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep, -1)
-        ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
+        if len(outs) == 1:  # reshaped as it is: a stack of one adds nodes that every step replays
+            o, ml = outs[0].reshape(B * kv_heads, 1, rep, -1), stats[0].reshape(B * kv_heads, 1, rep, 2)
+        else:
+            o = mx.stack([x.squeeze(3) for x in outs], axis=2).reshape(B * kv_heads, len(outs), rep, -1)
+            ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
         if sinks:
             o, ml = with_sink_split(o, ml, sink_logits, value_codec, value_mean if centered else None, queries,
                                     key_mean if centered else None, scale)
