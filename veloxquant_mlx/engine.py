@@ -256,10 +256,10 @@ def _registered_encoder(layout, key_codec, value_codec, settings: EngineSettings
     return None
 
 
-class RowEncoder:
-    """`many(keys, values)`: rows of a chunk (already centered). `one(keys, values, key_mean,
-    value_mean)`: rows of one decode token, centering included, replayed from one compiled
-    graph (shared by every layer of that layout) where the settings allow."""
+class TokenEncoder:
+    """`many(keys, values)`: a chunk's rows, or fields (already centered). `one(keys, values, key_mean,
+    value_mean)`: one decode token's, centering included, replayed from one compiled graph (shared
+    by every layer of those codecs) where the settings allow."""
 
     def __init__(self, encode: Callable, compiled: bool):
         def centered(keys, values, key_mean, value_mean):
@@ -276,22 +276,26 @@ class RowEncoder:
 
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
-def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> RowEncoder:
+def row_encoder(layout, key_codec, value_codec, settings: EngineSettings) -> TokenEncoder:
     encode = _registered_encoder(layout, key_codec, value_codec, settings)
     if encode is None:
         def encode(keys, values):
             return layout.pack(key_codec.encode(keys), value_codec.encode(values))
-    return RowEncoder(encode, settings.compile_step and settings.backend != "emulator")
+    return TokenEncoder(encode, _compiles_encoder(settings))
 
 
 @functools.lru_cache(maxsize=CODEC_KEYED)
-def field_encoder(key_codec, value_codec, settings: EngineSettings) -> Callable:
-    """(keys, values) (already centered) -> (key fields, value fields) for a `FieldStore`."""
+def field_encoder(key_codec, value_codec, settings: EngineSettings) -> TokenEncoder:
+    """(keys, values) -> (key fields, value fields) for a `FieldStore`."""
     encode = _registered_encoder(None, key_codec, value_codec, settings)
     if encode is None:
         def encode(keys, values):
             return key_codec.encode(keys), value_codec.encode(values)
-    return encode
+    return TokenEncoder(encode, _compiles_encoder(settings))
+
+
+def _compiles_encoder(settings: EngineSettings) -> bool:
+    return settings.compile_step and settings.backend != "emulator"
 
 
 # ---- small shared constants ----------------------------------------------------------------
@@ -519,10 +523,13 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
             m = mx.max(scores, axis=-1, keepdims=True)
             p = mx.exp(scores - mx.where(m == -mx.inf, 0.0, m))
             o = value_codec.weighted_sum(mx.expand_dims(p, 3), _slice_fields(value_fields, value_per_row, start, stop))
-            outs.append(o.squeeze(3))
+            outs.append(o)  # (B, H, REP, 1, Dv)
             stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))
-        o = mx.stack(outs, axis=2).reshape(B * kv_heads, len(outs), rep, -1)
-        ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
+        if len(outs) == 1:  # reshaped as it is: a stack of one adds nodes that every step replays
+            o, ml = outs[0].reshape(B * kv_heads, 1, rep, -1), stats[0].reshape(B * kv_heads, 1, rep, 2)
+        else:
+            o = mx.stack([x.squeeze(3) for x in outs], axis=2).reshape(B * kv_heads, len(outs), rep, -1)
+            ml = mx.stack(stats, axis=2).reshape(B * kv_heads, len(outs), rep, 2)
         if sinks:
             o, ml = with_sink_split(o, ml, sink_logits, value_codec, value_mean if centered else None, queries,
                                     key_mean if centered else None, scale)
@@ -546,11 +553,7 @@ def capacity_fields(h: History):
     """The store's fields over its whole capacity, as compiled decode steps take them:
     (names (key field names, value field names), tokens per row (keys, values), key buffers,
     value buffers), buffers in the order of the names."""
-    store = h.store
-    key_fields, value_fields = store.fields("keys", 0, store.capacity), store.fields("values", 0, store.capacity)
-    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
-    per_row = tuple(tuple(sorted(store.tokens_per_row[role].items())) for role in ("keys", "values"))
-    return names, per_row, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]]
+    return h.store.capacity_inputs()
 
 
 @register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0, takes_kept=True, takes_sinks=True)

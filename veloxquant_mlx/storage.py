@@ -16,7 +16,7 @@ range, and count `nbytes` as the live buffers, unused capacity included. A
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -62,6 +62,20 @@ def _drop_front(buffer: mx.array, rows: int, used: int, step: int) -> mx.array:
     return _padded(buffer[..., rows:used, :], capacity)
 
 
+# (names (key field names, value field names), tokens per row ((name, tokens) pairs of keys, of values),
+# key buffers, value buffers), names sorted and buffers in their order: what keys and feeds a compiled decode step.
+CapacityInputs = Tuple[Tuple[Tuple[str, ...], Tuple[str, ...]], tuple, List[mx.array], List[mx.array]]
+
+
+def _sorted_per_row(tokens_per_row: Dict[str, Dict[str, int]]) -> tuple:
+    return tuple(tuple(sorted(tokens_per_row[role].items())) for role in ("keys", "values"))
+
+
+def _capacity_inputs(key_fields: Fields, value_fields: Fields, per_row: tuple) -> CapacityInputs:
+    names = (tuple(sorted(key_fields)), tuple(sorted(value_fields)))
+    return names, per_row, [key_fields[n] for n in names[0]], [value_fields[n] for n in names[1]]
+
+
 class RowStore:
     def __init__(self, layout: RowLayout, encode: Callable[[mx.array, mx.array], mx.array], step: int = STEP):
         self.layout, self.encode, self.step = layout, encode, step
@@ -70,6 +84,7 @@ class RowStore:
         self.pending: Optional[Tuple[mx.array, mx.array]] = None
         self.tokens_per_row: Dict[str, Dict[str, int]] = {
             role: {s.field.name: 1 for s in layout.slots if s.role == role} for role in ("keys", "values")}
+        self._per_row = _sorted_per_row(self.tokens_per_row)
 
     @property
     def capacity(self) -> int:
@@ -117,6 +132,11 @@ class RowStore:
         views = self.layout.views(self.rows[..., start:stop, :])
         return views[0] if role == "keys" else views[1]
 
+    def capacity_inputs(self) -> CapacityInputs:
+        """The fields over the whole capacity, as compiled decode steps take them (`CapacityInputs`)."""
+        self.flush()
+        return _capacity_inputs(*(({}, {}) if self.rows is None else self.layout.views(self.rows)), self._per_row)
+
     def truncate(self, count: int):
         self.flush()
         self.count = min(count, self.count)
@@ -155,7 +175,13 @@ class FieldStore:
         self.pending = None  # never used: decode tokens of block formats wait in the window
         self.tokens_per_row: Dict[str, Dict[str, int]] = {
             role: {f.name: f.tokens_per_row for f in fmt.fields} for role, fmt in self.formats.items()}
+        self._per_row = _sorted_per_row(self.tokens_per_row)
         self._block = max(fmt.token_block for fmt in self.formats.values())
+        # Per role and field: (tokens per row, growth step in rows), what every append reads.
+        self._growth = {role: {name: (n, self._rows_step(n)) for name, n in per_row.items()}
+                        for role, per_row in self.tokens_per_row.items()}
+        self._capacity = 0  # `capacity`, kept up to date where the buffers change
+        self._inputs: Optional[CapacityInputs] = None  # `capacity_inputs` while it is the buffers themselves
 
     def _rows_step(self, tokens_per_row: int) -> int:
         """A field's growth step in rows: at least `step` tokens (a step that is not a multiple of
@@ -165,21 +191,32 @@ class FieldStore:
     @property
     def capacity(self) -> int:
         """Tokens every field has room for, in whole blocks."""
+        return self._capacity
+
+    def _buffers_changed(self):
         per_row = self.tokens_per_row
         rows = [buf.shape[2] * per_row[role][name] for role, fields in self.buffers.items()
                 for name, buf in fields.items()]
-        return min(rows) // self._block * self._block if rows else 0
+        self._capacity = min(rows) // self._block * self._block if rows else 0
+        self._inputs = None
 
     def append(self, keys: mx.array, values: mx.array):
         count = keys.shape[2]
+        grown = False
         for role, encoded in zip(("keys", "values"), self.encode(keys, values)):
-            per_row = self.tokens_per_row[role]
+            growth, buffers = self._growth[role], self.buffers[role]
             for name, field in encoded.items():
-                row = self.count // per_row[name]
-                buf = grow(self.buffers[role].get(name), row + field.shape[2], field, self._rows_step(per_row[name]))
-                buf[..., row : row + field.shape[2], :] = field
-                self.buffers[role][name] = buf
+                per_row, step = growth[name]
+                row = self.count // per_row
+                stop = row + field.shape[2]
+                buf = buffers.get(name)
+                if buf is None or stop > buf.shape[2]:
+                    buf = buffers[name] = grow(buf, stop, field, step)
+                    grown = True
+                buf[:, :, row:stop] = field
         self.count += count
+        if grown:
+            self._buffers_changed()
 
     def flush(self):
         pass
@@ -189,6 +226,27 @@ class FieldStore:
         per_row = self.tokens_per_row[role]
         return {name: buf[..., start // per_row[name] : -(-stop // per_row[name]), :]
                 for name, buf in self.buffers[role].items()}
+
+    def capacity_inputs(self) -> CapacityInputs:
+        """The fields over the whole capacity, as compiled decode steps take them (`CapacityInputs`): the
+        buffers themselves where they hold no more, which appends write in place, so that these stay
+        current until a buffer is replaced (`_buffers_changed`)."""
+        if self._inputs is not None:
+            return self._inputs
+        capacity, per_row = self._capacity, self.tokens_per_row
+        whole = True
+        fields = ({}, {})
+        for role, views in zip(("keys", "values"), fields):
+            for name, buf in self.buffers[role].items():
+                rows = -(-capacity // per_row[role][name])
+                if rows == buf.shape[2]:
+                    views[name] = buf
+                else:
+                    views[name], whole = buf[..., :rows, :], False
+        inputs = _capacity_inputs(*fields, self._per_row)
+        if whole:
+            self._inputs = inputs
+        return inputs
 
     def truncate(self, count: int):
         self.count = min(count, self.count)
@@ -203,6 +261,7 @@ class FieldStore:
                 fields[name] = _drop_front(buf, count // per_row[name], -(-self.count // per_row[name]),
                                            self._rows_step(per_row[name]))
         self.count -= count
+        self._buffers_changed()
 
     @property
     def nbytes(self) -> int:
@@ -221,6 +280,7 @@ class FieldStore:
                                for name, buf in fields.items()}
                         for role, fields in (("keys", key_fields), ("values", value_fields))}
         self.count = count
+        self._buffers_changed()
 
 
 def row_layout(key_codec, value_codec) -> Optional[RowLayout]:

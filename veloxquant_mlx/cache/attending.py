@@ -217,8 +217,8 @@ class CacheAttention:
         if self.kept is not None and phase == "defer":
             return None  # a token leaves the window in the update: `_keep_attended` needs its fp16 copy
         slide = phase == "slide" or (phase == "decode_store" and self.incoming is not None)
-        key = (phase, None if queries is None else (tuple(queries.shape), queries.dtype), mask, self.sinks,
-               self._fp16_route_key(), self.just_encoded is not None, self.encoded > 0, self.key_mean is None, slide,
+        key = (phase, None if queries is None else (queries.shape, queries.dtype), mask, *self._fp16_route_key(),
+               self.just_encoded is not None, self.store.count > 0, self.key_mean is None, slide,
                self.kept is not None and self.kept.capacity > 0, sinks)
         if key not in self._routes:
             history = self._history(pending=self.incoming or self.store.pending, slide=slide,
@@ -230,13 +230,18 @@ class CacheAttention:
         return self._routes[key]
 
     def _fp16_route_key(self) -> tuple:
-        """What of the fp16 window the paths' `supports` look at: whether it holds tokens, and whether
-        the sinks with the window's tokens, and with its buffer whole, fit `engine.FP16_HELD_LIMIT`.
-        Keyed on the window's length itself, a group format (KIVI's tokens waiting for a whole group)
-        would choose its path again on every decode step until each length had been seen once."""
-        capacity = 0 if self.window_fill is None else self._window_keys.shape[2]
+        """The sinks' length and what of the fp16 window the paths' `supports` look at: whether it holds
+        tokens, and whether the sinks with the window's tokens, and with its buffer whole, fit
+        `engine.FP16_HELD_LIMIT`. Keyed on the window's length itself, a group format (KIVI's tokens
+        waiting for a whole group) would choose its path again on every decode step until each length
+        had been seen once."""
+        sinks = 0 if self.sink_keys is None else self.sink_keys.shape[2]
+        if self.window_fill is None:
+            window, capacity = (0 if self._window_keys is None else self._window_keys.shape[2]), 0
+        else:
+            window, capacity = self.window_fill, self._window_keys.shape[2]
         limit = engine.FP16_HELD_LIMIT
-        return self.window > 0, self.sinks + self.window <= limit, self.sinks + capacity <= limit
+        return sinks, window > 0, sinks + window <= limit, sinks + capacity <= limit
 
     def dequantized(self):
         """(keys, values) as the attention sees them, in fp32. For tests and debugging:

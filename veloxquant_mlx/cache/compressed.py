@@ -125,13 +125,16 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         return self.key_codec.position_free(keys, self.sinks + self.store.count)
 
     def _encode_rows(self, keys: mx.array, values: mx.array) -> mx.array:
-        keys = self._position_free(keys)
-        if keys.shape[2] == 1 and (self.key_mean is not None or not self.config.center):
-            return self._row_encoder.one(keys, values, self.key_mean, self.value_mean)
-        return self._row_encoder.many(*self._centered_inputs(keys, values))
+        return self._encode_with(self._row_encoder, keys, values)
 
     def _encode_fields(self, keys: mx.array, values: mx.array):
-        return self._field_encoder(*self._centered_inputs(self._position_free(keys), values))
+        return self._encode_with(self._field_encoder, keys, values)
+
+    def _encode_with(self, encoder: engine.TokenEncoder, keys: mx.array, values: mx.array):
+        keys = self._position_free(keys)
+        if keys.shape[2] == 1 and (self.key_mean is not None or not self.config.center):
+            return encoder.one(keys, values, self.key_mean, self.value_mean)
+        return encoder.many(*self._centered_inputs(keys, values))
 
 
 def _finite_mean(x: mx.array) -> mx.array:

@@ -17,6 +17,11 @@ from .errors import FP16_MAX, CacheInputError
 _BATCH: Optional[type] = None
 
 
+# The dtypes a cache takes: floating point and integers.
+_NUMERIC = frozenset(d for d in vars(mx).values()
+                     if isinstance(d, mx.Dtype) and (mx.issubdtype(d, mx.floating) or mx.issubdtype(d, mx.integer)))
+
+
 def register_batch(cls: type) -> None:
     global _BATCH
     _BATCH = cls
@@ -91,7 +96,7 @@ class MlxCacheProtocol(DecodedReads):
         if keys.ndim != 4 or values.ndim != 4 or keys.shape[:3] != values.shape[:3]:
             raise CacheInputError(f"keys and values must be (batch, kv_heads, tokens, head_dim) with the same first "
                                   f"three sizes, got {tuple(keys.shape)} and {tuple(values.shape)}")
-        if not all(mx.issubdtype(x.dtype, mx.floating) or mx.issubdtype(x.dtype, mx.integer) for x in (keys, values)):
+        if keys.dtype not in _NUMERIC or values.dtype not in _NUMERIC:
             raise CacheInputError(f"keys and values must be floating point or integers, got {keys.dtype} and "
                                   f"{values.dtype}")
         if self.key_codec is not None:

@@ -134,13 +134,14 @@ class WindowPositions:
         """The first `flush` window tokens (no more than it holds) leave for the store, as the
         general path of `update_and_fetch` sends them, and `keys` / `values` join the window."""
         self._window_in_order()
-        leaving_keys, leaving_values = self._window_keys[..., :flush, :], self._window_values[..., :flush, :]
+        leaving_keys, kept_keys = mx.split(self._window_keys, [flush], axis=2)
+        leaving_values, kept_values = mx.split(self._window_values, [flush], axis=2)
         self.just_encoded = (leaving_keys, leaving_values, self.sinks + self.encoded)
         # The shadow is the previous window whole (no work unless a trim reads it; counted in `nbytes`).
         self.shadow = (self._window_keys, self._window_values, flush)
         self._store_for(flush)(leaving_keys, leaving_values)
-        self._window_keys = mx.concatenate([self._window_keys[..., flush:, :], keys], axis=2)
-        self._window_values = mx.concatenate([self._window_values[..., flush:, :], values], axis=2)
+        self._window_keys = mx.concatenate([kept_keys, keys], axis=2)
+        self._window_values = mx.concatenate([kept_values, values], axis=2)
 
     def _keep_shadow(self, keys: mx.array, values: mx.array):
         """Keep the fp16 copies of the newest tokens that left the window in this update (at most a

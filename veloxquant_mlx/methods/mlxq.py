@@ -77,7 +77,15 @@ class MLXQuantCodec(Codec):
         """sum_t weights[..., t] v_hat_t from the codes (weights (B, H, R, L, T) -> (B, H, R, L, D))."""
         if _on_cuda():
             return super().weighted_sum(weights, fields)
-        codes, scales, biases = (mx.expand_dims(a, 2) for a in self._quantized(fields, weights.dtype))
+        codes, scales, biases = self._quantized(fields, weights.dtype)
+        if mx.default_device().type == mx.DeviceType.cpu:
+            # MLX's CPU kernel sums each row of weights on its own: the R * L rows of a kv head as one matrix give
+            # the broadcast form's result bit for bit, without the copy of the codes per query head it makes.
+            B, H, R, L, T = weights.shape
+            out = mx.quantized_matmul(weights.reshape(B, H, R * L, T), codes, scales, biases, transpose=False,
+                                      group_size=self.group_size, bits=self.bits)
+            return out.reshape(B, H, R, L, -1)
+        codes, scales, biases = (mx.expand_dims(a, 2) for a in (codes, scales, biases))
         return mx.quantized_matmul(weights, codes, scales, biases, transpose=False, group_size=self.group_size,
                                    bits=self.bits)
 
