@@ -116,7 +116,8 @@ def test_round_summary_separates_decode_throughput_from_prefill():
     assert round_summary([streams[2]], seconds=1.0)["decode_tok_per_s"] is None
 
 
-@pytest.mark.parametrize("ending", [b'data: {"error": {"message": "out of memory", "code": 500}}\n\n', b""])
+@pytest.mark.parametrize("ending", [b'data: {"error": {"message": "out of memory", "code": 500}}\n\n',
+                                    b'data: {"error": "out of memory"}\n\n', b""])
 def test_a_stream_that_ends_in_an_error_or_before_done_counts_as_failed(ending):
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 

@@ -125,8 +125,9 @@ def stream_completion(port: int, prompt: str, max_tokens: int) -> dict:
             if not line.startswith("data:"):
                 continue
             chunk = json.loads(line[5:])
-            if chunk.get("error"):  # the server ends a stream that failed after its 200 with the error
-                raise StreamFailed(chunk["error"].get("message", str(chunk["error"])))
+            error = chunk.get("error")  # the server ends a stream that failed after its 200 with the error
+            if error:
+                raise StreamFailed(error.get("message", str(error)) if isinstance(error, dict) else str(error))
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             if chunk.get("choices"):
