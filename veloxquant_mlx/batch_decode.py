@@ -59,7 +59,7 @@ class BatchDecoder:
             return False
         first = rows[0]
         self.key_codec, self.value_codec, self.layout = first.key_codec, first.value_codec, first.store.layout
-        self.encoder, self.settings, self.residual = first._row_encoder, first.settings, first.config.residual_length
+        self.encoder, self.settings, self.residual = first._token_encoder, first.settings, first.config.residual_length
         self.gpu_kernel: Optional[bool] = None
         self.steps = 0
         self.rows, self.offsets, stacked = _stacked(rows, 0)

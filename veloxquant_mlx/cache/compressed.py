@@ -53,7 +53,7 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
         self.kept = KeptTokens.for_config(config)  # `keep_attended`: tokens kept in fp16 past the window (`kept.py`)
 
     # Immutable or shared by every cache of a config (codebooks, compiled encoders): not copied.
-    _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_row_encoder", "_field_encoder", "_settings",
+    _SHARED_ON_COPY = ("config", "codecs", "key_codec", "value_codec", "_token_encoder", "_settings",
                        "window_dtype", "_routes")
 
     def __deepcopy__(self, memo):
@@ -93,11 +93,10 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
                 f"keep_attended needs a format that codes each token on its own and a cache of batch 1 (batches "
                 f"hold one cache per sequence, `batch.py`); {self.config.method} codes tokens in blocks of "
                 f"{self.block}, and this cache is of batch {self.batch}")
-        self.store = store_for(self.key_codec, self.value_codec, self._encode_rows, self._encode_fields)
-        if isinstance(self.store, RowStore):
-            self._row_encoder = engine.row_encoder(self.store.layout, self.key_codec, self.value_codec, self.settings)
-        else:
-            self._field_encoder = engine.field_encoder(self.key_codec, self.value_codec, self.settings)
+        self.store = store_for(self.key_codec, self.value_codec, self._encode, self._encode)
+        self._token_encoder = (
+            engine.row_encoder(self.store.layout, self.key_codec, self.value_codec, self.settings)
+            if isinstance(self.store, RowStore) else engine.field_encoder(self.key_codec, self.value_codec, self.settings))
 
     # ---- encoding (called by the store) ---------------------------------------
     @property
@@ -124,17 +123,12 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
             return keys
         return self.key_codec.position_free(keys, self.sinks + self.store.count)
 
-    def _encode_rows(self, keys: mx.array, values: mx.array) -> mx.array:
-        return self._encode_with(self._row_encoder, keys, values)
-
-    def _encode_fields(self, keys: mx.array, values: mx.array):
-        return self._encode_with(self._field_encoder, keys, values)
-
-    def _encode_with(self, encoder: engine.TokenEncoder, keys: mx.array, values: mx.array):
+    def _encode(self, keys: mx.array, values: mx.array):
+        """The store's rows (a `RowStore`) or fields (a `FieldStore`) of `keys` / `values`."""
         keys = self._position_free(keys)
         if keys.shape[2] == 1 and (self.key_mean is not None or not self.config.center):
-            return encoder.one(keys, values, self.key_mean, self.value_mean)
-        return encoder.many(*self._centered_inputs(keys, values))
+            return self._token_encoder.one(keys, values, self.key_mean, self.value_mean)
+        return self._token_encoder.many(*self._centered_inputs(keys, values))
 
 
 def _finite_mean(x: mx.array) -> mx.array:

@@ -79,7 +79,7 @@ class ServerProcess:
     """One `veloxquant serve` process, its log in `log_path`."""
 
     def __init__(self, model: str, flags: List[str], log_path: Path, max_tokens: int, concurrency: int,
-                 prompt_concurrency: int = 8):
+                 prompt_concurrency: int):
         self.port = free_port()
         command = [sys.executable, "-m", "veloxquant_mlx.cli", "serve", "--model", model, "--port", str(self.port),
                    "--served-model-name", "bench", "--prompt-cache-size", "0", "--max-tokens", str(max_tokens),
