@@ -103,8 +103,10 @@ def test_sdpa_prefill_equals_generic(method, changes):
 ], ids=str)
 @pytest.mark.parametrize("first_chunk", [False, True])
 @pytest.mark.parametrize("rule", ["chunk", "decode"])
-def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, rule, monkeypatch):
+@pytest.mark.parametrize("fused", [False, True], ids=["query_groups", "one_call"])
+def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, rule, fused, monkeypatch):
     monkeypatch.setattr(engine, "SDPA_MASK_BYTES", 4 * 4 * 37 * 700)  # groups of 37 queries or so
+    monkeypatch.setattr(engine, "masked_attention_is_fused", lambda settings: fused)  # as on CUDA: one masked call
     # The chunk pushes tokens out of the window (or completes KIVI key groups). "decode": earlier
     # queries of the chunk still see them in fp16, later ones from their codes (an explicit mask);
     # "chunk": every query sees them in fp16 (one causal call).

@@ -696,6 +696,19 @@ def decode_with_codec(h: History, role: str, dtype, tokens: int) -> mx.array:
 SDPA_MASK_BYTES = 256 << 20  # scores an explicit-mask SDPA call may hold (queries x keys x heads x 4 bytes)
 
 
+@functools.lru_cache(maxsize=1)
+def _cuda_device() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def masked_attention_is_fused(settings) -> bool:
+    """Whether `mx.fast.scaled_dot_product_attention` runs an additive mask inside its fused kernel,
+    without materialising the scores: MLX's CUDA attention does (benchmarks/results/
+    band-mask-attention-h100). Elsewhere (Metal unmeasured, the CPU's fallback) it may not."""
+    return settings.on_gpu and _cuda_device()
+
+
 def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
     """Codes to attend to and a value domain in which fp16 values can join the decoded ones (an
     orthogonal map); any key domain does (`keys_in_query_space`)."""
@@ -733,8 +746,9 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
     peak memory stays below an fp16 cache's (whose every layer holds that much). Tokens a chunk encoded stay in fp16 for its
     queries under the "chunk" rule (`settings.prefill_rule`), still one causal call; under the
     "decode" rule each query sees them as decoding would (a band), which needs an explicit
-    mask, which MLX's fused kernels may not take: the queries then go in groups whose scores
-    fit SDPA_MASK_BYTES even where MLX materialises them."""
+    mask. Where the fused kernel takes that mask (`masked_attention_is_fused`) it is one call;
+    elsewhere the queries go in groups whose scores fit SDPA_MASK_BYTES even where MLX
+    materialises them."""
     kc, vc = h.key_codec, h.value_codec
     dtype = attention_dtype(queries)
     s = h.sinks
@@ -773,7 +787,8 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
         keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
     if band and not chunk_rule:
         B, n_heads, L, _ = queries.shape
-        group = max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
+        group = L if masked_attention_is_fused(h.settings) else \
+            max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
         outs = []
         keys, values, centered = _sink_ready(h, keys, values, query_space)
         for a in range(0, L, group):
