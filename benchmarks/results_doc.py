@@ -60,13 +60,16 @@ SECTIONS = [
      ["serve-throughput-smollm2-cpu", "benchmark-serve-smollm2-cpu",
       "benchmark-serve-smollm2-cpu-decode/8-clients-run1", "benchmark-serve-smollm2-cpu-decode/8-clients-run2",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients",
+      "benchmark-serve-llama8b-h100/one-call-band-4k-run1", "benchmark-serve-llama8b-h100/one-call-band-4k-run2",
+      "benchmark-serve-llama8b-h100/one-call-band-4k-vq3", "benchmark-serve-llama8b-h100/one-call-band-32k-vq4",
+      "benchmark-serve-llama8b-h100/one-call-band-budget-8k",
       "benchmark-serve-llama8b-h100/additive-band-4k", "benchmark-serve-llama8b-h100/prompts-32k-8-clients",
       "benchmark-serve-llama8b-h100/decode-throughput-4k-run1", "benchmark-serve-llama8b-h100/decode-throughput-4k-run2",
       "benchmark-serve-llama8b-h100/sequential-32-clients-4k", "benchmark-serve-llama8b-h100/budget-8k-32-clients",
       "benchmark-serve-llama8b-h100/prefill-rules-4k/decode-rule", "benchmark-serve-llama8b-h100/prefill-rules-4k/chunk-rule"]),
     ("Prefill under the chunk-invariant rule (H100)", "Made by `benchmarks/batch_prefill_layer.py` and "
-     "`benchmarks/band_mask_attention.py`.",
-     ["batch-prefill-layer-h100", "batch-prefill-layer-h100/additive-band-mask", "band-mask-attention-h100/band-4k",
+     "`benchmarks/band_mask_attention.py`, `benchmarks/prefill_query_groups.py`.",
+     ["prefill-query-groups-h100", "batch-prefill-layer-h100", "batch-prefill-layer-h100/additive-band-mask", "band-mask-attention-h100/band-4k",
       "band-mask-attention-h100/band-32k"]),
     ("MLX's own quantized formats", "Made by `veloxquant eval ppl`, `benchmarks/cpu_decode.py` and "
      "`benchmarks/mlx_native_decode.py`.",
