@@ -41,12 +41,29 @@ from .kernels import kernel_ragged_supported, native, native_ragged_supported, s
 from .storage import STEP, RowStore
 
 
+# The batch-shaped arrays a `BatchDecoder` holds while active.
+_STATE = ("codes", "window_keys", "window_values", "sink_keys", "sink_values", "key_mean", "value_mean", "count", "fill",
+          "start")
+
+
 class BatchDecoder:
     """The shared decode buffers of one layer's batch, or nothing (`active`)."""
+
+    # Immutable or shared by every cache of a config (codecs, the compiled encoder): not copied.
+    _SHARED_ON_COPY = ("key_codec", "value_codec", "layout", "encoder", "settings")
 
     def __init__(self):
         self.active = False
         self.nbytes = 0
+
+    def __deepcopy__(self, memo):
+        """Independent buffers holding the same rows (mlx-lm's `PromptProcessingBatch.split` deep-copies its
+        batch caches); the rows are the copies the batch's own copy makes (`memo`)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for name, value in vars(self).items():
+            setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
+        return new
         # "batch_kernel" (the GPU kernels' ragged form), "batch_native" (the C++ one) or "batch_ops"
         self.last_path: Optional[str] = None
 
@@ -96,6 +113,10 @@ class BatchDecoder:
         for b, cache in enumerate(self.rows):
             self._write_back(b, cache, *host)
         self.rows = None
+        # The rows hold their own copies now: the shared buffers go too (kept, they would hold a second
+        # copy of the whole batch, out of `nbytes`, until the next decode step took the rows over again).
+        for name in _STATE:
+            setattr(self, name, None)
         self.nbytes = 0
 
     def extract(self, b: int) -> CompressedKVCache:
@@ -122,12 +143,21 @@ class BatchDecoder:
         take = mx.array(indices, dtype=mx.int32)
         self.rows = [self.rows[i] for i in indices]
         self.offsets = [self.offsets[i] for i in indices]
-        for name in ("codes", "window_keys", "window_values", "sink_keys", "sink_values", "key_mean", "value_mean",
-                     "count", "fill", "start"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name)[take])
         if not self.rows:
             self.active, self.rows = False, None
+            for name in _STATE:
+                setattr(self, name, None)
+            self.nbytes = 0
+            return
+        self.count = self.count[take]
+        # `most` bounds the kept rows' counts, not those of rows gone: without this it grew by one a step for as
+        # long as the buffers were held (rows leaving and joining), and every row's capacity with it.
+        self.most = int(self.count.max().item())
+        self.capacity = min(self.capacity, self.most + STEP)
+        self.codes = self.codes[:, :, : self.capacity][take]  # one gather, of the capacity kept
+        for name in _STATE:
+            if name not in ("codes", "count") and getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name)[take])
         self._count_bytes()
 
     def _count_bytes(self):

@@ -1,0 +1,85 @@
+"""The shared decode buffers of a batch (`batch_decode.py`) hold what their rows need, and no more."""
+
+import copy
+import gc
+
+import mlx.core as mx
+
+from conftest import config_for
+from veloxquant_mlx.batch import BatchCompressedKVCache
+from veloxquant_mlx.cache import CompressedKVCache
+from veloxquant_mlx.storage import STEP
+
+HEADS, QUERY_HEADS, DIM = 2, 4, 64
+CONFIG = config_for("turboquant_mse", 4, value_bits=3, residual_length=8, sink_tokens=2, center=True, mean_tokens=16)
+
+
+def _row(tokens: int, seed: int) -> CompressedKVCache:
+    mx.random.seed(seed)
+    cache = CompressedKVCache(CONFIG)
+    cache.update_and_fetch(mx.random.normal((1, HEADS, tokens, DIM)), mx.random.normal((1, HEADS, tokens, DIM)))
+    cache.attend(mx.random.normal((1, QUERY_HEADS, 1, DIM)), scale=DIM**-0.5)
+    return cache
+
+
+def _step(batch: BatchCompressedKVCache, seed: int) -> mx.array:
+    mx.random.seed(seed)
+    n = len(batch.rows)
+    batch.update_and_fetch(mx.random.normal((n, HEADS, 1, DIM)), mx.random.normal((n, HEADS, 1, DIM)))
+    out = batch.attend(mx.random.normal((n, QUERY_HEADS, 1, DIM)), scale=DIM**-0.5)
+    mx.eval(out)
+    return out
+
+
+def test_buffers_follow_the_rows_held_not_the_steps_taken():
+    """Rows finishing (`filter`) and joining (`extend`) while the buffers stay held: their capacity follows
+    the longest row held, not the longest row at take-over plus every step since."""
+    batch = BatchCompressedKVCache.merge([_row(100 + 10 * b, b) for b in range(3)])
+    decoder = batch._decoder
+    for step in range(3 * STEP):
+        if step and step % 40 == 0:  # the longest row finishes and a short one joins
+            offsets = batch.offset.tolist()
+            longest = offsets.index(max(offsets))
+            batch.filter([i for i in range(len(offsets)) if i != longest])
+            batch.extend(BatchCompressedKVCache([_row(100, 100 + step)]))
+        _step(batch, step)
+    assert decoder.active
+    longest = max(decoder.count.tolist())
+    assert longest <= decoder.most <= longest + 40  # the step's bound: exact after a filter, then one a step
+    assert decoder.capacity <= longest + 2 * STEP, (decoder.capacity, longest)
+    assert decoder.codes.shape[2] == decoder.capacity
+
+
+def test_release_lets_the_shared_buffers_go():
+    """Written back into the rows, the shared buffers are freed: no second copy of the batch stays alive."""
+    batch = BatchCompressedKVCache.merge([_row(1000 + 10 * b, b) for b in range(4)])
+    _step(batch, 0)
+    assert batch._decoder.active
+    gc.collect()
+    mx.synchronize()
+    held = mx.get_active_memory()
+    batch._release()
+    assert all(getattr(batch._decoder, name, None) is None for name in ("codes", "window_keys", "window_values"))
+    mx.eval([a for c in batch.rows for a in (c.store.rows, c._window_keys, c._window_values) if a is not None])
+    gc.collect()
+    mx.synchronize()
+    # The rows' copies replace the buffers (kept, these were a second copy of every row, out of `nbytes`).
+    assert mx.get_active_memory() < held + batch.nbytes // 4, (mx.get_active_memory(), held, batch.nbytes)
+    _step(batch, 1)  # taken over again
+    assert batch._decoder.active
+
+
+def test_a_batch_with_held_buffers_deep_copies_into_an_independent_one():
+    """mlx-lm's `PromptProcessingBatch.split` deep-copies its batch caches, which may hold decode buffers
+    (a chunk of one token for every row decodes): the copy decodes as the original would, on its own buffers."""
+    batch = BatchCompressedKVCache.merge([_row(60 + 7 * b, b) for b in range(3)])
+    _step(batch, 0)
+    assert batch._decoder.active
+    twin = copy.deepcopy(batch)
+    assert set(map(id, twin._decoder.rows)) <= set(map(id, twin.rows))  # the copy's buffers hold the copy's rows
+    assert not set(map(id, twin._decoder.rows)) & set(map(id, batch.rows))
+    assert twin._decoder.codes is not batch._decoder.codes
+    for seed in range(1, 4):
+        assert mx.array_equal(_step(batch, seed), _step(twin, seed)).item()
+    batch.filter([0])  # the original changes; the copy does not
+    assert len(twin.rows) == 3 and twin.offset.tolist() == [60 + 7 * b + 4 for b in range(3)]
