@@ -55,6 +55,8 @@ class BatchDecoder:
     def __init__(self):
         self.active = False
         self.nbytes = 0
+        # "batch_kernel" (the GPU kernels' ragged form), "batch_native" (the C++ one) or "batch_ops"
+        self.last_path: Optional[str] = None
 
     def __deepcopy__(self, memo):
         """Independent buffers holding the same rows (mlx-lm's `PromptProcessingBatch.split` deep-copies its
@@ -64,8 +66,6 @@ class BatchDecoder:
         for name, value in vars(self).items():
             setattr(new, name, value if name in self._SHARED_ON_COPY else copy.deepcopy(value, memo))
         return new
-        # "batch_kernel" (the GPU kernels' ragged form), "batch_native" (the C++ one) or "batch_ops"
-        self.last_path: Optional[str] = None
 
     # ---- taking the rows over and giving them back ---------------------------------------
     def takes(self, rows: List) -> bool:
