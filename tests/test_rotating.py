@@ -344,3 +344,16 @@ def test_saved_right_after_a_chunk_on_a_full_window_loads(tmp_path):
     (loaded,) = load_prompt_cache(tmp_path / "c.safetensors", config=config)
     keys, values, queries = _tokens(1)
     assert mx.allclose(_step(cache, keys, values, queries), _step(loaded, keys, values, queries)).item()
+
+
+@pytest.mark.parametrize("method", ["kivi", "turboquant_mse"])
+def test_a_window_store_grows_by_at_most_the_window(method):
+    # Short prompts then decode steps, as a chat starts: before any eviction the store never holds room for more
+    # than the window (a field store as a row store; mlx-lm's RotatingKVCache grows by at most its max_size).
+    cache = CompressedRotatingKVCache(KVCacheConfig(method=method, bits=4), MAX_SIZE, 0)
+    keys = mx.random.normal((1, HEADS, 10, DIM)).astype(mx.float16)
+    capacities = []
+    for n in [10] + [1] * (2 * MAX_SIZE):
+        cache.update_and_fetch(keys[..., :n, :], keys[..., :n, :])
+        capacities.append(cache.inner.store.capacity)
+    assert 0 < max(capacities) <= 2 * MAX_SIZE, sorted(set(capacities))

@@ -168,7 +168,7 @@ class RowStore:
 class FieldStore:
     def __init__(self, key_format, value_format, encode: Callable[[mx.array, mx.array], Tuple[Fields, Fields]],
                  step: int = STEP):
-        self.encode, self.step = encode, step
+        self.encode = encode
         self.formats = {"keys": key_format, "values": value_format}
         self.buffers: Dict[str, Fields] = {"keys": {}, "values": {}}
         self.count = 0
@@ -177,11 +177,21 @@ class FieldStore:
             role: {f.name: f.tokens_per_row for f in fmt.fields} for role, fmt in self.formats.items()}
         self._per_row = _sorted_per_row(self.tokens_per_row)
         self._block = max(fmt.token_block for fmt in self.formats.values())
+        self.step = step
+        self._capacity = 0  # `capacity`, kept up to date where the buffers change
+        self._inputs: Optional[CapacityInputs] = None  # `capacity_inputs` while it is the buffers themselves
+
+    @property
+    def step(self) -> int:
+        """Tokens each growth adds at least (a sliding window lowers it to its size)."""
+        return self._step
+
+    @step.setter
+    def step(self, tokens: int):
+        self._step = tokens
         # Per role and field: (tokens per row, growth step in rows), what every append reads.
         self._growth = {role: {name: (n, self._rows_step(n)) for name, n in per_row.items()}
                         for role, per_row in self.tokens_per_row.items()}
-        self._capacity = 0  # `capacity`, kept up to date where the buffers change
-        self._inputs: Optional[CapacityInputs] = None  # `capacity_inputs` while it is the buffers themselves
 
     def _rows_step(self, tokens_per_row: int) -> int:
         """A field's growth step in rows: at least `step` tokens (a step that is not a multiple of
