@@ -150,8 +150,8 @@ class BatchDecoder:
             self.nbytes = 0
             return
         self.count = self.count[take]
-        # `most` bounds the kept rows' counts, not those of rows gone: without this it grew by one a step for as
-        # long as the buffers were held (rows leaving and joining), and every row's capacity with it.
+        # `most` bounds the kept rows' counts only, so the capacity follows the rows held while rows leave and
+        # join, not the longest row there ever was plus every step since.
         self.most = int(self.count.max().item())
         self.capacity = min(self.capacity, self.most + STEP)
         self.codes = self.codes[:, :, : self.capacity][take]  # one gather, of the capacity kept
