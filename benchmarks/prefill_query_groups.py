@@ -49,7 +49,7 @@ def measure(batch: int, prompt: int, chunk: int, preset: str, repeats: int) -> d
             mx.eval(mx.fast.scaled_dot_product_attention(queries[..., a:b, :], k, v, scale=scale, mask=mask))
 
     def compressed(one_call: bool):
-        engine.masked_attention_is_fused = device_rule if one_call else (lambda settings: False)
+        engine.masked_attention_is_fused = device_rule if one_call else (lambda *args: False)
         try:
             cache = CompressedKVCache.merge([CompressedKVCache(usable_preset_config(preset)) for _ in range(batch)])
             for a, b in chunks:
@@ -113,7 +113,8 @@ def main():
         batch, prompt = (int(x) for x in shape.split("x"))
         shapes[shape] = measure(batch, prompt, args.chunk, args.preset, args.repeats)
     meta = {"chunk": args.chunk, "preset": args.preset, "repeats": args.repeats,
-            "fused": engine.masked_attention_is_fused(settings), "device": str(mx.default_device()),
+            "fused": engine.masked_attention_is_fused(settings, *(mx.zeros((1, 1, 1, HEAD_DIM), mx.bfloat16),) * 2),
+            "device": str(mx.default_device()),
             "machine": platform.processor(), "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     record = {"meta": meta, "shapes": shapes}

@@ -106,7 +106,7 @@ def test_sdpa_prefill_equals_generic(method, changes):
 @pytest.mark.parametrize("fused", [False, True], ids=["query_groups", "one_call"])
 def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, rule, fused, monkeypatch):
     monkeypatch.setattr(engine, "SDPA_MASK_BYTES", 4 * 4 * 37 * 700)  # groups of 37 queries or so
-    monkeypatch.setattr(engine, "masked_attention_is_fused", lambda settings: fused)  # as on CUDA: one masked call
+    monkeypatch.setattr(engine, "masked_attention_is_fused", lambda *args: fused)  # as on CUDA: one masked call
     # The chunk pushes tokens out of the window (or completes KIVI key groups). "decode": earlier
     # queries of the chunk still see them in fp16, later ones from their codes (an explicit mask);
     # "chunk": every query sees them in fp16 (one causal call).
@@ -125,6 +125,19 @@ def test_sdpa_prefill_with_a_band_equals_generic(method, changes, first_chunk, r
     ref = _generic(cache, q, 0.125, "causal")
     assert mx.allclose(out, ref, rtol=1e-4, atol=2e-5).item(), float(mx.abs(out - ref).max())
 
+
+
+@pytest.mark.parametrize("dim,dtype,fused", [(128, mx.bfloat16, True), (64, mx.float16, True), (80, mx.bfloat16, True),
+                                             (256, mx.bfloat16, False), (128, mx.float32, False), (60, mx.float16, False)])
+def test_a_masked_prefill_is_one_call_only_where_cudnn_takes_it(dim, dtype, fused, monkeypatch):
+    # MLX's CUDA attention takes the mask fused only through cuDNN (float16/bfloat16, head dims that are multiples
+    # of 8 up to 128); elsewhere it materialises every score, so the queries must go in groups.
+    q, v = mx.zeros((1, 4, 8, dim), dtype), mx.zeros((1, 2, 8, dim), dtype)
+    gpu = EngineSettings.resolve(backend="portable", gpu_device=True)
+    assert not engine.masked_attention_is_fused(gpu, q, v)  # no CUDA device here
+    monkeypatch.setattr(engine, "_cudnn_attention_device", lambda: True)
+    assert engine.masked_attention_is_fused(gpu, q, v) == fused
+    assert not engine.masked_attention_is_fused(gpu.replace(gpu_device=False), q, v)
 
 
 @pytest.mark.parametrize("rule", ["chunk", "decode"])

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -697,16 +698,25 @@ SDPA_MASK_BYTES = 256 << 20  # scores an explicit-mask SDPA call may hold (queri
 
 
 @functools.lru_cache(maxsize=1)
-def _cuda_device() -> bool:
+def _cudnn_attention_device() -> bool:
+    """A CUDA device on which MLX's attention may run cuDNN's fused kernel: compute capability 8 or later, and
+    MLX_CUDA_USE_CUDNN_SDPA not 0 (mlx/backend/cuda/scaled_dot_product_attention.cpp, supports_sdpa_cudnn)."""
     cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
+    if cuda is None or not cuda.is_available():
+        return False
+    if os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1").strip() == "0":
+        return False
+    return int(mx.device_info().get("compute_capability_major", 0)) >= 8
 
 
-def masked_attention_is_fused(settings) -> bool:
-    """Whether `mx.fast.scaled_dot_product_attention` runs an additive mask inside its fused kernel,
-    without materialising the scores: MLX's CUDA attention does (benchmarks/results/
-    band-mask-attention-h100). Elsewhere (Metal unmeasured, the CPU's fallback) it may not."""
-    return settings.on_gpu and _cuda_device()
+def masked_attention_is_fused(settings, queries: mx.array, values: mx.array) -> bool:
+    """Whether `mx.fast.scaled_dot_product_attention` runs these queries with an additive mask inside a fused
+    kernel, without materialising the scores: MLX's CUDA attention does through cuDNN for float16/bfloat16 and
+    head dims that are multiples of 8 up to 128 (benchmarks/results/band-mask-attention-h100); otherwise it
+    falls back to the unfused form, as Metal's may (unmeasured) and the CPU's does."""
+    dims = (queries.shape[-1], values.shape[-1])
+    return (settings.on_gpu and queries.dtype in (mx.float16, mx.bfloat16) and all(d % 8 == 0 and d <= 128 for d in dims)
+            and _cudnn_attention_device())
 
 
 def sdpa_prefill_applies(h: History, queries: mx.array, mask) -> bool:
@@ -787,10 +797,10 @@ def sdpa_prefill(h: History, queries: mx.array, scale: float, mask=None,
         keys, values = mx.concatenate(parts_k, axis=2), mx.concatenate(parts_v, axis=2)
     if band and not chunk_rule:
         B, n_heads, L, _ = queries.shape
-        group = L if masked_attention_is_fused(h.settings) else \
+        keys, values, centered = _sink_ready(h, keys, values, query_space)
+        group = L if masked_attention_is_fused(h.settings, q, values) else \
             max(1, min(L, SDPA_MASK_BYTES // (4 * B * n_heads * keys.shape[2])))
         outs = []
-        keys, values, centered = _sink_ready(h, keys, values, query_space)
         for a in range(0, L, group):
             qpos = mx.arange(h.offset - L + a, h.offset - L + min(a + group, L))[:, None]
             fp16_from = h.fp16_from(qpos)
