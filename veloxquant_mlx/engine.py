@@ -34,7 +34,7 @@ import mlx.core as mx
 from .attention import Segment, attend as generic_attend, sink_scores
 from .formats import RowLayout
 from .methods.base import at_positions
-from .settings import EngineSettings
+from .settings import EngineSettings, cuda_available
 
 PHASES = ("decode", "prefill", "decode_store")
 DECODE_SPLIT = 4096  # tokens decoded at once by the compiled decode step
@@ -701,8 +701,7 @@ SDPA_MASK_BYTES = 256 << 20  # scores an explicit-mask SDPA call may hold (queri
 def _cudnn_attention_device() -> bool:
     """A CUDA device on which MLX's attention may run cuDNN's fused kernel: compute capability 8 or later, and
     MLX_CUDA_USE_CUDNN_SDPA not 0 (mlx/backend/cuda/scaled_dot_product_attention.cpp, supports_sdpa_cudnn)."""
-    cuda = getattr(mx, "cuda", None)
-    if cuda is None or not cuda.is_available():
+    if not cuda_available():
         return False
     if os.environ.get("MLX_CUDA_USE_CUDNN_SDPA", "1").strip() == "0":
         return False

@@ -128,6 +128,16 @@ def _native_available() -> bool:
     return _NATIVE_PROBE()
 
 
+@functools.lru_cache(maxsize=1)
+def cuda_available() -> bool:
+    """Whether MLX's CUDA back end is built and sees a device."""
+    cuda = getattr(mx, "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_available())
+    except Exception:  # pragma: no cover
+        return False
+
+
 @functools.lru_cache(maxsize=32)
 def detect_backend(forced: str, metal_kernels: bool, device) -> str:
     """The fastest back end for `device`: `forced` is VELOXQUANT_KERNELS (or "")."""
@@ -150,12 +160,7 @@ def detect_backend(forced: str, metal_kernels: bool, device) -> str:
                       "Reinstall with cmake and a C++ compiler present, or run scripts/build_native.sh; "
                       "VELOXQUANT_KERNELS=portable chooses it without this warning.", RuntimeWarning, stacklevel=3)
         return "portable"
-    cuda = getattr(mx, "cuda", None)
-    try:
-        has_cuda = bool(cuda is not None and cuda.is_available())
-    except Exception:  # pragma: no cover
-        has_cuda = False
-    if has_cuda and forced in ("", "auto", "cuda"):
+    if cuda_available() and forced in ("", "auto", "cuda"):
         return "cuda"
     if mx.metal.is_available() and (metal_kernels or forced == "metal"):
         return "metal"

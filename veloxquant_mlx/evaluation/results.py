@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 import mlx.core as mx
 
 from ..footprint import Footprint
+from ..settings import cuda_available
 
 SCHEMA_VERSION = 1
 RESULTS_JSON = "results.json"
@@ -24,8 +25,7 @@ def backend_name() -> str:
         return "cpu"
     if mx.metal.is_available():
         return "metal"
-    cuda = getattr(mx, "cuda", None)
-    if cuda is not None and cuda.is_available():
+    if cuda_available():
         return "cuda"
     return "gpu"
 

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from ..formats import Format, fp16, packed
 from ..packing import pack, unpack
+from ..settings import cuda_available
 from .base import Codec, Method, register_method
 
 
@@ -159,9 +160,7 @@ def _code_group(dim: int):
 def _quantized_matmul_applies(bits: int, group_size: int, whole_groups: bool) -> bool:
     if not whole_groups or bits not in (2, 3, 4, 5, 6, 8) or group_size not in (32, 64, 128):
         return False
-    cuda = getattr(mx, "cuda", None)
-    on_cuda = mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
-    return not on_cuda
+    return not (mx.default_device().type == mx.DeviceType.gpu and cuda_available())
 
 
 class ChannelGroupAffineCodec(Codec):

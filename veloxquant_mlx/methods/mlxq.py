@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from ..formats import Format, fp16, packed
 from ..rotations import random_rotation, rotation_from_params, rotation_params
+from ..settings import cuda_available
 from .base import Codec, Method, register_method
 
 GROUP_SIZES = (32, 64, 128)
@@ -40,8 +41,7 @@ def group_for(dim: int, group_size: int) -> int:
 def _on_cuda() -> bool:
     """MLX's CUDA back end lacks quantized_matmul for batched codes of these shapes (as `kivi.py` finds): there
     the codes are dequantized (`mx.dequantize`), which the GPU decode paths do anyway (`engine.sdpa_decode`)."""
-    cuda = getattr(mx, "cuda", None)
-    return mx.default_device().type == mx.DeviceType.gpu and cuda is not None and cuda.is_available()
+    return mx.default_device().type == mx.DeviceType.gpu and cuda_available()
 
 
 class MLXQuantCodec(Codec):
