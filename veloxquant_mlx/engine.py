@@ -420,7 +420,7 @@ def kept_splits(h: History, queries: mx.array, scale: float, o: mx.array, ml: mx
         h.store.flush()
         fields, key_bufs, value_bufs = h.layout, [h.store.rows], []
     else:
-        fields, _, key_bufs, value_bufs = capacity_fields(h)
+        fields, _, key_bufs, value_bufs = h.store.capacity_inputs()
     centered = h.key_mean is not None, h.value_mean is not None
     none = small_array((0.0,), mx.float32)
     fn = _kept_splits_fn(h.key_codec, h.value_codec, fields, h.kv_heads, float(scale), tuple(queries.shape),
@@ -451,7 +451,7 @@ def kept_partials(key_codec, value_codec, fields, kv_heads: int, scale: float, q
     The first holds minus their codes' terms, scored as the partials scored them (a difference of
     sums of positive terms in fp32: a relative error of the order of the kept codes' share of the
     codes' mass times fp32's epsilon), the second the tokens in fp16. `fields`: a `RowLayout`
-    (`key_bufs` [the store's rows]) or the (key, value) field names of `capacity_fields`. (The kernel
+    (`key_bufs` [the store's rows]) or the (key, value) field names of `capacity_inputs`. (The kernel
     back ends: `kernels.ops.kept_splits`, one kernel.)"""
     B, n_heads, _, dim = queries.shape
     rep = n_heads // kv_heads
@@ -550,20 +550,13 @@ def _compiled_decode_supports(h: History, queries: mx.array, mask) -> bool:
             and h.settings.backend != "emulator")
 
 
-def capacity_fields(h: History):
-    """The store's fields over its whole capacity, as compiled decode steps take them:
-    (names (key field names, value field names), tokens per row (keys, values), key buffers,
-    value buffers), buffers in the order of the names."""
-    return h.store.capacity_inputs()
-
-
 @register_path("compiled_decode", "decode", _compiled_decode_supports, priority=0, takes_kept=True, takes_sinks=True)
 def compiled_decode(h: History, queries: mx.array, scale: float, mask=None, compiled: bool = True) -> mx.array:
     """Decode for every format: the codes of the whole capacity are decoded split by split
     with the codecs' MLX ops, tokens past `count` masked, and the fp16 sinks/window merged,
     in one `mx.compile`d graph whose shapes change only when the store grows. Tokens kept in
     fp16 past the window (`kept.py`) join the fp16 partial and their codes are masked out."""
-    names, per_row, key_bufs, value_bufs = capacity_fields(h)
+    names, per_row, key_bufs, value_bufs = h.store.capacity_inputs()
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
     fn = _decode_fn(h.key_codec, h.value_codec, names, per_row, h.store.capacity, tuple(queries.shape),
@@ -589,7 +582,7 @@ def sdpa_decode(h: History, queries: mx.array, scale: float, mask=None) -> mx.ar
     handful of launches per layer, where the split-by-split softmax of `compiled_decode`
     takes dozens. The decoded history is a transient of the layer's attention, freed once it
     has run (docs/kernels.md gives the step's measured peak)."""
-    names, _, key_bufs, value_bufs = capacity_fields(h)
+    names, _, key_bufs, value_bufs = h.store.capacity_inputs()
     parts, fp16 = h.fp16_inputs()
     centered = h.value_mean is not None
     dtype = attention_dtype(queries)
