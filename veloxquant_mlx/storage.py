@@ -317,8 +317,10 @@ def stored_bits_per_token(key_codec, value_codec) -> float:
     return key_codec.format.bits_per_token + value_codec.format.bits_per_token
 
 
-def store_for(key_codec, value_codec, encode_rows, encode_fields, step: int = STEP):
+def store_for(key_codec, value_codec, encode, step: int = STEP):
+    """A `RowStore` where the codecs' fields pack into rows (`encode` returns rows), else a `FieldStore`
+    (`encode` returns (key fields, value fields))."""
     layout = row_layout(key_codec, value_codec)
     if layout is not None:
-        return RowStore(layout, encode_rows, step)
-    return FieldStore(key_codec.format, value_codec.format, encode_fields, step)
+        return RowStore(layout, encode, step)
+    return FieldStore(key_codec.format, value_codec.format, encode, step)

@@ -93,7 +93,7 @@ class CompressedKVCache(WindowPositions, MlxCacheProtocol, CacheAttention, Cache
                 f"keep_attended needs a format that codes each token on its own and a cache of batch 1 (batches "
                 f"hold one cache per sequence, `batch.py`); {self.config.method} codes tokens in blocks of "
                 f"{self.block}, and this cache is of batch {self.batch}")
-        self.store = store_for(self.key_codec, self.value_codec, self._encode, self._encode)
+        self.store = store_for(self.key_codec, self.value_codec, self._encode)
         self._token_encoder = (
             engine.row_encoder(self.store.layout, self.key_codec, self.value_codec, self.settings)
             if isinstance(self.store, RowStore) else engine.field_encoder(self.key_codec, self.value_codec, self.settings))

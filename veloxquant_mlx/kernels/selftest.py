@@ -92,7 +92,7 @@ def run_ratequant(backend: str) -> Dict:
         layout = row_layout(kc, vc)
         keys = mx.random.normal((1, 2, 33, 128), key=mx.random.key(1)).astype(mx.float16)
         values = mx.random.normal((1, 2, 33, 128), key=mx.random.key(2)).astype(mx.float16)
-        store = store_for(kc, vc, lambda k, v: encode.encode_rows(run, layout, kc, vc, k, v), None)
+        store = store_for(kc, vc, lambda k, v: encode.encode_rows(run, layout, kc, vc, k, v))
         store.append(keys, values)
         store.flush()
         with mx.stream(mx.cpu):
