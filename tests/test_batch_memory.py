@@ -2,8 +2,10 @@
 
 import copy
 import gc
+import weakref
 
 import mlx.core as mx
+import pytest
 
 from conftest import config_for
 from veloxquant_mlx.batch import BatchCompressedKVCache
@@ -83,3 +85,58 @@ def test_a_batch_with_held_buffers_deep_copies_into_an_independent_one():
         assert mx.array_equal(_step(batch, seed), _step(twin, seed)).item()
     batch.filter([0])  # the original changes; the copy does not
     assert len(twin.rows) == 3 and twin.offset.tolist() == [60 + 7 * b + 4 for b in range(3)]
+
+
+def _freed_by_reference_counting(make) -> bool:
+    """Whether what `make` returns is freed as soon as its last reference goes, without Python's cyclic
+    collector (which runs only now and then, and until it does a cycle keeps every MLX buffer it holds)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        made = make()
+        ref = weakref.ref(made)
+        del made
+        return ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@pytest.mark.parametrize("method", ["turboquant_mse", "kivi"])  # a row store and a field store
+def test_a_dropped_cache_is_not_a_reference_cycle(method):
+    config = CONFIG if method == "turboquant_mse" else config_for("kivi", 4, residual_length=8)
+
+    def filled():
+        cache = CompressedKVCache(config)
+        cache.update_and_fetch(mx.random.normal((1, HEADS, 40, DIM)), mx.random.normal((1, HEADS, 40, DIM)))
+        cache.update_and_fetch(mx.random.normal((1, HEADS, 1, DIM)), mx.random.normal((1, HEADS, 1, DIM)))
+        mx.eval(cache.attend(mx.random.normal((1, QUERY_HEADS, 1, DIM)), scale=DIM**-0.5))
+        return cache
+
+    assert _freed_by_reference_counting(filled)
+    assert _freed_by_reference_counting(lambda: copy.deepcopy(filled()))
+    twin = copy.deepcopy(filled())  # the copy's store encodes into the copy, which works on its own
+    twin.update_and_fetch(mx.random.normal((1, HEADS, 20, DIM)), mx.random.normal((1, HEADS, 20, DIM)))
+    assert twin.offset == 61 and twin.encoded > 0
+
+
+def test_an_extracted_row_holds_its_own_tokens_not_the_batch():
+    """mlx-lm's server extracts a finished sequence's cache from the running batch (and may pool it): once the
+    batch is gone, the extracted row holds about its own bytes, not the batch's decode buffers."""
+    gc.collect()
+    mx.synchronize()
+    before = mx.get_active_memory()
+    gc.disable()
+    try:
+        batch = BatchCompressedKVCache.merge([_row(3000 + 10 * b, b) for b in range(6)])
+        _step(batch, 0)
+        assert batch._decoder.active
+        batch_bytes = batch.nbytes
+        row = batch.extract(2)
+        del batch
+        mx.synchronize()
+        held = mx.get_active_memory() - before
+    finally:
+        gc.enable()
+    assert held < 2 * row.nbytes + batch_bytes // 6, (held, row.nbytes, batch_bytes)
+    assert row.offset == 3021

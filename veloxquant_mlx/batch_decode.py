@@ -123,6 +123,9 @@ class BatchDecoder:
         """An independent cache holding row `b` (the buffers stay in use)."""
         row = copy.deepcopy(self.rows[b])
         self._write_back(b, row, self.count.tolist(), self.fill.tolist(), self.start.tolist())
+        # Until evaluated, the row's slices hold the whole batch's buffers as they are now, and the copy may be
+        # kept for long (mlx-lm's server pools it), while the next decode step writes new buffers.
+        mx.async_eval([a for a in (row.store.rows, row._window_keys, row._window_values) if a is not None])
         return row
 
     def _write_back(self, b: int, cache: CompressedKVCache, counts, fills, starts):

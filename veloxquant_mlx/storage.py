@@ -15,7 +15,10 @@ range, and count `nbytes` as the live buffers, unused capacity included. A
 
 from __future__ import annotations
 
+import copy
+import inspect
 import math
+import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -317,9 +320,30 @@ def stored_bits_per_token(key_codec, value_codec) -> float:
     return key_codec.format.bits_per_token + value_codec.format.bits_per_token
 
 
+class _WeakMethod:
+    """`owner.method`, callable, without a strong reference to `owner`. A store belongs to its cache and calls
+    the cache's encoder: a strong reference back would make every cache a reference cycle, which only Python's
+    cyclic collector frees, so a dropped cache would keep its MLX buffers (and, through a lazy slice, a batch's
+    whole decode buffers) until a collection ran. A deep copy calls the copy of the owner (`memo`)."""
+
+    def __init__(self, method):
+        self._owner, self._name = weakref.ref(method.__self__), method.__name__
+
+    def __call__(self, *args):
+        return getattr(self._owner(), self._name)(*args)
+
+    def __deepcopy__(self, memo):
+        new = copy.copy(self)
+        owner = self._owner()
+        new._owner = weakref.ref(memo.get(id(owner), owner))
+        return new
+
+
 def store_for(key_codec, value_codec, encode, step: int = STEP):
     """A `RowStore` where the codecs' fields pack into rows (`encode` returns rows), else a `FieldStore`
-    (`encode` returns (key fields, value fields))."""
+    (`encode` returns (key fields, value fields)). A bound method is held weakly (`_WeakMethod`)."""
+    if inspect.ismethod(encode):
+        encode = _WeakMethod(encode)
     layout = row_layout(key_codec, value_codec)
     if layout is not None:
         return RowStore(layout, encode, step)
