@@ -60,6 +60,7 @@ SECTIONS = [
      ["serve-throughput-smollm2-cpu", "benchmark-serve-smollm2-cpu",
       "benchmark-serve-smollm2-cpu-decode/8-clients-run1", "benchmark-serve-smollm2-cpu-decode/8-clients-run2",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients",
+      "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients-memory-trace/README.md",
       "benchmark-serve-llama8b-h100/one-call-band-4k-run1", "benchmark-serve-llama8b-h100/one-call-band-4k-run2",
       "benchmark-serve-llama8b-h100/one-call-band-4k-vq3", "benchmark-serve-llama8b-h100/one-call-band-32k-vq4",
       "benchmark-serve-llama8b-h100/one-call-band-budget-8k",
