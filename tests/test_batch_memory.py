@@ -140,3 +140,44 @@ def test_an_extracted_row_holds_its_own_tokens_not_the_batch():
         gc.enable()
     assert held < 2 * row.nbytes + batch_bytes // 6, (held, row.nbytes, batch_bytes)
     assert row.offset == 3021
+
+
+def test_a_pooled_cache_of_mlx_lm_holds_its_own_tokens_not_the_batch():
+    """`veloxquant serve --kv none` pools mlx-lm's caches, which `BatchKVCache.extract` cuts from the running
+    batch as lazy slices: pooled, each holds its own tokens, not the batch's buffers as they were."""
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+
+    from veloxquant_mlx.prompt_cache import FreshPromptCache
+
+    sequences = 6
+
+    def row():
+        cache = KVCache()
+        keys = mx.random.normal((1, HEADS, 3000, DIM)).astype(mx.float16)
+        cache.update_and_fetch(keys, keys)
+        return cache
+
+    def step(batch):
+        keys = mx.random.normal((sequences, HEADS, 1, DIM)).astype(mx.float16)
+        mx.eval(*batch.update_and_fetch(keys, keys))
+
+    gc.collect()
+    mx.synchronize()
+    before = mx.get_active_memory()
+    batch = BatchKVCache.merge([row() for _ in range(sequences)])
+    step(batch)
+    pool, pooled = FreshPromptCache(max_size=10), 0
+    for b in range(4):
+        extracted = batch.extract(b)
+        pooled += extracted.nbytes
+        pool.insert_cache("model", list(range(b, b + 8)), [extracted])
+        del extracted
+        for _ in range(2):  # each decode step writes the batch's buffers anew
+            step(batch)
+    batch_bytes = batch.nbytes
+    del batch
+    gc.collect()
+    mx.synchronize()
+    held = mx.get_active_memory() - before
+    assert len(pool) == 4
+    assert held < pooled + batch_bytes // 2, (held, pooled, batch_bytes)

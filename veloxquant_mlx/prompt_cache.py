@@ -147,6 +147,9 @@ class FreshPromptCache(mlx_cache.LRUPromptCache):
     first_chunk = None
 
     def insert_cache(self, model, tokens: List[int], prompt_cache: List, *, cache_type: str = "assistant"):
+        # mlx-lm's batch caches extract a sequence as lazy slices of the whole batch's buffers (ours extract
+        # independent rows): pooled unevaluated, each entry would hold the batch as it was when extracted.
+        mx.async_eval([c.state for c in prompt_cache if type(c).__module__.startswith("mlx_lm.")])
         if not any(hasattr(c, "refill_span") for c in prompt_cache):
             return super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
         self._trie.pop_prefixes = self._pop_superseded
