@@ -6,10 +6,12 @@ import weakref
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from conftest import config_for
 from veloxquant_mlx.batch import BatchCompressedKVCache
 from veloxquant_mlx.cache import CompressedKVCache
+from veloxquant_mlx.prompt_cache import FreshPromptCache
 from veloxquant_mlx.storage import STEP
 
 HEADS, QUERY_HEADS, DIM = 2, 4, 64
@@ -145,10 +147,6 @@ def test_an_extracted_row_holds_its_own_tokens_not_the_batch():
 def test_a_pooled_cache_of_mlx_lm_holds_its_own_tokens_not_the_batch():
     """`veloxquant serve --kv none` pools mlx-lm's caches, which `BatchKVCache.extract` cuts from the running
     batch as lazy slices: pooled, each holds its own tokens, not the batch's buffers as they were."""
-    from mlx_lm.models.cache import BatchKVCache, KVCache
-
-    from veloxquant_mlx.prompt_cache import FreshPromptCache
-
     sequences = 6
 
     def row():
