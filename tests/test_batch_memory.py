@@ -1,4 +1,5 @@
-"""The shared decode buffers of a batch (`batch_decode.py`) hold what their rows need, and no more."""
+"""Batches, caches and the server's prompt-cache pool hold the memory their tokens need, and no more (`batch_decode.py`,
+`storage.py`, `prompt_cache.py`)."""
 
 import copy
 import gc
