@@ -115,9 +115,7 @@ class BatchDecoder:
         self.rows = None
         # The rows hold their own copies now: the shared buffers go too (kept, they would hold a second
         # copy of the whole batch, out of `nbytes`, until the next decode step took the rows over again).
-        for name in _STATE:
-            setattr(self, name, None)
-        self.nbytes = 0
+        self._drop_buffers()
 
     def extract(self, b: int) -> CompressedKVCache:
         """An independent cache holding row `b` (the buffers stay in use)."""
@@ -148,9 +146,7 @@ class BatchDecoder:
         self.offsets = [self.offsets[i] for i in indices]
         if not self.rows:
             self.active, self.rows = False, None
-            for name in _STATE:
-                setattr(self, name, None)
-            self.nbytes = 0
+            self._drop_buffers()
             return
         self.count = self.count[take]
         # `most` bounds the kept rows' counts only, so the capacity follows the rows held while rows leave and
@@ -162,6 +158,11 @@ class BatchDecoder:
             if name not in ("codes", "count") and getattr(self, name) is not None:
                 setattr(self, name, getattr(self, name)[take])
         self._count_bytes()
+
+    def _drop_buffers(self):
+        for name in _STATE:
+            setattr(self, name, None)
+        self.nbytes = 0
 
     def _count_bytes(self):
         arrays = (self.codes, self.window_keys, self.window_values, self.sink_keys, self.sink_values, self.key_mean,
