@@ -27,6 +27,13 @@ def _row(tokens: int, seed: int) -> CompressedKVCache:
     return cache
 
 
+def _settled_active_memory() -> int:
+    """MLX's active memory once Python's garbage is collected and every queued computation has run."""
+    gc.collect()
+    mx.synchronize()
+    return mx.get_active_memory()
+
+
 def _step(batch: BatchCompressedKVCache, seed: int) -> mx.array:
     mx.random.seed(seed)
     n = len(batch.rows)
@@ -60,16 +67,13 @@ def test_release_lets_the_shared_buffers_go():
     batch = BatchCompressedKVCache.merge([_row(1000 + 10 * b, b) for b in range(4)])
     _step(batch, 0)
     assert batch._decoder.active
-    gc.collect()
-    mx.synchronize()
-    held = mx.get_active_memory()
+    held = _settled_active_memory()
     batch._release()
     assert all(getattr(batch._decoder, name, None) is None for name in ("codes", "window_keys", "window_values"))
     mx.eval([a for c in batch.rows for a in (c.store.rows, c._window_keys, c._window_values) if a is not None])
-    gc.collect()
-    mx.synchronize()
     # The rows' copies replace the buffers (kept, these were a second copy of every row, out of `nbytes`).
-    assert mx.get_active_memory() < held + batch.nbytes // 4, (mx.get_active_memory(), held, batch.nbytes)
+    after = _settled_active_memory()
+    assert after < held + batch.nbytes // 4, (after, held, batch.nbytes)
     _step(batch, 1)  # taken over again
     assert batch._decoder.active
 
@@ -126,9 +130,7 @@ def test_a_dropped_cache_is_not_a_reference_cycle(method):
 def test_an_extracted_row_holds_its_own_tokens_not_the_batch():
     """mlx-lm's server extracts a finished sequence's cache from the running batch (and may pool it): once the
     batch is gone, the extracted row holds about its own bytes, not the batch's decode buffers."""
-    gc.collect()
-    mx.synchronize()
-    before = mx.get_active_memory()
+    before = _settled_active_memory()
     gc.disable()
     try:
         batch = BatchCompressedKVCache.merge([_row(3000 + 10 * b, b) for b in range(6)])
@@ -160,9 +162,7 @@ def test_a_pooled_cache_of_mlx_lm_holds_its_own_tokens_not_the_batch():
         keys = mx.random.normal((sequences, HEADS, 1, DIM)).astype(mx.float16)
         mx.eval(*batch.update_and_fetch(keys, keys))
 
-    gc.collect()
-    mx.synchronize()
-    before = mx.get_active_memory()
+    before = _settled_active_memory()
     batch = BatchKVCache.merge([row() for _ in range(sequences)])
     step(batch)
     pool, pooled = FreshPromptCache(max_size=10), 0
@@ -175,8 +175,6 @@ def test_a_pooled_cache_of_mlx_lm_holds_its_own_tokens_not_the_batch():
             step(batch)
     batch_bytes = batch.nbytes
     del batch
-    gc.collect()
-    mx.synchronize()
-    held = mx.get_active_memory() - before
+    held = _settled_active_memory() - before
     assert len(pool) == 4
     assert held < pooled + batch_bytes // 2, (held, pooled, batch_bytes)
