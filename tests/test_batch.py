@@ -280,7 +280,7 @@ def test_gpu_ragged_kernel_matches_each_sequence_on_its_own(model, tensor_cores)
     assert decoder.active and len(set(decoder.count.tolist())) == 3
     mx.random.seed(5)
     queries = mx.random.normal((3, 8, 1, 32))
-    decoder.settings, decoder.gpu_kernel = EngineSettings.resolve(backend="emulator", tensor_cores=tensor_cores), None
+    decoder.settings, decoder.path = EngineSettings.resolve(backend="emulator", tensor_cores=tensor_cores), None
     out = decoder.attend(queries, 0.2)
     assert decoder.last_path == "batch_kernel"
     for b in range(3):
@@ -288,7 +288,7 @@ def test_gpu_ragged_kernel_matches_each_sequence_on_its_own(model, tensor_cores)
         row.settings = row.settings.replace(tensor_cores=tensor_cores)
         alone = kernels.decode_attention(row, queries[b : b + 1], 0.2, using="emulator")
         assert mx.allclose(out[b : b + 1], alone, atol=1e-6).item()
-    decoder.settings, decoder.gpu_kernel = EngineSettings.resolve(backend="portable"), None
+    decoder.settings, decoder.path = EngineSettings.resolve(backend="portable"), None
     assert mx.allclose(out, decoder.attend(queries, 0.2), atol=1e-3 if tensor_cores else 1e-5).item()
     assert decoder.last_path == "batch_ops"
 

@@ -73,6 +73,7 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
         self._decoder = BatchDecoder()
         self._members: List[int] = []  # the rows the decoder holds, in its buffers' order
         self._decoded = False  # the last update was a decode step
+        self._fetches_decoded: Optional[bool] = None  # whether a row fetches decoded tokens (rows changed: None)
 
     # ---- mlx-lm batch protocol --------------------------------------------------------------
     @classmethod
@@ -89,10 +90,12 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
             type(self)(self.rows[:1] + other.rows[:1])  # the same kind and window, or refused
         self._extend_columns(other)
         self.rows += other.rows  # they join the decoder's buffers on their first decode step
+        self._fetches_decoded = None
 
     def filter(self, batch_indices):
         indices = batch_indices.tolist() if isinstance(batch_indices, mx.array) else list(batch_indices)
         self.rows = [self.rows[i] for i in indices]
+        self._fetches_decoded = None
         self._keep_columns(indices)
         held = {row: b for b, row in enumerate(self._members)}
         kept = [(new, held[old]) for new, old in enumerate(indices) if old in held]
@@ -129,6 +132,8 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
     # ---- what the model calls ---------------------------------------------------------------
     @property
     def offset(self) -> mx.array:
+        if self._all_held():
+            return self._decoder.positions()
         offsets = [cache.offset - skip for cache, skip in zip(self.rows, self._skip)]
         for b, row in enumerate(self._members):
             offsets[row] = self._decoder.row_offset(b)
@@ -156,7 +161,9 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
     def _fetched(self):
         """What `update_and_fetch` returns: the batch's history, or its tokens decoded into `BatchKVCache`'s
         columns for a model that computes on them itself (`fetch_decoded`)."""
-        if any(getattr(cache, "inner", cache).fetch_decoded for cache in self.rows):
+        if self._fetches_decoded is None:
+            self._fetches_decoded = any(getattr(cache, "inner", cache).fetch_decoded for cache in self.rows)
+        if self._fetches_decoded:
             return self.decoded()
         return BatchHistory(self, "keys"), BatchHistory(self, "values")
 
@@ -204,7 +211,7 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
 
     def _decode_attend(self, queries: mx.array, scale: float) -> mx.array:
         held = self._decoder.attend(_rows(queries, self._members), scale)
-        if self._members == list(range(len(self.rows))):
+        if self._all_held():
             return held
         out = [None] * len(self.rows)
         for b, row in enumerate(self._members):
@@ -213,7 +220,13 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
             out[b] = self.rows[b].attend(queries[b : b + 1], scale=scale, mask=None).astype(queries.dtype)
         return mx.concatenate(out, axis=0)
 
+    def _all_held(self) -> bool:
+        """Whether the decoder holds every row, in the batch's order."""
+        return len(self._members) == len(self.rows) and self._members == list(range(len(self.rows)))
+
     def _outside(self) -> List[int]:
+        if len(self._members) == len(self.rows):
+            return []
         held = set(self._members)
         return [b for b in range(len(self.rows)) if b not in held]
 

@@ -77,9 +77,10 @@ class BatchDecoder:
         first = rows[0]
         self.key_codec, self.value_codec, self.layout = first.key_codec, first.value_codec, first.store.layout
         self.encoder, self.settings, self.residual = first._token_encoder, first.settings, first.config.residual_length
-        self.gpu_kernel: Optional[bool] = None
+        self.path: Optional[str] = None  # `last_path`'s value, decided at the first attend while the buffers are held
         self.steps = 0
-        self.rows, self.offsets, stacked = _stacked(rows, 0)
+        self.rows, offsets, stacked = _stacked(rows, 0)
+        self._set_offsets(offsets)
         for name, array in stacked.items():
             setattr(self, name, array)
         self.capacity = self.codes.shape[2]
@@ -99,7 +100,8 @@ class BatchDecoder:
         for name, array in stacked.items():
             if array is not None:
                 setattr(self, name, mx.concatenate([getattr(self, name), array]))
-        self.rows, self.offsets, self.capacity = self.rows + joined, self.offsets + offsets, capacity
+        self.rows, self.capacity = self.rows + joined, capacity
+        self._set_offsets(self.offsets + offsets)
         self.most = max(self.most, int(self.count.max().item()))
         self._count_bytes()
         return True
@@ -143,7 +145,7 @@ class BatchDecoder:
             return
         take = mx.array(indices, dtype=mx.int32)
         self.rows = [self.rows[i] for i in indices]
-        self.offsets = [self.offsets[i] for i in indices]
+        self._set_offsets([self.offsets[i] for i in indices])
         if not self.rows:
             self.active, self.rows = False, None
             self._drop_buffers()
@@ -170,8 +172,17 @@ class BatchDecoder:
         self.nbytes = sum(a.nbytes for a in arrays if a is not None)
 
     # ---- a decode step -------------------------------------------------------------------------
+    def _set_offsets(self, offsets: List[int]):
+        self.offsets, self._offsets_array = offsets, None
+
     def row_offset(self, b: int) -> int:
         return self.offsets[b] + self.steps
+
+    def positions(self) -> mx.array:
+        """Every row's `row_offset`, as one array (what RoPE reads twice per layer and step)."""
+        if self._offsets_array is None:
+            self._offsets_array = mx.array(self.offsets)
+        return self._offsets_array + self.steps
 
     def step(self, keys: mx.array, values: mx.array):
         """Every row's new token (keys, values (B, H, 1, D)) into its window; the leaving ones encoded."""
@@ -179,21 +190,13 @@ class BatchDecoder:
             self.capacity += STEP
             self.codes = _padded(self.codes, self.capacity)
             self._count_bytes()
-        dtype = self.window_keys.dtype
-        keys, values = keys.astype(dtype), values.astype(dtype)
-        full = self.fill == self.residual
-        slot = mx.where(full, self.start, self.fill)
-        at = self.start[:, None, None, None]
-        leaving_keys = mx.take_along_axis(self.window_keys, at, axis=2)
-        leaving_values = mx.take_along_axis(self.window_values, at, axis=2)
-        into = mx.arange(self.residual)[None, None, :, None] == slot[:, None, None, None]
-        self.window_keys = mx.where(into, keys, self.window_keys)
-        self.window_values = mx.where(into, values, self.window_values)
-        rows = self.encoder.one(leaving_keys, leaving_values, self.key_mean, self.value_mean)
+        window_step = _window_step_fn(self.encoder, self.residual, self.key_mean is not None,
+                                      self.settings.compile_step)
+        means = () if self.key_mean is None else (self.key_mean, self.value_mean)
+        self.window_keys, self.window_values, rows, count, self.start, self.fill = window_step(
+            keys, values, self.window_keys, self.window_values, self.count, self.start, self.fill, *means)
         self.codes[mx.arange(rows.shape[0]), :, self.count] = rows[:, :, 0, :]
-        self.count = self.count + full.astype(mx.int32)
-        self.start = mx.where(full, (self.start + 1) % self.residual, self.start)
-        self.fill = mx.minimum(self.fill + 1, self.residual)
+        self.count = count
         self.steps += 1
         self.most += 1
 
@@ -204,24 +207,29 @@ class BatchDecoder:
         sinks = () if self.sink_keys is None else (self.sink_keys, self.sink_values)
         fp16 = _fp16_fn(len(sinks) > 0, self.key_mean is not None)(self.window_keys, self.window_values, self.fill,
                                                                     key_mean, *sinks)
-        if self.gpu_kernel is None:  # decided once while the buffers are held: asked per layer and step
-            self.gpu_kernel = kernel_ragged_supported(self.settings, self.key_codec, self.value_codec, self.layout,
-                                                      queries.shape[1] // self.codes.shape[1])
-        if self.gpu_kernel:
-            self.last_path = "batch_kernel"
+        if self.path is None:  # asked per layer and step otherwise
+            self.path = self._choose_path(queries.shape[1] // self.codes.shape[1])
+        self.last_path = self.path
+        if self.path == "batch_kernel":
             return step.ragged(self.settings, self.key_codec, self.value_codec, self.codes, self.count, queries,
                                scale, fp16, value_mean if self.key_mean is not None else None)
-        if _native_ragged(self):
-            self.last_path = "batch_native"
+        if self.path == "batch_native":
             o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes,
                                                self.count, self.most, scale)
             return _merge_fn(self.value_codec, tuple(queries.shape), queries.dtype, float(scale),
                              self.key_mean is not None)(o, ml, queries, *fp16, value_mean)
-        self.last_path = "batch_ops"
         fn = _ragged_decode_fn(self.key_codec, self.value_codec, self.layout, self.capacity, tuple(queries.shape),
                                queries.dtype, float(scale), self.key_mean is not None,
                                self.settings.compile_step)
         return fn(queries, self.codes, self.count, *fp16, value_mean)
+
+    def _choose_path(self, rep: int) -> str:
+        if kernel_ragged_supported(self.settings, self.key_codec, self.value_codec, self.layout, rep):
+            return "batch_kernel"
+        if self.settings.backend == "native" and native_ragged_supported(self.key_codec, self.value_codec,
+                                                                         self.layout):
+            return "batch_native"
+        return "batch_ops"
 
 
 def _compatible(rows: List, first: Optional[CompressedKVCache] = None) -> bool:
@@ -282,10 +290,25 @@ def _padded(x: mx.array, length: int) -> mx.array:
     return mx.pad(x, [(0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)])
 
 
-def _native_ragged(decoder: BatchDecoder) -> bool:
-    settings = decoder.settings
-    return settings.backend == "native" and native_ragged_supported(decoder.key_codec, decoder.value_codec,
-                                                                    decoder.layout)
+@functools.lru_cache(maxsize=64)
+def _window_step_fn(encoder, residual: int, centered: bool, compiled: bool):
+    """Every row's new token into its window ring, and the rows of the tokens leaving full windows, encoded:
+    (window keys, window values, encoded rows (B, H, 1, words), count, start, fill) after the step."""
+    def window_step(keys, values, window_keys, window_values, count, start, fill, key_mean=None, value_mean=None):
+        dtype = window_keys.dtype
+        full = fill == residual
+        slot = mx.where(full, start, fill)
+        at = start[:, None, None, None]
+        leaving_keys = mx.take_along_axis(window_keys, at, axis=2)
+        leaving_values = mx.take_along_axis(window_values, at, axis=2)
+        into = mx.arange(residual)[None, None, :, None] == slot[:, None, None, None]
+        window_keys = mx.where(into, keys.astype(dtype), window_keys)
+        window_values = mx.where(into, values.astype(dtype), window_values)
+        rows = encoder.one(leaving_keys, leaving_values, key_mean, value_mean)
+        return (window_keys, window_values, rows, count + full.astype(mx.int32),
+                mx.where(full, (start + 1) % residual, start), mx.minimum(fill + 1, residual))
+
+    return mx.compile(window_step) if compiled else window_step
 
 
 @functools.lru_cache(maxsize=64)
