@@ -8,6 +8,9 @@ filled directly with random keys/values of `--context` tokens (the compressed
 cache encodes them as it would after a prefill). Then `--tokens` tokens are
 decoded greedily, mlx-lm style (the next step queued before the current one is
 read), `--repeats` times per method, methods interleaved; the median is reported.
+With `--interleave-every N` the methods' caches are filled once per repeat and take turns every N tokens, so a
+machine whose speed drifts within a run (this 2-core VM's runs of one method spread by 30-50%) slows every method
+alike; the tok/s is then the median over every block of N tokens.
 Writes cpu_decode.json and cpu_decode.md under --out.
 """
 
@@ -82,6 +85,9 @@ def main():
     parser.add_argument("--prefill", type=int, default=0,
                         help="also time a prefill of this many random tokens through the model (0: none)")
     parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--interleave-every", type=int, default=0,
+                        help="take turns every N decoded tokens (caches filled once per repeat; 0: each method "
+                             "decodes all --tokens in one run)")
     args = parser.parse_args()
     model, _ = load_model(args.model)
     if args.dtype != "as-loaded":
@@ -92,7 +98,16 @@ def main():
     specs = parse_method_list(args.methods)
     runs = {s.label: [] for s in specs}
     prefills = {s.label: [] for s in specs}
-    for r in range(args.repeats):
+    if args.interleave_every:
+        blocks = {s.label: [] for s in specs}
+        for r in range(args.repeats):
+            held = {spec.label: filled_caches(model, spec, args.context, dtype, seed=r) for spec in specs}
+            for _ in range(args.tokens // args.interleave_every):
+                for label, caches in held.items():
+                    blocks[label].append(decode_seconds(model, caches, args.interleave_every))
+            del held
+        runs = blocks
+    for r in range(0 if args.interleave_every else args.repeats):
         for spec in specs:
             caches = filled_caches(model, spec, args.context, dtype, seed=r)
             runs[spec.label].append(decode_seconds(model, caches, args.tokens))
@@ -101,11 +116,13 @@ def main():
             if args.prefill:
                 prefills[spec.label].append(prefill_seconds(model, spec, args.prefill, args.prefill_chunk, seed=r))
                 print(f"repeat {r} {spec.label}: prefill {args.prefill / prefills[spec.label][-1]:.1f} tok/s", flush=True)
+    unit = args.interleave_every or args.tokens  # tokens per timed run
     result = {
         "model": args.model, "activations": str(dtype), "context": args.context, "tokens": args.tokens, "repeats": args.repeats,
+        "interleave_every": args.interleave_every,
         "device": str(mx.default_device()), "backend": kernels.backend(), "platform": platform.platform(),
         "processor": platform.processor(), "mlx": mx.__version__,
-        "records": [{"method": k, "decode_s": v, "decode_tokens_per_s": args.tokens / statistics.median(v),
+        "records": [{"method": k, "decode_s": v, "decode_tokens_per_s": unit / statistics.median(v),
                      **({"prefill_tokens": args.prefill, "prefill_chunk": args.prefill_chunk, "prefill_s": prefills[k],
                          "prefill_tokens_per_s": args.prefill / statistics.median(prefills[k])} if args.prefill else {})}
                     for k, v in runs.items()],
@@ -118,11 +135,16 @@ def main():
     lines = [f"# Decode at {args.context} tokens, `{args.model}`, activations {dtype}, {result['device']} "
              f"({kernels.backend()} path)", "",
              f"Caches filled with random K/V of {args.context} tokens; {args.tokens} greedy tokens, median of "
-             f"{args.repeats} interleaved runs.", "", "| method | decode tok/s | vs first | runs (s) |",
+             + (f"{args.repeats} interleaved runs." if not args.interleave_every else
+                f"every block of {unit} tokens, the methods taking turns every {unit} tokens, caches filled "
+                f"{args.repeats} times."),
+             "", f"| method | decode tok/s | vs first | {'runs' if not args.interleave_every else 'blocks: min / median / max'} (s) |",
              "|---|---:|---:|---|"]
     for rec in result["records"]:
+        shown = rec["decode_s"] if not args.interleave_every else (
+            min(rec["decode_s"]), statistics.median(rec["decode_s"]), max(rec["decode_s"]))
         lines.append(f"| `{rec['method']}` | {rec['decode_tokens_per_s']:.2f} | "
-                     f"{rec['decode_tokens_per_s'] / base:.2f}x | {', '.join(f'{s:.2f}' for s in rec['decode_s'])} |")
+                     f"{rec['decode_tokens_per_s'] / base:.2f}x | {', '.join(f'{s:.2f}' for s in shown)} |")
     if args.prefill:
         first = result["records"][0]["prefill_tokens_per_s"]
         lines += ["", f"Prefill of {args.prefill} random tokens in chunks of {args.prefill_chunk}, median of "
