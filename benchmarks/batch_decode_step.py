@@ -3,8 +3,10 @@
 
 Each sequence is prefilled alone, the caches are merged twice into two identical batches (mlx-lm's
 `BatchGenerator` does the same), and every step feeds both batches one token per sequence, first one then the
-other; the per-sequence batch has the shared buffers turned off. Both wall time and the process's CPU time
-(all its threads) are recorded: on a machine shared with other jobs the CPU time is the steadier of the two.
+other; the per-sequence batch has the shared buffers turned off. mlx-lm's `BatchKVCache` of the same prompts
+takes its turn too, as the fp16 reference. Wall time, the process's CPU time (all its threads; on a machine shared
+with other jobs the steadier of the two) and the host's time to build the step's graph (the model call before
+its evaluation, which the GPU does not overlap when it is the longer part) are recorded.
 
     PYTHONPATH=. python benchmarks/batch_decode_step.py --preset vq4 --lengths 120,300,180,520,90,400,250,150 \
         --steps 24 --out benchmarks/results/batch-decode-step-smollm2-cpu
@@ -19,6 +21,7 @@ import time
 
 import mlx.core as mx
 import mlx_lm
+from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx import KVCacheBuilder, batch_decode
 from veloxquant_mlx.config import KVCacheConfig
@@ -39,25 +42,32 @@ def main():
     config = KVCacheConfig.preset(args.preset)
     lengths = [int(n) for n in args.lengths.split(",")]
     mx.random.seed(0)
-    rows = []
+    rows, fp16_rows = [], []
     for n in lengths:
-        caches = KVCacheBuilder(config).for_model(model).build()
-        model(mx.random.randint(0, 1000, (1, n)), cache=caches)
-        mx.eval([c.state for c in caches])
-        rows.append(caches)
+        prompt = mx.random.randint(0, 1000, (1, n))
+        for made, kept in ((KVCacheBuilder(config).for_model(model).build(), rows),
+                           (make_prompt_cache(model), fp16_rows)):
+            model(prompt, cache=made)
+            mx.eval([c.state for c in made])
+            kept.append(made)
     batches = {name: [rows[0][i].merge([r[i] for r in rows]) for i in range(len(rows[0]))]
                for name in ("batched", "per-sequence")}
+    batches["mlx-lm fp16"] = [fp16_rows[0][i].merge([r[i] for r in fp16_rows]) for i in range(len(fp16_rows[0]))]
     compatible = batch_decode._compatible
     times = {name: [] for name in batches}
     cpu = {name: [] for name in batches}
+    build = {name: [] for name in batches}
     token = mx.array([[5]] * len(lengths))
     try:
         for step in range(args.steps + 4):
             for name, caches in batches.items():
                 batch_decode._compatible = compatible if name == "batched" else (lambda rows, first=None: False)
                 start, start_cpu = time.perf_counter(), time.process_time()
-                mx.eval(model(token, cache=caches))
+                logits = model(token, cache=caches)
+                built = time.perf_counter()
+                mx.eval(logits)
                 if step >= 4:
+                    build[name].append(built - start)
                     times[name].append(time.perf_counter() - start)
                     cpu[name].append(time.process_time() - start_cpu)
     finally:
@@ -67,21 +77,23 @@ def main():
         raise RuntimeError("the batched run did not use the shared buffers, or the per-sequence one did")
     median = {name: statistics.median(t) * 1e3 for name, t in times.items()}
     median_cpu = {name: statistics.median(t) * 1e3 for name, t in cpu.items()}
+    median_build = {name: statistics.median(t) * 1e3 for name, t in build.items()}
     meta = {"model": args.model, "preset": args.preset, "lengths": lengths, "steps": args.steps,
             "path": decoder.last_path, "device": str(mx.default_device()), "machine": platform.processor(),
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows_out = [{"run": name, "median_ms": median[name], "median_cpu_ms": median_cpu[name],
-                 "step_ms": [t * 1e3 for t in times[name]], "step_cpu_ms": [t * 1e3 for t in cpu[name]]}
+                 "median_build_ms": median_build[name], "build_ms": [t * 1e3 for t in build[name]], "step_ms": [t * 1e3 for t in times[name]], "step_cpu_ms": [t * 1e3 for t in cpu[name]]}
                 for name in times]
     lines = [f"Decode-step time of a batch of {len(lengths)} sequences of {args.lengths} tokens, `{args.preset}` on "
              f"`{args.model}`, {args.steps} steps each, alternated in one process ({meta['device']}, batched path "
              f"`{meta['path']}`, mlx {meta['mlx']}, {meta['when']}).", "",
-             "| attention | median step ms | vs per-sequence | median step CPU ms | vs per-sequence |",
-             "|---|---|---|---|---|"]
+             "| attention | median step ms | vs per-sequence | median step CPU ms | vs per-sequence "
+             "| median graph build ms |", "|---|---|---|---|---|---|"]
     for name in times:
         lines.append(f"| {name} | {median[name]:.1f} | {median['per-sequence'] / median[name]:.2f}x | "
-                     f"{median_cpu[name]:.1f} | {median_cpu['per-sequence'] / median_cpu[name]:.2f}x |")
+                     f"{median_cpu[name]:.1f} | {median_cpu['per-sequence'] / median_cpu[name]:.2f}x | "
+                     f"{median_build[name]:.2f} |")
     write_json_and_markdown(args.out, {"meta": meta, "rows": rows_out}, lines)
 
 

@@ -56,8 +56,10 @@ SECTIONS = [
     ("Kernel self-test (H200)", "`python -m veloxquant_mlx.kernels.selftest --backend cuda`: every case against the "
      "portable path, the generic path and float64 attention.",
      ["gpu/thirtyfirst-selftest/selftest.txt"]),
-    ("Serving", "Made by `benchmarks/serve_throughput.py` and `veloxquant benchmark serve`.",
-     ["serve-throughput-smollm2-cpu", "benchmark-serve-smollm2-cpu",
+    ("Serving", "Made by `benchmarks/serve_throughput.py`, `benchmarks/batch_decode_step.py` and "
+     "`veloxquant benchmark serve`.",
+     ["serve-throughput-smollm2-cpu", "batch-decode-step-smollm2-cpu", "batch-decode-step-smollm2-cpu/32-sequences",
+      "benchmark-serve-smollm2-cpu",
       "benchmark-serve-smollm2-cpu-decode/8-clients-run1", "benchmark-serve-smollm2-cpu-decode/8-clients-run2",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients-memory-trace/README.md",
