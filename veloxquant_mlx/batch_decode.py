@@ -205,19 +205,19 @@ class BatchDecoder:
         key_mean = self.key_mean if self.key_mean is not None else engine.small_array((0.0,), mx.float32)
         value_mean = self.value_mean if self.value_mean is not None else engine.small_array((0.0,), mx.float32)
         sinks = () if self.sink_keys is None else (self.sink_keys, self.sink_values)
-        fp16 = _fp16_fn(len(sinks) > 0, self.key_mean is not None)(self.window_keys, self.window_values, self.fill,
-                                                                    key_mean, *sinks)
         if self.path is None:  # asked per layer and step otherwise
             self.path = self._choose_path(queries.shape[1] // self.codes.shape[1])
         self.last_path = self.path
-        if self.path == "batch_kernel":
-            return step.ragged(self.settings, self.key_codec, self.value_codec, self.codes, self.count, queries,
-                               scale, fp16, value_mean if self.key_mean is not None else None)
+        window = (self.window_keys, self.window_values, self.fill, key_mean, *sinks)
         if self.path == "batch_native":
             o, ml = native.mse_partials_ragged(queries, self.key_codec, self.value_codec, self.layout, self.codes,
                                                self.count, self.most, scale)
             return _merge_fn(self.value_codec, tuple(queries.shape), queries.dtype, float(scale),
-                             self.key_mean is not None)(o, ml, queries, *fp16, value_mean)
+                             self.key_mean is not None, len(sinks) > 0)(o, ml, queries, value_mean, *window)
+        fp16 = _fp16_fn(len(sinks) > 0, self.key_mean is not None)(*window)
+        if self.path == "batch_kernel":
+            return step.ragged(self.settings, self.key_codec, self.value_codec, self.codes, self.count, queries,
+                               scale, fp16, value_mean if self.key_mean is not None else None)
         fn = _ragged_decode_fn(self.key_codec, self.value_codec, self.layout, self.capacity, tuple(queries.shape),
                                queries.dtype, float(scale), self.key_mean is not None,
                                self.settings.compile_step)
@@ -311,8 +311,7 @@ def _window_step_fn(encoder, residual: int, centered: bool, compiled: bool):
     return mx.compile(window_step) if compiled else window_step
 
 
-@functools.lru_cache(maxsize=64)
-def _fp16_fn(has_sinks: bool, centered: bool):
+def _fp16_tokens(has_sinks: bool, centered: bool):
     """(keys (centred), values, bias) of the sinks then the window ring, the ring's empty slots at -inf."""
     def fp16(window_keys, window_values, fill, key_mean, sink_keys=None, sink_values=None):
         slots = window_keys.shape[2]
@@ -326,12 +325,21 @@ def _fp16_fn(has_sinks: bool, centered: bool):
             keys = keys.astype(mx.float32) - key_mean
         return keys, values, bias[:, None, None, :]
 
-    return mx.compile(fp16)
+    return fp16
+
+
+@functools.lru_cache(maxsize=64)
+def _fp16_fn(has_sinks: bool, centered: bool):
+    return mx.compile(_fp16_tokens(has_sinks, centered))
 
 
 @functools.lru_cache(maxsize=engine.CODEC_KEYED)
-def _merge_fn(value_codec, out_shape, out_dtype, scale: float, centered: bool):
-    def merge(o, ml, queries, keys, values, bias, value_mean):
+def _merge_fn(value_codec, out_shape, out_dtype, scale: float, centered: bool, has_sinks: bool):
+    """The native kernel's partials (o, ml) merged with the fp16 sinks and window's, in one compiled graph."""
+    fp16 = _fp16_tokens(has_sinks, centered)
+
+    def merge(o, ml, queries, value_mean, window_keys, window_values, fill, key_mean, *sinks):
+        keys, values, bias = fp16(window_keys, window_values, fill, key_mean, *sinks)
         plain = engine.plain_partial(queries, keys, values, scale, bias)
         return engine.merge_partials(o, ml, value_codec, out_shape, out_dtype, plain=plain,
                                      value_mean=value_mean if centered else None)
