@@ -222,7 +222,8 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
 
     def _all_held(self) -> bool:
         """Whether the decoder holds every row, in the batch's order."""
-        return len(self._members) == len(self.rows) and self._members == list(range(len(self.rows)))
+        return (self._decoder.active and len(self._members) == len(self.rows)
+                and self._members == list(range(len(self.rows))))
 
     def _outside(self) -> List[int]:
         if len(self._members) == len(self.rows):
