@@ -400,4 +400,6 @@ def test_a_sequence_decodes_to_the_same_bits_whatever_shares_its_batch():
     prompts = _ragged_prompts(5, [3, 40, 9, 23])
     alone, together, batch = _decode_alone_and_together(model, config, prompts, 8)
     assert batch[0]._decoder.active and len(batch[0]._decoder.rows) == 4
+    # The late joiner's row is moved to its place in the buffers, so layers read the batch without a gather.
+    assert all(held is row for held, row in zip(batch[0]._decoder.rows, batch[0].rows))
     assert mx.array_equal(alone, together).item()

@@ -204,6 +204,7 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
                 [self.rows[b] for b in joining])
             if joined:
                 self._members += joining
+                self._hold_in_batch_order()
         if self._members:
             self._decoder.step(*(_rows(x, self._members) for x in (keys, values)))
         for b in self._outside():
@@ -219,6 +220,13 @@ class BatchCompressedKVCache(RowColumns, DecodedReads, _BaseCache):
         for b in self._outside():
             out[b] = self.rows[b].attend(queries[b : b + 1], scale=scale, mask=None).astype(queries.dtype)
         return mx.concatenate(out, axis=0)
+
+    def _hold_in_batch_order(self):
+        """Once the decoder holds every row, its buffers in the batch's order (a row that joined late came last):
+        each layer then reads the batch's offsets, queries and outputs as they are, with no gather."""
+        if len(self._members) == len(self.rows) and self._members != list(range(len(self.rows))):
+            self._decoder.filter(sorted(range(len(self._members)), key=self._members.__getitem__))
+            self._members = list(range(len(self.rows)))
 
     def _all_held(self) -> bool:
         """Whether the decoder holds every row, in the batch's order."""
