@@ -83,7 +83,8 @@ def main():
             "mlx": mx.__version__, "mlx_lm": mlx_lm.__version__,
             "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     rows_out = [{"run": name, "median_ms": median[name], "median_cpu_ms": median_cpu[name],
-                 "median_build_ms": median_build[name], "build_ms": [t * 1e3 for t in build[name]], "step_ms": [t * 1e3 for t in times[name]], "step_cpu_ms": [t * 1e3 for t in cpu[name]]}
+                 "median_build_ms": median_build[name], "build_ms": [t * 1e3 for t in build[name]],
+                 "step_ms": [t * 1e3 for t in times[name]], "step_cpu_ms": [t * 1e3 for t in cpu[name]]}
                 for name in times]
     lines = [f"Decode-step time of a batch of {len(lengths)} sequences of {args.lengths} tokens, `{args.preset}` on "
              f"`{args.model}`, {args.steps} steps each, alternated in one process ({meta['device']}, batched path "

@@ -89,6 +89,8 @@ def main():
                         help="take turns every N decoded tokens (caches filled once per repeat; 0: each method "
                              "decodes all --tokens in one run)")
     args = parser.parse_args()
+    if args.interleave_every and args.prefill:
+        parser.error("--interleave-every times decoding only; time --prefill in a run without it")
     model, _ = load_model(args.model)
     if args.dtype != "as-loaded":
         model.set_dtype(getattr(mx, args.dtype))
@@ -99,23 +101,24 @@ def main():
     runs = {s.label: [] for s in specs}
     prefills = {s.label: [] for s in specs}
     if args.interleave_every:
-        blocks = {s.label: [] for s in specs}
         for r in range(args.repeats):
             held = {spec.label: filled_caches(model, spec, args.context, dtype, seed=r) for spec in specs}
             for _ in range(args.tokens // args.interleave_every):
                 for label, caches in held.items():
-                    blocks[label].append(decode_seconds(model, caches, args.interleave_every))
+                    runs[label].append(decode_seconds(model, caches, args.interleave_every))
             del held
-        runs = blocks
-    for r in range(0 if args.interleave_every else args.repeats):
-        for spec in specs:
-            caches = filled_caches(model, spec, args.context, dtype, seed=r)
-            runs[spec.label].append(decode_seconds(model, caches, args.tokens))
-            print(f"repeat {r} {spec.label}: {args.tokens / runs[spec.label][-1]:.2f} tok/s", flush=True)
-            del caches
-            if args.prefill:
-                prefills[spec.label].append(prefill_seconds(model, spec, args.prefill, args.prefill_chunk, seed=r))
-                print(f"repeat {r} {spec.label}: prefill {args.prefill / prefills[spec.label][-1]:.1f} tok/s", flush=True)
+    else:
+        for r in range(args.repeats):
+            for spec in specs:
+                caches = filled_caches(model, spec, args.context, dtype, seed=r)
+                runs[spec.label].append(decode_seconds(model, caches, args.tokens))
+                print(f"repeat {r} {spec.label}: {args.tokens / runs[spec.label][-1]:.2f} tok/s", flush=True)
+                del caches
+                if args.prefill:
+                    prefills[spec.label].append(prefill_seconds(model, spec, args.prefill, args.prefill_chunk,
+                                                                seed=r))
+                    print(f"repeat {r} {spec.label}: prefill {args.prefill / prefills[spec.label][-1]:.1f} tok/s",
+                          flush=True)
     unit = args.interleave_every or args.tokens  # tokens per timed run
     result = {
         "model": args.model, "activations": str(dtype), "context": args.context, "tokens": args.tokens, "repeats": args.repeats,
@@ -138,7 +141,8 @@ def main():
              + (f"{args.repeats} interleaved runs." if not args.interleave_every else
                 f"every block of {unit} tokens, the methods taking turns every {unit} tokens, caches filled "
                 f"{args.repeats} times."),
-             "", f"| method | decode tok/s | vs first | {'runs' if not args.interleave_every else 'blocks: min / median / max'} (s) |",
+             "", "| method | decode tok/s | vs first | "
+             + ("runs (s) |" if not args.interleave_every else "blocks: min / median / max (s) |"),
              "|---|---:|---:|---|"]
     for rec in result["records"]:
         shown = rec["decode_s"] if not args.interleave_every else (
