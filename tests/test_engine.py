@@ -706,3 +706,19 @@ def test_a_group_formats_decode_steps_choose_their_path_once(monkeypatch):
     cache.update_and_fetch(keys[..., :1, :], keys[..., :1, :])
     cache.attend(queries, 0.125)
     assert calls.count("decode") == 2
+
+
+def test_the_softmax_exp_matches_float64_exp_on_the_cpu_over_the_whole_float32_range():
+    """`attention.softmax_exp` replaces `mx.exp` in the decode paths' softmax on the CPU: it must agree with exp
+    in float64 to about float32's rounding (inputs are <= 0: scores minus their max), give 0 for -inf and
+    below float32's normal range, and keep a NaN."""
+    from veloxquant_mlx.attention import softmax_exp
+
+    x = np.concatenate([np.linspace(-87.0, 0.0, 400_001), -np.logspace(-30, 0, 2001)]).astype(np.float32)
+    with mx.stream(mx.cpu):
+        got = np.array(softmax_exp(mx.array(x)))
+        edges = np.array(softmax_exp(mx.array(np.array([-np.inf, -90.0, -200.0, 0.0, np.nan], np.float32))))
+    want = np.exp(x.astype(np.float64))
+    # The polynomial's error (< 1.2e-7) plus float32's rounding of x log2 e, which grows with |x|.
+    assert np.all(np.abs(got - want) / want < 2.5e-7 + 1e-7 * np.abs(x))
+    assert edges[:3].tolist() == [0.0, 0.0, 0.0] and edges[3] == 1.0 and np.isnan(edges[4])

@@ -17,6 +17,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
+from ..attention import softmax_exp
 from ..engine import CODEC_KEYED, kept_splits, merge_partials, plain_partial, with_sink_split
 from ..packing import unpack
 
@@ -29,7 +30,7 @@ def _codes_step(q: mx.array, keys: mx.array, knorm: mx.array, values: mx.array, 
     the norms scale the n scores and the n weights instead of n x D coordinates."""
     scores = (q @ keys.swapaxes(-1, -2)) * knorm.astype(mx.float32).swapaxes(-1, -2)
     m = mx.max(scores, axis=-1, keepdims=True)
-    p = mx.exp(scores - m)
+    p = softmax_exp(scores - m)
     weights = p * vnorm.astype(mx.float32).swapaxes(-1, -2)
     return weights @ values, m, mx.sum(p, axis=-1, keepdims=True)
 
