@@ -77,9 +77,8 @@ SECTIONS = [
       "band-mask-attention-h100/band-32k"]),
     ("MLX's own quantized formats", "Made by `veloxquant eval ppl`, `benchmarks/cpu_decode.py` and "
      "`benchmarks/mlx_native_decode.py`.",
-     ["mlxq-kl-smollm2-cpu", "mlxq-decode-smollm2-cpu/cpu_decode_float32.md", "mlxq-decode-smollm2-cpu/run2/cpu_decode_float32.md",
-      "mlxq-decode-smollm2-cpu/run3/cpu_decode_float32.md", "mlxq-decode-smollm2-cpu/run4/cpu_decode_float32.md",
-      "mlxq-decode-smollm2-cpu/run5/cpu_decode_float32.md", "mlxq-decode-smollm2-cpu/interleaved/cpu_decode_float32.md",
+     ["mlxq-kl-smollm2-cpu", "mlxq-decode-smollm2-cpu/run1/cpu_decode_float32.md",
+      "mlxq-decode-smollm2-cpu/run2/cpu_decode_float32.md",
       "mlxq-decode-llama8b-h100/mlx-native-run1", "mlxq-decode-llama8b-h100/mlx-native-run2"]),
     ("Weights", "Made by `benchmarks/weights_quality.py` and `benchmarks/weights_gpu_model_decode.py`.",
      ["weights-quality-smollm2", "weights-quality-gaffine-smollm2", "gpu/weights-model-decode-blocks-third"]),
