@@ -22,11 +22,10 @@ _EXP2_TAYLOR = tuple(math.log(2) ** k / math.factorial(k) for k in range(6, -1, 
 
 
 def softmax_exp(x: mx.array) -> mx.array:
-    """exp(x) of a softmax's shifted scores (x <= 0, float32). MLX's CPU back end evaluates `mx.exp` one
-    element at a time (~20 ns each), the largest share of a decode step's softmax over a long history; on the CPU
-    this is Cody & Waite's reduction instead, exp(x) = 2^n 2^f with n = round(x log2 e), 2^f a polynomial and 2^n
-    written as float32 exponent bits, all elementwise ops that a compiled step fuses. Below e^-87.3 (a float32
-    denormal) it gives 0; a NaN stays NaN."""
+    """exp(x) of a softmax's shifted scores (x <= 0, float32). On the CPU, where MLX's `mx.exp` is a large share of
+    a decode step over a long history (docs/decisions.md), this is Cody and Waite's reduction: exp(x) = 2^n 2^f with
+    n = round(x log2 e), 2^f a polynomial and 2^n written as float32 exponent bits, all elementwise ops that a
+    compiled step fuses. Below e^-87.3 (a float32 denormal) it gives 0; a NaN stays NaN."""
     if mx.default_device() != mx.cpu:
         return mx.exp(x)
     y = mx.clip(x.astype(mx.float32) * math.log2(math.e), -127.0, 0.0)
