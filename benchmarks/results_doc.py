@@ -59,8 +59,8 @@ SECTIONS = [
     ("Serving", "Made by `benchmarks/serve_throughput.py`, `benchmarks/batch_decode_step.py` and "
      "`veloxquant benchmark serve`.",
      ["serve-throughput-smollm2-cpu", "batch-decode-step-smollm2-cpu", "batch-decode-step-smollm2-cpu/32-sequences",
-      "benchmark-serve-smollm2-cpu",
       "benchmark-serve-smollm2-cpu-decode/8-clients-run1", "benchmark-serve-smollm2-cpu-decode/8-clients-run2",
+      "benchmark-serve-smollm2-cpu-decode/mlxq4-8-clients",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients-memory-trace/README.md",
       "benchmark-serve-llama8b-h100/one-call-band-4k-run1", "benchmark-serve-llama8b-h100/one-call-band-4k-run2",
