@@ -36,7 +36,7 @@ from typing import List, Optional
 import mlx.core as mx
 
 from . import engine
-from .attention import softmax_exp
+from .attention import max_and_weights
 from .cache import CompressedKVCache
 from .kernels import kernel_ragged_supported, native, native_ragged_supported, step
 from .storage import STEP, RowStore
@@ -366,8 +366,7 @@ def _ragged_decode_fn(key_codec, value_codec, layout, capacity: int, out_shape, 
             scores = key_codec.score(q, key_fields)  # (B, H, REP, n)
             valid = (mx.arange(start, stop)[None] < count[:, None])[:, None, None, :]
             scores = mx.where(valid, scores, -mx.inf)
-            m = mx.max(scores, axis=-1, keepdims=True)
-            p = softmax_exp(scores - mx.where(m == -mx.inf, 0.0, m))
+            m, p = max_and_weights(scores)
             o = value_codec.weighted_sum(mx.expand_dims(p, 3), value_fields)
             outs.append(o.squeeze(3))
             stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))

@@ -31,7 +31,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import mlx.core as mx
 
-from .attention import Segment, attend as generic_attend, sink_scores, softmax_exp
+from .attention import Segment, attend as generic_attend, max_and_weights, sink_scores
 from .formats import RowLayout
 from .methods.base import at_positions
 from .settings import EngineSettings, cuda_available
@@ -405,8 +405,7 @@ def plain_partial(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
     if bias is not None:
         scores = scores + bias
-    m = mx.max(scores, axis=-1, keepdims=True)
-    p = softmax_exp(scores - mx.where(m == -mx.inf, 0.0, m))
+    m, p = max_and_weights(scores)
     o = p @ values.astype(mx.float32)
     ml = mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1)
     return o.reshape(B * n_heads * L, -1), ml.reshape(B * n_heads * L, 2)
@@ -467,12 +466,8 @@ def kept_partials(key_codec, value_codec, fields, kv_heads: int, scale: float, q
     values = values.astype(mx.float32)
     values = value_codec.to_domain(values - value_mean if value_mean is not None else values)
 
-    def softmax_sums(scores):
-        m = mx.max(scores, axis=-1, keepdims=True)
-        return m, softmax_exp(scores - mx.where(m == -mx.inf, 0.0, m))
-
-    m_codes, p_codes = softmax_sums(codes)
-    m_fp16, p_fp16 = softmax_sums(fp16)
+    m_codes, p_codes = max_and_weights(codes)
+    m_fp16, p_fp16 = max_and_weights(fp16)
     o = mx.stack([-value_codec.weighted_sum(mx.expand_dims(p_codes, 3), value_fields).squeeze(3), p_fp16 @ values],
                  axis=2)  # (B, H, 2, REP, Dv)
     ml = mx.stack([mx.concatenate([m_codes, -mx.sum(p_codes, axis=-1, keepdims=True)], axis=-1),
@@ -521,8 +516,7 @@ def _decode_fn(key_codec, value_codec, names: Tuple[Tuple[str, ...], Tuple[str, 
             scores = mx.where(mx.arange(start, stop) < count, scores, -mx.inf)
             if kept:
                 scores = scores + kept_inputs[3][start:stop]
-            m = mx.max(scores, axis=-1, keepdims=True)
-            p = softmax_exp(scores - mx.where(m == -mx.inf, 0.0, m))
+            m, p = max_and_weights(scores)
             o = value_codec.weighted_sum(mx.expand_dims(p, 3), _slice_fields(value_fields, value_per_row, start, stop))
             outs.append(o)  # (B, H, REP, 1, Dv)
             stats.append(mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1))
@@ -651,8 +645,7 @@ def _attend_decoded_fn(key_codec, value_codec, out_shape: Tuple[int, ...], out_d
         q = key_codec.to_domain((queries.astype(mx.float32) * scale).reshape(B, kv_heads, rep, dim))
         scores = q @ keys.astype(mx.float32).swapaxes(-1, -2)
         scores = mx.where(mx.arange(keys.shape[2]) < count, scores, -mx.inf)
-        m = mx.max(scores, axis=-1, keepdims=True)
-        p = softmax_exp(scores - mx.where(m == -mx.inf, 0.0, m))
+        m, p = max_and_weights(scores)
         o = (p @ values.astype(mx.float32)).reshape(B * kv_heads, 1, rep, -1)
         ml = mx.concatenate([m, mx.sum(p, axis=-1, keepdims=True)], axis=-1).reshape(B * kv_heads, 1, rep, 2)
         if sinks:
