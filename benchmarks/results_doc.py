@@ -65,6 +65,7 @@ SECTIONS = [
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients-memory-trace/README.md",
       "benchmark-serve-llama8b-h100/one-call-band-4k-run1", "benchmark-serve-llama8b-h100/one-call-band-4k-run2",
       "benchmark-serve-llama8b-h100/batched-decode-32-clients-4k",
+      "benchmark-serve-llama8b-h200/32-clients-4k-vq4", "benchmark-serve-llama8b-h200/32-clients-4k-vq3",
       "benchmark-serve-llama8b-h100/one-call-band-4k-vq3", "benchmark-serve-llama8b-h100/one-call-band-32k-vq4",
       "benchmark-serve-llama8b-h100/one-call-band-budget-8k",
       "benchmark-serve-llama8b-h100/budget-8k-memory-trace/README.md",
