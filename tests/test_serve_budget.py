@@ -9,6 +9,8 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from conftest import serve_in_thread, tiny_llama_dir
+from veloxquant_mlx.evaluation.serving import fp16_budget_bytes, make_prompts
+from veloxquant_mlx.models import load_model
 from veloxquant_mlx.server import STATS_PATH
 
 
@@ -70,6 +72,22 @@ def test_kv_none_takes_no_cache_flags():
     with pytest.raises(ValueError, match="--kv none"):
         config_from_args(build_parser().parse_args(["serve", "--kv", "none", "--bits", "3"]))
     assert config_from_args(build_parser().parse_args(["serve", "--kv", "none"])) is None
+
+
+def test_a_budget_of_n_fp16_sequences_holds_exactly_n_of_the_benchmarks_requests_as_the_server_sizes_them(tiny_dir):
+    model, tokenizer = load_model(str(tiny_dir))
+    prompts = make_prompts(tokenizer, "The quick brown fox jumps over the lazy dog. " * 200, 240, 4)
+    longest = max(len(tokenizer.encode(prompt)) for prompt in prompts)
+    max_tokens = 768 - longest  # a request then fills whole 256-token steps: no slack in the budget may add a step
+    budget = fp16_budget_bytes(model, tokenizer, prompts, max_tokens, 4)
+    httpd, generator = _serving(["--model", str(tiny_dir), "--kv", "none", "--kv-memory-gb", str(budget / 1e9)])
+    try:
+        assert _post(httpd.server_address[1], {"model": "tiny", "prompt": "warm up", "max_tokens": 2,
+                                               "temperature": 0.0})[0] == 200  # the server sizes caches once loaded
+        need = generator.kv_budget.cache_bytes(longest + max_tokens)
+        assert 4 * need <= generator.kv_budget.limit < 5 * need
+    finally:
+        _stop(httpd, generator)
 
 
 @pytest.mark.parametrize("cache_flags,budget_gb", [(["--kv", "none"], "0.0002"),

@@ -261,6 +261,14 @@ def fp16_sequence_bytes(model, tokens: int) -> int:
     return CacheBytes(model, lambda: make_prompt_cache(model))(tokens)
 
 
+def fp16_budget_bytes(model, tokenizer, prompts: List[str], max_tokens: int, sequences: int) -> int:
+    """A KV budget of `sequences` of mlx-lm's own caches for the longest of `prompts`, sized as the server's
+    admission sizes a completion request (its prompt's tokens plus `max_tokens`), so that exactly `sequences`
+    such requests fit in it."""
+    longest = max(len(tokenizer.encode(prompt)) for prompt in prompts)
+    return sequences * fp16_sequence_bytes(model, longest + max_tokens)
+
+
 def _round_row(server: ServerProcess, cache: str, prompt_tokens: int, budget_gb, round_result: dict,
                queued_before: int) -> dict:
     """A round's row. `admitted`: the most streams decoding at once, seen by the clients (the server's own
@@ -301,7 +309,8 @@ def run_serve_benchmark(args) -> dict:
                for p in {*lengths, *map(warmup_length, lengths)}}
     budget_gb = args.kv_memory_gb
     if args.budget_fp16_sequences:
-        budget_gb = args.budget_fp16_sequences * fp16_sequence_bytes(model, max(lengths) + args.max_tokens + 16) / 1e9
+        budget_gb = fp16_budget_bytes(model, tokenizer, prompts[max(lengths)], args.max_tokens,
+                                      args.budget_fp16_sequences) / 1e9
     del model
     mx.clear_cache()
 
