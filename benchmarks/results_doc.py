@@ -62,6 +62,8 @@ SECTIONS = [
       "benchmark-serve-smollm2-cpu-decode/8-clients-run1", "benchmark-serve-smollm2-cpu-decode/8-clients-run2",
       "benchmark-serve-smollm2-cpu-decode/mlxq4-8-clients",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients",
+      "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients-256-tokens/run1",
+      "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients-256-tokens/run2",
       "benchmark-serve-smollm2-cpu-decode/budget-4-fp16-12-clients-memory-trace/README.md",
       "benchmark-serve-llama8b-h100/one-call-band-4k-run1", "benchmark-serve-llama8b-h100/one-call-band-4k-run2",
       "benchmark-serve-llama8b-h100/batched-decode-32-clients-4k",
