@@ -534,7 +534,7 @@ def make_server(cli_args: argparse.Namespace, kv_config: Optional[KVCacheConfig]
     provider = VeloxModelProvider(cli_args, kv_config)
     budget = getattr(cli_args, "kv_memory_gb", None)
     response_generator = VeloxResponseGenerator(provider, FreshPromptCache(cli_args.prompt_cache_size),
-                                                None if budget is None else int(budget * 1e9))
+                                                None if budget is None else round(budget * 1e9))
     httpd = _HTTPServer(
         (cli_args.host, cli_args.port),
         lambda *a, **k: VeloxAPIHandler(response_generator, *a,
