@@ -38,12 +38,12 @@ def softmax_exp(x: mx.array) -> mx.array:
     return power * mx.view((n.astype(mx.int32) + 127) << 23, mx.float32)
 
 
-
 def max_and_weights(scores: mx.array) -> Tuple[mx.array, mx.array]:
     """A block's online-softmax terms: the row max m over the last axis and exp(scores - m). A row of only masked
     (-inf) scores keeps m = -inf and is shifted by 0, so its weights are 0, not NaN."""
     m = mx.max(scores, axis=-1, keepdims=True)
     return m, softmax_exp(scores - mx.where(m == -mx.inf, 0.0, m))
+
 
 @dataclass
 class Segment:
