@@ -20,11 +20,9 @@ run once more at the highest concurrency under it.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import threading
