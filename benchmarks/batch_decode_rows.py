@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import time
 
 import mlx.core as mx
@@ -26,21 +25,11 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.config import KVCacheConfig
+from veloxquant_mlx.evaluation.benchmark import median_call_ms
 from veloxquant_mlx.evaluation.results import write_json_and_markdown
 from veloxquant_mlx.models import load_model
 
 PREFILL_CHUNK = 512
-
-
-def median_ms(step, repeats: int) -> float:
-    for _ in range(3):
-        mx.eval(step())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(step())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
 
 
 def prefill(model, tokens, cache):
@@ -67,16 +56,19 @@ def step_times(model, preset: str, rows: int, history: int, repeats: int):
                                        rows)}
     result = {}
     for name, build in builders.items():
-        caches = build()
-        result[name] = median_ms(lambda: model(token, cache=caches), repeats)
-        del caches
+        result[name] = decode_step_ms(model, token, build(), repeats)
         mx.clear_cache()
     return result
 
 
+def decode_step_ms(model, token, caches, repeats: int) -> float:
+    return median_call_ms(lambda: model(token, cache=caches), repeats, warmup=3)
+
+
 def linear_layers(model):
     layer = model.layers[0] if hasattr(model, "layers") else model.model.layers[0]
-    return [(path, module) for path, module in layer.named_modules() if isinstance(module, (nn.Linear, nn.QuantizedLinear))]
+    return [(path, module) for path, module in layer.named_modules()
+            if isinstance(module, (nn.Linear, nn.QuantizedLinear))]
 
 
 def matmul_times(model, rows: int, repeats: int):
@@ -85,10 +77,10 @@ def matmul_times(model, rows: int, repeats: int):
         quantized = isinstance(module, nn.QuantizedLinear)
         width = module.weight.shape[-1] * 32 // module.bits if quantized else module.weight.shape[-1]
         x = mx.random.normal((rows, width)).astype(module.scales.dtype if quantized else module.weight.dtype)
-        as_run += median_ms(lambda: module(x), repeats)
+        as_run += median_call_ms(lambda: module(x), repeats)
         if quantized:
-            dequantized += median_ms(lambda: x @ mx.dequantize(module.weight, module.scales, module.biases,
-                                                                module.group_size, module.bits).T, repeats)
+            dequantized += median_call_ms(lambda: x @ mx.dequantize(module.weight, module.scales, module.biases,
+                                                                    module.group_size, module.bits).T, repeats)
     return {"as run": as_run, "dequantize + matmul": dequantized or None}
 
 

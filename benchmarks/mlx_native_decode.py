@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -32,21 +31,12 @@ from mlx_lm.models.base import quantized_scaled_dot_product_attention
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from veloxquant_mlx.config import KVCacheConfig  # noqa: E402
-from veloxquant_mlx.evaluation.benchmark import decode  # noqa: E402
+from veloxquant_mlx.evaluation.benchmark import decode, median_call_ms  # noqa: E402
 from veloxquant_mlx.evaluation.shapes import build_shape_model  # noqa: E402
 from veloxquant_mlx.integration import compressed_caches  # noqa: E402
 
 CACHES = ("fp16", "mlx-q4", "mlxq4", "mlx-q8", "mlxq8")
-
-
-def step_ms(fn, reps: int = 15) -> float:
-    mx.eval(fn())
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+ATTENTION_REPEATS = 15
 
 
 def attention_alone(context: int) -> dict:
@@ -54,14 +44,15 @@ def attention_alone(context: int) -> dict:
     keys = mx.random.normal((1, 8, context, 128), key=mx.random.key(1)).astype(mx.float16)
     values = mx.random.normal((1, 8, context, 128), key=mx.random.key(2)).astype(mx.float16)
     mx.eval(q, keys, values)
-    row = {"T": context, "fp16 sdpa ms/32 layers": step_ms(
-        lambda: [mx.fast.scaled_dot_product_attention(q + i, keys, values, scale=0.088) for i in range(32)])}
+    row = {"T": context, "fp16 sdpa ms/32 layers": median_call_ms(
+        lambda: [mx.fast.scaled_dot_product_attention(q + i, keys, values, scale=0.088) for i in range(32)],
+        ATTENTION_REPEATS)}
     for bits in (4, 8):
         kq, vq = mx.quantize(keys, group_size=64, bits=bits), mx.quantize(values, group_size=64, bits=bits)
         mx.eval(kq, vq)
         try:
-            row[f"mlx-lm quantized sdpa q{bits}"] = step_ms(lambda: [quantized_scaled_dot_product_attention(
-                q + i, kq, vq, scale=0.088, mask=None, group_size=64, bits=bits) for i in range(32)])
+            row[f"mlx-lm quantized sdpa q{bits}"] = median_call_ms(lambda: [quantized_scaled_dot_product_attention(
+                q + i, kq, vq, scale=0.088, mask=None, group_size=64, bits=bits) for i in range(32)], ATTENTION_REPEATS)
         except Exception as error:
             row[f"mlx-lm quantized sdpa q{bits}"] = f"error: {error}"[:160]
 
@@ -70,7 +61,8 @@ def attention_alone(context: int) -> dict:
             v = mx.dequantize(*vq, group_size=64, bits=bits).astype(mx.float16)
             return mx.fast.scaled_dot_product_attention(q + i, k, v, scale=0.088)
 
-        row[f"dequantize + sdpa q{bits}"] = step_ms(lambda: [dequantized(i) for i in range(32)])
+        row[f"dequantize + sdpa q{bits}"] = median_call_ms(lambda: [dequantized(i) for i in range(32)],
+                                                            ATTENTION_REPEATS)
     return row
 
 

@@ -35,6 +35,18 @@ class ConfigTimeout(RuntimeError):
     pass
 
 
+def median_call_ms(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time in ms of evaluating `fn()`, after `warmup` untimed calls (first-use compiles)."""
+    for _ in range(warmup):
+        mx.eval(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
 def prefill(model, caches, tokens: mx.array, chunk: int, check: Callable[[], None]):
     """Feed `tokens` (B, T); (the first generated token of each row (B,), the attention paths
     of the prompt's last chunk)."""
