@@ -25,22 +25,20 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from veloxquant_mlx import KVCacheBuilder
 from veloxquant_mlx.config import KVCacheConfig
-from veloxquant_mlx.evaluation.benchmark import median_call_ms
+from veloxquant_mlx.evaluation.benchmark import median_call_ms, prefill
 from veloxquant_mlx.evaluation.results import write_json_and_markdown
 from veloxquant_mlx.models import load_model
 
 PREFILL_CHUNK = 512
 
 
-def prefill(model, tokens, cache):
-    for start in range(0, tokens.shape[1], PREFILL_CHUNK):
-        model(tokens[:, start:start + PREFILL_CHUNK], cache=cache)
-        mx.eval([c.state for c in cache])
-    return cache
+def filled(model, tokens, caches):
+    prefill(model, caches, tokens, PREFILL_CHUNK, check=lambda: None)
+    return caches
 
 
 def merged(model, tokens, make, rows: int):
-    single = prefill(model, tokens[:1], make())
+    single = filled(model, tokens[:1], make())
     caches = [layer.merge([layer] * rows) for layer in single]
     mx.eval([c.state for c in caches])
     return caches
@@ -49,7 +47,7 @@ def merged(model, tokens, make, rows: int):
 def step_times(model, preset: str, rows: int, history: int, repeats: int):
     tokens = mx.random.randint(0, 1000, (rows, history))
     token = mx.zeros((rows, 1), dtype=mx.int32) + 5
-    builders = {"fp16 KVCache": lambda: prefill(model, tokens, make_prompt_cache(model)),
+    builders = {"fp16 KVCache": lambda: filled(model, tokens, make_prompt_cache(model)),
                 "fp16 BatchKVCache": lambda: merged(model, tokens, lambda: make_prompt_cache(model), rows),
                 preset: lambda: merged(model, tokens,
                                        lambda: KVCacheBuilder(KVCacheConfig.preset(preset)).for_model(model).build(),
